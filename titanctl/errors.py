@@ -1,0 +1,25 @@
+"""Errors caused by user input.
+
+The CLI turns any ``TitanError`` into one red line and exit code 2; every other
+exception is a programming error and keeps its traceback.
+"""
+
+
+class TitanError(Exception):
+    """Bad input from the user: a config value, a file, a checkpoint, a layout."""
+
+
+class ConfigError(TitanError):
+    """An unknown key, a wrong type or an impossible value in the job config."""
+
+
+class DataError(TitanError):
+    """A dataset or tokenizer that cannot be found, read or used."""
+
+
+class CheckpointError(TitanError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
+
+
+class ParallelError(TitanError):
+    """A parallel layout that does not fit the world size, the model or the device."""
