@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make train` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test test-unit test-distributed clean
+
+install: $(STAMP)
+
+# torch first, from the local CPU wheel; everything else under constraints.txt, which pins
+# torch==2.13.0, so no dependency can pull a newer (CUDA) build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+train: install
+	$(BIN)/titanctl train --config recipes/llama3_debug.toml
+
+test: install
+	$(BIN)/python -m pytest tests -q
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit tests/cli -q
+
+test-distributed: install
+	$(BIN)/python -m pytest tests/distributed -q
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,27 @@
+"""Every test runs offline, with its own Hugging Face home and no tiktoken cache."""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_HF_HOME = tempfile.mkdtemp(prefix="titanctl-hf-")
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TIKTOKEN_CACHE_DIR": "",
+    "HF_HOME": _HF_HOME,
+    "WANDB_MODE": "offline",
+}
+os.environ.update(OFFLINE_ENV)
+
+REPO = Path(__file__).resolve().parents[1]
+TITANCTL = [sys.executable, "-m", "titanctl"]
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO

@@ -1,0 +1,4 @@
+from titanctl.cli.app import main
+
+if __name__ == "__main__":  # process-based async checkpointing re-imports this module
+    main()

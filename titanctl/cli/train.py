@@ -1,0 +1,25 @@
+"""`titanctl train`: pre-train a recipe, alone or under torchrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def train(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
+    print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
+) -> None:
+    """Pre-train Llama 3.1. Any config key can be overridden: --section.key VALUE."""
+    from titanctl.config.loader import load_config, to_toml
+
+    cfg = load_config(config, ctx.args)
+    if print_config:
+        typer.echo(to_toml(cfg))
+        return
+    from titanctl.train.trainer import Trainer
+
+    Trainer(cfg).train()

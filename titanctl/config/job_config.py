@@ -1,0 +1,229 @@
+"""The job config: one dataclass per section, every field documented.
+
+Key names follow torchtitan's JobConfig where it has the concept. Each field's help
+text is in its metadata so that `--help`-style output and the README table come from
+one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
+    """A config field with its documentation and the values it accepts."""
+    meta = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Job:
+    dump_folder: str = opt("./outputs", "Folder for metrics, TensorBoard events, checkpoints and traces.")
+    description: str = opt("", "Free text describing the run; printed at start.")
+    log_ranks: list[int] = opt([0], "Ranks whose console output is shown (others stay quiet).")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Model family.", choices=("llama3",))
+    flavor: str = opt(
+        "debugmodel", "Model size.", choices=("debugmodel", "8B", "70B", "405B")
+    )
+    n_layers: int = opt(0, "Override the flavor's number of layers (0 keeps the flavor's).", min=0)
+    tokenizer_path: str = opt(
+        "", "Tokenizer file (Llama 3 tiktoken format); empty means the bundled tokenizer."
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer.", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "Peak learning rate.", min=0)
+    beta1: float = opt(0.9, "Adam beta1.", min=0)
+    beta2: float = opt(0.95, "Adam beta2.", min=0)
+    eps: float = opt(1e-8, "Adam epsilon.", min=0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay.", min=0)
+    implementation: str = opt(
+        "fused",
+        "Kernel: fused (one kernel, where the device supports it), foreach, or for-loop.",
+        choices=("fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from near zero to optimizer.lr.", min=0)
+    decay_ratio: float | None = opt(
+        None,
+        "Fraction of steps spent decaying at the end (WSD: warmup, stable, decay); "
+        "unset means decay over all steps after warmup.",
+        min=0,
+    )
+    decay_type: str = opt(
+        "linear", "Shape of the decay.", choices=("linear", "sqrt", "cosine")
+    )
+    lr_min: float = opt(0.0, "Final learning rate as a fraction of optimizer.lr.", min=0)
+
+
+@dataclass
+class Training:
+    dataset: str = opt(
+        "bundled", "Dataset: bundled, bundled_val, c4, or local (with dataset_path)."
+    )
+    dataset_path: str = opt("", "A json/jsonl/parquet/txt file or folder; implies dataset=local.")
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per microbatch.", min=1)
+    global_batch_size: int = opt(
+        -1,
+        "Sequences per optimizer step over all ranks; more than local_batch_size x data-parallel "
+        "degree means gradient accumulation. -1: local_batch_size x data-parallel degree.",
+    )
+    seq_len: int = opt(2048, "Tokens per sequence.", min=1)
+    max_norm: float = opt(1.0, "Gradient clipping max norm (0 disables clipping).", min=0)
+    steps: int = opt(10000, "Optimizer steps to train.", min=1)
+    seed: int = opt(0, "Seed for weight init, data order and dropout-free RNG state.", min=0)
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower, bitwise reproducible).")
+    mixed_precision_param: str = opt(
+        "bfloat16",
+        "Compute dtype: FSDP's parameter dtype under FSDP, an autocast dtype otherwise "
+        "(float32 turns mixed precision off).",
+        choices=DTYPES,
+    )
+    mixed_precision_reduce: str = opt(
+        "float32", "Dtype of FSDP's gradient reduction.", choices=("float32", "bfloat16")
+    )
+    gc_freq: int = opt(50, "Run Python's garbage collector every N steps.", min=1)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "Replicas (DDP, or HSDP's replicate dimension).", min=1)
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP shard degree; -1 takes the ranks left over by the other degrees."
+    )
+    fsdp_reshard_after_forward: str = opt(
+        "default",
+        "Free gathered parameters after forward: default (yes, except with pipelining), always, never.",
+        choices=("default", "always", "never"),
+    )
+    tensor_parallel_degree: int = opt(1, "Tensor parallel degree (with sequence parallel).", min=1)
+    disable_loss_parallel: bool = opt(False, "Gather logits before the loss instead of loss parallel.")
+    enable_async_tensor_parallel: bool = opt(False, "Overlap TP communication (CUDA + compile only).")
+    pipeline_parallel_degree: int = opt(1, "Pipeline stages' rank groups.", min=1)
+    pipeline_parallel_split_points: list[str] = opt(
+        [], "Module names that start a new stage, e.g. layers.4,layers.8."
+    )
+    pipeline_parallel_layers_per_stage: int = opt(
+        0, "Split into stages of this many layers (0: use split points, or one stage per rank).", min=0
+    )
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "Pipeline schedule.",
+        choices=(
+            "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+            "ZBVZeroBubble", "DualPipeV",
+        ),
+    )
+    pipeline_parallel_schedule_csv: str = opt("", "A schedule CSV file (overrides the schedule name).")
+    pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch.", min=1)
+    context_parallel_degree: int = opt(1, "Context parallel degree (sequence sharded across ranks).", min=1)
+    context_parallel_rotate_method: str = opt(
+        "allgather", "How ring attention exchanges K/V.", choices=("allgather", "alltoall")
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = opt(False, "Save and resume checkpoints.")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    interval: int = opt(500, "Save every N steps (and at the last step).", min=1)
+    keep_latest_k: int = opt(10, "Keep the newest k checkpoints (0 keeps all).", min=0)
+    load_step: int = opt(-1, "Step to resume from; -1 takes the newest complete checkpoint.")
+    async_mode: str = opt(
+        "disabled",
+        "Save without blocking training: disabled, async, or async_with_pinned_mem (CUDA).",
+        choices=("disabled", "async", "async_with_pinned_mem"),
+    )
+    initial_load_path: str = opt("", "Checkpoint to start from when the run has none of its own.")
+    initial_load_model_weights_only: bool = opt(True, "Take only the model weights from initial_load_path.")
+    last_save_model_weights_only: bool = opt(False, "Make the final checkpoint weights only.")
+    export_dtype: str = opt("float32", "Dtype of a weights-only final checkpoint.", choices=DTYPES)
+    exclude_from_loading: list[str] = opt([], "State to skip when resuming, e.g. optimizer,dataloader.")
+    create_seed_checkpoint: bool = opt(False, "Write the initialized weights as step 0 and stop.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("selective", "Recompute activations in backward.", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt(
+        "2", "Selective AC: a number N checkpoints every N-th block; 'op' saves a list of ops."
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each transformer block.")
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = opt(False, "Float8 matmuls in linear layers (CUDA, SM89+).")
+    enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8.")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "One all-reduce for all float8 scales.")
+    filter_fqns: list[str] = opt(["output"], "Linear layers kept out of float8.")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every N steps.", min=1)
+    enable_tensorboard: bool = opt(False, "Write TensorBoard scalars.")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    enable_wandb: bool = opt(False, "Log to Weights & Biases (WANDB_MODE=offline works without network).")
+    peak_tflops: float = opt(
+        0.0, "Peak device TFLOP/s for MFU; 0 looks it up (GPU) or measures it once (CPU).", min=0
+    )
+    disable_color_printing: bool = opt(False, "Plain console output.")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Capture torch.profiler traces while training.")
+    save_traces_folder: str = opt("profile_trace", "Trace folder, relative to job.dump_folder.")
+    profile_freq: int = opt(10, "Capture a trace every N steps.", min=1)
+    enable_memory_snapshot: bool = opt(False, "Dump CUDA memory snapshots.")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout of the first collectives.", min=1)
+    train_timeout_seconds: int = opt(100, "Timeout of collectives after the first step.", min=1)
+    trace_buf_size: int = opt(20000, "Flight Recorder entries kept per rank (0 disables it).", min=0)
+
+
+@dataclass
+class MemoryEstimation:
+    disable_fake_mode: bool = opt(False, "Estimate with real tensors instead of fake ones.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

@@ -1,0 +1,209 @@
+"""Recipe TOML + `--section.key VALUE` overrides -> a validated JobConfig.
+
+Precedence: command line > TOML > defaults. Every mistake is a ConfigError naming
+the key and, for unknown keys, the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from titanctl.config.job_config import JobConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+from titanctl.errors import ConfigError
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+@functools.cache
+def _sections() -> dict[str, type]:
+    """Section name -> its dataclass, in declaration order."""
+    return typing.get_type_hints(JobConfig)
+
+
+@functools.cache
+def field_specs() -> dict[str, tuple[Any, dataclasses.Field]]:
+    """Every config key as 'section.key' -> (its type, its dataclass field)."""
+    specs = {}
+    for section, cls in _sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            specs[f"{section}.{f.name}"] = (hints[f.name], f)
+    return specs
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    valid = list(field_specs())
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid sections: {', '.join(_sections())}"
+    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+
+
+def _coerce(key: str, typ: Any, value: Any, from_text: bool) -> Any:
+    """Convert a TOML value or command-line text to the field's type."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        inner = [t for t in typing.get_args(typ) if t is not type(None)][0]
+        if value is None or (from_text and str(value).lower() in ("", "none", "null")):
+            return None
+        return _coerce(key, inner, value, from_text)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if from_text:
+            value = [v.strip() for v in str(value).split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(key, item, v, from_text) for v in value]
+    name = getattr(typ, "__name__", str(typ))
+    bad = ConfigError(f"config key '{key}' expects {name}, got {value!r}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise bad
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typ in (int, float):
+        if from_text:
+            try:
+                return typ(value)
+            except ValueError:
+                raise bad from None
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric or (typ is int and not float(value).is_integer()):
+            raise bad
+        return typ(value)
+    raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def _set(cfg: JobConfig, key: str, value: Any, from_text: bool, where: str) -> None:
+    specs = field_specs()
+    if key not in specs:
+        raise _unknown_key(key, where)
+    typ, f = specs[key]
+    value = _coerce(key, typ, value, from_text)
+    section, name = key.split(".", 1)
+    setattr(getattr(cfg, section), name, value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--a.b', 'v', '--c.d=w', '--e.enable_f'] -> [('a.b', 'v'), ('c.d', 'w'), ('e.enable_f', 'true')]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key VALUE")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        else:  # a bare switch turns a boolean on
+            key, value = arg[2:], "true"
+            i += 1
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def load_config(config_path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    cfg = JobConfig()
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise _unknown_key(section, f" in {path}")
+            for name, value in values.items():
+                _set(cfg, f"{section}.{name}", value, from_text=False, where=f" in {path}")
+    for key, value in parse_overrides(overrides or []):
+        _set(cfg, key, value, from_text=True, where=" on the command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check choices, lower bounds and relations between keys that need no runtime facts."""
+    for key, (_, f) in field_specs().items():
+        section, name = key.split(".", 1)
+        value = getattr(getattr(cfg, section), name)
+        choices, low = f.metadata.get("choices"), f.metadata.get("min")
+        if choices and value not in choices:
+            by_lower = {str(c).lower(): str(c) for c in choices}
+            close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1)
+            hint = f"; did you mean '{by_lower[close[0]]}'?" if close else ""
+            raise ConfigError(
+                f"config key '{key}' = {value!r} is not one of {', '.join(map(str, choices))}{hint}"
+            )
+        if low is not None and value is not None and value < low:
+            raise ConfigError(f"config key '{key}' = {value!r} must be >= {low}")
+    gbs = cfg.training.global_batch_size
+    if gbs != -1 and gbs < cfg.training.local_batch_size:
+        raise ConfigError(
+            f"config key 'training.global_batch_size' = {gbs} must be -1 or at least "
+            f"training.local_batch_size = {cfg.training.local_batch_size}"
+        )
+    shard = cfg.parallelism.data_parallel_shard_degree
+    if shard == 0 or shard < -1:
+        raise ConfigError(f"config key 'parallelism.data_parallel_shard_degree' = {shard} must be -1 or >= 1")
+    if cfg.lr_scheduler.decay_ratio is not None and cfg.lr_scheduler.decay_ratio > 1:
+        raise ConfigError(f"config key 'lr_scheduler.decay_ratio' = {cfg.lr_scheduler.decay_ratio} must be in [0, 1]")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that load_config reads back unchanged."""
+    lines = []
+    for section in _sections():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            if value is None:
+                lines.append(f"# {f.name} is unset")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def reference_table() -> str:
+    """A Markdown table of every key, its default and its help (for the README)."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    defaults = JobConfig()
+    for key, (_, f) in field_specs().items():
+        section, name = key.split(".", 1)
+        value = getattr(getattr(defaults, section), name)
+        help_text = f.metadata["help"]
+        if f.metadata.get("choices"):
+            help_text += " One of: " + ", ".join(map(str, f.metadata["choices"])) + "."
+        shown = "unset" if value is None else _toml_value(value)
+        rows.append(f"| `{key}` | `{shown}` | {help_text} |")
+    return "\n".join(rows)

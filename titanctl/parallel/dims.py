@@ -1,0 +1,92 @@
+"""Parallel degrees -> a validated layout and its DeviceMesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from titanctl.config.job_config import Parallelism
+from titanctl.errors import ParallelError
+
+# Outermost to innermost: pipeline stages talk least, tensor parallel talks most.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
+        pp, rep, cp, tp = (
+            cfg.pipeline_parallel_degree,
+            cfg.data_parallel_replicate_degree,
+            cfg.context_parallel_degree,
+            cfg.tensor_parallel_degree,
+        )
+        shard = cfg.data_parallel_shard_degree
+        others = pp * rep * cp * tp
+        if shard == -1:
+            if world_size % others:
+                raise ParallelError(
+                    f"world size {world_size} is not divisible by pp {pp} x dp_replicate {rep} x "
+                    f"cp {cp} x tp {tp} = {others}, so no data_parallel_shard_degree fits"
+                )
+            shard = world_size // others
+        if others * shard != world_size:
+            raise ParallelError(
+                f"parallel degrees pp {pp} x dp_replicate {rep} x dp_shard {shard} x cp {cp} x tp {tp} "
+                f"= {others * shard}, but the world size is {world_size}"
+            )
+        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world_size)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or (self.cp > 1 and self.dp_replicate == 1)
+
+    @property
+    def ddp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and not self.fsdp_enabled
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.fsdp_enabled
+
+    def describe(self) -> str:
+        used = [f"{k} {v}" for k, v in self.degrees.items() if v > 1]
+        return " x ".join(used) if used else "single process"
+
+    @cached_property
+    def mesh(self):
+        """The world mesh with named dims of size > 1, plus flattened ones:
+        'dp' (data loading), 'dp_shard_cp' (FSDP sharding), 'dp_cp' (loss reduction)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from titanctl.parallel.env import device_type
+
+        names = [n for n in MESH_DIMS if self.degrees[n] > 1] or ["dp_shard"]
+        sizes = [self.degrees[n] for n in names] if self.world_size > 1 else [1]
+        mesh = init_device_mesh(device_type(), sizes, mesh_dim_names=tuple(names))
+        for flat, parts in (
+            ("dp", ("dp_replicate", "dp_shard")),
+            ("dp_shard_cp", ("dp_shard", "cp")),
+            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+        ):
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1:
+                mesh[present]._flatten(mesh_dim_name=flat)
+        return mesh

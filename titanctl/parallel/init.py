@@ -1,0 +1,57 @@
+"""Weight init that draws the same numbers under every parallel layout.
+
+Each parameter gets its own generator, seeded from the run seed and the parameter's
+canonical name, and is drawn whole on the CPU; every rank then keeps its own slice.
+So one process, FSDP, TP and PP stages all start from bit-identical weights, with no
+seed checkpoint. The cost is drawing each full parameter once per rank (one tensor at
+a time, so peak host memory is the largest parameter, not the model).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from titanctl.models.llama.model import ParamInit
+
+# Wrappers that activation checkpointing and compile put into parameter names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def draw(shape: torch.Size, spec: ParamInit, seed: int, name: str) -> torch.Tensor:
+    """The full fp32 value of one parameter, a pure function of (shape, spec, seed, name)."""
+    full = torch.empty(shape, dtype=torch.float32)
+    if spec.kind == "ones":
+        return full.fill_(1.0)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if spec.kind == "normal":
+        return nn.init.normal_(full, std=spec.std, generator=gen)
+    return nn.init.trunc_normal_(full, std=spec.std, a=-spec.bound, b=spec.bound, generator=gen)
+
+
+@torch.no_grad()
+def initialize_weights(model: nn.Module, seed: int, buffer_device: torch.device | None = None) -> None:
+    """Initialize ``model`` (plain, FSDP/TP-sharded or a pipeline stage) deterministically.
+
+    ``model`` must provide ``param_init(name) -> ParamInit`` and ``init_buffers(device)``.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.init_buffers(buffer_device)
+    for name, param in model.named_parameters():
+        name = canonical_name(name)
+        full = draw(param.shape, model.param_init(name), seed, name)
+        if isinstance(param, DTensor):
+            # Every rank drew the same full tensor, so slicing locally needs no communication.
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)

@@ -1,0 +1,85 @@
+"""FLOPs per token and the device peak that MFU divides by."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from titanctl.models.llama.args import ModelArgs
+
+# Dense bf16 TFLOP/s without sparsity, by the device name torch reports.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,  # SXM
+    "H20": 148.0,
+    "A100": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+    "MI300X": 1307.0,
+    "MI250X": 383.0,
+}
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls of N non-embedding parameters, plus
+    12·L·H·Q·T for attention scores and values (forward + backward)."""
+    n = args.num_params(include_embedding=False)
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def gpu_peak_tflops(name: str) -> float | None:
+    for key, tflops in GPU_PEAK_TFLOPS.items():  # ordered: specific names first
+        if key in name:
+            return tflops
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TITANCTL_CACHE_DIR") or Path.home() / ".cache" / "titanctl")
+
+
+def cpu_peak_tflops(threads: int | None = None) -> float:
+    """bf16 matmul TFLOP/s of this CPU at the current thread count, measured once and cached."""
+    threads = threads or torch.get_num_threads()
+    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpus-{threads}threads"
+    cache = _cache_dir() / "cpu_peak_tflops.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    n = 2048
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b  # warm up the kernel choice
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    known[key] = round(2 * n**3 / best / 1e12, 3)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(cache)
+    return known[key]
+
+
+def device_peak_tflops(device: torch.device, configured: float = 0.0) -> float | None:
+    """None for a GPU we have no figure for (MFU is then not reported; set metrics.peak_tflops)."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        return gpu_peak_tflops(torch.cuda.get_device_name(device))
+    return cpu_peak_tflops()

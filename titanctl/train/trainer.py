@@ -1,0 +1,176 @@
+"""The training loop: forward, loss, backward, clip, step, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from titanctl.config.job_config import JobConfig
+from titanctl.data.datasets import load_documents
+from titanctl.data.loader import TokenWindowLoader
+from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from titanctl.errors import TitanError
+from titanctl.models.llama import model_args_from_config
+from titanctl.parallel.build import build_model_parts
+from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.env import init_process
+from titanctl.train.flops import device_peak_tflops, flops_per_token
+from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.lr_schedule import build_lr_scheduler
+from titanctl.train.metrics import MetricSinks, peak_memory_gib
+from titanctl.train.optim import build_optimizer
+
+
+class TrainingDiverged(TitanError):
+    """The loss became NaN or infinite."""
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.env = init_process(cfg.comm.init_timeout_seconds)
+        self.dims = ParallelDims.from_config(cfg.parallelism, self.env.world_size)
+        self.is_logging_rank = self.env.rank in cfg.job.log_ranks
+        self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing)
+        self.dump_folder = Path(cfg.job.dump_folder)
+
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+
+        self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+        self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        dp_degree, dp_rank = self.dims.dp, 0  # data-parallel ranks arrive with the parallelism layer
+        global_batch = cfg.training.global_batch_size
+        if global_batch == -1:
+            global_batch = cfg.training.local_batch_size * dp_degree
+        self.loader = TokenWindowLoader(
+            load_documents(cfg.training.dataset, cfg.training.dataset_path or None),
+            self.tokenizer,
+            seq_len=cfg.training.seq_len,
+            global_batch_size=global_batch,
+            local_batch_size=cfg.training.local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            seed=cfg.training.seed,
+        )
+        self.global_batch = global_batch
+
+        self.model_parts = build_model_parts(cfg, self.dims, self.model_args, self.env.device)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.step = 0
+        self.tokens_seen = 0
+
+        compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
+        self.autocast = (
+            torch.autocast(self.env.device.type, dtype=compute_dtype)
+            if compute_dtype != torch.float32 and not self.dims.fsdp_enabled
+            else contextlib.nullcontext()
+        )
+        self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
+        self.peak_tflops = device_peak_tflops(self.env.device, cfg.metrics.peak_tflops)
+        self.sinks = None
+        if self.env.rank == 0:
+            self.sinks = MetricSinks(
+                self.dump_folder,
+                tensorboard_folder=(
+                    self.dump_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None
+                ),
+                wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
+            )
+
+    def parameters(self):
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step over the global batch; returns (loss, grad norm)."""
+        microbatches = self.loader.next_step()
+        loss_sum = torch.zeros((), device=self.env.device)
+        for inputs, labels in microbatches:
+            inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
+            with self.autocast:
+                logits = self.model_parts[0](inputs)
+            # Equal-length microbatches: the mean of their means is the global-batch mean.
+            loss = cross_entropy_loss(logits, labels) / len(microbatches)
+            loss.backward()
+            loss_sum += loss.detach()
+        max_norm = self.cfg.training.max_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, foreach=True)
+        loss_value = loss_sum.item()
+        if not math.isfinite(loss_value):
+            raise TrainingDiverged(
+                f"loss is {loss_value} at step {self.step + 1}; lower optimizer.lr "
+                f"(now {self.cfg.optimizer.lr}) or raise lr_scheduler.warmup_steps"
+            )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, grad_norm.item()
+
+    def train(self) -> None:
+        cfg = self.cfg
+        n_params = self.model_args.num_params()
+        self.console.print(
+            f"[bold]titanctl[/bold] {cfg.model.flavor}: {n_params / 1e6:.1f}M params, "
+            f"vocab {self.model_args.vocab_size}, layout {self.dims.describe()}, device {self.env.device}, "
+            f"global batch {self.global_batch} x {cfg.training.seq_len} tokens, "
+            f"{self.loader.grad_accum_steps} microbatch(es)/step"
+        )
+        tokens_per_step = self.global_batch * cfg.training.seq_len // self.dims.dp
+        progress = Progress(
+            TextColumn("[bold blue]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.is_logging_rank or not self.console.is_terminal,
+        )
+        window_start, window_tokens = time.perf_counter(), 0
+        with progress:
+            task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
+            while self.step < cfg.training.steps:
+                lr = self.lr_scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step()
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                window_tokens += tokens_per_step
+                progress.update(task, advance=1, loss=f"{loss:.4f}")
+                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                    elapsed = time.perf_counter() - window_start
+                    self._log(loss, grad_norm, lr, window_tokens / elapsed)
+                    window_start, window_tokens = time.perf_counter(), 0
+        if self.sinks is not None:
+            self.sinks.close()
+        self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per rank")
+
+    def _log(self, loss: float, grad_norm: float, lr: float, tps: float) -> None:
+        mfu = None
+        if self.peak_tflops:
+            mfu = 100 * tps * self.flops_per_token / (self.peak_tflops * 1e12)
+        memory = peak_memory_gib(self.env.device)
+        row = {
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": round(tps, 1),
+            "mfu": None if mfu is None else round(mfu, 3),
+            "memory_gib": round(memory, 3),
+            "tokens_seen": self.tokens_seen,
+        }
+        if self.sinks is not None:
+            self.sinks.log(row)
+        mfu_text = "n/a" if mfu is None else f"{mfu:.2f}%"
+        self.console.print(
+            f"step {self.step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
+            f"tps {tps:>9,.0f}  mfu {mfu_text:>6}  memory {memory:6.2f} GiB"
+        )
