@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 _HF_HOME = tempfile.mkdtemp(prefix="titanctl-hf-")
+# Token caches and the CPU peak probe are shared by all tests of one session, never the user's.
+_CACHE = tempfile.mkdtemp(prefix="titanctl-cache-")
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -15,6 +17,7 @@ OFFLINE_ENV = {
     "TIKTOKEN_CACHE_DIR": "",
     "HF_HOME": _HF_HOME,
     "WANDB_MODE": "offline",
+    "TITANCTL_CACHE_DIR": _CACHE,
 }
 os.environ.update(OFFLINE_ENV)
 

@@ -1,26 +1,116 @@
-"""How a recipe becomes (sharded) model parts: the one place `train` and `estimate-memory` share."""
+"""How a recipe becomes (sharded) model parts: the one place `train` and `estimate-memory` share.
+
+Order inside every model part (a whole model, or each pipeline stage):
+TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from titanctl.config.job_config import JobConfig
+from titanctl.errors import ParallelError
 from titanctl.models.llama import ModelArgs, Transformer
+from titanctl.parallel.activation_checkpoint import apply_ac
+from titanctl.parallel.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.tensor_parallel import apply_tp, check_tp
+
+
+@dataclass
+class ModelParts:
+    parts: list[nn.Module]
+    pipeline: object | None = None  # titanctl.parallel.pipeline.Pipeline when pp > 1
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.has_last_stage
+
+
+def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """Every layout error that needs no communication, raised before the first collective."""
+    p = cfg.parallelism
+    if dims.tp > 1:
+        check_tp(args, dims.tp, cfg.training.seq_len)
+    elif p.enable_async_tensor_parallel:
+        raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+    if dims.cp > 1:
+        from titanctl.parallel.context_parallel import check_cp_divisibility
+
+        check_cp_divisibility(cfg.training.seq_len, dims.cp)
+    if dims.ddp_enabled and dims.tp > 1:
+        raise ParallelError(
+            f"DDP (data_parallel_replicate_degree = {dims.dp_replicate}) does not compose with "
+            f"tensor_parallel_degree = {dims.tp}: use data_parallel_shard_degree > 1 (HSDP) instead"
+        )
+    if dims.pp > 1 and dims.ddp_enabled:
+        raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
+
+
+def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Module:
+    """Apply TP, AC, compile and data parallelism to one model part, in that order."""
+    p = cfg.parallelism
+    if dims.tp > 1:
+        apply_tp(
+            model,
+            dims.mesh["tp"],
+            loss_parallel=not p.disable_loss_parallel,
+            async_tp=p.enable_async_tensor_parallel,
+            compiled=cfg.compile.enable,
+        )
+    apply_ac(model, cfg.activation_checkpoint)
+    if cfg.compile.enable:
+        apply_compile(model)
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh(),
+            param_dtype=getattr(torch, cfg.training.mixed_precision_param),
+            reduce_dtype=getattr(torch, cfg.training.mixed_precision_reduce),
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            pipelined=dims.pp > 1,
+        )
+    elif dims.ddp_enabled:
+        apply_ddp(model, dims.mesh["dp_replicate"])
+    return model
 
 
 def build_model_parts(
-    cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device: torch.device, *, init: bool = True
-) -> list[nn.Module]:
+    cfg: JobConfig,
+    dims: ParallelDims,
+    args: ModelArgs,
+    device: torch.device,
+    *,
+    loss_fn: Callable | None = None,
+    init: bool = True,
+) -> ModelParts:
     """Build on the meta device, parallelize, then materialize on ``device`` and initialize."""
+    check_layout(cfg, dims, args)
     with torch.device("meta"):
         model = Transformer(args)
-    parts = [model]
-    for part in parts:
+    if dims.pp > 1:
+        from titanctl.parallel.pipeline import build_pipeline
+
+        pipeline = build_pipeline(
+            model,
+            dims.mesh["pp"],
+            cfg.parallelism,
+            device=device,
+            local_batch_size=cfg.training.local_batch_size,
+            parallelize_fn=lambda stage: parallelize(stage, cfg, dims),
+            loss_fn=loss_fn,
+        )
+        result = ModelParts(pipeline.model_parts, pipeline)
+    else:
+        result = ModelParts([parallelize(model, cfg, dims)])
+    for part in result.parts:
         part.to_empty(device=device)
         if init:
             initialize_weights(part, cfg.training.seed, buffer_device=device)
         part.train()
-    return parts
+    return result

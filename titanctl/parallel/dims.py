@@ -72,21 +72,33 @@ class ParallelDims:
 
     @cached_property
     def mesh(self):
-        """The world mesh with named dims of size > 1, plus flattened ones:
-        'dp' (data loading), 'dp_shard_cp' (FSDP sharding), 'dp_cp' (loss reduction)."""
+        """The world mesh over the dims of size > 1, plus flattened combinations (see mesh_for)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         from titanctl.parallel.env import device_type
 
         names = [n for n in MESH_DIMS if self.degrees[n] > 1] or ["dp_shard"]
-        sizes = [self.degrees[n] for n in names] if self.world_size > 1 else [1]
-        mesh = init_device_mesh(device_type(), sizes, mesh_dim_names=tuple(names))
-        for flat, parts in (
-            ("dp", ("dp_replicate", "dp_shard")),
-            ("dp_shard_cp", ("dp_shard", "cp")),
-            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
-        ):
-            present = tuple(p for p in parts if p in names)
+        mesh = init_device_mesh(device_type(), [self.degrees[n] for n in names], mesh_dim_names=tuple(names))
+        for parts in (("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp")):
+            present = [p for p in parts if self.degrees[p] > 1]
             if len(present) > 1:
-                mesh[present]._flatten(mesh_dim_name=flat)
+                mesh[tuple(present)]._flatten(mesh_dim_name="_".join(present))
         return mesh
+
+    def mesh_for(self, *parts: str):
+        """The 1-D mesh spanning the given dims (flattened when several), or None if all are 1.
+
+        mesh_for("dp_replicate", "dp_shard") holds the ranks that read different data;
+        mesh_for("dp_shard", "cp") is what FSDP shards over.
+        """
+        present = [p for p in parts if self.degrees[p] > 1]
+        if not present:
+            return None
+        return self.mesh["_".join(present)]
+
+    def fsdp_mesh(self):
+        """FSDP's mesh: 1-D over dp_shard x cp, or 2-D (dp_replicate, dp_shard x cp) for HSDP."""
+        shard = [p for p in ("dp_shard", "cp") if self.degrees[p] > 1]
+        if self.dp_replicate > 1:
+            return self.mesh[("dp_replicate", "_".join(shard))]
+        return self.mesh["_".join(shard)]

@@ -48,10 +48,23 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TITANCTL_CACHE_DIR") or Path.home() / ".cache" / "titanctl")
 
 
-def cpu_peak_tflops(threads: int | None = None) -> float:
-    """bf16 matmul TFLOP/s of this CPU at the current thread count, measured once and cached."""
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_tflops(dtype: torch.dtype = torch.float32, threads: int | None = None) -> float:
+    """Matmul TFLOP/s of this CPU in ``dtype`` at the current thread count, measured once and cached.
+
+    Measured rather than looked up: whether bf16 is fast depends on the CPU (AMX / AVX512-BF16).
+    """
     threads = threads or torch.get_num_threads()
-    key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}cpus-{threads}threads"
+    key = f"{_cpu_model()}|{os.cpu_count()} cpus|{threads} threads|{dtype}"
     cache = _cache_dir() / "cpu_peak_tflops.json"
     try:
         known = json.loads(cache.read_text())
@@ -60,15 +73,15 @@ def cpu_peak_tflops(threads: int | None = None) -> float:
     if key in known:
         return known[key]
     n = 2048
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
     a @ b  # warm up the kernel choice
     best = float("inf")
-    for _ in range(5):
+    for _ in range(8):
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    known[key] = round(2 * n**3 / best / 1e12, 3)
+    known[key] = round(2 * n**3 / best / 1e12, 4)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(known, indent=1))
@@ -76,10 +89,10 @@ def cpu_peak_tflops(threads: int | None = None) -> float:
     return known[key]
 
 
-def device_peak_tflops(device: torch.device, configured: float = 0.0) -> float | None:
-    """None for a GPU we have no figure for (MFU is then not reported; set metrics.peak_tflops)."""
+def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float = 0.0) -> float | None:
+    """Peak TFLOP/s for MFU; None for a GPU we have no figure for (set metrics.peak_tflops)."""
     if configured > 0:
         return configured
     if device.type == "cuda":
         return gpu_peak_tflops(torch.cuda.get_device_name(device))
-    return cpu_peak_tflops()
+    return cpu_peak_tflops(dtype)

@@ -21,6 +21,7 @@ from titanctl.models.llama import model_args_from_config
 from titanctl.parallel.build import build_model_parts
 from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.env import init_process
+from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
 from titanctl.train.flops import device_peak_tflops, flops_per_token
 from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
@@ -47,7 +48,8 @@ class Trainer:
 
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
-        dp_degree, dp_rank = self.dims.dp, 0  # data-parallel ranks arrive with the parallelism layer
+        dp_mesh = self.dims.mesh_for("dp_replicate", "dp_shard") if self.dims.world_size > 1 else None
+        dp_degree, dp_rank = self.dims.dp, (dp_mesh.get_local_rank() if dp_mesh is not None else 0)
         global_batch = cfg.training.global_batch_size
         if global_batch == -1:
             global_batch = cfg.training.local_batch_size * dp_degree
@@ -63,7 +65,10 @@ class Trainer:
         )
         self.global_batch = global_batch
 
-        self.model_parts = build_model_parts(cfg, self.dims, self.model_args, self.env.device)
+        built = build_model_parts(
+            cfg, self.dims, self.model_args, self.env.device, loss_fn=cross_entropy_loss
+        )
+        self.model_parts, self.pipeline = built.parts, built.pipeline
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -76,7 +81,7 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
-        self.peak_tflops = device_peak_tflops(self.env.device, cfg.metrics.peak_tflops)
+        self.peak_tflops = device_peak_tflops(self.env.device, compute_dtype, cfg.metrics.peak_tflops)
         self.sinks = None
         if self.env.rank == 0:
             self.sinks = MetricSinks(
@@ -90,21 +95,54 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
+    def _train_context(self):
+        """Loss parallel (logits stay sharded over tp) wraps forward, loss and backward."""
+        p = self.cfg.parallelism
+        if self.dims.tp > 1 and not p.disable_loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
+        with self._train_context():
+            if self.pipeline is not None:
+                loss = self.pipeline.step(inputs, labels)
+                return None if loss is None else loss.detach()
+            cp_ctx = contextlib.nullcontext()
+            if self.dims.cp > 1:
+                from titanctl.parallel.context_parallel import context_parallel_ctx
+
+                model = self.model_parts[0]
+                cp_ctx = context_parallel_ctx(
+                    self.dims.mesh["cp"],
+                    buffers=[inputs, labels, model.rope_cache],
+                    seq_dims=[1, 1, 0],
+                    no_restore={inputs, labels},
+                    rotate_method=self.cfg.parallelism.context_parallel_rotate_method,
+                )
+            with cp_ctx:
+                with self.autocast:
+                    logits = self.model_parts[0](inputs)
+                # Equal-length microbatches: the mean of their means is the global-batch mean.
+                loss = cross_entropy_loss(logits, labels) * scale
+                loss.backward()
+            return loss.detach()
+
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (loss, grad norm)."""
         microbatches = self.loader.next_step()
-        loss_sum = torch.zeros((), device=self.env.device)
+        scale = 1.0 / len(microbatches)
+        loss_sum = None
         for inputs, labels in microbatches:
-            inputs, labels = inputs.to(self.env.device), labels.to(self.env.device)
-            with self.autocast:
-                logits = self.model_parts[0](inputs)
-            # Equal-length microbatches: the mean of their means is the global-batch mean.
-            loss = cross_entropy_loss(logits, labels) / len(microbatches)
-            loss.backward()
-            loss_sum += loss.detach()
-        max_norm = self.cfg.training.max_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, foreach=True)
-        loss_value = loss_sum.item()
+            loss = self._forward_backward(inputs.to(self.env.device), labels.to(self.env.device), scale)
+            if loss is not None:
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+        if self.pipeline is not None and loss_sum is not None:
+            loss_sum = loss_sum * scale  # the pipeline returns unscaled microbatch means
+        grad_norm = clip_grad_norm(self.parameters(), self.cfg.training.max_norm, self.dims)
+        loss_value = global_mean_loss(loss_sum, self.dims).item()
         if not math.isfinite(loss_value):
             raise TrainingDiverged(
                 f"loss is {loss_value} at step {self.step + 1}; lower optimizer.lr "
@@ -122,7 +160,8 @@ class Trainer:
             f"[bold]titanctl[/bold] {cfg.model.flavor}: {n_params / 1e6:.1f}M params, "
             f"vocab {self.model_args.vocab_size}, layout {self.dims.describe()}, device {self.env.device}, "
             f"global batch {self.global_batch} x {cfg.training.seq_len} tokens, "
-            f"{self.loader.grad_accum_steps} microbatch(es)/step"
+            f"{self.loader.grad_accum_steps} microbatch(es)/step",
+            soft_wrap=True,
         )
         tokens_per_step = self.global_batch * cfg.training.seq_len // self.dims.dp
         progress = Progress(
@@ -172,5 +211,6 @@ class Trainer:
         mfu_text = "n/a" if mfu is None else f"{mfu:.2f}%"
         self.console.print(
             f"step {self.step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
-            f"tps {tps:>9,.0f}  mfu {mfu_text:>6}  memory {memory:6.2f} GiB"
+            f"tps {tps:>9,.0f}  mfu {mfu_text:>6}  memory {memory:6.2f} GiB",
+            soft_wrap=True,
         )

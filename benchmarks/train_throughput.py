@@ -1,0 +1,88 @@
+"""Tokens/s of titanctl's training step vs. a plain transformers LlamaForCausalLM step.
+
+Same model shape, batch, optimizer and machine; both in fp32 eager unless --dtype bfloat16
+(autocast for both). Prints both rates and their ratio.
+
+    .venv/bin/python benchmarks/train_throughput.py [--steps 10] [--flavor debugmodel] [--seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from titanctl.checkpoint.hf import hf_config, to_hf_state_dict
+from titanctl.config.job_config import LRScheduler
+from titanctl.config.job_config import Optimizer as OptimizerConfig
+from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.parallel.init import initialize_weights
+from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.lr_schedule import build_lr_scheduler
+from titanctl.train.optim import build_optimizer
+
+
+def tokens_per_second(step, batch_tokens: int, steps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * batch_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    opts = parser.parse_args()
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vocab = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+    args = LLAMA3_FLAVORS[opts.flavor].replace(vocab_size=vocab, max_seq_len=opts.seq_len)
+    ours = Transformer(args)
+    initialize_weights(ours, seed=0)
+    theirs = LlamaForCausalLM(LlamaConfig(**hf_config(args)))
+    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args))
+
+    tokens = torch.randint(0, vocab, (opts.batch, opts.seq_len + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    dtype = getattr(torch, opts.dtype)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+
+    def make_step(model, forward):
+        optimizer = build_optimizer([model], OptimizerConfig())
+        scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=1000)
+
+        def step():
+            with autocast:
+                loss = cross_entropy_loss(forward(model), labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    batch_tokens = opts.batch * opts.seq_len
+    ours_tps = tokens_per_second(make_step(ours, lambda m: m(inputs)), batch_tokens, opts.steps)
+    theirs_tps = tokens_per_second(
+        make_step(theirs, lambda m: m(input_ids=inputs).logits), batch_tokens, opts.steps
+    )
+    print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
+          f"{opts.dtype}, {torch.get_num_threads()} threads")
+    print(f"titanctl      {ours_tps:10,.0f} tokens/s")
+    print(f"transformers  {theirs_tps:10,.0f} tokens/s")
+    print(f"ratio titanctl/transformers = {ours_tps / theirs_tps:.3f}")
+
+
+if __name__ == "__main__":
+    main()

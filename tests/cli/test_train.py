@@ -1,0 +1,123 @@
+"""`titanctl train` run as a user runs it: a subprocess, offline."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import OFFLINE_ENV, TITANCTL
+
+TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4"]
+
+
+def run(args, tmp_path=None, check=True):
+    import os
+
+    env = {**os.environ, **OFFLINE_ENV}
+    proc = subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def rows(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def debug_run(tmp_path_factory, repo):
+    """The README's smoke test: 20 steps of the debug recipe."""
+    out = tmp_path_factory.mktemp("debug_run")
+    proc = run(["train", "--config", str(repo / "recipes/llama3_debug.toml"), "--training.steps", "20",
+                "--job.dump_folder", str(out)])
+    return out, proc
+
+
+def test_debug_recipe_writes_20_metric_rows(debug_run):
+    out, proc = debug_run
+    data = rows(out)
+    assert [r["step"] for r in data] == list(range(1, 21))
+    for r in data:
+        assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= r.keys()
+        assert r["tps"] > 0 and 0 < r["mfu"] < 100 and r["memory_gib"] > 0
+    assert data[-1]["loss"] < data[0]["loss"] - 0.5, [r["loss"] for r in data]
+    assert "step     20" in proc.stdout
+
+
+def test_tensorboard_events_are_readable(debug_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = debug_run
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    losses = acc.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, 21))
+    assert losses[0].value == pytest.approx(rows(out)[0]["loss"], rel=1e-6)
+
+
+def test_same_seed_same_losses_and_other_seed_differs(tmp_path):
+    base = ["train", *TINY, "--training.steps", "3", "--training.deterministic"]
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        run([*base, "--training.seed", str(seed), "--job.dump_folder", str(tmp_path / name)])
+    a, b, c = ([r["loss"] for r in rows(tmp_path / n)] for n in "abc")
+    assert a == b
+    assert a != c
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    big = ["train", *TINY[:4], "--training.steps", "3", "--training.local_batch_size", "4"]
+    run([*big, "--job.dump_folder", str(tmp_path / "big")])
+    run([*big[:-1], "2", "--training.global_batch_size", "4", "--job.dump_folder", str(tmp_path / "acc")])
+    big_losses = [r["loss"] for r in rows(tmp_path / "big")]
+    acc_losses = [r["loss"] for r in rows(tmp_path / "acc")]
+    assert acc_losses == pytest.approx(big_losses, rel=1e-5)
+
+
+def test_diverging_loss_stops_with_a_clear_message(tmp_path):
+    proc = run(["train", *TINY, "--training.steps", "5", "--optimizer.lr", "1e12", "--training.max_norm", "0",
+                "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", str(tmp_path)], check=False)
+    assert proc.returncode == 2
+    assert "loss is nan" in proc.stderr or "loss is inf" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--training.stepz", "3"], "did you mean 'training.steps'?"),
+        (["train", "--config", "missing.toml"], "config file not found: missing.toml"),
+        (["train", "--training.dataset", "c5"], "c5"),
+        (["train", "--training.dataset_path", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
+        (["train", "--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
+        (["train", "--parallelism.tensor_parallel_degree", "3"], "world size is 1"),
+    ],
+)
+def test_bad_input_is_one_red_line_and_exit_2(args, message):
+    proc = run(args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_debug_flag_shows_the_traceback():
+    proc = run(["--debug", "train", "--training.stepz", "3"], check=False)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_print_config_is_toml_with_overrides(repo):
+    import tomllib
+
+    proc = run(["train", "--config", str(repo / "recipes/llama3_8b.toml"), "--training.steps", "7", "--print-config"])
+    cfg = tomllib.loads(proc.stdout)
+    assert cfg["training"]["steps"] == 7 and cfg["model"]["flavor"] == "8B"
+
+
+def test_help_lists_every_subcommand_without_importing_torch():
+    probe = "import sys, titanctl.cli.app; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+    out = run(["--help"]).stdout
+    for command in ("train", "download-tokenizer", "convert-checkpoint", "convert", "estimate-memory",
+                    "profile", "inspect-trace", "infer-tp"):
+        assert command in out

@@ -1,0 +1,307 @@
+"""Dataset registry: a name (and maybe a path) -> a source of document strings.
+
+Names:
+  bundled      the shipped public-domain corpus (Shakespeare + King James Bible), train split
+  bundled_val  its held-out split (2 plays + 3 books)
+  c4           allenai/c4 "en" train split, streamed from the Hugging Face hub
+  local        your files: `path` is a file or a folder searched recursively for
+               *.jsonl, *.jsonl.gz, *.json (one {"text": ...} object per line, or one JSON
+               list of such objects or of strings), *.parquet (a "text" column) and *.txt
+               (each file is one document). Files are read in sorted path order.
+               Giving a path with the default name `bundled` also selects `local`.
+
+Finite sources (bundled, bundled_val, local) are read completely and support
+layout-invariant, resumable shuffling (see loader.py). c4 streams: it is only ever
+read forward. The `datasets` library is imported only for c4.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import hashlib
+import json
+import os
+import socket
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from titanctl.errors import DataError
+
+CORPUS_DIR = Path(__file__).resolve().parent.parent / "assets" / "corpus"
+TEXT_FIELD = "text"
+LOCAL_SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet", ".txt")
+
+
+class DocumentSource(ABC):
+    """An iterable of document strings plus what the loader needs to know about it."""
+
+    name: str  # registry name, e.g. "bundled"
+    description: str  # for messages: a path or a hub id
+    streaming: bool  # True: read forward only (c4); False: finite, re-readable
+    fingerprint: str  # identifies the content; resumed data state must match it
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[str]:
+        """Yield the documents, in a fixed order for finite sources."""
+
+    def __repr__(self) -> str:
+        kind = "streaming" if self.streaming else "finite"
+        return f"{type(self).__name__}({self.name!r}, {self.description!r}, {kind})"
+
+
+class FileDocumentSource(DocumentSource):
+    """Documents read from local files, in the given order. Finite."""
+
+    streaming = False
+
+    def __init__(self, name: str, files: list[Path], description: str) -> None:
+        self.name = name
+        self.files = files
+        self.description = description
+        self.fingerprint = _content_fingerprint(files)
+
+    def __iter__(self) -> Iterator[str]:
+        for path in self.files:
+            yield from _reader_for(path)(path)
+
+
+class HFStreamingSource(DocumentSource):
+    """A Hugging Face `IterableDataset` read forward; the loader shards it by DP rank."""
+
+    streaming = True
+
+    def __init__(self, name: str, dataset: Any, description: str, text_field: str = TEXT_FIELD) -> None:
+        self.name = name
+        self.dataset = dataset  # datasets.IterableDataset
+        self.description = description
+        self.text_field = text_field
+        # The stream's identity is its origin; its position lives in the loader state.
+        self.fingerprint = hashlib.sha256(f"{name}:{description}:{text_field}".encode()).hexdigest()
+
+    def __iter__(self) -> Iterator[str]:
+        for row in self.dataset:
+            yield row[self.text_field]
+
+
+def load_documents(name: str = "bundled", path: str | None = None) -> DocumentSource:
+    """Resolve a dataset name (and, for `local`, a path) to a DocumentSource.
+
+    A path implies `local` (training.dataset_path alone is enough): with the default name
+    "bundled" it selects the path's files. With bundled_val or c4 a path is a contradiction.
+    """
+    if name not in _REGISTRY:
+        raise DataError(f"unknown dataset {name!r}{_suggest(name)}; valid names: {', '.join(_REGISTRY)}")
+    if name == "local" or (name == "bundled" and path):
+        if not path:
+            raise DataError("dataset 'local' needs training.dataset_path=FILE_OR_FOLDER")
+        return _local(path)
+    if path:
+        raise DataError(
+            f"dataset {name!r} takes no path (got {path!r}); "
+            "unset training.dataset_path, or use training.dataset=local to read it"
+        )
+    return _REGISTRY[name]()
+
+
+def _bundled(split: str) -> Callable[[], DocumentSource]:
+    def build() -> DocumentSource:
+        file = CORPUS_DIR / f"{split}.jsonl.gz"
+        if not file.is_file():
+            raise DataError(
+                f"bundled corpus file {file} is missing; regenerate it with scripts/build_corpus.py"
+            )
+        return FileDocumentSource(f"bundled_{split}" if split != "train" else "bundled", [file], str(file))
+
+    return build
+
+
+def _local(path: str) -> DocumentSource:
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(
+            f"dataset path {path!r} does not exist; "
+            f"give a {'/'.join(LOCAL_SUFFIXES)} file or a folder of them"
+        )
+    if root.is_file():
+        if _suffix(root) is None:
+            raise DataError(
+                f"dataset file {path!r} has an unsupported type; expected one of {', '.join(LOCAL_SUFFIXES)}"
+            )
+        files = [root]
+    else:
+        files = sorted(
+            p
+            for p in root.rglob("*")
+            if p.is_file()
+            and _suffix(p) is not None
+            and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        )
+        if not files:
+            raise DataError(f"dataset folder {path!r} holds no {', '.join(LOCAL_SUFFIXES)} files")
+    return FileDocumentSource("local", files, str(root))
+
+
+def _c4() -> DocumentSource:
+    hub_id = "allenai/c4"
+    hint = "use training.dataset=bundled or training.dataset_path=FILE"
+    reason = _hub_unreachable()
+    if reason:  # fail in a moment instead of after datasets' ~20 s of retries
+        raise DataError(
+            f"cannot load {hub_id} from the Hugging Face hub (offline or unreachable): {reason}; {hint}"
+        )
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(hub_id, name="en", split="train", streaming=True)
+    except Exception as e:  # ConnectionError, hub HTTP errors, missing cache when offline
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"cannot load {hub_id} from the Hugging Face hub (offline or unreachable): {first}; {hint}"
+        ) from None
+    return HFStreamingSource("c4", dataset, f"{hub_id}:en:train")
+
+
+def _hub_unreachable(timeout_s: float = 2.0) -> str | None:
+    """Why the hub cannot be reached (offline mode or no connection), or None."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var}={os.environ[var]}"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # only the proxy knows whether the hub is reachable: let `datasets` try
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = (
+        endpoint.hostname or "huggingface.co",
+        endpoint.port or (80 if endpoint.scheme == "http" else 443),
+    )
+    result: list[str] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            result.append("")
+        except OSError as e:
+            result.append(f"{host}:{port}: {e.strerror or e}")
+
+    # DNS lookups ignore socket timeouts, so the probe runs in a thread we stop waiting for.
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        return f"no answer from {host}:{port} within {timeout_s:.0f} s"
+    return result[0] or None
+
+
+_REGISTRY: dict[str, Callable[[], DocumentSource] | None] = {
+    "bundled": _bundled("train"),
+    "bundled_val": _bundled("val"),
+    "c4": _c4,
+    "local": None,  # needs a path: handled in load_documents
+}
+
+
+def _suggest(name: str) -> str:
+    close = difflib.get_close_matches(name.lower(), list(_REGISTRY), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- local file readers -------------------------------------------------------------
+
+
+def _suffix(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in LOCAL_SUFFIXES if name.endswith(s)), None)
+
+
+def _reader_for(path: Path) -> Callable[[Path], Iterator[str]]:
+    return {
+        ".jsonl.gz": _read_jsonl,
+        ".jsonl": _read_jsonl,
+        ".json": _read_json,
+        ".parquet": _read_parquet,
+        ".txt": _read_txt,
+    }[_suffix(path)]
+
+
+def _text_of(record: Any, where: str) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and isinstance(record.get(TEXT_FIELD), str):
+        return record[TEXT_FIELD]
+    raise DataError(
+        f"{where}: expected an object with a string {TEXT_FIELD!r} field, got {str(record)[:80]!r}"
+    )
+
+
+def _read_jsonl(path: Path) -> Iterator[str]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield _text_of(_parse_json(line, f"{path}:{n}"), f"{path}:{n}")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+
+
+def _read_json(path: Path) -> Iterator[str]:
+    """A JSON list of records or strings; a file of JSON lines named .json works too."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    try:
+        whole = json.loads(raw)
+    except json.JSONDecodeError:
+        yield from _read_jsonl(path)
+        return
+    records = whole if isinstance(whole, list) else [whole]
+    for n, record in enumerate(records):
+        yield _text_of(record, f"{path}[{n}]")
+
+
+def _read_parquet(path: Path) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid for a non-parquet file
+        raise DataError(f"cannot read {path} as parquet: {e}") from None
+    if TEXT_FIELD not in file.schema_arrow.names:
+        raise DataError(f"{path}: no {TEXT_FIELD!r} column (columns: {', '.join(file.schema_arrow.names)})")
+    for batch in file.iter_batches(columns=[TEXT_FIELD], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _read_txt(path: Path) -> Iterator[str]:
+    try:
+        yield path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+
+
+def _parse_json(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def _content_fingerprint(files: list[Path]) -> str:
+    """sha256 over the files' bytes (and names), so a copied dataset keeps its identity."""
+    digest = hashlib.sha256()
+    for path in files:
+        try:
+            digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        except OSError as e:
+            raise DataError(f"cannot read dataset file {path}: {e.strerror or e}") from None
+    return digest.hexdigest()
