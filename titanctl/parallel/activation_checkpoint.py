@@ -1,0 +1,68 @@
+"""Activation checkpointing: whole blocks (full), every N-th block, or a save-list of ops."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titanctl.config.job_config import ActivationCheckpoint
+from titanctl.errors import ConfigError
+
+aten = torch.ops.aten
+
+# Outputs worth keeping: attention (every backend, the CPU one included) and reductions that are
+# cheap to store but need communication to recompute.
+_SAVE_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    aten.max.default,
+}
+
+
+def _op_policy():
+    """Save the listed ops and every other matmul; recompute the rest."""
+    mm_count: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op == aten.mm.default:
+            mm_count[mode] += 1
+            # Recompute every second matmul so that about half the matmul outputs are kept.
+            if mm_count[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
+    if cfg.mode == "none":
+        return
+    option = cfg.selective_ac_option
+    every = 1
+    if cfg.mode == "selective" and option != "op":
+        if not option.isdigit() or int(option) < 1:
+            raise ConfigError(
+                f"config key 'activation_checkpoint.selective_ac_option' = {option!r} must be a positive "
+                "integer (checkpoint every N-th block) or 'op'"
+            )
+        every = int(option)
+    for index, (layer_id, block) in enumerate(list(model.layers.items())):
+        if cfg.mode == "selective" and option == "op":
+            wrapped = checkpoint_wrapper(
+                block, context_fn=lambda: create_selective_checkpoint_contexts(_op_policy()),
+                preserve_rng_state=False,
+            )
+        elif index % every == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        model.layers[layer_id] = wrapped

@@ -1,0 +1,54 @@
+"""FSDP2 / HSDP (fully_shard on a 1-D or 2-D mesh) and DDP (replicate)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str,
+    pipelined: bool,
+) -> None:
+    """Shard each block, then the rest (embeddings, norm, output) at the root.
+
+    ``dp_mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if reshard_after_forward == "always":
+        reshard = True
+    elif reshard_after_forward == "never":
+        reshard = False
+    else:
+        # Pipelining runs several microbatches' forwards before their backwards: keeping the
+        # parameters gathered avoids re-gathering them for each one.
+        reshard = not pipelined
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward.
+        fully_shard(
+            block, mesh=dp_mesh, mp_policy=mp_policy,
+            reshard_after_forward=reshard and index < len(blocks) - 1,
+        )
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=not pipelined and reshard)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    from torch.distributed._composable.replicate import replicate
+
+    # The composable replicate keeps parameter names unchanged (no "module." prefix).
+    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block in place: blocks are identical, so one graph serves them all, and
+    parameter names stay canonical (no _orig_mod)."""
+    for block in model.layers.values():
+        block.compile(fullgraph=True)

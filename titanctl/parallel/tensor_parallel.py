@@ -1,0 +1,49 @@
+"""Tensor parallel (+ sequence parallel, loss parallel, async TP) from the model's plan."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from titanctl.errors import ParallelError
+from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.tp_plan import block_plan, root_plan
+
+
+def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
+    """Fail before any collective if the model cannot be split tp ways."""
+    for what, size in (
+        ("model n_heads", args.n_heads),
+        ("model n_kv_heads", args.kv_heads),
+        ("ffn hidden dim", args.ffn_hidden_dim),
+        ("training.seq_len (sequence parallel)", seq_len),
+    ):
+        if size % tp:
+            raise ParallelError(f"{what} = {size} is not divisible by tensor_parallel_degree = {tp}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool, compiled: bool) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage: absent parts are skipped)."""
+    root = {name: style for name, style in root_plan(loss_parallel).items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, root)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan())
+    if async_tp:
+        enable_async_tp(tp_mesh, compiled)
+
+
+def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
+    """Overlap TP's all-gathers/reduce-scatters with matmuls (inductor's micro-pipeline pass)."""
+    if tp_mesh.device_type != "cuda":
+        raise ParallelError(
+            "parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); this run is on "
+            f"{tp_mesh.device_type}: set it to false"
+        )
+    if not compiled:
+        raise ParallelError("parallelism.enable_async_tensor_parallel needs compile.enable = true")
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
