@@ -15,6 +15,8 @@ def global_mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> torch.Ten
     Each data-parallel/context-parallel position has its loss on the last pipeline stage,
     replicated over its tp ranks: sum over the world, then divide by those copies.
     """
+    if isinstance(loss, DTensor):  # loss parallel: a replicated scalar over the tp mesh
+        loss = loss.full_tensor()
     if dims.world_size == 1:
         return loss
     value = loss.detach().clone() if loss is not None else torch.zeros((), device=_device())

@@ -108,7 +108,7 @@ class Trainer:
         """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
         with self._train_context():
             if self.pipeline is not None:
-                loss = self.pipeline.step(inputs, labels)
+                loss = self.pipeline.step(inputs, labels, loss_scale=scale)
                 return None if loss is None else loss.detach()
             cp_ctx = contextlib.nullcontext()
             if self.dims.cp > 1:
@@ -140,7 +140,7 @@ class Trainer:
             if loss is not None:
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         if self.pipeline is not None and loss_sum is not None:
-            loss_sum = loss_sum * scale  # the pipeline returns unscaled microbatch means
+            loss_sum = loss_sum * scale  # the pipeline returns the unscaled mean of its microbatches
         grad_norm = clip_grad_norm(self.parameters(), self.cfg.training.max_norm, self.dims)
         loss_value = global_mean_loss(loss_sum, self.dims).item()
         if not math.isfinite(loss_value):

@@ -82,6 +82,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
+        rope = rope[:seqlen]  # the table may be longer than this sequence
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, T, H, head_dim)
         v = v.repeat_interleave(self.kv_repeats, dim=2)
@@ -143,9 +144,9 @@ class Transformer(nn.Module):
         Returns logits (B, T, vocab), or hidden states when this stage has no output layer.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
+        # The whole table: under sequence parallel h holds only this rank's part of the sequence.
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, self.rope_cache)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -176,7 +176,9 @@ def pipeline_layer_ranges(
     return ranges
 
 
-def split_into_stage(model: Transformer, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> Transformer:
+def split_into_stage(
+    model: Transformer, layer_ids: Iterable[int], is_first: bool, is_last: bool
+) -> Transformer:
     """A copy of ``model`` holding only ``layer_ids`` (plus embeddings if first, norm and output if last).
 
     Meant for a model on the meta device: the deep copy then costs no memory.

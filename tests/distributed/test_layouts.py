@@ -1,0 +1,104 @@
+"""Every parallel layout reproduces the single-process run: same initial weights bit for bit,
+per-step losses within 1e-5 relative (fp32), on real torchrun + gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.distributed.harness import TINY_RUN, WORKERS, losses, max_rel_diff, torchrun
+
+WORKER = [str(WORKERS / "train_worker.py")]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    torchrun(1, WORKER, [*TINY_RUN, "--training.local_batch_size", "8", "--job.dump_folder", str(out)])
+    return losses(out), torch.load(out / "init_rank0.pt")
+
+
+def gathered_weights(folder, nproc):
+    merged = {}
+    for rank in range(nproc):
+        for name, tensor in torch.load(folder / f"init_rank{rank}.pt").items():
+            if name in merged:
+                assert torch.equal(merged[name], tensor), f"ranks disagree on {name}"
+            merged[name] = tensor
+    return merged
+
+
+# (id, processes, local batch, overrides); global batch is 8 sequences everywhere.
+LAYOUTS = [
+    ("fsdp2", 2, 4, []),
+    ("ddp2", 2, 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("tp2_no_loss_parallel", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]),
+    ("fsdp2_reshard_never_full_ac", 2, 4, ["--parallelism.fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "full"]),
+    ("fsdp2_selective_ac_every_2", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]),
+    ("tp2_selective_op_ac", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    ("fsdp2_compile", 2, 4, ["--compile.enable"]),
+    ("fsdp2_grad_accumulation", 2, 2, []),
+    ("hsdp2x2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    ("fsdp2_tp2", 4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("pp2_1f1b", 2, 8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    ("pp2_interleaved_accumulation", 2, 4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    ("pp2_fsdp2", 4, 4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    ("pp2_tp2", 4, 8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    ("cp2_allgather", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
+    ("cp2_alltoall", 2, 8, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"]),
+    ("fsdp2_cp2", 4, 4, ["--parallelism.context_parallel_degree", "2"]),
+    ("fsdp2_tp2_pp2", 8, 4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+]
+
+
+@pytest.mark.parametrize("name, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_layout_matches_single_process(reference, tmp_path, name, nproc, local_batch, overrides):
+    ref_losses, ref_weights = reference
+    torchrun(nproc, WORKER, [*TINY_RUN, "--training.local_batch_size", str(local_batch), *overrides,
+                             "--job.dump_folder", str(tmp_path)])
+    weights = gathered_weights(tmp_path, nproc)
+    assert weights.keys() == ref_weights.keys()
+    for key, tensor in ref_weights.items():
+        assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
+    got = losses(tmp_path)
+    diff = max_rel_diff(got, ref_losses)
+    assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
+
+
+def test_torchrun_runs_the_cli_itself(reference, tmp_path):
+    """`torchrun -m titanctl train` exactly as the README shows it."""
+    ref_losses, _ = reference
+    torchrun(2, ["-m", "titanctl", "train"], [*TINY_RUN, "--training.local_batch_size", "4",
+                                              "--job.dump_folder", str(tmp_path)])
+    assert max_rel_diff(losses(tmp_path), ref_losses) <= 1e-5
+
+
+def test_bf16_mixed_precision_within_bf16_tolerance(reference, tmp_path):
+    ref_losses, _ = reference
+    torchrun(2, WORKER, [*TINY_RUN, "--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16",
+                         "--job.dump_folder", str(tmp_path)])
+    assert max_rel_diff(losses(tmp_path), ref_losses) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides, message",
+    [
+        (2, ["--parallelism.tensor_parallel_degree", "3"], "world size 2 is not divisible by"),
+        (2, ["--parallelism.data_parallel_shard_degree", "4"], "= 4, but the world size is 2"),
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"], "training.seq_len (sequence parallel) = 63 is not divisible by tensor_parallel_degree = 2"),
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel", "--compile.enable"], "needs CUDA"),
+        (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"], "66"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage", "4"], "ZBVZeroBubble"),
+    ],
+)
+def test_impossible_layouts_fail_before_any_collective(tmp_path, nproc, overrides, message):
+    import subprocess
+
+    with pytest.raises(AssertionError) as failure:
+        torchrun(nproc, ["-m", "titanctl", "train"], [*TINY_RUN, "--training.local_batch_size", "4", *overrides,
+                                                      "--job.dump_folder", str(tmp_path)], timeout=120)
+    output = str(failure.value)
+    assert f"error: {message}" in output or message in output
+    assert f"{REPO}/titanctl/" not in output, "a traceback through titanctl's code"

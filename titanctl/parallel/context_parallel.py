@@ -1,0 +1,262 @@
+"""Context parallelism: the sequence is sharded across ranks and attention runs as a ring.
+
+Built on ``torch.distributed.tensor.experimental.context_parallel`` (PyTorch 2.13), which
+while active (1) shards the given buffers in place along their sequence dims, reordered
+head-and-tail so that causal attention costs every rank the same, and (2) patches
+``F.scaled_dot_product_attention`` to wrap q, k, v as DTensors sharded on the sequence
+dim (2), whose SDPA op DTensor then hands to a ring-attention handler.
+
+Why ``enable_cpu_ring_attention`` exists
+----------------------------------------
+torch's ring attention is routed per aten op. While CP is on,
+``_enable_cp_dtensor_dispatcher`` merges the module table
+``_context_parallel._attention.custom_ops`` into ``DTensor._op_dispatcher._custom_op_handlers``;
+that table names only the CUDA kernels (``_scaled_dot_product_{flash,efficient,cudnn}_attention``
+and their ``_backward``). On CPU, SDPA lowers to
+``aten._scaled_dot_product_flash_attention_for_cpu`` (backward: ``..._for_cpu_backward``),
+which is in that table nowhere, and DTensor has no sharding strategy for it either, so CP on
+CPU fails with "... does not have a sharding strategy registered". Forcing the math backend
+does not help (measured: it decomposes into ops that mix Tensor and DTensor).
+The algorithm itself is device-agnostic: ``_templated_ring_attention[_backward]`` take the
+attention op as an argument and only need it to return ``(out, logsumexp, ...)`` /
+``(grad_q, grad_k, grad_v, ...)``, which the CPU ops do. So we add the two CPU ops to the
+same table with a handler that calls those templates with the CPU ops. It is a dispatch-table
+gap, not a missing algorithm.
+
+Our handler differs from torch's ``_sdpa_handler`` in one way: it does not ask DTensor's
+sharding propagator for the output placements (that would need a Shard(2) strategy for the CPU
+ops registered into DTensor's global table, where it would also apply outside CP and compute
+per-shard attention silently). It checks that q, k, v (and the backward's tensors) are all
+``Shard(2)`` on the CP mesh and returns ``Shard(2)`` outputs, which is exactly what torch's CP
+strategies for the CUDA ops prescribe. Because the entries live in ``custom_ops``, they are
+active only while torch's CP dispatcher is (inside ``context_parallel``), like the CUDA ones.
+
+Signature differences handled (check with ``torch.ops.aten.<op>.default._schema``):
+  CUDA flash fwd (q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
+      -> (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
+  CPU  flash fwd (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out, lse)
+  CUDA flash bwd (grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                  is_causal, philox_seed, philox_offset, *, scale) -> (dq, dk, dv)
+  CPU  flash bwd (grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale)
+      -> (dq, dk, dv)
+The CPU lse is (B, H, T) like CUDA's, so torch's merger and backward chunking apply unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from titanctl.errors import ParallelError
+
+SEQ_DIM = 2  # of q, k, v inside SDPA: (B, H, T, head_dim)
+ROTATE_METHODS = ("allgather", "alltoall")
+
+_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+_FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
+_BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal",
+             "attn_mask", "scale"]  # fmt: skip
+_RING_FWD_PARAMS = ["group", "seq_dim", "op", "query", "key", "value", "is_causal"]
+_RING_BWD_PARAMS = ["group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key",
+                    "value", "out", "logsumexp", "is_causal"]  # fmt: skip
+
+
+def check_cp_divisibility(seq_len: int, cp: int) -> None:
+    """Context parallel needs ``seq_len`` divisible by ``2 * cp``.
+
+    torch 2.13 cuts the sequence into ``2 * cp`` chunks and gives rank r chunks r and
+    2cp-1-r (``_HeadTailLoadBalancer``), so causal attention costs each rank the same. If
+    ``seq_len % (2 * cp) != 0`` it silently drops the load balancing (``_create_default_
+    load_balancer`` returns None; the last rank then does up to twice the average work), and
+    if ``seq_len % cp != 0`` the shards are uneven and the ring exchange, which assumes equal
+    shards, breaks. We require the balanced case.
+    """
+    if cp < 1:
+        raise ParallelError(f"context parallel degree must be >= 1, got {cp}")
+    if cp > 1 and seq_len % (2 * cp):
+        raise ParallelError(
+            f"context parallel needs seq_len divisible by 2 x cp = {2 * cp} (load-balanced "
+            f"chunks), but seq_len is {seq_len}"
+        )
+
+
+def _cp_module():
+    import importlib
+
+    try:
+        mod = importlib.import_module(_CP_MODULE)
+    except ImportError as e:
+        raise ParallelError(
+            f"context parallel on CPU needs {_CP_MODULE}, which torch {torch.__version__} lacks"
+        ) from e
+    return mod
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ParallelError(
+            f"context parallel on CPU: torch {torch.__version__} internals moved ({what}); "
+            "titanctl.parallel.context_parallel was written against torch 2.13"
+        )
+
+
+def _schema_args(op: torch._ops.OpOverload) -> list[str]:
+    return [a.name for a in op._schema.arguments]
+
+
+def _params(fn) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p != "kwargs"]
+
+
+def _seq_sharded_spec(local: Tensor, mesh):
+    """The DTensorSpec of a tensor whose local piece is ``local``, sharded on SEQ_DIM."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    placements = (Shard(SEQ_DIM),)
+    shape, stride = compute_global_tensor_info(local, mesh, placements)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def _make_cpu_ring_handler(cp_mod):
+    """The DTensor custom-op handler for the CPU flash SDPA op and its backward."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    aten = torch.ops.aten
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    ring_fwd, ring_bwd = cp_mod._templated_ring_attention, cp_mod._templated_ring_attention_backward
+
+    def ring_forward(group, query, key, value, dropout_p=0.0, is_causal=False, *,
+                     attn_mask=None, scale=None):  # fmt: skip
+        if attn_mask is not None or dropout_p != 0.0:
+            raise NotImplementedError("CPU ring attention supports neither attn_mask nor dropout")
+        return ring_fwd(group, SEQ_DIM, fwd_op, query=query, key=key, value=value,
+                        is_causal=is_causal, dropout_p=dropout_p, scale=scale)  # fmt: skip
+
+    def ring_backward(group, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                      *, attn_mask=None, scale=None):  # fmt: skip
+        if attn_mask is not None or dropout_p != 0.0:
+            raise NotImplementedError("CPU ring attention supports neither attn_mask nor dropout")
+        return ring_bwd(group, SEQ_DIM, bwd_op, grad_out=grad_out, grad_out_name="grad_out",
+                        query=query, key=key, value=value, out=out, logsumexp=logsumexp,
+                        is_causal=is_causal, dropout_p=dropout_p, scale=scale)  # fmt: skip
+
+    def handler(op_call, args, kwargs):
+        op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        mesh = op_info.compute_mesh
+        kwargs_schema = op_info.schema.kwargs_schema.values() if op_info.schema else ()
+        for spec in (*op_info.flat_args_schema, *kwargs_schema):
+            if not isinstance(spec, DTensorSpec):
+                continue
+            if spec.mesh != mesh or tuple(spec.placements) != (Shard(SEQ_DIM),):
+                raise NotImplementedError(
+                    f"CPU ring attention needs every tensor of {op_call} sharded Shard({SEQ_DIM}) "
+                    f"on the 1-D CP mesh, got {spec.placements} on {spec.mesh}"
+                )
+        if mesh.ndim != 1:
+            raise NotImplementedError("CPU ring attention needs a 1-D CP mesh")
+        run = ring_forward if op_call == fwd_op else ring_backward
+        local_results = run(mesh.get_group(), *op_info.local_args, **op_info.local_kwargs)
+        out_specs = tuple(_seq_sharded_spec(t, mesh) for t in local_results)
+        return DTensor._op_dispatcher.wrap(tuple(local_results), out_specs)
+
+    return {fwd_op: handler, bwd_op: handler}
+
+
+def enable_cpu_ring_attention() -> None:
+    """Route the CPU flash SDPA op (and its backward) through torch's ring attention under CP.
+
+    Idempotent; a no-op if torch already routes the CPU op itself. Takes effect only
+    inside ``context_parallel`` (see the module docstring). Raises ParallelError if the
+    torch internals this relies on are missing.
+    """
+    aten = torch.ops.aten
+    cp_mod = _cp_module()
+    for name in ("custom_ops", "_templated_ring_attention", "_templated_ring_attention_backward",
+                 "_enable_cp_dtensor_dispatcher"):  # fmt: skip
+        _require(hasattr(cp_mod, name), f"{_CP_MODULE}.{name} is missing")
+    table = cp_mod.custom_ops
+    _require(isinstance(table, dict), f"{_CP_MODULE}.custom_ops is no longer a dict")
+    _require(
+        hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu")
+        and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"),
+        "aten._scaled_dot_product_flash_attention_for_cpu[_backward] is missing",
+    )
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if fwd_op in table and bwd_op in table:
+        return  # already ours, or a torch that routes the CPU op itself
+    _require(_schema_args(fwd_op) == _FWD_ARGS, f"schema of {fwd_op} changed: {fwd_op._schema}")
+    _require(_schema_args(bwd_op) == _BWD_ARGS, f"schema of {bwd_op} changed: {bwd_op._schema}")
+    _require(
+        _params(cp_mod._templated_ring_attention) == _RING_FWD_PARAMS,
+        "signature of _templated_ring_attention changed",
+    )
+    _require(
+        _params(cp_mod._templated_ring_attention_backward) == _RING_BWD_PARAMS,
+        "signature of _templated_ring_attention_backward changed",
+    )
+    table.update(_make_cpu_ring_handler(cp_mod))
+
+
+def _set_rotate_method(rotate_method: str) -> None:
+    if rotate_method not in ROTATE_METHODS:
+        raise ParallelError(
+            f"unknown context parallel rotate method {rotate_method!r}; "
+            f"choose one of {', '.join(ROTATE_METHODS)}"
+        )
+    cp_mod = _cp_module()
+    _require(hasattr(cp_mod, "set_rotate_method"), f"{_CP_MODULE}.set_rotate_method is missing")
+    cp_mod.set_rotate_method(rotate_method)
+
+
+@contextlib.contextmanager
+def context_parallel_ctx(
+    cp_mesh,
+    *,
+    buffers: list[Tensor],
+    seq_dims: list[int],
+    no_restore: set[Tensor],
+    rotate_method: str = "allgather",
+) -> Iterator[None]:
+    """Run the body with the sequence sharded over ``cp_mesh`` (1-D) and ring attention on.
+
+    ``buffers`` are sharded in place along ``seq_dims`` (typically ``[inputs, labels,
+    model.rope_cache]`` with ``[1, 1, 0]``) and restored on exit, except those in
+    ``no_restore``. Every buffer must have the same length along its sequence dim: the RoPE
+    table is sharded like the tokens, so build the model with ``max_seq_len == seq_len``
+    (or give it a ``rope_cache`` cut to ``seq_len``). Forward and backward both belong inside.
+    The rotate method (``allgather`` or ``alltoall``) is a process-wide torch setting; it is
+    set on every entry.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+
+    if cp_mesh.ndim != 1:
+        raise ParallelError(f"context parallel needs a 1-D mesh, got {cp_mesh.ndim} dims")
+    if len(buffers) != len(seq_dims) or not buffers:
+        raise ParallelError(
+            f"context parallel got {len(buffers)} buffers but {len(seq_dims)} sequence dims"
+        )
+    seq_len = buffers[0].shape[seq_dims[0]]
+    for i, (buf, dim) in enumerate(zip(buffers, seq_dims)):
+        if buf.shape[dim] != seq_len:
+            raise ParallelError(
+                f"context parallel buffer {i} has length {buf.shape[dim]} along dim {dim}, but the "
+                f"inputs have seq_len {seq_len}: build the model with max_seq_len == seq_len"
+            )
+    check_cp_divisibility(seq_len, cp_mesh.size())
+    _set_rotate_method(rotate_method)
+    if cp_mesh.device_type == "cpu":
+        enable_cpu_ring_attention()
+    with context_parallel(
+        cp_mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=no_restore
+    ):
+        yield

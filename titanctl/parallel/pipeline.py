@@ -1,0 +1,286 @@
+"""Pipeline parallelism: cut the meta model into stages, place them on ranks, run a schedule.
+
+``build_pipeline`` returns a ``Pipeline`` whose ``model_parts`` are still on the meta device:
+the caller materializes them (``to_empty`` + ``initialize_weights``, or a checkpoint load)
+before the first ``step``, exactly as for a model without pipelining. Stages infer the shapes
+they exchange from the first microbatch, so nothing needs real weights before then.
+
+Stage placement: one stage per rank for GPipe/1F1B; stage ``s`` on rank ``s % pp`` ("loop")
+for Interleaved1F1B, LoopedBFS and InterleavedZeroBubble; rank ``r`` holding stages ``r`` and
+``2 * pp - 1 - r`` ("V") for ZBVZeroBubble and DualPipeV; whatever the file says for a CSV
+schedule.
+
+Gradient scale: torch's ``scale_grads=True`` divides every ``.grad`` of a stage by the number
+of microbatches after the step's last backward, which also shrinks gradients left over from an
+earlier ``step`` (gradient accumulation). So we pass ``scale_grads=False`` and divide each
+microbatch loss by the microbatch count before its backward instead: gradients are those of
+the mean loss over the batch (equal-size microbatches), times ``loss_scale``.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titanctl.config.job_config import Parallelism
+from titanctl.errors import ParallelError
+from titanctl.models.llama.pipeline import (
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    check_schedule_name,
+    pipeline_layer_ranges,
+    split_into_stage,
+)
+
+
+def stage_ids_for_rank(rank: int, pp_degree: int, num_stages: int, style: str) -> list[int]:
+    """The stages rank ``rank`` runs: ``style`` "loop" (round robin) or "v" (2 per rank, folded)."""
+    if style == "loop":
+        return list(range(rank, num_stages, pp_degree))
+    if style == "v":
+        if num_stages != 2 * pp_degree:
+            raise ValueError(f"V placement needs 2 stages per rank, got {num_stages} over {pp_degree}")
+        return [rank, num_stages - 1 - rank]
+    raise ValueError(f"unknown stage placement {style!r}")
+
+
+def read_schedule_csv(path: str | Path, pp_degree: int) -> tuple[dict[int, int], int]:
+    """Check a compute-only schedule CSV (one row of actions like ``0F1``, ``2B0`` per rank).
+
+    Returns (stage -> rank, microbatch count).
+    """
+    from torch.distributed.pipelining.schedules import _Action
+
+    where = f"schedule CSV {str(path)!r}"
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+    except OSError as e:
+        raise ParallelError(
+            f"cannot read pipeline_parallel_schedule_csv {str(path)!r}: {e.strerror}"
+        ) from None
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()  # trailing blank lines
+    if len(rows) != pp_degree:
+        raise ParallelError(
+            f"{where} has {len(rows)} rows, but pipeline_parallel_degree is {pp_degree} "
+            f"(one row of actions per rank)"
+        )
+    stage_to_rank: dict[int, int] = {}
+    microbatches: set[int] = set()
+    for rank, row in enumerate(rows):
+        for col, cell in enumerate(row):
+            try:
+                action = _Action.from_str(cell)
+            except RuntimeError:
+                action = False  # torch's parser accepts a prefix: compare the round trip below
+            if action is None:
+                continue
+            if action is False or str(action) != cell.strip():
+                raise ParallelError(
+                    f"{where} row {rank + 1} column {col + 1}: {cell.strip()!r} is not "
+                    f"an action like 0F1 (stage, F/B/I/W, microbatch)"
+                )
+            if not action.is_compute_op or action.microbatch_index is None:
+                raise ParallelError(
+                    f"{where} row {rank + 1} column {col + 1}: {cell.strip()!r} is not a "
+                    f"compute action (only F, B, I, W with a microbatch; communication is added "
+                    f"automatically)"
+                )
+            owner = stage_to_rank.setdefault(action.stage_index, rank)
+            if owner != rank:
+                raise ParallelError(
+                    f"{where}: stage {action.stage_index} appears on rank {owner} and rank {rank}"
+                )
+            microbatches.add(action.microbatch_index)
+    num_stages = max(stage_to_rank, default=-1) + 1
+    absent = sorted(set(range(num_stages)) - set(stage_to_rank))
+    if absent or not microbatches:
+        raise ParallelError(f"{where} runs no action for stages {absent or 'any'}")
+    n_mb = max(microbatches) + 1
+    if sorted(microbatches) != list(range(n_mb)):
+        skipped = sorted(set(range(n_mb)) - microbatches)
+        raise ParallelError(f"{where} skips microbatches {skipped}")
+    return stage_to_rank, n_mb
+
+
+def microbatch_count(
+    local_batch_size: int, microbatch_size: int, schedule: str | None, num_stages: int, pp_degree: int
+) -> int:
+    """Microbatches per step, checked against what the schedule can run."""
+    if local_batch_size % microbatch_size:
+        raise ParallelError(
+            f"training.local_batch_size {local_batch_size} is not divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size {microbatch_size}"
+        )
+    n_mb = local_batch_size // microbatch_size
+    if schedule in ("1F1B", "DualPipeV") and n_mb < num_stages:
+        raise ParallelError(
+            f"schedule {schedule} needs at least as many microbatches as stages: local_batch_size "
+            f"{local_batch_size} / microbatch_size {microbatch_size} = {n_mb} microbatches "
+            f"< {num_stages} stages"
+        )
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n_mb // pp_degree)
+        if n_mb % rounds:
+            raise ParallelError(
+                f"schedule {schedule} runs microbatches in rounds of {n_mb // rounds}: "
+                f"{n_mb} microbatches (local_batch_size {local_batch_size} / microbatch_size "
+                f"{microbatch_size}) must be a multiple of {rounds} (= {n_mb} // pipeline_parallel_degree "
+                f"{pp_degree})"
+            )
+    return n_mb
+
+
+class _MicrobatchLoss:
+    """The user's loss, times ``factor`` (= loss_scale / n_microbatches) so backward sums to the mean."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_fn = loss_fn
+        self.factor = 1.0
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self.factor
+
+
+@dataclass
+class Pipeline:
+    schedule: object  # a torch.distributed.pipelining schedule
+    stages: list  # this rank's PipelineStage objects, in stage order
+    n_microbatches: int
+    _loss: _MicrobatchLoss
+    _checked: bool = field(default=False, repr=False)
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """This rank's stage modules, in stage order (for the optimizer, init and checkpoints)."""
+        return [stage.submod for stage in self.stages]
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, loss_scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """Forward and backward over one batch (B, T), split into microbatches along B.
+
+        Accumulates into ``.grad`` the gradient of ``loss_scale`` x the mean loss over the batch
+        (pass ``1 / accumulation_steps`` when accumulating). Returns the (unscaled, detached)
+        mean loss on the rank that runs the last stage, None on the others.
+        """
+        if not self._checked:
+            if any(p.is_meta for part in self.model_parts for p in part.parameters()):
+                raise RuntimeError(
+                    "pipeline stages are still on the meta device: materialize Pipeline.model_parts "
+                    "(to_empty + initialize_weights, or load a checkpoint) before the first step"
+                )
+            self._checked = True
+        self._loss.factor = loss_scale / self.n_microbatches
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = (inputs,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if losses is None:
+            return None
+        # Each entry is loss_i * loss_scale / n: their sum / loss_scale is the mean of the loss_i.
+        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+
+
+def build_pipeline(
+    model_meta: nn.Module,
+    pp_mesh,
+    cfg_parallelism: Parallelism,
+    *,
+    device: torch.device,
+    local_batch_size: int,
+    parallelize_fn: Callable[[nn.Module], nn.Module],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Pipeline:
+    """Split ``model_meta`` (a Transformer on the meta device) into this rank's stages.
+
+    ``parallelize_fn`` (TP, AC, compile, FSDP) runs on each stage before it is wrapped in a
+    ``PipelineStage``. The returned ``model_parts`` are still on the meta device: materialize them
+    before the first ``step``.
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleSingle,
+        _PipelineScheduleRuntime,
+        get_schedule_class,
+    )
+
+    if loss_fn is None:
+        raise ValueError("build_pipeline needs a loss_fn (training runs backward)")
+    p = cfg_parallelism
+    pp_degree, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    if pp_degree != p.pipeline_parallel_degree:
+        raise ValueError(f"the pp mesh has {pp_degree} ranks, the config says {p.pipeline_parallel_degree}")
+    n_layers = len(model_meta.layers)
+
+    csv_path = p.pipeline_parallel_schedule_csv
+    if csv_path:
+        schedule_name = None
+        stage_to_rank, csv_microbatches = read_schedule_csv(csv_path, pp_degree)
+        num_stages = len(stage_to_rank)
+        my_stage_ids = sorted(s for s, r in stage_to_rank.items() if r == pp_rank)
+    else:
+        schedule_name = p.pipeline_parallel_schedule
+        check_schedule_name(schedule_name)
+        num_stages = None
+    ranges = pipeline_layer_ranges(
+        n_layers,
+        pp_degree,
+        schedule_name,
+        split_points=p.pipeline_parallel_split_points,
+        layers_per_stage=p.pipeline_parallel_layers_per_stage,
+        num_stages=num_stages,
+    )
+    num_stages = len(ranges)
+    n_mb = microbatch_count(
+        local_batch_size, p.pipeline_parallel_microbatch_size, schedule_name, num_stages, pp_degree
+    )
+    if csv_path:
+        if n_mb != csv_microbatches:
+            raise ParallelError(
+                f"schedule CSV {csv_path!r} runs {csv_microbatches} microbatches, but local_batch_size "
+                f"{local_batch_size} / microbatch_size {p.pipeline_parallel_microbatch_size} = {n_mb}"
+            )
+    else:
+        style = "v" if schedule_name in V_SCHEDULES else "loop"
+        my_stage_ids = stage_ids_for_rank(pp_rank, pp_degree, num_stages, style)
+
+    group = pp_mesh.get_group()
+    stages = []
+    for stage_id in my_stage_ids:
+        module = split_into_stage(
+            model_meta, ranges[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1
+        )
+        module = parallelize_fn(module)
+        stages.append(PipelineStage(module, stage_id, num_stages, device, group=group))
+
+    loss = _MicrobatchLoss(loss_fn)
+    if csv_path:
+        schedule = _PipelineScheduleRuntime(stages, n_mb, loss_fn=loss, scale_grads=False)
+        try:
+            schedule._load_csv(csv_path, format="compute_only")
+        except (AssertionError, ValueError, RuntimeError) as e:
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ParallelError(f"schedule CSV {csv_path!r} is not a valid schedule: {first_line}") from None
+    else:
+        cls = get_schedule_class(schedule_name)
+        if issubclass(cls, PipelineScheduleSingle):
+            assert schedule_name in SINGLE_STAGE_SCHEDULES and len(stages) == 1
+            schedule = cls(stages[0], n_mb, loss_fn=loss, scale_grads=False)
+        else:
+            schedule = cls(stages, n_mb, loss_fn=loss, scale_grads=False)
+    return Pipeline(schedule=schedule, stages=stages, n_microbatches=n_mb, _loss=loss)
