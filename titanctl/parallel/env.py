@@ -27,8 +27,11 @@ class ProcessEnv:
         return self.world_size > 1
 
 
-def init_process(timeout_seconds: int) -> ProcessEnv:
-    """Read torchrun's environment, pick the device and backend, start the process group."""
+def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_folder=None) -> ProcessEnv:
+    """Read torchrun's environment, pick the device and backend, start the process group.
+
+    ``trace_buf_size`` > 0 makes the Flight Recorder keep that many collectives per group.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -42,6 +45,9 @@ def init_process(timeout_seconds: int) -> ProcessEnv:
         if "OMP_NUM_THREADS" not in os.environ or local_world_size > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     if world_size > 1 and not dist.is_initialized():
+        from titanctl.parallel import flight_recorder
+
+        flight_recorder.enable(trace_buf_size, flight_recorder_folder)  # before the group exists
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend,

@@ -36,11 +36,14 @@ class TrainingDiverged(TitanError):
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        self.env = init_process(cfg.comm.init_timeout_seconds)
+        self.dump_folder = Path(cfg.job.dump_folder)
+        self.flight_recorder_folder = self.dump_folder / "flight_recorder"
+        self.env = init_process(
+            cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size, self.flight_recorder_folder
+        )
         self.dims = ParallelDims.from_config(cfg.parallelism, self.env.world_size)
         self.is_logging_rank = self.env.rank in cfg.job.log_ranks
         self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing)
-        self.dump_folder = Path(cfg.job.dump_folder)
 
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
@@ -174,11 +177,16 @@ class Trainer:
             disable=not self.is_logging_rank or not self.console.is_terminal,
         )
         window_start, window_tokens = time.perf_counter(), 0
-        with progress:
+        start_step = self.step
+        with progress, self._hang_watchdog() as watchdog:
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             while self.step < cfg.training.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step()
+                # The first step of a process also compiles and warms up: it gets the init timeout.
+                first = self.step == start_step
+                watchdog.timeout_s = cfg.comm.init_timeout_seconds if first else cfg.comm.train_timeout_seconds
+                with watchdog.watch(f"step {self.step + 1}"):
+                    loss, grad_norm = self.train_step()
                 self.step += 1
                 self.tokens_seen += tokens_per_step
                 window_tokens += tokens_per_step
@@ -190,6 +198,27 @@ class Trainer:
         if self.sinks is not None:
             self.sinks.close()
         self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per rank")
+
+    @contextlib.contextmanager
+    def _hang_watchdog(self):
+        """In a distributed run with the Flight Recorder on, dump it when a step outlives
+        comm.train_timeout_seconds (gloo never dumps by itself) or raises, so that
+        `titanctl inspect-trace` can say which rank is stuck where."""
+        from titanctl.parallel import flight_recorder
+
+        if not self.env.distributed or self.cfg.comm.trace_buf_size == 0:
+            yield _NoWatchdog()
+            return
+        dump = flight_recorder.DumpOnce(self.flight_recorder_folder, self.env.rank)
+        timed_out = flight_recorder.DumpOnce(self.flight_recorder_folder, self.env.rank, exit_code=3)
+        watchdog = flight_recorder.CollectiveWatchdog(self.cfg.comm.train_timeout_seconds, timed_out)
+        try:
+            yield watchdog
+        except BaseException as e:
+            dump(f"{type(e).__name__} at step {self.step + 1}")
+            raise
+        finally:
+            watchdog.close()
 
     def _log(self, loss: float, grad_norm: float, lr: float, tps: float) -> None:
         mfu = None
@@ -214,3 +243,9 @@ class Trainer:
             f"tps {tps:>9,.0f}  mfu {mfu_text:>6}  memory {memory:6.2f} GiB",
             soft_wrap=True,
         )
+
+
+class _NoWatchdog:
+    @contextlib.contextmanager
+    def watch(self, label: str = ""):
+        yield self
