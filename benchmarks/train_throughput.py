@@ -3,12 +3,13 @@
 Same model shape, batch, optimizer and machine; both in fp32 eager unless --dtype bfloat16
 (autocast for both). Prints both rates and their ratio.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 10] [--flavor debugmodel] [--seq-len 256]
+    .venv/bin/python benchmarks/train_throughput.py [--rounds 5] [--flavor debugmodel] [--seq-len 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -24,13 +25,20 @@ from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.optim import build_optimizer
 
 
-def tokens_per_second(step, batch_tokens: int, steps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
+def alternating_rates(steps: dict, batch_tokens: int, rounds: int, steps_per_round: int) -> dict[str, float]:
+    """Median tokens/s of each step function, measured in alternating rounds so that load from
+    other processes on the machine affects both alike."""
+    for step in steps.values():  # warm up
         step()
-    start = time.perf_counter()
-    for _ in range(steps):
         step()
-    return steps * batch_tokens / (time.perf_counter() - start)
+    rates: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            rates[name].append(steps_per_round * batch_tokens / (time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def main() -> None:
@@ -38,7 +46,8 @@ def main() -> None:
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     opts = parser.parse_args()
 
@@ -73,10 +82,16 @@ def main() -> None:
         return step
 
     batch_tokens = opts.batch * opts.seq_len
-    ours_tps = tokens_per_second(make_step(ours, lambda m: m(inputs)), batch_tokens, opts.steps)
-    theirs_tps = tokens_per_second(
-        make_step(theirs, lambda m: m(input_ids=inputs).logits), batch_tokens, opts.steps
+    rates = alternating_rates(
+        {
+            "titanctl": make_step(ours, lambda m: m(inputs)),
+            "transformers": make_step(theirs, lambda m: m(input_ids=inputs).logits),
+        },
+        batch_tokens,
+        opts.rounds,
+        opts.steps_per_round,
     )
+    ours_tps, theirs_tps = rates["titanctl"], rates["transformers"]
     print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
           f"{opts.dtype}, {torch.get_num_threads()} threads")
     print(f"titanctl      {ours_tps:10,.0f} tokens/s")
