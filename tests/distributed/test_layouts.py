@@ -3,6 +3,8 @@ per-step losses within 1e-5 relative (fp32), on real torchrun + gloo."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -56,14 +58,17 @@ LAYOUTS = [
 @pytest.mark.parametrize("name, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_layout_matches_single_process(reference, tmp_path, name, nproc, local_batch, overrides):
     ref_losses, ref_weights = reference
+    start = time.perf_counter()
     torchrun(nproc, WORKER, [*TINY_RUN, "--training.local_batch_size", str(local_batch), *overrides,
                              "--job.dump_folder", str(tmp_path)])
+    seconds = time.perf_counter() - start
     weights = gathered_weights(tmp_path, nproc)
     assert weights.keys() == ref_weights.keys()
     for key, tensor in ref_weights.items():
         assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
     got = losses(tmp_path)
     diff = max_rel_diff(got, ref_losses)
+    print(f"\nLAYOUT {name:32s} procs {nproc}  max rel loss diff {diff:.2e}  {seconds:5.1f} s")
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
 
 
