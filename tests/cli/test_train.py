@@ -90,7 +90,7 @@ def test_diverging_loss_stops_with_a_clear_message(tmp_path):
         (["train", "--training.dataset", "c5"], "c5"),
         (["train", "--training.dataset_path", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
         (["train", "--model.tokenizer_path", "/no/such/tokenizer.model"], "/no/such/tokenizer.model"),
-        (["train", "--parallelism.tensor_parallel_degree", "3"], "world size is 1"),
+        (["train", "--parallelism.tensor_parallel_degree", "3"], "world size 1 is not divisible"),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_2(args, message):
