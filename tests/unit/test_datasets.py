@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -182,7 +181,6 @@ def test_c4_offline_fails_fast_with_a_hint():
     assert "\n" not in message
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the datasets library")
 def test_c4_failure_inside_datasets_becomes_data_error(monkeypatch):
     # Skip our own reachability check so the real load_dataset call runs (and fails offline).
     import datasets

@@ -243,7 +243,7 @@ def test_token_cache_is_reused_and_survives_corruption(tmp_path, corpus, tok, mo
 
 
 def streaming_source(path: Path) -> HFStreamingSource:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     dataset = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
     return HFStreamingSource("test_stream", dataset, str(path))
 
