@@ -47,3 +47,8 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([2 / 3, 4 / 3, 1.0, 0.0])
+
+
+def test_past_the_last_step_stays_at_lr_min():
+    cfg = LRScheduler(warmup_steps=1, decay_type="linear", lr_min=0.1)
+    assert lr_factor(10, total_steps=5, cfg=cfg) == pytest.approx(0.1)

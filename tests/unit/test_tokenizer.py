@@ -215,3 +215,109 @@ def test_train_tokenizer_script_regenerates_the_shipped_file(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "chars/token" in result.stdout
     assert out.read_bytes() == DEFAULT_TOKENIZER_PATH.read_bytes()
+
+
+# ----------------------------------------------------------------------------- Hugging Face tokenizer.json
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, written out here independently of the runtime."""
+    keep = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+    table = {b: chr(b) for b in keep}
+    for n, b in enumerate(b for b in range(256) if b not in table):
+        table[b] = chr(256 + n)
+    return table
+
+
+def tokenizer_json(ranks: dict[bytes, int], *, style: str = "llama3", specials: bool = True) -> dict:
+    """A tokenizer.json equivalent to tiktoken `ranks`, built the way HF converts tiktoken files:
+    every split of a token into two known tokens is a merge, merges sorted by the rank they make."""
+    chars = _byte_chars()
+    text = lambda token: "".join(chars[b] for b in token)  # noqa: E731
+    merges = []
+    for token, _rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [[text(a), text(b)] for a, b in sorted(splits, key=lambda p: (ranks[p[0]], ranks[p[1]]))]
+    if style == "llama3":
+        pre = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ]}
+    else:  # GPT-2: the ByteLevel step splits with its own regex
+        pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    n = len(ranks)
+    added = [
+        {"id": n + i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, tok in enumerate(SPECIAL_TOKENS)
+    ] if specials else []
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": pre, "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges},
+    }
+
+
+@pytest.fixture(scope="module")
+def bundled_ranks() -> dict[bytes, int]:
+    lines = DEFAULT_TOKENIZER_PATH.read_bytes().splitlines()
+    return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in lines)}
+
+
+@pytest.mark.parametrize("style", ["llama3", "gpt2"])
+def test_tokenizer_json_encodes_like_the_tokenizers_library(tmp_path, bundled_ranks, val_docs, style):
+    import tokenizers
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(tokenizer_json(bundled_ranks, style=style)))
+    ours, theirs = Tokenizer(path), tokenizers.Tokenizer.from_file(str(path))
+    assert ours.vocab_size == theirs.get_vocab_size() == 4352
+    assert (ours.bos_id, ours.eos_id, ours.eot_id) == (4096, 4097, 4105)
+    texts = val_docs + ["héllo wörld — ½", "日本語のテキスト", "emoji 👩‍👩‍👧", "tabs\tand\r\nnewlines  ", "x" * 3000]
+    n_tokens = 0
+    for text in texts:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, bos=False, eos=False) == want, text[:80]
+        assert ours.decode(want) == theirs.decode(want, skip_special_tokens=False) == text
+        n_tokens += len(want)
+    assert n_tokens > 10_000  # the comparison covered real text, not a handful of tokens
+    if style == "llama3":  # the same ranks as the shipped tokenizer.model: identical ids
+        shipped = Tokenizer(DEFAULT_TOKENIZER_PATH)
+        assert ours.encode_batch(val_docs, bos=True, eos=True) == shipped.encode_batch(val_docs, bos=True, eos=True)
+
+
+def test_tokenizer_json_without_added_tokens_gets_llama31_specials(tmp_path, bundled_ranks):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(tokenizer_json(bundled_ranks, specials=False)))
+    t = Tokenizer(path)
+    assert t.vocab_size == 4352 and t.special_tokens == Tokenizer(DEFAULT_TOKENIZER_PATH).special_tokens
+
+
+@pytest.mark.parametrize(
+    "breakage, why",
+    [
+        ("swap_merges", "out of token-id order"),
+        ("few_specials", "special tokens at ids"),
+        ("wordpiece", "not byte-level BPE"),
+        ("prefix_space", "add_prefix_space"),
+        ("not_json", "not valid JSON"),
+    ],
+)
+def test_unusable_tokenizer_json_is_a_one_line_data_error(tmp_path, bundled_ranks, breakage, why):
+    spec = tokenizer_json(bundled_ranks)
+    if breakage == "swap_merges":
+        merges = spec["model"]["merges"]
+        merges[10], merges[500] = merges[500], merges[10]
+    elif breakage == "few_specials":
+        spec["added_tokens"] = spec["added_tokens"][:5]
+    elif breakage == "wordpiece":
+        spec["model"]["type"] = "WordPiece"
+    elif breakage == "prefix_space":
+        spec["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = True
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{ nope" if breakage == "not_json" else json.dumps(spec))
+    with pytest.raises(DataError, match=why) as err:
+        Tokenizer(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)

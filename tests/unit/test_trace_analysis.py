@@ -123,7 +123,7 @@ def test_cli_json_and_tables(two_ranks, capsys):
 
 
 def test_real_profiler_trace_top_ops(tmp_path, capsys):
-    torch = pytest.importorskip("torch")
+    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     a = torch.randn(96, 96)
@@ -185,3 +185,11 @@ def test_missing_path_and_empty_folder(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
     code, _, err = run_cli(["inspect-trace", str(tmp_path)], capsys)
     assert code == 2 and "no torch.profiler traces or Flight Recorder dumps found" in err
+
+
+def test_no_torch_at_import_time():
+    code = ("import sys, titanctl.cli.app, titanctl.cli.inspect_trace, titanctl.tools.trace_analysis, "
+            "titanctl.parallel.flight_recorder; assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
+    assert proc.returncode == 0, proc.stderr

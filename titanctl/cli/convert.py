@@ -1,8 +1,96 @@
-"""`titanctl convert-checkpoint`."""
+"""`titanctl convert-checkpoint` (alias `titanctl convert`)."""
 
-from titanctl.cli.pending import not_yet
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from titanctl.cli import console
 
 
-def convert() -> None:
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def convert(
+    src: Path = typer.Argument(..., help="Checkpoint folder to read."),
+    dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
+    from_format: Optional[str] = typer.Option(
+        None, "--from", help="Source format: meta, dcp, hf or torchtune. Default: told by SRC's files."
+    ),
+    to_format: Optional[str] = typer.Option(
+        None, "--to", help="Target format: meta, dcp, hf or torchtune. Default: dcp, or hf when SRC is dcp."
+    ),
+    flavor: Optional[str] = typer.Option(
+        None, "--flavor", help="Model flavor (debugmodel, 8B, 70B, 405B) instead of SRC's own config."
+    ),
+    config: Optional[Path] = typer.Option(None, "--config", help="Recipe TOML whose model section to use instead."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights: fp32, bf16 or fp16. Default: keep."),
+    shards: Optional[int] = typer.Option(None, "--shards", help="Model-parallel shards of a meta output."),
+    max_shard_size: Optional[str] = typer.Option(
+        None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."
+    ),
+) -> None:
     """Convert checkpoints between Meta, DCP, Hugging Face and torchtune formats."""
-    raise not_yet("convert-checkpoint", 5)
+    from titanctl.checkpoint.convert import ConversionReport, ProgressSink, convert_checkpoint
+
+    class Bar(ProgressSink):
+        """A rich progress bar in bytes, drawn only on a terminal."""
+
+        def __init__(self) -> None:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[tensor]}", style="dim"),
+                console=console.err,
+                transient=True,
+                disable=not console.err.is_terminal,
+            )
+            self.task = None
+
+        def start(self, total_bytes: int, description: str) -> None:
+            self.progress.start()
+            self.task = self.progress.add_task(description, total=total_bytes, tensor="")
+
+        def advance(self, name: str, nbytes: int) -> None:
+            self.progress.update(self.task, advance=nbytes, tensor=name)
+
+    bar = Bar()
+    try:
+        report: ConversionReport = convert_checkpoint(
+            src,
+            dst,
+            src_format=from_format,
+            dst_format=to_format,
+            flavor=flavor,
+            config=config,
+            dtype=dtype,
+            shards=shards,
+            max_shard_size=max_shard_size,
+            progress=bar,
+        )
+    finally:
+        bar.progress.stop()
+    args = report.args
+    typer.echo(
+        f"{report.src_format} → {report.dst_format}: {report.tensors} tensors, {_size(report.nbytes)} "
+        f"in {report.seconds:.1f} s ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}, "
+        f"model from {report.origin}) → {report.dst}"
+    )

@@ -1,8 +1,34 @@
 """`titanctl download-tokenizer`."""
 
-from titanctl.cli.pending import not_yet
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
 
 
-def download_tokenizer() -> None:
-    """Fetch a tokenizer from the Hugging Face hub."""
-    raise not_yet("download-tokenizer", 5)
+def download_tokenizer(
+    repo_id: str = typer.Option("meta-llama/Meta-Llama-3.1-8B", "--repo-id", help="Hugging Face repository."),
+    tokenizer_path: str = typer.Option(
+        "original", "--tokenizer-path", help="Folder of the file in the repo; empty for the top level."
+    ),
+    file: Optional[str] = typer.Option(
+        None,
+        "--file",
+        help="File to fetch. Default: tokenizer.model in a folder, tokenizer.json at the top level.",
+    ),
+    hf_token: Optional[str] = typer.Option(
+        None, "--hf-token", help="Token of an account with access (gated repos); default: env HF_TOKEN.",
+        show_default=False,
+    ),
+    local_dir: Path = typer.Option(Path("assets/tokenizer"), "--local-dir", help="Where to save it."),
+) -> None:
+    """Fetch a Llama 3 tokenizer (tokenizer.model or tokenizer.json) from the Hugging Face Hub."""
+    from titanctl.tools.download import download_tokenizer as fetch
+
+    got = fetch(repo_id, tokenizer_path=tokenizer_path, filename=file, local_dir=local_dir, hf_token=hf_token)
+    typer.echo(
+        f"saved {got.path} (vocab {got.vocab_size}, sha256 {got.sha256[:12]}); "
+        f"train with --model.tokenizer_path {got.path}"
+    )

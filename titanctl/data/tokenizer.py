@@ -4,12 +4,22 @@ The file format is Meta's: one `base64(token_bytes) rank` line per token. Llama 
 256 special tokens are appended after the base ranks, so Meta's own file gives the
 usual ids (128000 = <|begin_of_text|>) and the bundled 4096-rank tokenizer gives
 4096 = <|begin_of_text|>. This module does not import torch.
+
+A Hugging Face `tokenizer.json` of a byte-level BPE (what Llama 3 repositories ship
+beside `original/tokenizer.model`) is read too: its vocab, written in GPT-2's
+printable-byte alphabet, maps back to raw bytes and token ids become tiktoken ranks;
+its pre-tokenizer regex and added special tokens are used as they are. tiktoken merges
+the lowest-ranked pair first and `tokenizers` the earliest merge, so the merges must
+come in token-id order, as in tokenizers converted from tiktoken (Llama 3's) and those
+trained by `tokenizers` (ids are given in merge order); that is checked. The
+`tokenizers` library itself is not needed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -46,6 +56,10 @@ _NAMED_SPECIAL_TOKENS = (
 SPECIAL_TOKENS: tuple[str, ...] = _NAMED_SPECIAL_TOKENS + tuple(
     f"<|reserved_special_token_{i}|>" for i in range(3, 3 + NUM_SPECIAL_TOKENS - len(_NAMED_SPECIAL_TOKENS))
 )
+
+
+# GPT-2's pre-tokenizer split, what a `ByteLevel(use_regex=true)` pre-tokenizer applies.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 # tiktoken's regex engine overflows its stack (a Rust panic, not an exception) on very
@@ -99,16 +113,21 @@ class Tokenizer:
         # checkpoint fingerprints by it). Passing it to tiktoken also defeats its cache
         # keyed by path, which would otherwise return stale ranks after the file changes.
         self.sha256 = hashlib.sha256(data).hexdigest()
-        try:
-            ranks = load_tiktoken_bpe(str(self.path), expected_hash=self.sha256)
-        except ValueError as e:  # a line that is not 'base64 rank', or a hash mismatch
-            raise DataError(
-                f"tokenizer file {self.path} is not a tiktoken ranks file: {_first_line(e)}"
-            ) from None
+        specials: dict[str, int] | None = None
+        pattern = LLAMA3_PATTERN
+        if data.lstrip()[:1] == b"{":  # a Hugging Face tokenizer.json
+            ranks, specials, pattern = _read_tokenizer_json(data, self.path)
+        else:
+            try:
+                ranks = load_tiktoken_bpe(str(self.path), expected_hash=self.sha256)
+            except ValueError as e:  # a line that is not 'base64 rank', or a hash mismatch
+                raise DataError(
+                    f"tokenizer file {self.path} is not a tiktoken ranks file: {_first_line(e)}"
+                ) from None
         _validate_ranks(ranks, self.path)
 
         self.n_base_tokens = len(ranks)
-        self.special_tokens: dict[str, int] = {
+        self.special_tokens: dict[str, int] = specials or {
             tok: self.n_base_tokens + i for i, tok in enumerate(SPECIAL_TOKENS)
         }
         # tiktoken does not check this itself: a special id equal to an ordinary rank
@@ -116,20 +135,28 @@ class Tokenizer:
         if set(self.special_tokens.values()) & set(ranks.values()):
             raise DataError(f"tokenizer file {self.path}: special-token ids collide with ordinary ranks")
         self.vocab_size: int = self.n_base_tokens + len(SPECIAL_TOKENS)
-        self._model = tiktoken.Encoding(
-            name=f"titanctl-{self.sha256[:12]}",
-            pat_str=LLAMA3_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens=self.special_tokens,
-            explicit_n_vocab=self.vocab_size,
-        )
-        self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
-        self.eos_id: int = self.special_tokens["<|end_of_text|>"]
-        self.pad_id: int = self.special_tokens["<|finetune_right_pad_id|>"]
-        self.eot_id: int = self.special_tokens["<|eot_id|>"]
-        self.eom_id: int = self.special_tokens["<|eom_id|>"]
+        try:
+            self._model = tiktoken.Encoding(
+                name=f"titanctl-{self.sha256[:12]}",
+                pat_str=pattern,
+                mergeable_ranks=ranks,
+                special_tokens=self.special_tokens,
+                explicit_n_vocab=self.vocab_size,
+            )
+        except ValueError as e:  # e.g. a tokenizer.json regex tiktoken's engine cannot compile
+            raise DataError(f"tokenizer file {self.path} cannot be used by tiktoken: {_first_line(e)}") from None
+        self.bos_id: int = self._special_id("<|begin_of_text|>")
+        self.eos_id: int = self._special_id("<|end_of_text|>")
+        self.pad_id: int = self._special_id("<|finetune_right_pad_id|>")
+        self.eot_id: int = self._special_id("<|eot_id|>")
+        self.eom_id: int = self._special_id("<|eom_id|>")
         # Generation stops at any of these: end of text, end of turn, end of message.
         self.stop_tokens: set[int] = {self.eos_id, self.eot_id, self.eom_id}
+
+    def _special_id(self, name: str) -> int:
+        # A Llama 3.0 tokenizer.json names some ids differently (no <|finetune_right_pad_id|>):
+        # the id keeps its Llama 3.1 position.
+        return self.special_tokens.get(name, self.n_base_tokens + SPECIAL_TOKENS.index(name))
 
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         if not isinstance(text, str):
@@ -179,6 +206,103 @@ def _validate_ranks(ranks: dict[bytes, int], path: Path) -> None:
         raise DataError(
             f"tokenizer file {path}: single byte 0x{missing[0]:02x} has no rank ({len(missing)} missing)"
         )
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character of each byte -> the byte (byte-level BPE vocabularies)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # '!'..'~', '¡'..'¬', '®'..'ÿ'
+    chars = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return {c: b for b, c in chars.items()}
+
+
+def _pre_tokenizer_pattern(pre: object, path: Path) -> str:
+    """The single split regex of a byte-level pre-tokenizer (what tiktoken calls pat_str)."""
+    if not isinstance(pre, dict):
+        raise DataError(f"tokenizer file {path} has no pre-tokenizer: not a byte-level BPE tokenizer")
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    pattern, byte_level = None, False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "Split":
+            regex = (step.get("pattern") or {}).get("Regex")
+            if regex is None or step.get("invert") or step.get("behavior", "Isolated") != "Isolated" or pattern:
+                raise DataError(f"tokenizer file {path}: unsupported Split pre-tokenizer {json.dumps(step)[:120]}")
+            pattern = regex
+        elif kind == "ByteLevel":
+            if step.get("add_prefix_space"):
+                raise DataError(f"tokenizer file {path}: ByteLevel add_prefix_space=true is not supported")
+            byte_level = True
+            if step.get("use_regex", True):
+                if pattern:
+                    raise DataError(f"tokenizer file {path}: two pre-tokenizer regexes cannot be one tiktoken pattern")
+                pattern = GPT2_PATTERN
+        else:
+            raise DataError(f"tokenizer file {path}: unsupported pre-tokenizer {kind!r}")
+    if not byte_level or pattern is None:
+        raise DataError(f"tokenizer file {path}: pre-tokenizer is not byte-level BPE (no ByteLevel step)")
+    return pattern
+
+
+def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dict[str, int] | None, str]:
+    """(tiktoken ranks, special tokens or None, split regex) of a HF byte-level BPE tokenizer.json."""
+    try:
+        spec = json.loads(data)
+    except ValueError as e:
+        raise DataError(f"tokenizer file {path} is not valid JSON: {_first_line(e)}") from None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise DataError(f"tokenizer file {path}: model type {kind!r} is not byte-level BPE")
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise DataError(f"tokenizer file {path}: model has no vocab/merges")
+    if model.get("byte_fallback") or spec.get("normalizer"):
+        raise DataError(f"tokenizer file {path}: byte_fallback/normalizer (SentencePiece style) is not byte-level BPE")
+    pattern = _pre_tokenizer_pattern(spec.get("pre_tokenizer"), path)
+
+    added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens") or []}
+    alphabet = _gpt2_byte_alphabet()
+    ranks: dict[bytes, int] = {}
+    for token, rank in vocab.items():
+        if token in added and added[token] == rank:
+            continue  # some files list the special tokens in the vocab too
+        try:
+            ranks[bytes(alphabet[c] for c in token)] = int(rank)
+        except KeyError:
+            raise DataError(
+                f"tokenizer file {path}: token {token!r} is not in the byte-level alphabet"
+            ) from None
+    # tiktoken merges the pair whose result has the lowest rank: equal to the merge list
+    # only if results come in rank order.
+    last = -1
+    for i, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        made = vocab.get(left + right)
+        if made is None or made < last:
+            raise DataError(
+                f"tokenizer file {path}: merge {i} ({left!r} + {right!r}) is out of token-id order; "
+                "its merges cannot be expressed as tiktoken ranks"
+            )
+        last = made
+
+    specials = None
+    if added:
+        n_base = len(ranks)
+        ids = sorted(added.values())
+        if ids != list(range(n_base, n_base + NUM_SPECIAL_TOKENS)):
+            raise DataError(
+                f"tokenizer file {path}: expected Llama 3's {NUM_SPECIAL_TOKENS} special tokens at ids "
+                f"{n_base}..{n_base + NUM_SPECIAL_TOKENS - 1}, found {len(ids)} added tokens at {ids[0]}..{ids[-1]}"
+            )
+        if added.get("<|begin_of_text|>") != n_base or added.get("<|end_of_text|>") != n_base + 1:
+            raise DataError(f"tokenizer file {path}: <|begin_of_text|>/<|end_of_text|> are not the first special tokens")
+        specials = added
+    return ranks, specials, pattern
 
 
 def _first_line(e: Exception) -> str:

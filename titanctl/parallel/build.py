@@ -6,8 +6,9 @@ TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -88,8 +89,13 @@ def build_model_parts(
     *,
     loss_fn: Callable | None = None,
     init: bool = True,
+    fake_mode: ContextManager | None = None,
 ) -> ModelParts:
-    """Build on the meta device, parallelize, then materialize on ``device`` and initialize."""
+    """Build on the meta device, parallelize, then materialize on ``device`` and initialize.
+
+    ``fake_mode`` (a FakeTensorMode, with ``init=False``): materialize inside it, so the parts hold
+    fake tensors with shapes but no storage (memory estimation).
+    """
     check_layout(cfg, dims, args)
     with torch.device("meta"):
         model = Transformer(args)
@@ -108,9 +114,10 @@ def build_model_parts(
         result = ModelParts(pipeline.model_parts, pipeline)
     else:
         result = ModelParts([parallelize(model, cfg, dims)])
-    for part in result.parts:
-        part.to_empty(device=device)
-        if init:
-            initialize_weights(part, cfg.training.seed, buffer_device=device)
-        part.train()
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        for part in result.parts:
+            part.to_empty(device=device)
+            if init:
+                initialize_weights(part, cfg.training.seed, buffer_device=device)
+            part.train()
     return result

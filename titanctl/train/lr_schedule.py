@@ -22,7 +22,8 @@ def lr_factor(step: int, *, total_steps: int, cfg: LRScheduler) -> float:
     decay_start = total_steps - decay_steps
     if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = (step - decay_start + 1) / decay_steps  # reaches 1 at the last step
+    # Reaches 1 at the last step; the scheduler's final step() (after training) stays there.
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
     if cfg.decay_type == "linear":
         curve = 1.0 - progress
     elif cfg.decay_type == "sqrt":

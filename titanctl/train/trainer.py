@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from titanctl.checkpoint.manager import CheckpointManager, plan_load
 from titanctl.config.job_config import JobConfig
 from titanctl.data.datasets import load_documents
 from titanctl.data.loader import TokenWindowLoader
@@ -31,6 +32,76 @@ from titanctl.train.optim import build_optimizer
 
 class TrainingDiverged(TitanError):
     """The loss became NaN or infinite."""
+
+
+@dataclasses.dataclass
+class ForwardBackward:
+    """Forward, loss and backward over one optimizer step's microbatches.
+
+    The Trainer runs it on real tensors; `titanctl estimate-memory` runs the same code on fake ones.
+    """
+
+    cfg: JobConfig
+    dims: ParallelDims
+    model_parts: list[torch.nn.Module]
+    pipeline: object | None  # titanctl.parallel.pipeline.Pipeline when pp > 1
+    device: torch.device
+
+    def __post_init__(self):
+        compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
+        # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=compute_dtype)
+            if compute_dtype != torch.float32 and not self.dims.fsdp_enabled
+            else contextlib.nullcontext()
+        )
+
+    def train_context(self):
+        """Loss parallel (logits stay sharded over tp) wraps forward, loss and backward."""
+        p = self.cfg.parallelism
+        if self.dims.tp > 1 and not p.disable_loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def microbatch(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
+        with self.train_context():
+            if self.pipeline is not None:
+                loss = self.pipeline.step(inputs, labels, loss_scale=scale)
+                return None if loss is None else loss.detach()
+            cp_ctx = contextlib.nullcontext()
+            if self.dims.cp > 1:
+                from titanctl.parallel.context_parallel import context_parallel_ctx
+
+                model = self.model_parts[0]
+                cp_ctx = context_parallel_ctx(
+                    self.dims.mesh["cp"],
+                    buffers=[inputs, labels, model.rope_cache],
+                    seq_dims=[1, 1, 0],
+                    no_restore={inputs, labels},
+                    rotate_method=self.cfg.parallelism.context_parallel_rotate_method,
+                )
+            with cp_ctx:
+                with self.autocast:
+                    logits = self.model_parts[0](inputs)
+                # Equal-length microbatches: the mean of their means is the global-batch mean.
+                loss = cross_entropy_loss(logits, labels) * scale
+                loss.backward()
+            return loss.detach()
+
+    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Accumulate the gradients of the step's mean loss; returns that loss (None off the last stage)."""
+        scale = 1.0 / len(microbatches)
+        loss_sum = None
+        for inputs, labels in microbatches:
+            loss = self.microbatch(inputs.to(self.device), labels.to(self.device), scale)
+            if loss is not None:
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+        if self.pipeline is not None and loss_sum is not None:
+            loss_sum = loss_sum * scale  # the pipeline returns the unscaled mean of its microbatches
+        return loss_sum
 
 
 class Trainer:
@@ -68,21 +139,28 @@ class Trainer:
         )
         self.global_batch = global_batch
 
+        # A checkpoint to resume is chosen and checked before the model exists: a bad one fails fast,
+        # and weights that the checkpoint restores need no initialization (costly for big models).
+        load_plan = None if cfg.checkpoint.create_seed_checkpoint else plan_load(cfg, self.model_args)
+        restores_weights = load_plan is not None and load_plan.restores_model
         built = build_model_parts(
-            cfg, self.dims, self.model_args, self.env.device, loss_fn=cross_entropy_loss
+            cfg, self.dims, self.model_args, self.env.device, loss_fn=cross_entropy_loss, init=not restores_weights
         )
+        if restores_weights:
+            for part in built.parts:
+                part.init_buffers(self.env.device)  # buffers are not in checkpoints
         self.model_parts, self.pipeline = built.parts, built.pipeline
+        self.forward_backward = ForwardBackward(cfg, self.dims, self.model_parts, self.pipeline, self.env.device)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
         self.tokens_seen = 0
+        self.checkpoint = self._build_checkpoint_manager()
+        if load_plan is not None:
+            resumed = self.checkpoint.load(load_plan)  # before anything is written: a bad checkpoint changes nothing
+            self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
 
         compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
-        self.autocast = (
-            torch.autocast(self.env.device.type, dtype=compute_dtype)
-            if compute_dtype != torch.float32 and not self.dims.fsdp_enabled
-            else contextlib.nullcontext()
-        )
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_tflops = device_peak_tflops(self.env.device, compute_dtype, cfg.metrics.peak_tflops)
         self.sinks = None
@@ -98,52 +176,9 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def _train_context(self):
-        """Loss parallel (logits stay sharded over tp) wraps forward, loss and backward."""
-        p = self.cfg.parallelism
-        if self.dims.tp > 1 and not p.disable_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
-        with self._train_context():
-            if self.pipeline is not None:
-                loss = self.pipeline.step(inputs, labels, loss_scale=scale)
-                return None if loss is None else loss.detach()
-            cp_ctx = contextlib.nullcontext()
-            if self.dims.cp > 1:
-                from titanctl.parallel.context_parallel import context_parallel_ctx
-
-                model = self.model_parts[0]
-                cp_ctx = context_parallel_ctx(
-                    self.dims.mesh["cp"],
-                    buffers=[inputs, labels, model.rope_cache],
-                    seq_dims=[1, 1, 0],
-                    no_restore={inputs, labels},
-                    rotate_method=self.cfg.parallelism.context_parallel_rotate_method,
-                )
-            with cp_ctx:
-                with self.autocast:
-                    logits = self.model_parts[0](inputs)
-                # Equal-length microbatches: the mean of their means is the global-batch mean.
-                loss = cross_entropy_loss(logits, labels) * scale
-                loss.backward()
-            return loss.detach()
-
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (loss, grad norm)."""
-        microbatches = self.loader.next_step()
-        scale = 1.0 / len(microbatches)
-        loss_sum = None
-        for inputs, labels in microbatches:
-            loss = self._forward_backward(inputs.to(self.env.device), labels.to(self.env.device), scale)
-            if loss is not None:
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-        if self.pipeline is not None and loss_sum is not None:
-            loss_sum = loss_sum * scale  # the pipeline returns the unscaled mean of its microbatches
+        loss_sum = self.forward_backward(self.loader.next_step())
         grad_norm = clip_grad_norm(self.parameters(), self.cfg.training.max_norm, self.dims)
         loss_value = global_mean_loss(loss_sum, self.dims).item()
         if not math.isfinite(loss_value):
@@ -151,13 +186,36 @@ class Trainer:
                 f"loss is {loss_value} at step {self.step + 1}; lower optimizer.lr "
                 f"(now {self.cfg.optimizer.lr}) or raise lr_scheduler.warmup_steps"
             )
+        self.checkpoint.wait_for_staging()  # an async save may still be copying the weights
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_value, grad_norm.item()
 
+    def _build_checkpoint_manager(self) -> CheckpointManager:
+        return CheckpointManager(
+            self.cfg,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            loader=self.loader,
+            model_args=self.model_args,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            dp_degree=self.dims.dp,
+            device=self.env.device,
+            log=lambda text: self.console.print(text, soft_wrap=True),
+        )
+
     def train(self) -> None:
         cfg = self.cfg
+        if cfg.checkpoint.create_seed_checkpoint:
+            with self.checkpoint:
+                folder = self.checkpoint.save_seed()
+            if self.sinks is not None:
+                self.sinks.close()
+            self.console.print(f"seed checkpoint written to {folder}; not training (create_seed_checkpoint)")
+            return
         n_params = self.model_args.num_params()
         self.console.print(
             f"[bold]titanctl[/bold] {cfg.model.flavor}: {n_params / 1e6:.1f}M params, "
@@ -178,7 +236,10 @@ class Trainer:
         )
         window_start, window_tokens = time.perf_counter(), 0
         start_step = self.step
-        with progress, self._hang_watchdog() as watchdog:
+        from titanctl.tools.profiling import maybe_profile
+
+        profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
+        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler:
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             while self.step < cfg.training.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
@@ -195,6 +256,8 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     self._log(loss, grad_norm, lr, window_tokens / elapsed)
                     window_start, window_tokens = time.perf_counter(), 0
+                self.checkpoint.maybe_save(self.step, self.tokens_seen, last=self.step == cfg.training.steps)
+                profiler.step()
         if self.sinks is not None:
             self.sinks.close()
         self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per rank")

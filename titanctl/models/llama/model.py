@@ -4,6 +4,9 @@ Nothing here knows about parallelism. Projections reshape with ``-1`` heads, so 
 tensor-parallel plan that shards them column-wise just works; ``layers`` is a
 ModuleDict keyed by layer id, so pipeline stages keep canonical names; and any of
 ``tok_embeddings``, ``norm``, ``output`` may be set to None by a pipeline split.
+
+Inference adds an optional KV cache (``setup_kv_cache``, then ``forward(tokens, start_pos)``);
+training never passes ``start_pos`` and runs exactly the cache-free code.
 """
 
 from __future__ import annotations
@@ -66,6 +69,31 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class KVCache:
+    """Keys and values of the positions decoded so far: (B, max_seq_len, H_kv, head_dim) each.
+
+    Allocated at the first update from the keys it is given, so under tensor parallelism it
+    holds only this rank's heads, without the model knowing about parallelism.
+    """
+
+    def __init__(self, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, T, H_kv, head_dim) at start_pos; return all keys and values up to it + T."""
+        end = start_pos + k.shape[1]
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache holds {self.max_seq_len} positions, asked to write up to {end}")
+        if self.k is None or self.k.shape[0] != k.shape[0]:
+            self.k = k.new_zeros(k.shape[0], self.max_seq_len, *k.shape[2:])  # (B, S_max, H_kv, head_dim)
+            self.v = v.new_zeros(v.shape[0], self.max_seq_len, *v.shape[2:])
+        self.k[:, start_pos:end] = k
+        self.v[:, start_pos:end] = v
+        return self.k[:, :end], self.v[:, :end]  # (B, end, H_kv, head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -75,8 +103,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.cache: KVCache | None = None  # set by Transformer.setup_kv_cache for decoding
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
+        """With ``start_pos`` (decoding) x holds positions start_pos.. and rope their rows."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of them.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, head_dim)
@@ -84,10 +114,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
         rope = rope[:seqlen]  # the table may be longer than this sequence
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, T, H, head_dim)
+        mask, causal = None, True
+        if start_pos is not None:  # decoding: attend to the cached positions too
+            k, v = self.cache.update(start_pos, k, v)  # (B, S = start_pos + T, H_kv, head_dim)
+            if start_pos > 0:  # causal, aligned to the last key (a lone new token sees every key)
+                causal = False
+                if seqlen > 1:
+                    mask = torch.ones(seqlen, k.shape[1], dtype=torch.bool, device=x.device).tril(start_pos)
+        k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, S, H, head_dim)
         v = v.repeat_interleave(self.kv_repeats, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
         )  # (B, H, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
 
@@ -111,8 +148,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, start_pos=start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,18 +175,35 @@ class Transformer(nn.Module):
         # Derived from args, so never saved: checkpoints hold weights only.
         self.register_buffer("rope_cache", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
 
-        Returns logits (B, T, vocab), or hidden states when this stage has no output layer.
+        ``start_pos`` (after ``setup_kv_cache``): tokens sit at positions start_pos.. and attend
+        to the cached ones before them. Returns logits (B, T, vocab), or hidden states when this
+        stage has no output layer.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table: under sequence parallel h holds only this rank's part of the sequence.
+        rope = self.rope_cache
+        if start_pos is not None:
+            rope = rope[start_pos : start_pos + h.shape[1]]  # (T, head_dim // 2, 2)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope, start_pos=start_pos)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+    def setup_kv_cache(self, max_seq_len: int | None = None) -> None:
+        """Give every attention an empty KV cache of ``max_seq_len`` positions (default: the RoPE table's)."""
+        length = max_seq_len or self.rope_cache.shape[0]
+        if length > self.rope_cache.shape[0]:
+            raise ValueError(f"a {length}-position cache needs ModelArgs.max_seq_len >= {length}")
+        for layer in self.layers.values():
+            layer.attention.cache = KVCache(length)
+
+    def clear_kv_cache(self) -> None:
+        for layer in self.layers.values():
+            layer.attention.cache = None
 
     def param_init(self, name: str) -> ParamInit:
         """The init of a parameter, from its name (wrapper prefixes are ignored)."""

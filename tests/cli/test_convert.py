@@ -1,0 +1,86 @@
+"""`titanctl convert-checkpoint` / `titanctl convert` run as a user runs them: a subprocess, offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import OFFLINE_ENV, TITANCTL
+from titanctl.checkpoint.convert import load_checkpoint, save_state_dict
+from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.model import Transformer
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=32)
+
+
+def run(*args, check=True):
+    proc = subprocess.run([*TITANCTL, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **OFFLINE_ENV}, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def meta_ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    state = Transformer(ARGS).state_dict()
+    folder = tmp_path_factory.mktemp("cli") / "meta"
+    save_state_dict(state, ARGS, folder, "meta")
+    return folder, state
+
+
+def test_convert_checkpoint_and_its_alias_infer_formats(meta_ckpt, tmp_path):
+    src, state = meta_ckpt
+    proc = run("convert-checkpoint", src, tmp_path / "hf", "--to", "hf", "--dtype", "bf16")
+    assert proc.stdout.startswith("meta → hf: 21 tensors"), proc.stdout  # --from told by params.json + .pth
+    assert "model from params.json" in proc.stdout
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    proc = run("convert", tmp_path / "hf", tmp_path / "dcp")  # the alias; hf -> dcp by default
+    assert proc.stdout.startswith("hf → dcp:"), proc.stdout
+    back, args = load_checkpoint(tmp_path / "dcp")
+    assert args.n_layers == 2 and args.vocab_size == 300
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "does not exist"),
+        ("wrong-format", "has no config.json: not a Hugging Face checkpoint"),
+        ("unknown-format", "cannot tell the checkpoint format"),
+        ("non-empty-dst", "is not empty: refusing to overwrite"),
+        ("flavor", "has shape (300, 64), expected (300, 4096) for the model from --flavor 8B"),
+    ],
+)
+def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message):
+    src, _ = meta_ckpt
+    dst = tmp_path / "out"
+    args = [src, dst]
+    if case == "missing":
+        args = [tmp_path / "no-such-folder", dst]
+    elif case == "wrong-format":
+        args += ["--from", "hf"]
+    elif case == "unknown-format":
+        (tmp_path / "notes").mkdir()
+        (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
+        args = [tmp_path / "notes", dst]
+    elif case == "non-empty-dst":
+        dst.mkdir()
+        (dst / "keep.txt").write_text("mine")
+    elif case == "flavor":
+        args += ["--flavor", "8B"]
+    proc = run("convert", *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    if case == "non-empty-dst":
+        assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    else:
+        assert not dst.exists()
+    assert not list(tmp_path.glob(".*partial*"))

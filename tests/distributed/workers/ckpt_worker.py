@@ -1,0 +1,104 @@
+"""Train under torchrun like `titanctl train`, with test instrumentation for checkpoint tests.
+
+    torchrun ... ckpt_worker.py [--test-write-delay S] [--test-resume-from K] --job.dump_folder OUT \
+        [--section.key VALUE ...]
+
+Always writes OUT/samples_rank{r}.jsonl: per step, this rank's loader position before the step and a
+hash of every sequence it trained on (to prove no sample is repeated or skipped across a resume).
+  --test-write-delay S   every DCP write waits S seconds first (a wide window for killing mid-save)
+  --test-resume-from K   after training, resume in this same process group from step-K: copy it to
+                         OUT/resumed/checkpoint/ and train again with job.dump_folder OUT/resumed
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from titanctl.config.loader import load_config
+from titanctl.train.trainer import Trainer
+
+
+def log_samples(trainer: Trainer, out: Path) -> None:
+    sink = open(out / f"samples_rank{trainer.env.rank}.jsonl", "a", buffering=1)
+    loader = trainer.loader
+    next_step = loader.next_step
+
+    def logged():
+        before = loader.samples_consumed
+        microbatches = next_step()
+        rows = [
+            hashlib.sha1(inputs[i].numpy().tobytes() + labels[i, -1:].numpy().tobytes()).hexdigest()[:16]
+            for inputs, labels in microbatches
+            for i in range(len(inputs))
+        ]
+        sink.write(json.dumps({"step": trainer.step + 1, "consumed_before": before, "dp_rank": loader.dp_rank,
+                               "rows": rows}) + "\n")
+        return microbatches
+
+    loader.next_step = logged
+
+
+def slow_writes(seconds: float) -> None:
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    write_data = _FileSystemWriter.write_data
+
+    def delayed(self, plan, planner):
+        time.sleep(seconds)
+        return write_data(self, plan, planner)
+
+    _FileSystemWriter.write_data = delayed
+
+
+def run(cfg) -> Trainer:
+    out = Path(cfg.job.dump_folder)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg)
+    log_samples(trainer, out)
+    trainer.train()
+    return trainer
+
+
+def pop_option(args: list[str], name: str) -> str | None:
+    if name not in args:
+        return None
+    i = args.index(name)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    delay = pop_option(args, "--test-write-delay")
+    resume_from = pop_option(args, "--test-resume-from")
+    if delay:
+        slow_writes(float(delay))
+    cfg = load_config(None, args)
+    trainer = run(cfg)
+    if resume_from:
+        out = Path(cfg.job.dump_folder)
+        again = out / "resumed"
+        if trainer.env.rank == 0:
+            source = out / cfg.checkpoint.folder / f"step-{resume_from}"
+            shutil.copytree(source, again / cfg.checkpoint.folder / source.name)
+        if dist.is_initialized():
+            dist.barrier()
+        cfg2 = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, dump_folder=str(again)))
+        run(cfg2)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)

@@ -1,0 +1,56 @@
+"""Generate under torchrun with tensor parallel over all ranks; every rank writes what it decoded.
+
+    torchrun --nproc_per_node N gen_worker.py DCP_FOLDER HF_FOLDER PROMPT MAX_NEW OUT
+
+OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy"} -> token lists.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from titanctl.data.tokenizer import Tokenizer
+from titanctl.parallel.env import init_process
+from titanctl.tools.generate import build_model, check_tp_degree, find_checkpoint, generate, load_weights
+
+# Hot enough that the tiny model, which knows its one sentence by heart, draws different tokens per seed.
+SAMPLING = {"temperature": 1.5, "top_k": 200}
+
+
+def load(folder, prompt_len, max_new, env, mesh):
+    source = find_checkpoint(Path(folder))
+    args = source.args.replace(max_seq_len=prompt_len + max_new)
+    check_tp_degree(args, env.world_size)
+    model = build_model(args, env.device, mesh)
+    load_weights(model, source)
+    return model
+
+
+def main() -> None:
+    dcp_folder, hf_folder, prompt, max_new, out = sys.argv[1:6]
+    max_new = int(max_new)
+    env = init_process(60)
+    mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("tp",))
+    group = mesh.get_group()
+    ids = Tokenizer().encode(prompt, bos=True, eos=False)
+    results = {}
+    model = load(dcp_folder, len(ids), max_new, env, mesh)
+    for name, seed in (("sample_7", 7), ("sample_7_again", 7), ("sample_8", 8)):
+        results[name] = generate(model, ids, max_new, seed=seed, group=group, **SAMPLING).tokens
+    model = load(hf_folder, len(ids), max_new, env, mesh)
+    results["hf_greedy"] = generate(model, ids, max_new, temperature=0, group=group).tokens
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{env.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)

@@ -1,0 +1,179 @@
+"""KV-cache decoding and sampling (one process; tensor parallel is in tests/distributed/test_infer_tp.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titanctl.errors import CheckpointError, ParallelError
+from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.model import Transformer
+from titanctl.parallel.init import initialize_weights
+from titanctl.tools.generate import check_tp_degree, find_checkpoint, generate, sample_token
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
+PROMPT = [1, 17, 99, 3, 250, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster on a shared machine
+    m = Transformer(ARGS)
+    initialize_weights(m, seed=3)
+    yield m.eval()
+    torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(model):
+    tokens = torch.tensor([PROMPT + [5, 6, 8, 200, 11]])  # (1, 12)
+    full = model(tokens)
+    model.setup_kv_cache(16)
+    try:
+        parts = [model(tokens[:, :7], start_pos=0)]  # prefill: causal over the prompt
+        parts.append(model(tokens[:, 7:10], start_pos=7))  # several new tokens at once (masked)
+        parts += [model(tokens[:, i : i + 1], start_pos=i) for i in (10, 11)]  # one at a time
+    finally:
+        model.clear_kv_cache()
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_forward_without_start_pos_ignores_the_cache(model):
+    tokens = torch.tensor([PROMPT])
+    before = model(tokens)
+    model.setup_kv_cache()
+    try:
+        model(tokens[:, :3], start_pos=0)
+        assert torch.equal(model(tokens), before)
+    finally:
+        model.clear_kv_cache()
+    assert all(layer.attention.cache is None for layer in model.layers.values())
+
+
+def test_cache_longer_than_rope_table_and_overflow_are_refused(model):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.setup_kv_cache(ARGS.max_seq_len + 1)
+    model.setup_kv_cache(4)
+    try:
+        with pytest.raises(ValueError, match="holds 4 positions"):
+            with torch.no_grad():
+                model(torch.tensor([PROMPT]), start_pos=0)
+    finally:
+        model.clear_kv_cache()
+
+
+def test_greedy_with_cache_equals_recomputing_everything(model):
+    cached = generate(model, PROMPT, 20, temperature=0)
+    recomputed = generate(model, PROMPT, 20, temperature=0, kv_cache=False)
+    assert cached.tokens == recomputed.tokens
+    assert len(cached.tokens) == 20 and cached.stop_reason == "max_new_tokens"
+    assert cached.tokens_per_second > 0 and cached.prompt_tokens == PROMPT
+
+
+def test_sampling_is_reproducible_per_seed(model):
+    a = generate(model, PROMPT, 24, temperature=1.0, top_k=50, seed=7)
+    b = generate(model, PROMPT, 24, temperature=1.0, top_k=50, seed=7)
+    c = generate(model, PROMPT, 24, temperature=1.0, top_k=50, seed=8)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    # the cache changes nothing but rounding: the same seed draws the same tokens without it
+    assert generate(model, PROMPT, 24, temperature=1.0, top_k=50, seed=7, kv_cache=False).tokens == a.tokens
+
+
+def test_top_k_1_is_greedy(model):
+    greedy = generate(model, PROMPT, 12, temperature=0)
+    assert generate(model, PROMPT, 12, temperature=0.7, top_k=1, seed=5).tokens == greedy.tokens
+
+
+def test_stop_token_ends_generation(model):
+    greedy = generate(model, PROMPT, 12, temperature=0)
+    stop = greedy.tokens[3]
+    stopped = generate(model, PROMPT, 12, temperature=0, stop_tokens={stop})
+    first = greedy.tokens.index(stop)
+    assert stopped.tokens == greedy.tokens[: first + 1]
+    assert stopped.stop_reason == "stop_token"
+
+
+def test_sample_token_follows_the_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf")])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(3000):
+        counts[sample_token(logits, 1.0, 0, gen)] += 1
+    expected = torch.softmax(logits, 0) * 3000
+    assert counts[3] == 0
+    assert torch.allclose(counts[:3], expected[:3], rtol=0.15)
+    top2 = {sample_token(logits, 1.0, 2, gen) for _ in range(200)}
+    assert top2 == {1, 2}
+    assert sample_token(logits, 0.0, 0, gen) == 2
+
+
+def test_tp_degree_must_divide_the_heads():
+    check_tp_degree(ARGS, 2)
+    with pytest.raises(ParallelError, match="n_heads = 4 is not divisible by the 3 processes"):
+        check_tp_degree(ARGS, 3)
+    with pytest.raises(ParallelError, match="n_kv_heads = 2 is not divisible by the 4 processes"):
+        check_tp_degree(ARGS.replace(n_heads=8), 4)
+
+
+def test_find_checkpoint_kinds_and_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_checkpoint(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
+        find_checkpoint(tmp_path)
+    from titanctl.checkpoint.metadata import write_metadata
+
+    for step in (5, 12, 9):
+        folder = tmp_path / "run" / f"step-{step}"
+        folder.mkdir(parents=True)
+        write_metadata(folder, ARGS, step=step, weights_only=True, dtype="float32")
+    (tmp_path / "run" / "step-20").mkdir()  # incomplete: no titanctl.json
+    newest = find_checkpoint(tmp_path / "run")
+    assert newest.folder.name == "step-12" and newest.args == ARGS and newest.kind == "dcp"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / ".metadata").write_bytes(b"")
+    assert find_checkpoint(plain).args is None  # the model must come from a recipe
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        find_checkpoint(hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_training_dcp_checkpoint_loads_its_model_keys(model, tmp_path, dtype):
+    """A full checkpoint has optimizer/train state beside the model keys; bf16 exports load into fp32."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.tools.generate import build_model, load_weights
+
+    weights = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
+    state = {**weights, "optimizer": {"state": {"exp_avg": torch.ones(3)}}, "train_state": {"step": 7}}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    write_metadata(tmp_path, ARGS, step=7, weights_only=False, dtype=str(dtype).removeprefix("torch."))
+    source = find_checkpoint(tmp_path)
+    assert source.describe() == "DCP step 7"
+    loaded = build_model(source.args, torch.device("cpu"))
+    load_weights(loaded, source)
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, weights[name].float()), name
+    assert torch.equal(loaded.rope_cache, model.rope_cache)
+
+
+def test_dcp_checkpoint_of_another_model_is_refused(model, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.tools.generate import build_model, load_weights
+
+    dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    write_metadata(tmp_path, ARGS.replace(dim=128), step=1, weights_only=True, dtype="float32")
+    source = find_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="has shape"):
+        load_weights(build_model(source.args, torch.device("cpu")), source)

@@ -1,0 +1,299 @@
+"""Convert a checkpoint between the Meta, DCP, Hugging Face and torchtune formats.
+
+Every conversion is: open the source (its format told or detected), settle the model
+(the source's own config, or ``--flavor``/``--config`` with the vocabulary taken from the
+embedding), check every tensor against it before writing anything, then stream the
+tensors one by one into the writer of the target format, inside a temporary folder that
+is renamed to the destination only when complete. See docs/conversion.md.
+
+torch and the format modules are imported inside the functions, after the cheap checks
+of SRC and DST, so a mistyped path fails at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from titanctl.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from titanctl.checkpoint.formats import Source
+    from titanctl.models.llama.args import ModelArgs
+
+FORMATS = ("meta", "dcp", "hf", "torchtune")  # = titanctl.checkpoint.formats.FORMATS
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, 1000 -> 1000 (as transformers reads sizes)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise CheckpointError(f"cannot read size {text!r}: give e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    key = _DTYPE_ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise CheckpointError(f"unknown --dtype {name!r}; valid: {', '.join(DTYPES)}")
+    import torch
+
+    return getattr(torch, DTYPES[key])
+
+
+def _check_format(fmt: str | None, flag: str) -> None:
+    if fmt is not None and fmt not in FORMATS:
+        raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(FORMATS)}")
+
+
+def resolve_args(source: Source, flavor: str | None = None, config: str | os.PathLike | None = None) -> tuple[ModelArgs, str]:
+    """The model to check the source against, and where it came from (for messages)."""
+    from titanctl.models.llama.args import LLAMA3_FLAVORS
+
+    if flavor and config:
+        raise CheckpointError("give --flavor or --config, not both")
+    if flavor:
+        if flavor not in LLAMA3_FLAVORS:
+            raise CheckpointError(f"unknown flavor {flavor!r}; valid: {', '.join(LLAMA3_FLAVORS)}")
+        base, origin = LLAMA3_FLAVORS[flavor], f"--flavor {flavor}"
+    elif config:
+        from titanctl.config.loader import load_config
+        from titanctl.models.llama import model_args_from_config
+
+        cfg = load_config(config)
+        base = model_args_from_config(cfg.model, 1, cfg.training.seq_len)
+        origin = f"--config {config}"
+    else:
+        args, origin = source.own_args()
+        if args is None:
+            raise CheckpointError(
+                f"{source.folder} has no model config ({origin}): give --flavor or --config to say which model it is"
+            )
+        return args, origin
+    return base.replace(vocab_size=source.vocab_size(base.dim)), origin
+
+
+def _check_source_folder(folder: Path) -> None:
+    if not folder.exists():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder (give the checkpoint's folder)")
+
+
+def open_checkpoint(
+    folder: str | os.PathLike,
+    fmt: str | None = None,
+    *,
+    flavor: str | None = None,
+    config: str | os.PathLike | None = None,
+) -> Source:
+    """A checked, ready-to-read source: ``with open_checkpoint(path) as src: src.load(name)``."""
+    folder = Path(folder)
+    _check_format(fmt, "--from")
+    _check_source_folder(folder)
+    from titanctl.checkpoint.formats import detect, open_source
+
+    source = open_source(folder, fmt or detect(folder))
+    try:
+        args, origin = resolve_args(source, flavor, config)
+        source.bind(args, origin)
+        source.origin = origin
+    except BaseException:
+        source.close()
+        raise
+    return source
+
+
+def load_checkpoint(
+    folder: str | os.PathLike, fmt: str | None = None, **kwargs
+) -> tuple[dict[str, torch.Tensor], ModelArgs]:
+    """The whole model state dict (canonical names) and its ModelArgs; for small models and tests."""
+    with open_checkpoint(folder, fmt, **kwargs) as source:
+        return dict(source.iter_tensors()), source.args
+
+
+@dataclass
+class ConversionReport:
+    src: Path
+    dst: Path
+    src_format: str
+    dst_format: str
+    args: ModelArgs
+    origin: str
+    tensors: int
+    nbytes: int
+    seconds: float
+    files: list[str] = field(default_factory=list)
+
+
+class ProgressSink:
+    """Where a conversion reports progress (the CLI draws a rich bar; the default says nothing)."""
+
+    def start(self, total_bytes: int, description: str) -> None:
+        pass
+
+    def advance(self, name: str, nbytes: int) -> None:
+        pass
+
+
+def _check_destination(dst: Path, src: Path | None) -> None:
+    if src is not None and dst.resolve() == src.resolve():
+        raise CheckpointError(f"destination {dst} is the source folder")
+    if dst.exists():
+        if not dst.is_dir():
+            raise CheckpointError(f"destination {dst} exists and is not a folder")
+        if any(dst.iterdir()):
+            raise CheckpointError(f"destination {dst} is not empty: refusing to overwrite it (give a new folder)")
+
+
+def _check_options(fmt: str, shards: int | None, max_shard_size: int | str | None) -> None:
+    if shards is not None and fmt != "meta":
+        raise CheckpointError("--shards applies to --to meta only")
+    if max_shard_size is not None and fmt != "hf":
+        raise CheckpointError("--max-shard-size applies to --to hf only")
+
+
+def _prepare_destination(dst: Path, src: Path | None) -> Path:
+    """Check DST, then make the temporary folder beside it that becomes DST when complete."""
+    _check_destination(dst, src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def write_checkpoint(
+    source: Source,
+    dst: str | os.PathLike,
+    fmt: str,
+    *,
+    dtype: torch.dtype | None = None,
+    shards: int | None = None,
+    max_shard_size: int | str | None = None,
+    progress: ProgressSink | None = None,
+    extra_metadata: dict | None = None,
+) -> list[str]:
+    """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written."""
+    from titanctl.checkpoint.formats import WRITERS
+
+    _check_format(fmt, "--to")
+    _check_options(fmt, shards, max_shard_size)
+    dst = Path(dst)
+    src_folder = source.folder if source.folder.exists() else None
+    tmp = _prepare_destination(dst, src_folder)
+    sink = progress or ProgressSink()
+    sink.start(source.total_bytes(dtype), f"{source.format} → {fmt}")
+    options: dict = {}
+    if fmt == "meta":
+        options["shards"] = 1 if shards is None else shards
+    elif fmt == "hf" and max_shard_size is not None:
+        options["max_shard_size"] = parse_size(max_shard_size)
+    elif fmt == "dcp":
+        carried = source.extra_metadata()
+        options["step"] = int(carried.get("step", 0))
+        options["extra"] = {"converted_from": source.format, **(extra_metadata or {})}
+    try:
+        WRITERS[fmt](tmp, source.args, source, dtype=dtype, progress=sink.advance, **options)
+        if dst.exists():
+            dst.rmdir()  # empty, checked above
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(p.name for p in dst.iterdir())
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    flavor: str | None = None,
+    config: str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
+    shards: int | None = None,
+    max_shard_size: int | str | None = None,
+    progress: ProgressSink | None = None,
+) -> ConversionReport:
+    """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
+
+    ``dst_format`` defaults to ``dcp`` (bringing a model in), or ``hf`` when the source is
+    a DCP checkpoint (taking a run out).
+    """
+    _check_format(src_format, "--from")
+    _check_format(dst_format, "--to")
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    _check_source_folder(Path(src))
+    _check_destination(Path(dst), Path(src))  # before reading anything
+    if dst_format is not None:
+        _check_options(dst_format, shards, max_shard_size)
+    dst = Path(dst)
+    import titanctl.checkpoint.formats  # noqa: F401  (torch, DCP, safetensors: not part of the timing)
+
+    start = time.perf_counter()
+    with open_checkpoint(src, src_format, flavor=flavor, config=config) as source:
+        fmt = dst_format or ("hf" if source.format == "dcp" else "dcp")
+        files = write_checkpoint(
+            source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress
+        )
+        return ConversionReport(
+            src=Path(src),
+            dst=dst,
+            src_format=source.format,
+            dst_format=fmt,
+            args=source.args,
+            origin=source.origin,
+            tensors=len(source.infos),
+            nbytes=source.total_bytes(torch_dtype),
+            seconds=time.perf_counter() - start,
+            files=files,
+        )
+
+
+def save_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    args: ModelArgs,
+    dst: str | os.PathLike,
+    fmt: str = "dcp",
+    **kwargs,
+) -> list[str]:
+    """Write an in-memory canonical state dict (``model.state_dict()``) in any format."""
+    from titanctl.checkpoint.formats import DictSource
+
+    source = DictSource(state_dict, args)
+    source.bind(args, "the given ModelArgs")
+    source.origin = "the given ModelArgs"
+    return write_checkpoint(source, dst, fmt, **kwargs)
+
+
+__all__ = [
+    "DTYPES",
+    "ConversionReport",
+    "ProgressSink",
+    "convert_checkpoint",
+    "load_checkpoint",
+    "open_checkpoint",
+    "parse_size",
+    "resolve_args",
+    "save_state_dict",
+    "write_checkpoint",
+]

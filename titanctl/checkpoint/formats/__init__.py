@@ -1,0 +1,73 @@
+"""Checkpoint formats: each a streaming ``Source`` (reader) and a ``write`` function.
+
+| format      | folder holds                                                    |
+|-------------|-----------------------------------------------------------------|
+| `meta`      | `params.json` + `consolidated.NN.pth` (model-parallel shards)    |
+| `dcp`       | DCP files + `.metadata` (+ `titanctl.json`)                      |
+| `hf`        | `config.json` + `*.safetensors` (+ `model.safetensors.index.json`) |
+| `torchtune` | `model-00001-of-00001.bin` / `*.pt` with torchtune's key names   |
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from titanctl.checkpoint.formats import dcp, hf, meta, torchtune
+from titanctl.checkpoint.formats.base import FORMATS, DictSource, Source, TensorInfo, peek_keys, torch_weight_files
+from titanctl.errors import CheckpointError
+
+SOURCES: dict[str, type[Source]] = {
+    "meta": meta.MetaSource,
+    "dcp": dcp.DCPSource,
+    "hf": hf.HFSource,
+    "torchtune": torchtune.TorchtuneSource,
+}
+WRITERS = {"meta": meta.write, "dcp": dcp.write, "hf": hf.write, "torchtune": torchtune.write}
+_CONSOLIDATED = re.compile(r"consolidated\.\d+\.pth")
+
+
+def naming(keys: list[str]) -> str | None:
+    """Which format's names these tensor names are (None: none of ours)."""
+    if any(k.startswith("model.") or k == "lm_head.weight" for k in keys):
+        return "hf"
+    if any(".attn." in k or k.endswith(("sa_norm.scale", "mlp_norm.scale")) or k == "norm.scale" for k in keys):
+        return "torchtune"
+    if any(".attention." in k or ".feed_forward." in k or k in ("norm.weight", "tok_embeddings.weight") for k in keys):
+        return "meta"
+    return None
+
+
+def detect(folder: Path) -> str:
+    """The format of a checkpoint folder, from the files in it."""
+    folder = Path(folder)
+    names = {p.name for p in folder.iterdir()}
+    if "titanctl.json" in names or ".metadata" in names:
+        return "dcp"
+    if "params.json" in names and any(_CONSOLIDATED.fullmatch(n) for n in names):
+        return "meta"
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        return "hf"
+    weight_files = torch_weight_files(folder)
+    if weight_files:
+        found = naming(peek_keys(weight_files[0]))
+        if found == "hf":
+            raise CheckpointError(
+                f"{weight_files[0]} holds Hugging Face names in PyTorch .bin/.pt form: "
+                "only safetensors Hugging Face checkpoints are read (save_pretrained them as safetensors)"
+            )
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"cannot tell the checkpoint format of {folder}: expected params.json + consolidated.*.pth (meta), "
+        ".metadata / titanctl.json (dcp), config.json + *.safetensors (hf) or a torchtune .bin/.pt; give --from"
+    )
+
+
+def open_source(folder: Path, fmt: str) -> Source:
+    if fmt not in SOURCES:
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}; valid: {', '.join(FORMATS)}")
+    return SOURCES[fmt](Path(folder))
+
+
+__all__ = ["FORMATS", "SOURCES", "WRITERS", "DictSource", "Source", "TensorInfo", "detect", "naming", "open_source"]

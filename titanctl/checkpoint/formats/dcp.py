@@ -1,0 +1,193 @@
+"""titanctl's own format: a ``torch.distributed.checkpoint`` folder plus ``titanctl.json``.
+
+The contract is ``titanctl.checkpoint.metadata``: model weights under their canonical
+names at the top level; a training step folder also holds ``optimizer``,
+``lr_scheduler``, ``dataloader``, ``train_state`` and ``rng``, which conversion skips
+without reading. No process group is needed on either side.
+
+Reading loads a few tensors at a time through a partial state dict; writing hands DCP
+placeholder (meta-device) tensors and produces each real tensor only when DCP asks for
+it, one file per tensor, so neither side holds the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem
+
+from titanctl.checkpoint.formats.base import (
+    DERIVED_BUFFERS,
+    Progress,
+    Source,
+    TensorInfo,
+    cast,
+    check_complete,
+    dtype_name,
+)
+from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, read_metadata, write_metadata
+from titanctl.errors import CheckpointError
+from titanctl.models.llama.args import ModelArgs
+
+DCP_METADATA_FILE = ".metadata"
+# Top-level entries of a full training checkpoint besides the model (metadata.py's contract).
+TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+GROUP_BYTES = 256 * 2**20  # tensors read per DCP load call (a tensor larger than this goes alone)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _cause(e: CheckpointException) -> BaseException:
+    """The first underlying exception DCP wrapped (its own message is a multi-line traceback)."""
+    for exc, _trace in e.failures.values():
+        return exc
+    return e
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it runs without a process group: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+class DCPSource(Source):
+    format = "dcp"
+
+    def __init__(self, folder: Path, group_bytes: int = GROUP_BYTES) -> None:
+        super().__init__(folder)
+        if not (self.folder / DCP_METADATA_FILE).is_file():
+            if (self.folder / METADATA_FILE).is_file():
+                raise CheckpointError(f"{self.folder} has {METADATA_FILE} but no DCP {DCP_METADATA_FILE}: incomplete")
+            raise CheckpointError(f"{self.folder} has no DCP {DCP_METADATA_FILE}: not a DCP checkpoint")
+        try:
+            self.entries = FileSystemReader(str(self.folder)).read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 - a corrupt file, told in one line
+            raise CheckpointError(f"{self.folder / DCP_METADATA_FILE} is unreadable: {_first_line(e)}") from None
+        self.meta = read_metadata(self.folder) if (self.folder / METADATA_FILE).is_file() else None
+        self.group_bytes = group_bytes
+        self._cache: dict[str, torch.Tensor] = {}
+        self.reads = 0  # DCP load calls made (tests check that reads are grouped)
+
+    def own_args(self) -> tuple[ModelArgs | None, str]:
+        if self.meta is None:
+            return None, METADATA_FILE
+        try:
+            return model_args_from_metadata(self.meta), METADATA_FILE
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{self.folder / METADATA_FILE} has invalid model_args: {e}") from None
+
+    def vocab_size(self, dim: int) -> int:
+        entry = self.entries.get("tok_embeddings.weight")
+        if not isinstance(entry, TensorStorageMetadata) or len(entry.size) != 2:
+            raise CheckpointError(f"{self.folder} has no 2-D 'tok_embeddings.weight'")
+        return int(entry.size[0])
+
+    def bind(self, args: ModelArgs, origin: str) -> None:
+        self.args = args
+        infos = []
+        for key, entry in self.entries.items():
+            if key.split(".", 1)[0] in TRAINING_STATE or key in DERIVED_BUFFERS:
+                continue
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"{self.folder}: entry {key!r} is not a tensor (not a weight of this model)")
+            infos.append(TensorInfo(key, tuple(entry.size), entry.properties.dtype, key, str(self.folder)))
+        check_complete(infos, args, origin, self.folder)
+        self.infos = infos
+
+    def extra_metadata(self) -> dict[str, Any]:
+        return {"step": self.meta["step"]} if self.meta and isinstance(self.meta.get("step"), int) else {}
+
+    def _read_group(self, first: str) -> None:
+        order = [i.name for i in self.infos]
+        group: dict[str, torch.Tensor] = {}
+        size = 0
+        for name in order[order.index(first) :]:
+            if name in self._cache:
+                continue
+            info = self.info(name)
+            if group and size + info.nbytes() > self.group_bytes:
+                break
+            group[name] = torch.empty(info.shape, dtype=info.dtype)
+            size += info.nbytes()
+        try:
+            with _quiet():
+                dcp.load(group, storage_reader=FileSystemReader(str(self.folder)), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's errors are BaseExceptions
+            cause = _cause(e) if isinstance(e, CheckpointException) else e
+            raise CheckpointError(f"{self.folder}: reading {first!r} failed: {_first_line(cause)}") from None
+        self.reads += 1
+        self._cache.update(group)
+
+    def load(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            self._read_group(name)
+        return self._cache.pop(name)
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Plans from placeholder tensors; produces each real tensor only when DCP writes it."""
+
+    def __init__(self, fetch) -> None:
+        super().__init__()
+        self._fetch = fetch
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._fetch(write_item.index.fqn)
+
+
+def write(
+    folder: Path,
+    args: ModelArgs,
+    source: Source,
+    *,
+    dtype: torch.dtype | None,
+    progress: Progress,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    placeholders = {
+        info.name: torch.empty(info.shape, dtype=dtype or info.dtype, device="meta") for info in source.infos
+    }
+
+    def fetch(name: str) -> torch.Tensor:
+        tensor = cast(source.load(name), dtype).contiguous()
+        progress(name, tensor.nbytes)
+        return tensor
+
+    # One file per tensor: DCP keeps every tensor of a file alive until the file is closed.
+    writer = FileSystemWriter(str(folder), single_file_per_rank=False, thread_count=1)
+    try:
+        with _quiet():
+            dcp.save(placeholders, storage_writer=writer, planner=_StreamingSavePlanner(fetch), no_dist=True)
+    except CheckpointException as e:  # a BaseException: re-raise what went wrong underneath
+        cause = _cause(e)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise RuntimeError(f"DCP save to {folder} failed: {_first_line(cause)}") from e
+    dtypes = sorted({dtype_name(p.dtype) for p in placeholders.values()})
+    write_metadata(
+        folder,
+        args,
+        step=step,
+        weights_only=True,
+        dtype=dtypes[0] if len(dtypes) == 1 else "mixed",
+        **(extra or {}),
+    )

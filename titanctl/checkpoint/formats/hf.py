@@ -1,0 +1,206 @@
+"""Hugging Face ``LlamaForCausalLM``: ``config.json`` + safetensors shards + their index.
+
+Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf``
+(one tensor at a time). Reading opens one safetensors file at a time, lazily;
+writing holds one output shard (``--max-shard-size``) at a time. The output is what
+``save_pretrained`` writes: ``model-00001-of-0000N.safetensors`` files and
+``model.safetensors.index.json`` (also when N is 1), which transformers 4.x and 5.x load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from titanctl.checkpoint.formats.base import (
+    PageReleaser,
+    Progress,
+    Source,
+    TensorInfo,
+    cast,
+    check_complete,
+    dtype_name,
+)
+from titanctl.checkpoint.formats.meta import read_json
+from titanctl.checkpoint.hf import args_from_hf_config, from_hf_tensor, hf_config, to_hf_tensor
+from titanctl.errors import CheckpointError
+from titanctl.models.llama.args import ModelArgs
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # the Hub's customary 5GB
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a derived buffer old transformers saved
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def special_token_ids(vocab_size: int) -> tuple[int | None, int | None]:
+    """bos/eos ids of a Llama 3 tokenizer with this vocab: the 256 specials come last.
+
+    True for Meta's tokenizer (128256 -> 128000, 128001) and titanctl's bundled one
+    (4352 -> 4096, 4097).
+    """
+    if vocab_size <= 256:
+        return None, None
+    return vocab_size - 256, vocab_size - 255
+
+
+class HFSource(Source):
+    format = "hf"
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        if not (self.folder / CONFIG_FILE).is_file():
+            raise CheckpointError(f"{self.folder} has no {CONFIG_FILE}: not a Hugging Face checkpoint")
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index} has no weight_map")
+            files = list(dict.fromkeys(self.folder / f for f in weight_map.values()))
+            for path in files:
+                if not path.is_file():
+                    raise CheckpointError(f"{index} names {path.name}, which is missing")
+        else:
+            weight_map = None
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                bins = sorted(p.name for p in self.folder.glob("*.bin"))
+                hint = f" ({bins[0]} is PyTorch .bin: load and save_pretrained it as safetensors)" if bins else ""
+                raise CheckpointError(f"{self.folder} has no *.safetensors weights{hint}")
+        # (HF name, file, shape, dtype) from the safetensors headers: no tensor is read here.
+        self.raw: list[tuple[str, Path, tuple[int, ...], torch.dtype]] = []
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():
+                        if weight_map is not None and weight_map.get(key) != path.name:
+                            raise CheckpointError(f"{path.name} holds {key!r}, which {INDEX_FILE} puts elsewhere")
+                        piece = f.get_slice(key)
+                        dtype = _DTYPES.get(piece.get_dtype())
+                        if dtype is None:
+                            raise CheckpointError(f"tensor {key!r} in {path.name} has unsupported dtype {piece.get_dtype()}")
+                        self.raw.append((key, path, tuple(piece.get_shape()), dtype))
+            except SafetensorError as e:
+                raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        if weight_map is not None:
+            present = {key for key, *_ in self.raw}
+            absent = [key for key in weight_map if key not in present]
+            if absent:
+                raise CheckpointError(f"{weight_map[absent[0]]} lacks {absent[0]!r}, which {INDEX_FILE} lists")
+        self.pages = PageReleaser()
+        self._open_path: Path | None = None
+        self._open_file: Any = None
+
+    def own_args(self) -> tuple[ModelArgs | None, str]:
+        return args_from_hf_config(read_json(self.folder / CONFIG_FILE)), CONFIG_FILE
+
+    def vocab_size(self, dim: int) -> int:
+        for key, _path, shape, _dtype in self.raw:
+            if key == "model.embed_tokens.weight" and len(shape) == 2:
+                return shape[0]
+        raise CheckpointError(f"{self.folder} has no 2-D 'model.embed_tokens.weight'")
+
+    def bind(self, args: ModelArgs, origin: str) -> None:
+        self.args = args
+        infos = []
+        for key, path, shape, dtype in self.raw:
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            try:  # names, shape check and permuted shape, all on the meta device
+                name, canonical = from_hf_tensor(key, torch.empty(shape, dtype=dtype, device="meta"), args)
+            except CheckpointError as e:
+                raise CheckpointError(f"{path.name}: {e} (model from {origin})") from None
+            infos.append(TensorInfo(name, tuple(canonical.shape), dtype, key, path.name))
+        check_complete(infos, args, origin, self.folder)
+        self.infos = infos
+
+    def _file(self, path: Path):
+        if self._open_path != path:
+            self._close_file()
+            self._open_file = safe_open(str(path), framework="pt")
+            self._open_path = path
+            self.pages.track(path)
+        return self._open_file
+
+    def _close_file(self) -> None:
+        if self._open_path is not None:
+            self.pages.forget(self._open_path)
+        self._open_file, self._open_path = None, None
+
+    def load(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
+        _, tensor = from_hf_tensor(info.shown, view, self.args)
+        if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+            return self.pages.copy_out(view)  # not permuted: copy chunk by chunk
+        self.pages.release(view)  # q/k: the permutation made the copy
+        return tensor
+
+    def close(self) -> None:
+        self._close_file()
+
+
+def write(
+    folder: Path,
+    args: ModelArgs,
+    source: Source,
+    *,
+    dtype: torch.dtype | None,
+    progress: Progress,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> None:
+    if max_shard_size <= 0:
+        raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
+    # Plan the shards from shapes alone (greedy, in the source's order).
+    plan: list[list[tuple[str, str, int]]] = [[]]
+    size = 0
+    for info in source.infos:
+        hf_name, _ = to_hf_tensor(info.name, torch.empty(info.shape, device="meta"), args)
+        nbytes = info.nbytes(dtype)
+        if plan[-1] and size + nbytes > max_shard_size:
+            plan.append([])
+            size = 0
+        plan[-1].append((info.name, hf_name, nbytes))
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(plan, start=1):
+        file = shard_name(index, len(plan))
+        tensors = {}
+        for name, hf_name, nbytes in shard:
+            _, tensor = to_hf_tensor(name, cast(source.load(name), dtype), args)
+            tensors[hf_name] = tensor.contiguous()
+            weight_map[hf_name] = file
+            progress(hf_name, nbytes)
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        del tensors
+    out_dtypes = sorted({dtype_name(dtype or i.dtype) for i in source.infos})
+    bos, eos = special_token_ids(args.vocab_size)
+    config = hf_config(
+        args, torch_dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", bos_token_id=bos, eos_token_id=eos
+    )
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    total = sum(n for shard in plan for _, _, n in shard)
+    index_data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
