@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MetricSinks, peak_memory_gib
 from titanctl.train.optim import build_optimizer
+from titanctl.tools.profiling import maybe_profile
 
 
 class TrainingDiverged(TitanError):
@@ -69,7 +71,8 @@ class ForwardBackward:
         """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
         with self.train_context():
             if self.pipeline is not None:
-                loss = self.pipeline.step(inputs, labels, loss_scale=scale)
+                with self.autocast:
+                    loss = self.pipeline.step(inputs, labels, loss_scale=scale)
                 return None if loss is None else loss.detach()
             cp_ctx = contextlib.nullcontext()
             if self.dims.cp > 1:
@@ -236,10 +239,8 @@ class Trainer:
         )
         window_start, window_tokens = time.perf_counter(), 0
         start_step = self.step
-        from titanctl.tools.profiling import maybe_profile
-
         profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
-        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler:
+        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, _scheduled_gc():
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             while self.step < cfg.training.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
@@ -258,6 +259,8 @@ class Trainer:
                     window_start, window_tokens = time.perf_counter(), 0
                 self.checkpoint.maybe_save(self.step, self.tokens_seen, last=self.step == cfg.training.steps)
                 profiler.step()
+                if self.step % cfg.training.gc_freq == 0:
+                    gc.collect(1)
         if self.sinks is not None:
             self.sinks.close()
         self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per rank")
@@ -306,6 +309,19 @@ class Trainer:
             f"tps {tps:>9,.0f}  mfu {mfu_text:>6}  memory {memory:6.2f} GiB",
             soft_wrap=True,
         )
+
+
+@contextlib.contextmanager
+def _scheduled_gc():
+    """Collect garbage every training.gc_freq steps, never in the middle of one: a collection
+    pause on one rank stalls every rank waiting for it at the next collective."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _NoWatchdog:

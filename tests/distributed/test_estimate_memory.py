@@ -1,0 +1,48 @@
+"""`torchrun ... titanctl estimate-memory --validate`: the estimate against the real step on gloo.
+
+Rank 0 estimates (fake tensors, fake process group), then every rank runs two real training steps
+and rank 0 measures its peak from the CPU allocator's events (torch.profiler). The estimate must be
+within 15% of the measurement.
+
+Sequences of 128 tokens: gloo runs a reduce-scatter as an all-reduce on a full-size copy of the
+gradients, made inside the backend (no tracker sees it) and alive for as long as the collective is
+in flight, which depends on thread timing. With the debug model's embeddings and output layer
+(8.5 MiB of fp32 gradients) that copy is 12% of a 64-token step's peak on a busy machine; at 128
+tokens, where activations dominate as they do in real runs, it is under 8%.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.harness import torchrun
+
+TINY = ["--model.n_layers", "2", "--training.seq_len", "128"]
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (2, []),
+        (2, ["--parallelism.tensor_parallel_degree", "2"]),
+        (4, ["--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"]),
+    ],
+    ids=["fsdp2", "tp2", "fsdp2_tp2_bf16"],
+)
+def test_estimate_is_within_15_percent_of_the_real_step(nproc, overrides):
+    proc = torchrun(
+        nproc,
+        ["-m", "titanctl", "estimate-memory"],
+        ["--config", "recipes/llama3_debug.toml", "--world-size", str(nproc), *TINY, *overrides,
+         "--validate", "--json"],
+        timeout=300,
+    )
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    v = out["validation"]
+    assert v["world_size"] == nproc and set(v["allocated"]) == {"1", "2"}
+    for step in ("1", "2"):
+        ratio = v["estimated"][step] / v["allocated"][step]
+        assert abs(ratio - 1) <= 0.15, f"step {step}: estimated {v['estimated'][step]}, measured {v['allocated'][step]}"
+    assert abs(v["ratio"] - 1) <= 0.15

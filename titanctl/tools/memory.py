@@ -1,0 +1,666 @@
+"""Peak memory of one training step on one rank, estimated in one process without the hardware.
+
+How: a fake process group (torch's ``FakeStore`` + backend "fake") stands in for the N-rank job as
+seen from rank 0, so the real ``ParallelDims`` mesh and the real ``build_model_parts`` build rank 0's
+sharded model parts (FSDP/HSDP, TP, CP, AC, pipeline stages), materialized inside a
+``FakeTensorMode``: every tensor has its shape, dtype and device but no storage. Then the trainer's
+own step code (``ForwardBackward``, ``clip_grad_norm``, the optimizer and LR schedule) runs under
+torch's memory tracker (``FSDPMemTracker`` for FSDP layouts, ``MemTracker`` otherwise), which sees
+every storage each op allocates or frees, sorted into parameters, gradients, optimizer state,
+activations, temporaries and FSDP's communication buffers.
+
+Three shortcuts keep a 405B model on 512 ranks well under a minute, each exact by construction and
+checked against the unshortened computation in the tests:
+
+- depth: every block runs the same code, so each quantity at each place of the step grows by the
+  same amount per block; models of 4 and 5 blocks give it at 126 (``depth_plan``);
+- steps: the second step is the first with Adam's state alive from its start (``_steady_state``);
+  pipelines, whose first step also infers shapes, run both;
+- microbatches: at most two per step (the second already accumulates into existing gradients).
+
+DDP is the one layout that is modelled rather than run: its C++ reducer reads tensor data, so it is
+estimated as one replica plus its gradient buckets.
+
+``validate`` runs two real steps on the current processes (CPU, gloo) and measures rank 0's peak from
+the CPU allocator's events (``torch.profiler``), next to the tracker's view of the same real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titanctl.config.job_config import JobConfig
+from titanctl.errors import ConfigError, ParallelError, TitanError
+
+# Llama 3's tokenizer: 128,000 BPE ranks + 256 special tokens.
+LLAMA3_VOCAB_SIZE = 128_256
+_FLAGSHIP_FLAVORS = ("8B", "70B", "405B")
+# Microbatches run per step: the second one already has gradients from the first, so a third
+# would repeat it.
+_MAX_MICROBATCHES = 2
+
+
+@dataclass
+class PhasePeak:
+    step: int
+    phase: str
+    peak: int
+    module: str
+
+
+@dataclass
+class MemoryEstimate:
+    """What one rank holds at the peak of a training step (bytes)."""
+
+    recipe: str
+    flavor: str
+    world_size: int
+    rank: int
+    layout: str
+    degrees: dict[str, int]
+    target_device: str
+    modelled_on: str
+    vocab_size: int
+    num_params: int
+    seq_len: int
+    local_batch_size: int
+    grad_accum_steps: int
+    pipeline_microbatches: int
+    mixed_precision: str
+    peak: int = 0
+    peak_step: int = 0
+    peak_phase: str = ""
+    peak_module: str = ""
+    categories: dict[str, int] = field(default_factory=dict)  # at the peak
+    first_step_peak: int = 0
+    phases: list[PhasePeak] = field(default_factory=list)
+    parameter_bytes: int = 0  # this rank's parameters as stored (sharded, fp32)
+    gradient_bytes: int = 0  # this rank's gradients after backward
+    optimizer_state: dict[str, int] = field(default_factory=dict)  # after the first step, by state name
+    ddp_bucket_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+    layers_run: list[int] = field(default_factory=list)  # model depths run (two: extrapolated)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Validation:
+    """A real step on the current processes, measured on rank 0."""
+
+    world_size: int
+    device: str
+    tracked: dict[int, int]  # step -> peak seen by the tracker on real tensors
+    allocated: dict[int, int]  # step -> peak of the tensors the training thread allocated (profiler)
+    allocated_process: dict[int, int]  # step -> the allocator's process total (+ gloo threads' buffers)
+    estimated: dict[int, int]  # step -> the estimate's peak for that step
+
+    @property
+    def ratio(self) -> float:
+        """Estimated / measured peak over both steps (measured: the training thread's allocations)."""
+        return max(self.estimated.values()) / max(self.allocated.values())
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "ratio": self.ratio}
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe as it will be estimated
+
+
+def estimation_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
+    """A copy of ``cfg`` without the features that need CUDA to build, and notes saying so."""
+    cfg = copy.deepcopy(cfg)
+    notes = []
+    if cfg.compile.enable:
+        cfg.compile.enable = False
+        notes.append("compile.enable ignored: blocks are estimated in eager mode (compiled kernels may fuse "
+                     "away some activations)")
+    if cfg.parallelism.enable_async_tensor_parallel:
+        cfg.parallelism.enable_async_tensor_parallel = False
+        notes.append("async tensor parallel ignored (needs CUDA symmetric memory): TP is estimated "
+                     "with ordinary collectives")
+    f8 = cfg.float8
+    if f8.enable_float8_linear or f8.enable_fsdp_float8_all_gather:
+        notes.append(f"float8 modelled as {cfg.training.mixed_precision_param}: float8 linears and float8 "
+                     "all-gathers are not estimated (they would shrink all-gather buffers and saved inputs)")
+    if cfg.activation_checkpoint.mode == "selective" and cfg.activation_checkpoint.selective_ac_option == "op":
+        notes.append("op-level selective AC saves the CPU attention op here; on CUDA the flash/efficient "
+                     "attention ops are saved the same way")
+    return cfg, notes
+
+
+def resolve_vocab_size(cfg: JobConfig) -> tuple[int, str | None]:
+    """The tokenizer's vocabulary, or Llama 3's for the flagship flavors when their file is absent."""
+    from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+
+    path = Path(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    if not path.is_file() and cfg.model.flavor in _FLAGSHIP_FLAVORS:
+        return LLAMA3_VOCAB_SIZE, (
+            f"tokenizer {path} not found: using Llama 3's vocabulary of {LLAMA3_VOCAB_SIZE:,} tokens"
+        )
+    return Tokenizer(path).vocab_size, None
+
+
+def target_device(cfg: JobConfig, requested: str) -> str:
+    """The device the recipe is for: the flagship flavors and CUDA-only features mean GPUs."""
+    if requested != "auto":
+        return requested
+    p, f8 = cfg.parallelism, cfg.float8
+    if cfg.model.flavor in _FLAGSHIP_FLAVORS or p.enable_async_tensor_parallel or f8.enable_float8_linear:
+        return "cuda"
+    return "cpu"
+
+
+def grad_accum_steps(cfg: JobConfig, dp: int) -> int:
+    t = cfg.training
+    per_microbatch = t.local_batch_size * dp
+    global_batch = per_microbatch if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_microbatch:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch} must be a positive multiple of local_batch_size x "
+            f"data-parallel degree = {t.local_batch_size} x {dp} = {per_microbatch}"
+        )
+    return global_batch // per_microbatch
+
+
+def ac_period(cfg: JobConfig) -> int:
+    """Blocks repeat with this period: 2 when every second block is checkpointed, else 1."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option.isdigit():
+        return max(1, int(ac.selective_ac_option))
+    return 1
+
+
+def depth_plan(n_layers: int, period: int, pp: int, all_layers: bool) -> list[int]:
+    """Layer counts to run: all of them, or two shallow models to extrapolate from.
+
+    Every block runs the same code, so each tracked quantity at a given place of the step (the
+    first/second block, the last/second-to-last, the output layer, the optimizer...) grows by the
+    same amount per added block: two depths that keep those places distinct (4 and 5 blocks, or 4
+    and 5 groups of ``period`` blocks) give it exactly at any depth. Pipeline stages are run whole:
+    each rank holds only its share of the layers.
+    """
+    base = 4 * period + n_layers % period
+    if pp > 1 or all_layers or n_layers < 2 * (base + period):
+        return [n_layers]
+    return [base, base + period]
+
+
+# ---------------------------------------------------------------------------------------------
+# The step, shared by the estimate (fake tensors) and the validation (real ones)
+
+
+@dataclass
+class _Run:
+    peaks: dict  # (step, phase, anchor) -> Peak
+    start: dict[str, int]  # bytes per category before the first step
+    after_backward: dict[str, int]  # bytes per category after the first step's backward
+    optimizer_state: dict[str, int]  # bytes per optimizer state name after the first step
+    pipeline_microbatches: int
+    steps: int
+
+
+def _local_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def _run_steps(
+    cfg: JobConfig, dims, args, device, *, accum: int, steps: int, period: int, fake_mode=None, marker=None,
+    track: bool = True,
+) -> _Run:
+    """Build this rank's model parts and run ``steps`` training steps under a memory tracker.
+
+    With ``fake_mode`` everything happens on fake tensors; without, on real ones. ``marker(step)``
+    returns a context wrapped around each step (profiler ranges for validation). ``track=False``
+    runs the same steps untracked (the ranks of a validation that measure nothing).
+    """
+    import torch
+
+    from titanctl.parallel.build import build_model_parts
+    from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
+    from titanctl.tools.memory_tracker import NullTracker, make_tracker
+    from titanctl.train.loss import cross_entropy_loss
+    from titanctl.train.lr_schedule import build_lr_scheduler
+    from titanctl.train.optim import build_optimizer
+    from titanctl.train.trainer import ForwardBackward
+
+    fake = fake_mode is not None
+    built = build_model_parts(
+        cfg, dims, args, device, loss_fn=cross_entropy_loss, init=not fake, fake_mode=fake_mode
+    )
+    if built.pipeline is not None and fake:
+        from titanctl.tools.memory_pipeline import answer_for_fake_peers
+
+        answer_for_fake_peers(built.pipeline)
+    with fake_mode if fake else contextlib.nullcontext():
+        optimizer = build_optimizer(built.parts, cfg.optimizer)
+        lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+        forward_backward = ForwardBackward(cfg, dims, built.parts, built.pipeline, device)
+        shape = (cfg.training.local_batch_size, cfg.training.seq_len)
+        generator = None if fake else torch.Generator().manual_seed(cfg.training.seed)
+
+        def batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            """A step's microbatches of token ids (fresh ones: context parallel shards them in place)."""
+            return [
+                tuple(torch.randint(0, args.vocab_size, shape, generator=generator, device=device) for _ in "xy")
+                for _ in range(min(accum, _MAX_MICROBATCHES))
+            ]
+
+        params = [p for part in built.parts for p in part.parameters()]
+        microbatches = batch()
+        if track:
+            tracker = make_tracker(
+                built.parts, optimizer, [t for mb in microbatches for t in mb],
+                fsdp=dims.fsdp_enabled, n_layers=args.n_layers, period=period,
+            )
+        else:
+            tracker = NullTracker()
+        pipeline_microbatches = built.pipeline.n_microbatches if built.pipeline else 0
+        run = _Run({}, {}, {}, {}, pipeline_microbatches, steps)
+        with tracker:
+            run.start = tracker.current()
+            for step in range(1, steps + 1):
+                tracker.step = step
+                if step > 1:
+                    microbatches = batch()
+                    tracker.track_step_inputs([t for mb in microbatches for t in mb])
+                # Collect reference cycles left by the previous step (the trainer's gc_freq does this
+                # every N steps), so that real runs do not depend on when Python's collector runs.
+                gc.collect()
+                with marker(step) if marker else contextlib.nullcontext():
+                    # The trainer's step (Trainer.train_step), less data loading and logging.
+                    tracker.phase = "forward"
+                    loss = forward_backward(microbatches)
+                    if step == 1:
+                        run.after_backward = tracker.current()
+                    tracker.phase = "clip_grad_norm"
+                    clip_grad_norm(params, cfg.training.max_norm, dims)
+                    global_mean_loss(loss, dims)
+                    tracker.phase = "optimizer step"
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    del loss
+                if step == 1:
+                    for state in optimizer.state.values():
+                        for name, value in state.items():
+                            if isinstance(value, torch.Tensor):
+                                run.optimizer_state[name] = run.optimizer_state.get(name, 0) + _local_bytes(value)
+                tracker.next_step()
+        run.peaks = dict(tracker.peaks)
+    return run
+
+
+def _extrapolate(shallow: _Run, deep: _Run, l1: int, l2: int, depth: int) -> _Run:
+    """Each quantity at ``depth`` layers from its values at ``l1`` and ``l2`` (it is affine in depth)."""
+    from titanctl.tools.memory_tracker import Peak
+
+    k = (depth - l1) // (l2 - l1)  # depth = l1 (mod l2 - l1) by depth_plan's choice
+
+    def line(a: dict, b: dict) -> dict:
+        return {key: a[key] + (b.get(key, 0) - a[key]) * k for key in a}
+
+    peaks = {}
+    for key, pa in shallow.peaks.items():
+        pb = deep.peaks.get(key)
+        if pb is not None:  # places present at both depths; see depth_plan
+            categories = line(pa.categories, pb.categories)
+            peaks[key] = Peak(sum(categories.values()), categories, pb.module)
+    return _Run(
+        peaks,
+        line(shallow.start, deep.start),
+        line(shallow.after_backward, deep.after_backward),
+        line(shallow.optimizer_state, deep.optimizer_state),
+        deep.pipeline_microbatches,
+        deep.steps,
+    )
+
+
+def _steady_state(run: _Run) -> None:
+    """Add step 2 to a run of one step: the same step with Adam's state present from its start.
+
+    Step 2 differs from step 1 only by the optimizer state, created during step 1's optimizer step
+    and alive from then on (checked against a second step run for real, in the tests).
+    """
+    from titanctl.tools.memory_tracker import Peak
+
+    extra = sum(run.optimizer_state.values())
+    for (step, phase, anchor), peak in list(run.peaks.items()):
+        if step != 1:
+            continue
+        categories = dict(peak.categories)
+        if phase != "optimizer step":
+            categories["optimizer state"] += extra
+        run.peaks[(2, phase, anchor)] = Peak(sum(categories.values()), categories, peak.module)
+    run.steps = 2
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int):
+    """The default process group is a fake one of ``world_size`` ranks, seen from ``rank``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists: estimate before starting the real one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class Plan:
+    """A checked request: the recipe as estimated, its layout and model, and what to run."""
+
+    cfg: JobConfig  # without compile / async TP (see estimation_config)
+    recipe: str
+    world_size: int
+    rank: int
+    target: str
+    notes: list[str]
+    vocab_size: int
+    dims: object  # ParallelDims
+    args: object  # ModelArgs
+    accum: int
+    period: int
+    depths: list[int]
+
+
+def plan_estimate(
+    cfg: JobConfig,
+    world_size: int,
+    *,
+    rank: int = 0,
+    device: str = "auto",
+    recipe: str = "",
+    all_layers: bool = False,
+) -> Plan:
+    """Check everything that can be wrong with the request, without starting anything."""
+    if world_size < 1:
+        raise ParallelError(f"--world-size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ParallelError(f"rank {rank} is out of range for world size {world_size}")
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"--device {device!r} is not one of auto, cuda, cpu")
+    from titanctl.parallel.dims import ParallelDims
+
+    target = target_device(cfg, device)
+    cfg, notes = estimation_config(cfg)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    accum = grad_accum_steps(cfg, dims.dp)
+    if dims.ddp_enabled and dims.cp > 1:
+        raise ParallelError(
+            "estimate-memory cannot model DDP with context parallel: use data_parallel_shard_degree > 1"
+        )
+
+    from titanctl.models.llama import model_args_from_config
+    from titanctl.parallel.build import check_layout
+
+    vocab, vocab_note = resolve_vocab_size(cfg)
+    if vocab_note:
+        notes.insert(0, vocab_note)
+    args = model_args_from_config(cfg.model, vocab, cfg.training.seq_len)
+    check_layout(cfg, dims, args)
+    if dims.ddp_enabled:
+        notes.append(
+            "DDP: estimated as one replica plus DDP's gradient buckets (a copy of the fp32 gradients, "
+            "gradient_as_bucket_view off); DDP's reducer cannot run on fake tensors"
+        )
+    if target == "cuda":
+        notes.append(
+            "estimated on fake CPU tensors (a CPU-only torch cannot run autograd on fake CUDA tensors): "
+            "the CUDA caching allocator's rounding and fragmentation, the CUDA context, NCCL and cuBLAS "
+            "workspaces (typically 1-3 GiB per GPU together) are not included"
+        )
+    if target == "cpu" and dims.fsdp_enabled:
+        notes.append(
+            "on CPU, gloo runs each FSDP reduce-scatter as an all-reduce on a full-size copy of the "
+            "gradients of one FSDP group, made inside the backend and not estimated: a real run may hold "
+            "up to one more such copy (NCCL does not make it)"
+        )
+    if accum > _MAX_MICROBATCHES:
+        notes.append(f"gradient accumulation: {_MAX_MICROBATCHES} of {accum} microbatches run "
+                     "(later ones repeat the second)")
+    period = ac_period(cfg)
+    depths = depth_plan(args.n_layers, period, dims.pp, all_layers)
+    if len(depths) == 2:
+        notes.append(
+            f"{args.n_layers} layers extrapolated from models of {depths[0]} and {depths[1]} layers "
+            "(exact: every block adds the same; --all-layers runs them all)"
+        )
+    return Plan(cfg, recipe, world_size, rank, target, notes, vocab, dims, args, accum, period, depths)
+
+
+def estimate_memory(cfg: JobConfig, world_size: int, **kwargs) -> MemoryEstimate:
+    """Estimate rank 0's (or ``rank``'s) peak memory for a training step of ``cfg`` on ``world_size`` ranks."""
+    return run_estimate(plan_estimate(cfg, world_size, **kwargs))
+
+
+def run_estimate(plan: Plan) -> MemoryEstimate:
+    started = time.perf_counter()
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titanctl.parallel.dims import ParallelDims
+    from titanctl.tools.memory_tracker import DDP_BUCKETS, untracked_sharding_propagation
+
+    dims, args, cfg = plan.dims, plan.args, plan.cfg
+    run_dims = dataclasses.replace(dims)  # its own mesh, on the fake process group
+    if dims.ddp_enabled:
+        # DDP's C++ reducer reads tensor data, which fake tensors have not: estimate one replica
+        # (the whole model on one rank) and add DDP's gradient buckets.
+        run_dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
+    steps = 2 if dims.pp > 1 else 1
+    result = MemoryEstimate(
+        recipe=plan.recipe,
+        flavor=cfg.model.flavor,
+        world_size=plan.world_size,
+        rank=plan.rank,
+        layout=dims.describe(),
+        degrees=dims.degrees,
+        target_device=plan.target,
+        modelled_on="fake CPU tensors on a fake process group",
+        vocab_size=plan.vocab_size,
+        num_params=args.num_params(),
+        seq_len=cfg.training.seq_len,
+        local_batch_size=cfg.training.local_batch_size,
+        grad_accum_steps=plan.accum,
+        pipeline_microbatches=0,
+        mixed_precision=cfg.training.mixed_precision_param,
+        notes=list(plan.notes),
+        layers_run=list(plan.depths),
+    )
+    cpu = torch.device("cpu")
+    runs = []
+    with fake_process_group(plan.world_size, plan.rank):
+        run_dims.mesh  # noqa: B018 (built from real index tensors, before fake mode)
+        with untracked_sharding_propagation():
+            for n_layers in plan.depths:
+                runs.append(
+                    _run_steps(
+                        cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
+                        period=plan.period, fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
+                    )
+                )
+    if len(runs) == 1:
+        run = runs[0]
+    else:
+        run = _extrapolate(runs[0], runs[1], plan.depths[0], plan.depths[1], args.n_layers)
+    if run.steps == 1:
+        _steady_state(run)
+    if dims.ddp_enabled:
+        result.ddp_bucket_bytes = run.start["parameters"]
+        for peak in run.peaks.values():
+            peak.categories[DDP_BUCKETS] += result.ddp_bucket_bytes
+            peak.total += result.ddp_bucket_bytes
+    _fill(result, run, args.n_layers, plan.period, extrapolated=len(runs) == 2)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _fill(result: MemoryEstimate, run: _Run, n_layers: int, period: int, extrapolated: bool) -> None:
+    from titanctl.tools.memory_tracker import PHASES, anchor_layer
+
+    def module(anchor: str, name: str) -> str:
+        if not extrapolated:
+            return name
+        match = re.match(r"layers\.<([^>]+)>", anchor)
+        if not match:
+            return name
+        # The run's own layer id -> the one this place has at the full depth.
+        return re.sub(r"^layers\.\d+", f"layers.{anchor_layer(match.group(1), n_layers, period)}", name)
+
+    best: dict[tuple[int, str], tuple] = {}
+    for (step, phase, anchor), peak in run.peaks.items():
+        if (step, phase) not in best or peak.total > best[(step, phase)][1].total:
+            best[(step, phase)] = (anchor, peak)
+    order = {phase: i for i, phase in enumerate(PHASES)}
+    result.phases = [
+        PhasePeak(step, phase, peak.total, module(anchor, peak.module))
+        for (step, phase), (anchor, peak) in sorted(best.items(), key=lambda kv: (kv[0][0], order[kv[0][1]]))
+    ]
+    (step, phase), (anchor, top) = max(best.items(), key=lambda kv: kv[1][1].total)
+    result.peak, result.peak_step, result.peak_phase = top.total, step, phase
+    result.peak_module = module(anchor, top.module)
+    result.categories = dict(top.categories)
+    result.first_step_peak = max(p.peak for p in result.phases if p.step == 1)
+    result.parameter_bytes = run.start.get("parameters", 0)
+    result.gradient_bytes = run.after_backward.get("gradients", 0)
+    result.optimizer_state = dict(run.optimizer_state)
+    result.pipeline_microbatches = run.pipeline_microbatches
+
+
+def step_peaks(estimate: MemoryEstimate) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for p in estimate.phases:
+        out[p.step] = max(out.get(p.step, 0), p.peak)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the real step on the current processes
+
+
+def validate(plan: Plan, estimate: MemoryEstimate | None) -> Validation | None:
+    """Run the two steps for real (CPU, gloo under torchrun) and measure rank 0's peaks.
+
+    Every rank runs the step; rank 0 returns the measurement, the others None.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from titanctl.parallel.env import init_process
+
+    check_validation_world(plan.world_size)
+    cfg, args = plan.cfg, plan.args
+    dims = dataclasses.replace(plan.dims)  # its own mesh, on the real process group
+    env = init_process(cfg.comm.init_timeout_seconds)
+    if env.device.type != "cpu":
+        raise TitanError("--validate measures CPU memory; on GPUs compare with the training log's memory column")
+    torch.manual_seed(cfg.training.seed)
+
+    def marker(step):
+        return record_function(f"titanctl-memory-step-{step}")
+
+    if env.rank != 0:  # the other ranks take part in the collectives; rank 0 measures
+        _run_steps(cfg, dims, args, env.device, accum=plan.accum, steps=2, period=plan.period, track=False)
+        return None
+    # Profile from before the model exists, so that the allocator's count covers every live tensor.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run = _run_steps(cfg, dims, args, env.device, accum=plan.accum, steps=2, period=plan.period, marker=marker)
+    tracked: dict[int, int] = {}
+    for (step, _, _), peak in run.peaks.items():
+        tracked[step] = max(tracked.get(step, 0), peak.total)
+    thread, process = _allocator_peaks(prof)
+    return Validation(
+        world_size=env.world_size,
+        device=str(env.device),
+        tracked=tracked,
+        allocated=thread,
+        allocated_process=process,
+        estimated=step_peaks(estimate) if estimate is not None else {},
+    )
+
+
+def check_validation_world(world_size: int) -> None:
+    """--validate runs on the processes that exist: their number must be the requested world size."""
+    started = int(os.environ.get("WORLD_SIZE", "1"))
+    if started != world_size:
+        raise ParallelError(
+            f"--validate runs the real step on the current processes: --world-size is {world_size} but "
+            f"{started} process(es) were started (torchrun --nproc_per_node {world_size} ...)"
+        )
+
+
+def _allocator_peaks(prof) -> tuple[dict[int, int], dict[int, int]]:
+    """Per step: the most bytes the CPU allocator had handed out and not taken back, at once.
+
+    Two counts, from ``torch.profiler``'s memory events: (1) the running sum of the allocations
+    and frees the profiler records, i.e. those made by the training thread (every tensor of the
+    step); (2) the allocator's own process-wide total, which also includes buffers that gloo's
+    worker threads allocate for the collectives they are running (CPU backend scratch space that
+    NCCL does not take from PyTorch's allocator, and whose amount depends on thread timing).
+    """
+    import torch
+
+    allocation = torch._C._profiler._EventType.Allocation
+    windows: dict[int, tuple[int, int]] = {}
+    events: list[tuple[int, int, int, int]] = []  # (time, size (+/-), ptr, process total)
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr, fields.total_allocated))
+        elif node.name.startswith("titanctl-memory-step-"):
+            windows[int(node.name.rsplit("-", 1)[1])] = (node.start_time_ns, node.end_time_ns)
+    events.sort(key=lambda e: e[0])
+    live: dict[int, int] = {}
+    live_total = 0
+    timeline = []  # (time, training-thread live bytes, process total)
+    for t, size, ptr, total in events:
+        if size > 0:
+            live[ptr] = size
+            live_total += size
+        elif ptr in live:
+            live_total -= live.pop(ptr)
+        timeline.append((t, live_total, total))
+    thread, process = {}, {}
+    for step, (begin, end) in windows.items():
+        before = [e for e in timeline if e[0] < begin][-1:]
+        inside = before + [e for e in timeline if begin <= e[0] <= end]
+        thread[step] = max(e[1] for e in inside)
+        process[step] = max(e[2] for e in inside)
+    return thread, process
+
+
+def rss_peak_bytes() -> int:
+    """This process's peak resident set size (Linux VmHWM)."""
+    try:
+        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

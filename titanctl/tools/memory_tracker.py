@@ -1,0 +1,301 @@
+"""Memory trackers for one training step: torch's MemTracker / FSDPMemTracker, plus where the peak is.
+
+torch's trackers (``torch.distributed._tools``) see every tensor storage that an op creates, frees
+or resizes, fake or real, and sort it into categories (parameters, gradients, optimizer state,
+activations, ...). They keep the peak of the total; we add what the report needs on top:
+
+- the phase the peak happened in (forward, backward, clip_grad_norm, optimizer step) and the
+  innermost module that was running, for each step and each phase, keyed by the module's place in
+  the model (its "anchor") so that runs of different depths can be extrapolated;
+- several FSDP roots at once (pipeline stages are separate FSDP roots on one rank), and several
+  top-level calls per step (a pipeline schedule calls each stage once per microbatch);
+- no accounting for DTensor's shape propagation, which runs on our fake tensors (see below);
+- no per-module peak refresh on every op (quadratic in depth; we do not use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._pytree import tree_flatten
+
+from titanctl.parallel.init import canonical_name
+
+TOTAL = "Total"
+
+# torch's category names -> ours. FSDPMemTracker's and MemTracker's, for FSDP and other layouts.
+CATEGORY = {
+    "Sharded Param": "parameters",
+    "Parameter": "parameters",
+    "Unsharded Param": "parameters (unsharded)",
+    "Sharded Grad": "gradients",
+    "Gradient": "gradients",
+    "Unsharded Grad": "gradients (unsharded)",
+    "OptState": "optimizer state",
+    "Optstate": "optimizer state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "all-gather buffers",
+    "Reduce Scatter": "reduce-scatter buffers",
+    "Buffer": "buffers",
+    "Inputs": "inputs",
+    "Other": "inputs",  # MemTracker: the only tensors we register from outside are the inputs
+}
+DDP_BUCKETS = "DDP gradient buckets"  # modelled, not tracked (see titanctl.tools.memory)
+CATEGORIES = (*dict.fromkeys(CATEGORY.values()), DDP_BUCKETS)
+
+PHASES = ("forward", "backward", "clip_grad_norm", "optimizer step")
+
+
+@dataclass
+class Peak:
+    """The largest total seen in one (step, phase), its breakdown and the innermost module running."""
+
+    total: int = 0
+    categories: dict[str, int] = field(default_factory=dict)
+    module: str = ""
+
+
+def _by_category(snapshot: dict) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for key, value in snapshot.items():
+        name = getattr(key, "value", key)
+        if name != TOTAL:
+            out[CATEGORY.get(name, "temporaries")] += value
+    return out
+
+
+def _module_name(fqn: str) -> str:
+    """'Transformer.layers.3._checkpoint_wrapped_module.attention' -> 'layers.3.attention'."""
+    name = canonical_name(fqn + ".")[:-1]
+    return name.split(".", 1)[1] if "." in name else "(model)"
+
+
+_propagating = 0  # > 0 while DTensor works out an op's output shapes (not memory of the step)
+
+
+@contextlib.contextmanager
+def untracked_sharding_propagation():
+    """Keep DTensor's shape propagation out of the trackers' accounts.
+
+    DTensor runs each new (op, placements) combination once on fake tensors of the *global* shape to
+    learn the output's shape. Without fake tensors that happens in a FakeTensorMode of its own, which
+    the trackers ignore; under our FakeTensorMode it reuses ours, so the trackers would count those
+    global-sized outputs as if the step allocated them (only on the first step: the results are
+    cached). We mark those calls and the trackers skip their ops.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, op_schema):
+        global _propagating
+        _propagating += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            _propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+def layer_anchor(layer: int, n_layers: int, period: int) -> str:
+    """Where a layer sits, in terms that stay true when the model gets deeper.
+
+    Layers are grouped into runs of ``period`` (activation checkpointing of every N-th block repeats
+    with period N, otherwise 1); the first two groups, the last two and the ones between ("mid")
+    are told apart, and so is the layer's place inside its group.
+    """
+    group, groups = layer // period, -(-n_layers // period)
+    if group < 2:
+        where = f"g{group}"
+    elif group >= groups - 2:
+        where = f"g-{groups - group}"
+    else:
+        where = "mid"
+    return f"{where}.{layer % period}"
+
+
+def anchor_layer(anchor: str, n_layers: int, period: int) -> str:
+    """The layer id an anchor stands for in a model of ``n_layers`` ("*" for the middle ones)."""
+    where, offset = anchor.split(".")
+    groups = -(-n_layers // period)
+    if where == "mid":
+        return "*"
+    group = int(where[1:]) if not where.startswith("g-") else groups - int(where[2:])
+    return str(group * period + int(offset))
+
+
+class _LeafSafeModTracker(ModTracker):
+    """ModTracker whose backward hooks skip leaf inputs.
+
+    A pipeline stage's input is a leaf that requires grad, and its backward runs through
+    ``torch.autograd.grad``, under which the "all inputs" gradient hook ModTracker puts on a
+    module's inputs fails for leaves. Without them the module leaves the set of running modules at
+    the end of the backward instead: a later attribution, the same memory.
+    """
+
+    def _fw_pre_hook(self, mod, input):
+        flat, _ = tree_flatten(input)
+        kept = tuple(a for a in flat if not (isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf))
+        super()._fw_pre_hook(mod, kept)
+
+
+_LAYER = re.compile(r"^layers\.(\d+)(\.|$)")
+
+
+class _StepPeaks:
+    """Mixin over MemTracker / FSDPMemTracker: peaks per (step, phase, place in the model)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _init_step_peaks(self, n_layers: int, period: int) -> None:
+        self._mod_tracker = _LeafSafeModTracker()
+        self.step = 0
+        self.phase = "forward"  # the driver sets this; forward/backward are told apart by autograd
+        self.n_layers, self.period = n_layers, period
+        # (step, phase, anchor) -> Peak; anchor: the innermost running module, or for anything in a
+        # block "layers.<layer_anchor>" (so runs of different depths can be compared); "" outside
+        # any module. Peak.module keeps the innermost module's real name.
+        self.peaks: dict[tuple[int, str, str], Peak] = {}
+        self._anchors: dict[str, tuple[str, str]] = {}
+
+    def _current_phase(self) -> str:
+        if self._in_opt:
+            return "optimizer step"
+        if self.phase == "forward":
+            return "backward" if self._mod_tracker.is_bw else "forward"
+        return self.phase
+
+    def _anchor(self, fqn: str) -> tuple[str, str]:
+        """ModTracker's name -> (canonical module name, anchor)."""
+        found = self._anchors.get(fqn)
+        if found is None:
+            name = _module_name(fqn)
+            match = _LAYER.match(name)
+            anchor = name
+            if match:
+                # Whole blocks: in backward, which submodule an op is charged to depends on the order
+                # autograd hooks fire in, which is not stable between runs of different depths.
+                anchor = f"layers.<{layer_anchor(int(match.group(1)), self.n_layers, self.period)}>"
+            found = self._anchors[fqn] = (name, anchor)
+        return found
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # torch's version also refreshes every tracked module's own peak, looping over all modules
+        # on every op (quadratic in the layer count); we keep the global peak and our own.
+        snaps = self._curr_mem_snap
+        total = 0
+        for device, snap in snaps.items():
+            total += snap[TOTAL]
+            if self._peak_mem.get(device, 0) < snap[TOTAL]:
+                self._peak_mem[device] = snap[TOTAL]
+                self._peak_mem_snap[device] = dict(snap)
+        innermost, depth = "", -1
+        for parent in self._mod_tracker.parents:
+            if parent != "Global" and parent.count(".") > depth:
+                innermost, depth = parent, parent.count(".")
+        name, anchor = self._anchor(innermost) if innermost else ("", "")
+        key = (self.step, self._current_phase(), anchor)
+        peak = self.peaks.get(key)
+        if peak is None or total > peak.total:
+            merged: dict = {}
+            for snap in snaps.values():
+                for k, v in snap.items():
+                    merged[k] = merged.get(k, 0) + v
+            self.peaks[key] = Peak(total, _by_category(merged), name)
+
+    def current(self) -> dict[str, int]:
+        """Bytes per category right now."""
+        merged: dict = {}
+        for dev in self._curr_mem_snap.values():
+            for k, v in dev.items():
+                merged[k] = merged.get(k, 0) + v
+        return _by_category(merged)
+
+    def track_step_inputs(self, tensors) -> None:
+        if isinstance(self, FSDPMemTracker):
+            self.track_inputs(tuple(tensors))
+        else:
+            self.track_external(*tensors)
+
+    def next_step(self) -> None:
+        self.reset_mod_stats()
+        self.step += 1
+
+    def _forget_if_called_again(self, module) -> None:
+        # A pipeline schedule calls each stage once per microbatch; torch's trackers take a second
+        # top-level call for a second iteration and refuse it. We do not use their per-module
+        # statistics, so a new call simply starts them afresh.
+        if not self._mod_tracker.is_bw and module in self.memory_tracking:
+            del self.memory_tracking[module]
+
+
+class StepMemTracker(_StepPeaks, MemTracker):
+    """MemTracker for layouts without FSDP (single process, TP, PP)."""
+
+    def __init__(self, parts, optimizer, inputs, n_layers: int, period: int) -> None:
+        super().__init__()
+        self._init_step_peaks(n_layers, period)
+        self.track_external(*parts, optimizer, *inputs)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        self._forget_if_called_again(module)
+        super()._pre_fw_hook(module, inputs)
+
+
+class StepFSDPMemTracker(_StepPeaks, FSDPMemTracker):
+    """FSDPMemTracker over one or several FSDP roots (several pipeline stages on one rank)."""
+
+    def __init__(self, parts, optimizer, inputs, n_layers: int, period: int) -> None:
+        super().__init__(parts[0], optimizer)
+        self._init_step_peaks(n_layers, period)
+        if len(parts) > 1:
+            # Instrumentation walks _root_mod.modules(): a container reaches every stage's modules.
+            self._root_mod = nn.ModuleList(parts)
+        self.track_inputs(tuple(inputs))
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def pre_forward(*args, **kwargs):
+            self._forget_if_called_again(fsdp_mod)
+            return inner(*args, **kwargs)
+
+        return pre_forward
+
+
+class NullTracker(contextlib.nullcontext):
+    """The tracker's interface, tracking nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step, self.phase, self.peaks = 0, "forward", {}
+
+    def current(self) -> dict[str, int]:
+        return {}
+
+    def track_step_inputs(self, tensors) -> None:
+        pass
+
+    def next_step(self) -> None:
+        pass
+
+
+def make_tracker(parts: list[nn.Module], optimizer, inputs, *, fsdp: bool, n_layers: int, period: int):
+    cls = StepFSDPMemTracker if fsdp else StepMemTracker
+    return cls(parts, optimizer, inputs, n_layers, period)
