@@ -99,7 +99,6 @@ def test_bf16_mixed_precision_within_bf16_tolerance(reference, tmp_path):
     ],
 )
 def test_impossible_layouts_fail_before_any_collective(tmp_path, nproc, overrides, message):
-    import subprocess
 
     with pytest.raises(AssertionError) as failure:
         torchrun(nproc, ["-m", "titanctl", "train"], [*TINY_RUN, "--training.local_batch_size", "4", *overrides,

@@ -13,7 +13,6 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from titanctl.cli.console import finish
 from titanctl.config.loader import load_config
 from titanctl.train.trainer import Trainer
 
@@ -97,8 +97,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(0)
+    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)

@@ -6,13 +6,12 @@ OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy"} -> tok
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from titanctl.cli.console import finish
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.parallel.env import init_process
 from titanctl.tools.generate import build_model, check_tp_degree, find_checkpoint, generate, load_weights
@@ -49,8 +48,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(0)
+    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)

@@ -6,14 +6,13 @@ Writes OUT/init_rank{r}.pt ({canonical name: full fp32 tensor}) before the first
 metrics.jsonl from training as usual.
 """
 
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanctl.cli.console import finish
 from titanctl.config.loader import load_config
 from titanctl.parallel.init import canonical_name
 from titanctl.train.trainer import Trainer
@@ -35,8 +34,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(0)
+    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)
