@@ -78,12 +78,11 @@ def test_two_ranks_under_torchrun(tmp_path):
     assert "gloo:" in out  # FSDP's collectives show up as communication
 
 
-def test_memory_snapshot_on_cpu_is_a_clear_error(capsys):
+def test_memory_snapshot_on_cpu_is_a_clear_error(capsys, monkeypatch):
     """In this process (fast): refused before the trainer is built."""
     from titanctl.cli.app import main
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, on any machine
     with pytest.raises(SystemExit) as exc:
         main(["profile", *TINY, "--profiling.enable_memory_snapshot"])
     err = capsys.readouterr().err
@@ -121,9 +120,8 @@ def test_disabled_profiling_is_a_no_op(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_memory_snapshot_needs_cuda(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+def test_memory_snapshot_needs_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, on any machine
     cfg = JobConfig()
     cfg.profiling.enable_memory_snapshot = True
     with pytest.raises(ProfilingError, match="needs CUDA"):

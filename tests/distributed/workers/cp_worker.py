@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental._context_parallel import _attention
 
+from titanctl.cli.console import finish
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer
 from titanctl.parallel.context_parallel import context_parallel_ctx
@@ -140,12 +141,8 @@ def main() -> None:
             json.dump(result, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-    sys.stdout.flush()
-    sys.stderr.flush()
     dist.barrier()
-    dist.destroy_process_group()
-    # Skip interpreter teardown: gloo jobs that built a DeviceMesh sometimes abort at exit.
-    os._exit(0)
+    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)
 
 
 if __name__ == "__main__":

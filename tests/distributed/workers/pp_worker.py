@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titanctl.cli.console import finish
 from titanctl.config.job_config import Parallelism
 from titanctl.models.llama import ModelArgs, Transformer
 from titanctl.parallel.init import initialize_weights
@@ -175,11 +175,8 @@ def main() -> None:
             json.dump(results, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-    sys.stdout.flush()
-    sys.stderr.flush()
     dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)
 
 
 if __name__ == "__main__":
