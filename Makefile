@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-unit test-distributed clean
+.PHONY: install train test test-unit test-distributed lint clean
 
 install: $(STAMP)
 
@@ -23,6 +23,9 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest tests -q
+
+lint: install
+	$(BIN)/ruff check .
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit tests/cli -q

@@ -68,7 +68,7 @@ def build(folder: Path, fmt: str, args, dtype, **options) -> None:
 
     from titanctl.checkpoint.convert import write_checkpoint
     from titanctl.checkpoint.formats.base import Source, TensorInfo
-    from titanctl.checkpoint.hf import expected_shapes
+    from titanctl.checkpoint.hf_names import expected_shapes
 
     class RandomSource(Source):
         format = "random"
@@ -101,7 +101,7 @@ def gb(nbytes: float) -> str:
 def run_suite(name: str, root: Path, args, dtype) -> list[tuple]:
     import torch
 
-    from titanctl.checkpoint.hf import expected_shapes
+    from titanctl.checkpoint.hf_names import expected_shapes
 
     sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in expected_shapes(args).items()}
     total, largest = sum(sizes.values()), max(sizes.values())

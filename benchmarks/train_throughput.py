@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from titanctl.checkpoint.hf import hf_config, to_hf_state_dict
+from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
 from titanctl.config.job_config import LRScheduler
 from titanctl.config.job_config import Optimizer as OptimizerConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer

@@ -23,6 +23,8 @@ os.environ.update(OFFLINE_ENV)
 
 REPO = Path(__file__).resolve().parents[1]
 TITANCTL = [sys.executable, "-m", "titanctl"]
+# Subprocesses import titanctl from this checkout, whatever the venv's editable install points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

@@ -23,3 +23,15 @@ class CheckpointError(TitanError):
 
 class ParallelError(TitanError):
     """A parallel layout that does not fit the world size, the model or the device."""
+
+
+class TrainingDiverged(TitanError):
+    """The loss became NaN or infinite."""
+
+
+class ProfilingError(TitanError):
+    """A profiling option that this run cannot honour, or traces that were not written."""
+
+
+class TraceError(TitanError):
+    """A profiler trace or Flight Recorder dump that cannot be read or makes no sense."""

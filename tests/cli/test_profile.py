@@ -13,7 +13,8 @@ import torch
 from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
 from tests.distributed.harness import torchrun
 from titanctl.config.job_config import JobConfig
-from titanctl.tools.profiling import ProfilingError, maybe_profile, schedule_for
+from titanctl.errors import ProfilingError
+from titanctl.train.profiler import maybe_profile, schedule_for
 
 TINY = ["--steps", "3", "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4"]
 

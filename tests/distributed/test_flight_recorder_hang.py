@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from titanctl.cli.app import main
-from titanctl.parallel.flight_recorder import CollectiveWatchdog
-from titanctl.tools import flight_recorder as fr
+from titanctl.errors import TraceError
+from titanctl.parallel.hang_watchdog import CollectiveWatchdog
 from titanctl.tools.trace_analysis import inspect_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +157,7 @@ def test_duplicate_rank_dumps(tmp_path):
     (folder / "rank1.json").rename(folder / "again_rank0.json")
     doc = json.loads((folder / "again_rank0.json").read_text())
     (folder / "again_rank0.json").write_text(json.dumps({**doc, "rank": 0}))
-    with pytest.raises(fr.TraceError, match="two Flight Recorder dumps claim rank 0"):
+    with pytest.raises(TraceError, match="two Flight Recorder dumps claim rank 0"):
         inspect_path(folder)
 
 
@@ -177,7 +177,7 @@ def test_watchdog_fires_once_and_only_when_late():
 
 
 def test_enable_and_dump_without_process_group(tmp_path, monkeypatch):
-    from titanctl.parallel import flight_recorder as runtime
+    from titanctl.parallel import hang_watchdog as runtime
 
     for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)

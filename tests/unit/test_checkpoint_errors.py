@@ -166,8 +166,8 @@ def test_bad_checkpoint_is_one_line_exit_2_and_untouched(outcomes, setup, messag
 
 @pytest.mark.parametrize("setup, message", IN_PROCESS, ids=[c[0].__name__ for c in IN_PROCESS])
 def test_bad_checkpoint_in_process(good, tmp_path, setup, message):
-    from titanctl.errors import CheckpointError
     from tests.unit.test_checkpoint import make
+    from titanctl.errors import CheckpointError
 
     case = tmp_path / "case"
     extra = setup(good, case)

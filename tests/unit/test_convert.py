@@ -23,7 +23,7 @@ from titanctl.checkpoint.convert import (
 )
 from titanctl.checkpoint.formats import FORMATS, DictSource, detect
 from titanctl.checkpoint.formats.dcp import DCPSource
-from titanctl.checkpoint.hf import expected_shapes
+from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.checkpoint.metadata import read_metadata, write_metadata
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling

@@ -61,10 +61,10 @@ class FakeHub:
                 if with_body:
                     self.wfile.write(body)
 
-            def do_HEAD(self):  # noqa: N802
+            def do_HEAD(self):
                 self._answer(with_body=False)
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 self._answer(with_body=True)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tests.conftest import REPO, TITANCTL
 from titanctl.config.loader import load_config
 from titanctl.models.llama import LLAMA3_FLAVORS
-from titanctl.tools import memory
+from titanctl.tools.memory import estimate as memory
 
 TINY = ["--model.n_layers", "2", "--training.seq_len", "64"]
 
@@ -80,7 +80,7 @@ def test_second_step_equals_the_first_plus_adam_state():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titanctl.tools.memory_tracker import untracked_sharding_propagation
+    from titanctl.tools.memory.tracker import untracked_sharding_propagation
 
     plan = memory.plan_estimate(load_config(REPO / "recipes/llama3_debug.toml", TINY), 2)
     runs = {}

@@ -18,7 +18,6 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from titanctl.errors import CheckpointError
@@ -62,7 +61,9 @@ def _check_format(fmt: str | None, flag: str) -> None:
         raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(FORMATS)}")
 
 
-def resolve_args(source: Source, flavor: str | None = None, config: str | os.PathLike | None = None) -> tuple[ModelArgs, str]:
+def resolve_args(
+    source: Source, flavor: str | None = None, config: str | os.PathLike | None = None
+) -> tuple[ModelArgs, str]:
     """The model to check the source against, and where it came from (for messages)."""
     from titanctl.models.llama.args import LLAMA3_FLAVORS
 

@@ -270,7 +270,7 @@ class CheckpointManager:
         try:
             if fut.exception() is None and self.rank == 0:
                 self._finalize(pending.step, pending.tmp, pending.meta)
-        except BaseException as e:  # noqa: BLE001 - reported by wait() in the training thread
+        except BaseException as e:
             pending.error = e
         finally:
             pending.timing.durable_s = time.perf_counter() - pending.started
@@ -309,7 +309,7 @@ class CheckpointManager:
                 self._stager.close()
                 self._stager = None
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -318,7 +318,7 @@ class CheckpointManager:
         else:  # keep the original error; still wait, so no half-written save races the exit
             try:
                 self.close()
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 self.log(f"[red]the outstanding checkpoint save failed too: {_reason(e)}[/red]")
         return False
 
@@ -626,7 +626,7 @@ def check_folder(folder: Path) -> tuple[dict[str, Any], Any]:
         raise CheckpointError(f"{index_file} is missing: {folder} is incomplete or not a DCP checkpoint")
     try:
         index = FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a foreign or corrupt index, told in one line
+    except Exception as e:
         raise CheckpointError(f"{index_file} is not a readable DCP index: {_reason(e)}") from None
     if not isinstance(index, Metadata) or not isinstance(index.storage_data, dict):
         raise CheckpointError(f"{index_file} is not a DCP index (it holds a {type(index).__name__})")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,19 +19,19 @@ def _size(nbytes: int) -> str:
 def convert(
     src: Path = typer.Argument(..., help="Checkpoint folder to read."),
     dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
-    from_format: Optional[str] = typer.Option(
+    from_format: str | None = typer.Option(
         None, "--from", help="Source format: meta, dcp, hf or torchtune. Default: told by SRC's files."
     ),
-    to_format: Optional[str] = typer.Option(
+    to_format: str | None = typer.Option(
         None, "--to", help="Target format: meta, dcp, hf or torchtune. Default: dcp, or hf when SRC is dcp."
     ),
-    flavor: Optional[str] = typer.Option(
+    flavor: str | None = typer.Option(
         None, "--flavor", help="Model flavor (debugmodel, 8B, 70B, 405B) instead of SRC's own config."
     ),
-    config: Optional[Path] = typer.Option(None, "--config", help="Recipe TOML whose model section to use instead."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights: fp32, bf16 or fp16. Default: keep."),
-    shards: Optional[int] = typer.Option(None, "--shards", help="Model-parallel shards of a meta output."),
-    max_shard_size: Optional[str] = typer.Option(
+    config: Path | None = typer.Option(None, "--config", help="Recipe TOML whose model section to use instead."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Cast weights: fp32, bf16 or fp16. Default: keep."),
+    shards: int | None = typer.Option(None, "--shards", help="Model-parallel shards of a meta output."),
+    max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."
     ),
 ) -> None:

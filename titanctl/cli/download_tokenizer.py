@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -13,12 +12,12 @@ def download_tokenizer(
     tokenizer_path: str = typer.Option(
         "original", "--tokenizer-path", help="Folder of the file in the repo; empty for the top level."
     ),
-    file: Optional[str] = typer.Option(
+    file: str | None = typer.Option(
         None,
         "--file",
         help="File to fetch. Default: tokenizer.model in a folder, tokenizer.json at the top level.",
     ),
-    hf_token: Optional[str] = typer.Option(
+    hf_token: str | None = typer.Option(
         None, "--hf-token", help="Token of an account with access (gated repos); default: env HF_TOKEN.",
         show_default=False,
     ),

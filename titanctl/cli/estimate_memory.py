@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def estimate_memory(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
+    config: Path | None = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
     world_size: int = typer.Option(..., "--world-size", help="Ranks of the job (GPUs, or CPU processes)."),
     device: str = typer.Option(
         "auto", "--device", help="Device to estimate for: auto (the recipe's: GPUs for 8B/70B/405B), cuda, cpu."

@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,11 +19,11 @@ def infer_tp(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 is greedy decoding."),
     top_k: int = typer.Option(200, "--top-k", min=0, help="Sample among the k likeliest tokens (0: all)."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Sampling seed (default: random, printed)."),
-    config: Optional[Path] = typer.Option(
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Sampling seed (default: random, printed)."),
+    config: Path | None = typer.Option(
         None, "--config", help="Recipe giving the tokenizer, and the model when the checkpoint does not say."
     ),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write tokens, text and speed as JSON."),
+    out: Path | None = typer.Option(None, "--out", help="Also write tokens, text and speed as JSON."),
 ) -> None:
     """Generate text with a KV cache, Tensor Parallel over every rank (alone or under torchrun).
 

@@ -48,8 +48,10 @@ def _print_flight_recorder(out, report) -> None:
         out.print(f"[{style}]{_esc(group.message)}[/{style}]", soft_wrap=True)
         for s in group.ranks_state:
             culprit = group.mismatch is not None and s.rank in group.mismatch.culprits
-            table.add_row(f"{group.name} {group.desc}".strip(), str(s.rank), _esc(s.last or "-"), s.state or "-", _esc(s.note),
-                          style="red" if culprit else "")
+            table.add_row(
+                f"{group.name} {group.desc}".strip(), str(s.rank), _esc(s.last or "-"), s.state or "-", _esc(s.note),
+                style="red" if culprit else "",
+            )
         table.add_section()
     if report.groups:
         out.print(table)
@@ -92,7 +94,7 @@ def _print_profile(out, report, top: int) -> None:
 
 
 def _ranks(ranks: list[int]) -> str:
-    from titanctl.tools.flight_recorder import format_ranks
+    from titanctl.tools.fr_analysis import format_ranks
 
     return format_ranks(ranks)
 

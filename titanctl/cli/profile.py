@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def profile(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
+    config: Path | None = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
     steps: int = typer.Option(
         5, "--steps", min=1, help="Training steps to run; the last is recorded, after up to 3 warmup steps."
     ),
@@ -22,7 +21,7 @@ def profile(
     """
     from titanctl.config.loader import load_config
     from titanctl.parallel.env import device_type
-    from titanctl.tools.profiling import check_profiling
+    from titanctl.train.profiler import check_profiling
 
     cfg = load_config(config, ctx.args)
     cfg.training.steps = steps

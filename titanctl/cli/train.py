@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def train(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
+    config: Path | None = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
 ) -> None:
     """Pre-train Llama 3.1. Any config key can be overridden: --section.key VALUE."""

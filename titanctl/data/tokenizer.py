@@ -300,7 +300,9 @@ def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dic
                 f"{n_base}..{n_base + NUM_SPECIAL_TOKENS - 1}, found {len(ids)} added tokens at {ids[0]}..{ids[-1]}"
             )
         if added.get("<|begin_of_text|>") != n_base or added.get("<|end_of_text|>") != n_base + 1:
-            raise DataError(f"tokenizer file {path}: <|begin_of_text|>/<|end_of_text|> are not the first special tokens")
+            raise DataError(
+                f"tokenizer file {path}: <|begin_of_text|>/<|end_of_text|> are not the first special tokens"
+            )
         specials = added
     return ranks, specials, pattern
 

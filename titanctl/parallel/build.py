@@ -7,8 +7,8 @@ TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -89,7 +89,7 @@ def build_model_parts(
     *,
     loss_fn: Callable | None = None,
     init: bool = True,
-    fake_mode: ContextManager | None = None,
+    fake_mode: contextlib.AbstractContextManager | None = None,
 ) -> ModelParts:
     """Build on the meta device, parallelize, then materialize on ``device`` and initialize.
 

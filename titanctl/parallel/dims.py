@@ -22,7 +22,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, cfg: Parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
         pp, rep, cp, tp = (
             cfg.pipeline_parallel_degree,
             cfg.data_parallel_replicate_degree,

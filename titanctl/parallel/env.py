@@ -45,9 +45,9 @@ def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_
         if "OMP_NUM_THREADS" not in os.environ or local_world_size > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     if world_size > 1 and not dist.is_initialized():
-        from titanctl.parallel import flight_recorder
+        from titanctl.parallel import hang_watchdog
 
-        flight_recorder.enable(trace_buf_size, flight_recorder_folder)  # before the group exists
+        hang_watchdog.enable(trace_buf_size, flight_recorder_folder)  # before the group exists
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend,

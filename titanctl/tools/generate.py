@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 class CheckpointSource:
     kind: str  # "dcp" or "hf"
     folder: Path
-    args: Optional[ModelArgs]  # None: a plain DCP folder, the model comes from a recipe
+    args: ModelArgs | None  # None: a plain DCP folder, the model comes from a recipe
     meta: dict[str, Any] = field(default_factory=dict)  # titanctl.json, when there is one
 
     def describe(self) -> str:
@@ -66,7 +67,7 @@ def find_checkpoint(path: Path) -> CheckpointSource:
             raise CheckpointError(f"{folder} has a config.json but no *.safetensors files")
         import json
 
-        from titanctl.checkpoint.hf import args_from_hf_config
+        from titanctl.checkpoint.hf_names import args_from_hf_config
 
         try:
             config = json.loads((folder / "config.json").read_text())
@@ -171,7 +172,7 @@ def _load_hf(model: Transformer, folder: Path) -> None:
     """Stream full tensors one at a time; each rank keeps its slice (no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from titanctl.checkpoint.hf import iter_from_hf
+    from titanctl.checkpoint.hf_names import iter_from_hf
 
     params = dict(model.named_parameters())
     for name, full in iter_from_hf(_safetensors_pairs(folder), model.args):
@@ -199,7 +200,7 @@ class Generation:
         return len(self.tokens) / max(self.prefill_seconds + self.decode_seconds, 1e-9)
 
     @property
-    def decode_tokens_per_second(self) -> Optional[float]:
+    def decode_tokens_per_second(self) -> float | None:
         return (len(self.tokens) - 1) / self.decode_seconds if len(self.tokens) > 1 and self.decode_seconds else None
 
 

@@ -38,12 +38,13 @@ import json
 import pickle
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
-from titanctl.tools import flight_recorder as fr
-from titanctl.tools.flight_recorder import TraceError
+from titanctl.errors import TraceError
+from titanctl.tools import fr_analysis as fr
 
 STRAGGLER_THRESHOLD_PCT = 10.0
 
@@ -107,7 +108,7 @@ def looks_like_profiler_trace(doc: Any) -> bool:
     return isinstance(doc, list) and any(isinstance(e, dict) and "ph" in e for e in doc[:100])
 
 
-def detect_kind(doc: Any) -> Optional[str]:
+def detect_kind(doc: Any) -> str | None:
     """"profiler", "flight_recorder" or None."""
     if looks_like_profiler_trace(doc):
         return "profiler"
@@ -171,8 +172,8 @@ class Straggler:
 class ProfileReport:
     ranks: list[RankProfile]
     threshold_pct: float
-    median_compute_us: Optional[float]
-    median_step_us: Optional[float]
+    median_compute_us: float | None
+    median_step_us: float | None
     stragglers: list[Straggler]
     summary: list[str] = field(default_factory=list)
 
@@ -183,7 +184,7 @@ class ProfileReport:
 # ------------------------------------------------------------------------------------------- events
 
 
-def _num(value: Any) -> Optional[float]:
+def _num(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     try:
@@ -365,7 +366,7 @@ def analyze_rank(doc: Any, rank: int, path: str = "", top: int = 10) -> RankProf
     )
 
 
-def _trace_rank(doc: Any, path: Path) -> Optional[int]:
+def _trace_rank(doc: Any, path: Path) -> int | None:
     info = doc.get("distributedInfo") if isinstance(doc, dict) else None
     if isinstance(info, dict) and isinstance(info.get("rank"), int):
         return info["rank"]
@@ -434,8 +435,8 @@ def format_us(us: float) -> str:
 @dataclass
 class InspectResult:
     path: str
-    profile: Optional[ProfileReport]
-    flight_recorder: Optional[fr.FlightRecorderReport]
+    profile: ProfileReport | None
+    flight_recorder: fr.FlightRecorderReport | None
     skipped: list[str]
 
     def to_dict(self) -> dict[str, Any]:

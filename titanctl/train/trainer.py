@@ -18,7 +18,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.data.datasets import load_documents
 from titanctl.data.loader import TokenWindowLoader
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.errors import TitanError
+from titanctl.errors import TrainingDiverged
 from titanctl.models.llama import model_args_from_config
 from titanctl.parallel.build import build_model_parts
 from titanctl.parallel.dims import ParallelDims
@@ -29,82 +29,8 @@ from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MetricSinks, peak_memory_gib
 from titanctl.train.optim import build_optimizer
-from titanctl.tools.profiling import maybe_profile
-
-
-class TrainingDiverged(TitanError):
-    """The loss became NaN or infinite."""
-
-
-@dataclasses.dataclass
-class ForwardBackward:
-    """Forward, loss and backward over one optimizer step's microbatches.
-
-    The Trainer runs it on real tensors; `titanctl estimate-memory` runs the same code on fake ones.
-    """
-
-    cfg: JobConfig
-    dims: ParallelDims
-    model_parts: list[torch.nn.Module]
-    pipeline: object | None  # titanctl.parallel.pipeline.Pipeline when pp > 1
-    device: torch.device
-
-    def __post_init__(self):
-        compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
-        # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=compute_dtype)
-            if compute_dtype != torch.float32 and not self.dims.fsdp_enabled
-            else contextlib.nullcontext()
-        )
-
-    def train_context(self):
-        """Loss parallel (logits stay sharded over tp) wraps forward, loss and backward."""
-        p = self.cfg.parallelism
-        if self.dims.tp > 1 and not p.disable_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def microbatch(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
-        with self.train_context():
-            if self.pipeline is not None:
-                with self.autocast:
-                    loss = self.pipeline.step(inputs, labels, loss_scale=scale)
-                return None if loss is None else loss.detach()
-            cp_ctx = contextlib.nullcontext()
-            if self.dims.cp > 1:
-                from titanctl.parallel.context_parallel import context_parallel_ctx
-
-                model = self.model_parts[0]
-                cp_ctx = context_parallel_ctx(
-                    self.dims.mesh["cp"],
-                    buffers=[inputs, labels, model.rope_cache],
-                    seq_dims=[1, 1, 0],
-                    no_restore={inputs, labels},
-                    rotate_method=self.cfg.parallelism.context_parallel_rotate_method,
-                )
-            with cp_ctx:
-                with self.autocast:
-                    logits = self.model_parts[0](inputs)
-                # Equal-length microbatches: the mean of their means is the global-batch mean.
-                loss = cross_entropy_loss(logits, labels) * scale
-                loss.backward()
-            return loss.detach()
-
-    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Accumulate the gradients of the step's mean loss; returns that loss (None off the last stage)."""
-        scale = 1.0 / len(microbatches)
-        loss_sum = None
-        for inputs, labels in microbatches:
-            loss = self.microbatch(inputs.to(self.device), labels.to(self.device), scale)
-            if loss is not None:
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-        if self.pipeline is not None and loss_sum is not None:
-            loss_sum = loss_sum * scale  # the pipeline returns the unscaled mean of its microbatches
-        return loss_sum
+from titanctl.train.profiler import maybe_profile
+from titanctl.train.step import ForwardBackward
 
 
 class Trainer:
@@ -270,14 +196,14 @@ class Trainer:
         """In a distributed run with the Flight Recorder on, dump it when a step outlives
         comm.train_timeout_seconds (gloo never dumps by itself) or raises, so that
         `titanctl inspect-trace` can say which rank is stuck where."""
-        from titanctl.parallel import flight_recorder
+        from titanctl.parallel import hang_watchdog
 
         if not self.env.distributed or self.cfg.comm.trace_buf_size == 0:
             yield _NoWatchdog()
             return
-        dump = flight_recorder.DumpOnce(self.flight_recorder_folder, self.env.rank)
-        timed_out = flight_recorder.DumpOnce(self.flight_recorder_folder, self.env.rank, exit_code=3)
-        watchdog = flight_recorder.CollectiveWatchdog(self.cfg.comm.train_timeout_seconds, timed_out)
+        dump = hang_watchdog.DumpOnce(self.flight_recorder_folder, self.env.rank)
+        timed_out = hang_watchdog.DumpOnce(self.flight_recorder_folder, self.env.rank, exit_code=3)
+        watchdog = hang_watchdog.CollectiveWatchdog(self.cfg.comm.train_timeout_seconds, timed_out)
         try:
             yield watchdog
         except BaseException as e:

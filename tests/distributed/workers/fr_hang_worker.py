@@ -17,9 +17,9 @@ WATCHDOG_S = 1.0
 
 
 def main(folder: Path) -> None:
-    from titanctl.parallel import flight_recorder
+    from titanctl.parallel import hang_watchdog
 
-    flight_recorder.enable(buffer_size=64)  # before the process group exists
+    hang_watchdog.enable(buffer_size=64)  # before the process group exists
 
     import torch
     import torch.distributed as dist
@@ -29,8 +29,8 @@ def main(folder: Path) -> None:
     rank = dist.get_rank()
     pair = dist.new_group([0, 1], group_desc="pair")  # a second group, to check groups stay apart
 
-    dumper = flight_recorder.DumpOnce(folder, rank)
-    watchdog = flight_recorder.CollectiveWatchdog(WATCHDOG_S, dumper)
+    dumper = hang_watchdog.DumpOnce(folder, rank)
+    watchdog = hang_watchdog.CollectiveWatchdog(WATCHDOG_S, dumper)
 
     x = torch.ones(1024)
     dist.all_reduce(x)  # #1

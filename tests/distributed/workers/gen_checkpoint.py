@@ -54,7 +54,7 @@ def make_checkpoints(out: Path) -> tuple[Path, Path]:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from titanctl.checkpoint.hf import hf_config, to_hf_state_dict
+    from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
     from titanctl.checkpoint.metadata import write_metadata
 
     model, args = train_tiny()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import json
 import math
 import mmap
 import os
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from titanctl.checkpoint.hf import expected_shapes
+from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -94,7 +95,7 @@ class Source(abc.ABC):
         """Facts worth carrying into the output's own metadata (e.g. the training step)."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most sources hold nothing to release
         pass
 
     def __enter__(self) -> Source:
@@ -150,6 +151,16 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
         raise CheckpointError(
             f"checkpoint {folder} lacks tensor(s) {', '.join(missing[:3])}{more} that the model from {origin} has"
         )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable or not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return data
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -259,7 +270,7 @@ def torch_load(path: Path) -> dict[str, torch.Tensor]:
             if "mmap" not in str(e):
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - pickle/zip errors of many kinds; one line for the user
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is not a readable PyTorch weights file: {first}") from None
     if not isinstance(obj, dict) or not all(

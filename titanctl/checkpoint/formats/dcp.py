@@ -76,7 +76,7 @@ class DCPSource(Source):
             raise CheckpointError(f"{self.folder} has no DCP {DCP_METADATA_FILE}: not a DCP checkpoint")
         try:
             self.entries = FileSystemReader(str(self.folder)).read_metadata().state_dict_metadata
-        except Exception as e:  # noqa: BLE001 - a corrupt file, told in one line
+        except Exception as e:
             raise CheckpointError(f"{self.folder / DCP_METADATA_FILE} is unreadable: {_first_line(e)}") from None
         self.meta = read_metadata(self.folder) if (self.folder / METADATA_FILE).is_file() else None
         self.group_bytes = group_bytes
@@ -127,7 +127,7 @@ class DCPSource(Source):
         try:
             with _quiet():
                 dcp.load(group, storage_reader=FileSystemReader(str(self.folder)), no_dist=True)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's errors are BaseExceptions
+        except (Exception, CheckpointException) as e:
             cause = _cause(e) if isinstance(e, CheckpointException) else e
             raise CheckpointError(f"{self.folder}: reading {first!r} failed: {_first_line(cause)}") from None
         self.reads += 1

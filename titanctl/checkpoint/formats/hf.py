@@ -1,6 +1,6 @@
 """Hugging Face ``LlamaForCausalLM``: ``config.json`` + safetensors shards + their index.
 
-Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf``
+Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf_names``
 (one tensor at a time). Reading opens one safetensors file at a time, lazily;
 writing holds one output shard (``--max-shard-size``) at a time. The output is what
 ``save_pretrained`` writes: ``model-00001-of-0000N.safetensors`` files and
@@ -25,9 +25,9 @@ from titanctl.checkpoint.formats.base import (
     cast,
     check_complete,
     dtype_name,
+    read_json,
 )
-from titanctl.checkpoint.formats.meta import read_json
-from titanctl.checkpoint.hf import args_from_hf_config, from_hf_tensor, hf_config, to_hf_tensor
+from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_tensor, hf_config, to_hf_tensor
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -100,7 +100,9 @@ class HFSource(Source):
                         piece = f.get_slice(key)
                         dtype = _DTYPES.get(piece.get_dtype())
                         if dtype is None:
-                            raise CheckpointError(f"tensor {key!r} in {path.name} has unsupported dtype {piece.get_dtype()}")
+                            raise CheckpointError(
+                                f"tensor {key!r} in {path.name} has unsupported dtype {piece.get_dtype()}"
+                            )
                         self.raw.append((key, path, tuple(piece.get_shape()), dtype))
             except SafetensorError as e:
                 raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None

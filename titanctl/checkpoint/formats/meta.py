@@ -29,6 +29,7 @@ from titanctl.checkpoint.formats.base import (
     TorchFiles,
     cast,
     check_complete,
+    read_json,
     torch_weight_files,
 )
 from titanctl.errors import CheckpointError
@@ -109,15 +110,6 @@ def params_from_args(args: ModelArgs) -> dict[str, Any]:
         }
     return params
 
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable or not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return data
 
 
 # ----------------------------------------------------------------------------- reading

@@ -24,10 +24,11 @@ from titanctl.checkpoint.formats.base import (
     TorchFiles,
     cast,
     check_complete,
+    read_json,
     torch_weight_files,
 )
-from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, params_from_args, read_json
-from titanctl.checkpoint.hf import args_from_hf_config
+from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, params_from_args
+from titanctl.checkpoint.hf_names import args_from_hf_config
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -43,7 +44,11 @@ _LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.w2.weight",
     "feed_forward.w3.weight": "mlp.w3.weight",
 }
-_TOP_NAMES = {"tok_embeddings.weight": "tok_embeddings.weight", "norm.weight": "norm.scale", "output.weight": "output.weight"}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "tok_embeddings.weight",
+    "norm.weight": "norm.scale",
+    "output.weight": "output.weight",
+}
 _LAYER_NAMES_INV = {v: k for k, v in _LAYER_NAMES.items()}
 _TOP_NAMES_INV = {v: k for k, v in _TOP_NAMES.items()}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")

@@ -233,18 +233,18 @@ def _run_steps(
 
     from titanctl.parallel.build import build_model_parts
     from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
-    from titanctl.tools.memory_tracker import NullTracker, make_tracker
+    from titanctl.tools.memory.tracker import NullTracker, make_tracker
     from titanctl.train.loss import cross_entropy_loss
     from titanctl.train.lr_schedule import build_lr_scheduler
     from titanctl.train.optim import build_optimizer
-    from titanctl.train.trainer import ForwardBackward
+    from titanctl.train.step import ForwardBackward
 
     fake = fake_mode is not None
     built = build_model_parts(
         cfg, dims, args, device, loss_fn=cross_entropy_loss, init=not fake, fake_mode=fake_mode
     )
     if built.pipeline is not None and fake:
-        from titanctl.tools.memory_pipeline import answer_for_fake_peers
+        from titanctl.tools.memory.pipeline import answer_for_fake_peers
 
         answer_for_fake_peers(built.pipeline)
     with fake_mode if fake else contextlib.nullcontext():
@@ -308,7 +308,7 @@ def _run_steps(
 
 def _extrapolate(shallow: _Run, deep: _Run, l1: int, l2: int, depth: int) -> _Run:
     """Each quantity at ``depth`` layers from its values at ``l1`` and ``l2`` (it is affine in depth)."""
-    from titanctl.tools.memory_tracker import Peak
+    from titanctl.tools.memory.tracker import Peak
 
     k = (depth - l1) // (l2 - l1)  # depth = l1 (mod l2 - l1) by depth_plan's choice
 
@@ -337,7 +337,7 @@ def _steady_state(run: _Run) -> None:
     Step 2 differs from step 1 only by the optimizer state, created during step 1's optimizer step
     and alive from then on (checked against a second step run for real, in the tests).
     """
-    from titanctl.tools.memory_tracker import Peak
+    from titanctl.tools.memory.tracker import Peak
 
     extra = sum(run.optimizer_state.values())
     for (step, phase, anchor), peak in list(run.peaks.items()):
@@ -459,7 +459,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titanctl.parallel.dims import ParallelDims
-    from titanctl.tools.memory_tracker import DDP_BUCKETS, untracked_sharding_propagation
+    from titanctl.tools.memory.tracker import DDP_BUCKETS, untracked_sharding_propagation
 
     dims, args, cfg = plan.dims, plan.args, plan.cfg
     run_dims = dataclasses.replace(dims)  # its own mesh, on the fake process group
@@ -516,7 +516,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
 
 
 def _fill(result: MemoryEstimate, run: _Run, n_layers: int, period: int, extrapolated: bool) -> None:
-    from titanctl.tools.memory_tracker import PHASES, anchor_layer
+    from titanctl.tools.memory.tracker import PHASES, anchor_layer
 
     def module(anchor: str, name: str) -> str:
         if not extrapolated:

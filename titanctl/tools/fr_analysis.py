@@ -16,7 +16,7 @@ gloo never marks entries completed, so "waiting in #N" means "#N is the last thi
 with NCCL, entries that reached ``completed`` are reported as such.
 
 Input: the dicts of ``torch._C._distributed_c10d._dump_fr_trace_json()`` (as written by
-``titanctl.parallel.flight_recorder.dump``) or torch's own pickled dumps, decoded safely by the caller.
+``titanctl.parallel.hang_watchdog.dump``) or torch's own pickled dumps, decoded safely by the caller.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import ast
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from titanctl.errors import TitanError
-
-
-class TraceError(TitanError):
-    """A trace or dump that cannot be read or makes no sense."""
+from titanctl.errors import TraceError
 
 
 def looks_like_dump(doc: Any) -> bool:
@@ -98,7 +94,7 @@ class GroupReport:
     ranks_known: bool  # from the dump's group layout, not guessed from who recorded something
     first_seq: int  # first collective every rank still holds
     last_seq: int
-    mismatch: Optional[Mismatch]
+    mismatch: Mismatch | None
     ranks_state: list[RankState]
     missing_dumps: list[int]
     message: str
@@ -154,7 +150,7 @@ def _who(ranks: list[int]) -> str:
 # ------------------------------------------------------------------------------------------- parsing
 
 
-def _as_int(value: Any) -> Optional[int]:
+def _as_int(value: Any) -> int | None:
     try:
         return int(value)
     except (TypeError, ValueError):
@@ -167,7 +163,7 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _parse_ranks(value: Any) -> Optional[list[int]]:
+def _parse_ranks(value: Any) -> list[int] | None:
     """pg_config ranks come as a list or as a string like "[0, 1]" (or "all")."""
     if isinstance(value, str):
         try:
@@ -181,7 +177,7 @@ def _parse_ranks(value: Any) -> Optional[list[int]]:
     return None
 
 
-def _rank_of(doc: dict, path: Path) -> Optional[int]:
+def _rank_of(doc: dict, path: Path) -> int | None:
     meta = doc.get("titanctl")
     for value in ((meta or {}).get("rank") if isinstance(meta, dict) else None, doc.get("rank")):
         if _as_int(value) is not None:
@@ -260,7 +256,7 @@ def _diff_kind(a: list[Collective], b: list[Collective]) -> str:
     return "dtypes"
 
 
-def _analyze_group(name: str, dumps: dict[int, RankDump]) -> Optional[GroupReport]:
+def _analyze_group(name: str, dumps: dict[int, RankDump]) -> GroupReport | None:
     desc, declared = "", None
     for d in dumps.values():
         info = d.groups.get(name)
@@ -279,7 +275,7 @@ def _analyze_group(name: str, dumps: dict[int, RankDump]) -> Optional[GroupRepor
     last_seq = max(last.values(), default=0)
     tracks_completion = any(c.state == "completed" for s in seqs.values() for es in s.values() for c in es)
 
-    mismatch: Optional[Mismatch] = None
+    mismatch: Mismatch | None = None
     for seq in range(first_seq, last_seq + 1):
         present = {r: seqs[r][seq] for r in members if seq in seqs[r]}
         absent = [r for r in members if seq not in seqs[r]]
@@ -341,7 +337,7 @@ def _analyze_group(name: str, dumps: dict[int, RankDump]) -> Optional[GroupRepor
     )
 
 
-def _verdict(m: Optional[Mismatch], states: list[RankState], first: int, last: int, tracks: bool) -> str:
+def _verdict(m: Mismatch | None, states: list[RankState], first: int, last: int, tracks: bool) -> str:
     by_rank = {s.rank: s for s in states}
     if m is None:
         text = f"all ranks agree on collectives #{first}..#{last}"

@@ -24,16 +24,17 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 NCCL_DUMP_ON_TIMEOUT_ENV = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 
-def enable(buffer_size: int = 2000, dump_folder: Optional[Path] = None) -> dict[str, str]:
+def enable(buffer_size: int = 2000, dump_folder: Path | None = None) -> dict[str, str]:
     """Record the last ``buffer_size`` collectives of every process group created after this call.
 
     Call it before ``init_process_group``. With ``dump_folder``, NCCL's own dumps on a timeout
@@ -44,7 +45,7 @@ def enable(buffer_size: int = 2000, dump_folder: Optional[Path] = None) -> dict[
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         raise RuntimeError(
-            "flight_recorder.enable() must run before the process group is created: "
+            "hang_watchdog.enable() must run before the process group is created: "
             f"{BUFFER_SIZE_ENV} is read only then"
         )
     env = {BUFFER_SIZE_ENV: str(buffer_size)}
@@ -138,9 +139,9 @@ class DumpOnce:
     comes first dumps, the other waits for that dump and reuses it.
     """
 
-    def __init__(self, folder: Path, rank: int, exit_code: Optional[int] = None) -> None:
+    def __init__(self, folder: Path, rank: int, exit_code: int | None = None) -> None:
         self.folder, self.rank, self.exit_code = Path(folder), rank, exit_code
-        self.path: Optional[Path] = None
+        self.path: Path | None = None
         self._lock = threading.Lock()
 
     def __call__(self, label: str = "", elapsed_s: float = 0.0) -> Path:
@@ -174,7 +175,7 @@ class CollectiveWatchdog:
         self.on_timeout = on_timeout
         self.fired = threading.Event()
         self._cond = threading.Condition()
-        self._deadline: Optional[float] = None
+        self._deadline: float | None = None
         self._started_at = 0.0
         self._label = ""
         self._closed = False
@@ -195,7 +196,7 @@ class CollectiveWatchdog:
             self._cond.notify()
 
     @contextmanager
-    def watch(self, label: str = "") -> Iterator["CollectiveWatchdog"]:
+    def watch(self, label: str = "") -> Iterator[CollectiveWatchdog]:
         self.arm(label)
         try:
             yield self

@@ -1,0 +1,32 @@
+"""`titanctl estimate-memory`'s estimator, in three parts:
+
+- ``estimate``: the recipe on a fake process group and fake tensors, rank 0's peak, and ``validate``;
+- ``tracker``: torch's memory trackers plus where (phase, module) the peak happened;
+- ``pipeline``: answers a lone rank 0's pipeline stages would otherwise wait for from their peers.
+"""
+
+from titanctl.tools.memory.estimate import (
+    MemoryEstimate,
+    Plan,
+    Validation,
+    check_validation_world,
+    estimate_memory,
+    fake_process_group,
+    plan_estimate,
+    rss_peak_bytes,
+    run_estimate,
+    validate,
+)
+
+__all__ = [
+    "MemoryEstimate",
+    "Plan",
+    "Validation",
+    "check_validation_world",
+    "estimate_memory",
+    "fake_process_group",
+    "plan_estimate",
+    "rss_peak_bytes",
+    "run_estimate",
+    "validate",
+]
