@@ -22,22 +22,23 @@ def apply_fsdp(
     ``dp_mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    if reshard_after_forward == "always":
-        reshard = True
-    elif reshard_after_forward == "never":
-        reshard = False
-    else:
-        # Pipelining runs several microbatches' forwards before their backwards: keeping the
-        # parameters gathered avoids re-gathering them for each one.
-        reshard = not pipelined
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward.
+        last = index == len(blocks) - 1
         fully_shard(
             block, mesh=dp_mesh, mp_policy=mp_policy,
-            reshard_after_forward=reshard and index < len(blocks) - 1,
+            reshard_after_forward=_reshard(reshard_after_forward, default=not pipelined and not last),
         )
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=not pipelined and reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy,
+                reshard_after_forward=_reshard(reshard_after_forward, default=not pipelined))
+
+
+def _reshard(mode: str, default: bool) -> bool:
+    """"always" and "never" mean exactly that for every module; "default" keeps a module's
+    parameters gathered where that saves an all-gather. Pipelining runs several microbatches'
+    forwards before their backwards, so it keeps them gathered everywhere."""
+    return {"always": True, "never": False}.get(mode, default)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:

@@ -97,4 +97,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)
+    finish(0)  # destroy the process group, then os._exit (see titanctl.cli.console.finish: gloo aborts at exit otherwise)

@@ -142,7 +142,7 @@ def main() -> None:
             f.flush()
             os.fsync(f.fileno())
     dist.barrier()
-    finish(0)  # destroy the process group, then os._exit (gloo's exit abort, FACTS.md)
+    finish(0)  # destroy the process group, then os._exit (see titanctl.cli.console.finish: gloo aborts at exit otherwise)
 
 
 if __name__ == "__main__":

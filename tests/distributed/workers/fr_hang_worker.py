@@ -52,7 +52,7 @@ def main(folder: Path) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     dist.destroy_process_group()
-    os._exit(0)  # shared/FACTS.md "Exit abort": never run the interpreter's teardown after gloo
+    os._exit(0)  # never run the interpreter's teardown after gloo (see titanctl.cli.console.finish)
 
 
 if __name__ == "__main__":

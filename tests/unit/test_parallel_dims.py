@@ -1,0 +1,87 @@
+"""ParallelDims in process (degrees -> layout), and what fsdp_reshard_after_forward does to each module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from titanctl.config.job_config import Parallelism
+from titanctl.errors import ParallelError
+from titanctl.parallel.dims import ParallelDims
+
+
+def dims(world_size: int, **degrees) -> ParallelDims:
+    cfg = Parallelism()
+    for key, value in degrees.items():
+        setattr(cfg, f"{key}_degree", value)
+    return ParallelDims.from_config(cfg, world_size)
+
+
+def test_shard_degree_minus_one_takes_the_ranks_left_over():
+    d = dims(16, tensor_parallel=2, pipeline_parallel=2)
+    assert (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp) == (2, 1, 4, 1, 2)
+    assert d.dp == 4 and d.fsdp_enabled and not d.ddp_enabled and not d.hsdp_enabled
+    assert d.describe() == "pp 2 x dp_shard 4 x tp 2"
+
+
+@pytest.mark.parametrize(
+    "world, degrees, fsdp, ddp, hsdp",
+    [
+        (1, {}, False, False, False),
+        (2, {"data_parallel_replicate": 2, "data_parallel_shard": 1}, False, True, False),
+        (4, {"data_parallel_replicate": 2}, True, False, True),
+        (2, {"context_parallel": 2, "data_parallel_shard": 1}, True, False, False),  # FSDP shards over cp
+        (2, {"tensor_parallel": 2}, False, False, False),
+    ],
+)
+def test_which_data_parallelism(world, degrees, fsdp, ddp, hsdp):
+    d = dims(world, **degrees)
+    assert (d.fsdp_enabled, d.ddp_enabled, d.hsdp_enabled) == (fsdp, ddp, hsdp)
+    assert d.world_size == d.pp * d.dp * d.cp * d.tp
+
+
+def test_degrees_that_do_not_divide_the_world_name_the_numbers():
+    with pytest.raises(ParallelError, match=r"world size 6 is not divisible by pp 1 x dp_replicate 1 x cp 1 x tp 4 = 4"):
+        dims(6, tensor_parallel=4)
+    with pytest.raises(ParallelError, match=r"= 8, but the world size is 4"):
+        dims(4, data_parallel_shard=4, tensor_parallel=2)
+
+
+def test_fsdp_reshard_after_forward_always_means_every_module():
+    """After forward, a resharded module holds its sharded DTensor parameters again; "always" must
+    reshard the last block and the root too, also under pipelining (one rank, in a subprocess)."""
+    code = textwrap.dedent(
+        """
+        import os, torch, torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.device_mesh import init_device_mesh
+        from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+        from titanctl.parallel.data_parallel import apply_fsdp
+
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=64, n_layers=2, max_seq_len=16)
+        for mode in ("always", "default", "never"):
+            for pipelined in (False, True):
+                model = Transformer(args)
+                model.init_weights()
+                apply_fsdp(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32,
+                           reduce_dtype=torch.float32, reshard_after_forward=mode, pipelined=pipelined)
+                model(torch.zeros(1, 8, dtype=torch.long))
+                sharded = [isinstance(p, DTensor) for n, p in model.named_parameters()
+                           if n in ("layers.0.attention.wq.weight", "layers.1.attention.wq.weight", "output.weight")]
+                print(mode, pipelined, *sharded)
+        dist.destroy_process_group()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in proc.stdout.splitlines()}
+    # (first block, last block, root)
+    assert rows["always", "False"] == ["True", "True", "True"]
+    assert rows["always", "True"] == ["True", "True", "True"]
+    assert rows["default", "False"] == ["True", "False", "True"]  # the last block is needed right away
+    assert rows["default", "True"] == ["False", "False", "False"]  # pipelines keep everything gathered
+    assert rows["never", "False"] == ["False", "False", "False"]
