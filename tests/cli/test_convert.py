@@ -94,6 +94,7 @@ def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message
     assert not list(tmp_path.glob(".*partial*"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torchtitan_training_checkpoint_to_hf_says_what_it_ignored(tmp_path):
     import torch.distributed.checkpoint as dcp
 
