@@ -4,7 +4,7 @@
 |-------------|-----------------------------------------------------------------|
 | `meta`      | `params.json` + `consolidated.NN.pth` (model-parallel shards)    |
 | `dcp`       | DCP files + `.metadata` (+ `titanctl.json`)                      |
-| `hf`        | `config.json` + `*.safetensors` (+ `model.safetensors.index.json`) |
+| `hf`        | `*.safetensors` (+ index, + `config.json` unless --flavor/shapes)  |
 | `torchtune` | `model-00001-of-00001.bin` / `*.pt` with torchtune's key names   |
 | `torchtitan`| DCP files + `.metadata`, no `titanctl.json` (torchtitan's names) |
 """
