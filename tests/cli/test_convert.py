@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
 from titanctl.checkpoint.convert import load_checkpoint, save_state_dict
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
@@ -52,10 +52,12 @@ def test_convert_checkpoint_and_its_alias_infer_formats(meta_ckpt, tmp_path):
     "case, message",
     [
         ("missing", "does not exist"),
-        ("wrong-format", "has no config.json: not a Hugging Face checkpoint"),
+        ("wrong-format", "has no *.safetensors weights"),
         ("unknown-format", "cannot tell the checkpoint format"),
         ("non-empty-dst", "is not empty: refusing to overwrite"),
         ("flavor", "has shape (300, 64), expected (300, 4096) for the model from --flavor 8B"),
+        ("torchtitan-shapes", "n_heads cannot be inferred from shapes: give --flavor or --config"),
+        ("tokenizer-vocab", "has 4352 tokens but the model's vocabulary is 300"),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message):
@@ -75,6 +77,12 @@ def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message
         (dst / "keep.txt").write_text("mine")
     elif case == "flavor":
         args += ["--flavor", "8B"]
+    elif case == "torchtitan-shapes":
+        run("convert", src, tmp_path / "tt", "--to", "torchtitan")
+        (tmp_path / "tt" / "params.json").unlink()  # a torchtitan folder as torchtitan writes it: no config
+        args = [tmp_path / "tt", dst]
+    elif case == "tokenizer-vocab":
+        args += ["--to", "hf", "--tokenizer-path", REPO / "titanctl" / "assets" / "tokenizer" / "tokenizer.model"]
     proc = run("convert", *args, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr, proc.stderr
@@ -84,3 +92,33 @@ def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message
     else:
         assert not dst.exists()
     assert not list(tmp_path.glob(".*partial*"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torchtitan_training_checkpoint_to_hf_says_what_it_ignored(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from titanctl.models.llama.args import LLAMA3_FLAVORS
+
+    torch.manual_seed(0)
+    state = Transformer(LLAMA3_FLAVORS["debugmodel"].replace(n_layers=1, vocab_size=300)).state_dict()
+    step = tmp_path / "step-3"  # torchtitan 0.3's layout: the model flat at the top level, under 0.3's names
+    renamed = {"lm_head.weight" if k == "output.weight" else k.replace(".attention.w", ".attention.qkv_linear.w")
+               if k.split(".")[-2] in ("wq", "wk", "wv") else k: v for k, v in state.items()}
+    dcp.save({**renamed, "optimizer": {"state": {"x": torch.zeros(2)}}, "lr_scheduler": {"last_epoch": 3},
+              "dataloader": {"dp_rank_0": b"\x80"}, "train_state": {"step": 3}}, checkpoint_id=str(step), no_dist=True)
+    proc = run("convert", step, tmp_path / "hf", "--to", "hf")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("torchtitan → hf: 12 tensors"), proc.stdout
+    assert "model from tensor shapes (dim 256, 1 layers, vocab 300" in lines[0]
+    assert "flavor debugmodel's with 1 layers; n_heads 16, n_kv_heads 4" in lines[0]
+    assert lines[1:] == [
+        "  note: torchtitan 0.3 names (attention.qkv_linear.*, lm_head)",
+        "  note: full training checkpoint: model weights taken; dataloader, lr_scheduler, optimizer, train_state "
+        "ignored",
+        "  note: no tokenizer files written: the checkpoint names no tokenizer and the model's vocabulary (300) is "
+        "not the bundled tokenizer's (4352); give --tokenizer-path",
+    ], proc.stdout
+    back, _ = load_checkpoint(tmp_path / "hf")
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name

@@ -3,7 +3,6 @@ and transformers computes that loss too. Last: training starts from a converted 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -13,63 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
-from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, save_state_dict
+from tests.unit.trained_model import N_LAYERS, SEQ, loss_of
+from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.llama.model import Transformer
-
-SEQ = 64
-N_LAYERS = 2  # the debug flavor, two of its six layers (as tests/cli/test_train.py trains it)
-
-
-def windows(ids: list[int], n: int, gen: torch.Generator | None = None) -> torch.Tensor:
-    """n windows of SEQ + 1 tokens: consecutive ones, or random ones with a generator."""
-    data = torch.tensor(ids)
-    if gen is None:
-        starts = torch.arange(n) * (SEQ + 1)
-    else:
-        starts = torch.randint(0, len(data) - SEQ - 1, (n,), generator=gen)
-    return torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
-
-
-def tokens_of(name: str, n_docs: int, tok: Tokenizer) -> list[int]:
-    docs = itertools.islice(iter(load_documents(name, None)), n_docs)
-    return [i for ids in tok.encode_batch(list(docs), bos=True, eos=True) for i in ids]
-
-
-@torch.no_grad()
-def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> float:
-    out = model(batch[:, :-1])
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item()
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The debug model trained for a few steps in process, saved by the dcp writer."""
-    tok = Tokenizer()
-    args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=tok.vocab_size, max_seq_len=SEQ, n_layers=N_LAYERS)
-    torch.manual_seed(0)
-    model = Transformer(args)  # PyTorch's default init: cheap, and training starts from it alike
-    held_out = windows(tokens_of("bundled_val", 12, tok), 16)
-    before = loss_of(model.eval(), held_out)
-    train_ids = tokens_of("bundled", 40, tok)
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
-    for _ in range(12):
-        batch = windows(train_ids, 8, gen)
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    after = loss_of(model, held_out)
-    assert after < before - 1.0, (before, after)  # it learned: these are trained weights
-    folder = tmp_path_factory.mktemp("trained") / "dcp"
-    save_state_dict(model.state_dict(), args, folder, "dcp")
-    return {"folder": folder, "args": args, "loss": after, "held_out": held_out, "state": model.state_dict()}
+def trained(trained_debug):
+    return trained_debug
 
 
 def model_from(folder) -> Transformer:

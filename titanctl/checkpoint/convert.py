@@ -1,4 +1,4 @@
-"""Convert a checkpoint between the Meta, DCP, Hugging Face and torchtune formats.
+"""Convert a checkpoint between the Meta, DCP, Hugging Face, torchtune and torchtitan formats.
 
 Every conversion is: open the source (its format told or detected), settle the model
 (the source's own config, or ``--flavor``/``--config`` with the vocabulary taken from the
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from titanctl.checkpoint.formats import Source
     from titanctl.models.llama.args import ModelArgs
 
-FORMATS = ("meta", "dcp", "hf", "torchtune")  # = titanctl.checkpoint.formats.FORMATS
+FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
+TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")  # outputs that carry (or record) the tokenizer
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
@@ -141,6 +142,7 @@ class ConversionReport:
     nbytes: int
     seconds: float
     files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was ignored, which tokenizer, ...
 
 
 class ProgressSink:
@@ -163,11 +165,15 @@ def _check_destination(dst: Path, src: Path | None) -> None:
             raise CheckpointError(f"destination {dst} is not empty: refusing to overwrite it (give a new folder)")
 
 
-def _check_options(fmt: str, shards: int | None, max_shard_size: int | str | None) -> None:
+def _check_options(
+    fmt: str, shards: int | None, max_shard_size: int | str | None, tokenizer_path: str | os.PathLike | None = None
+) -> None:
     if shards is not None and fmt != "meta":
         raise CheckpointError("--shards applies to --to meta only")
     if max_shard_size is not None and fmt != "hf":
         raise CheckpointError("--max-shard-size applies to --to hf only")
+    if tokenizer_path and fmt not in TOKENIZER_FORMATS:
+        raise CheckpointError(f"--tokenizer-path applies to --to {', '.join(TOKENIZER_FORMATS)} only, not {fmt}")
 
 
 def _prepare_destination(dst: Path, src: Path | None) -> Path:
@@ -191,12 +197,25 @@ def write_checkpoint(
     max_shard_size: int | str | None = None,
     progress: ProgressSink | None = None,
     extra_metadata: dict | None = None,
+    tokenizer_path: str | os.PathLike | None = None,
+    notes: list[str] | None = None,
 ) -> list[str]:
-    """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written."""
+    """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
+
+    hf and torchtune outputs also get the tokenizer files (see ``tokenizer_export``); a dcp
+    output records the tokenizer path. What is worth telling the user is appended to `notes`.
+    """
     from titanctl.checkpoint.formats import WRITERS
+    from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
 
     _check_format(fmt, "--to")
-    _check_options(fmt, shards, max_shard_size)
+    _check_options(fmt, shards, max_shard_size, tokenizer_path)
+    notes = [] if notes is None else notes
+    tokenizer, recorded_path = None, None
+    if fmt in TOKENIZER_FORMATS:  # before anything is written: a wrong tokenizer is an error
+        tokenizer, recorded_path, said = resolve_tokenizer(source, source.args, tokenizer_path, fmt == "dcp")
+        if said:
+            notes.append(said)
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
     tmp = _prepare_destination(dst, src_folder)
@@ -211,8 +230,11 @@ def write_checkpoint(
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
         options["extra"] = {"converted_from": source.format, **(extra_metadata or {})}
+        if recorded_path is not None:
+            options["extra"]["tokenizer_path"] = recorded_path
     try:
         WRITERS[fmt](tmp, source.args, source, dtype=dtype, progress=sink.advance, **options)
+        notes.extend(write_companion_files(tmp, fmt, source.args, tokenizer))
         if dst.exists():
             dst.rmdir()  # empty, checked above
         os.rename(tmp, dst)
@@ -234,6 +256,7 @@ def convert_checkpoint(
     shards: int | None = None,
     max_shard_size: int | str | None = None,
     progress: ProgressSink | None = None,
+    tokenizer_path: str | os.PathLike | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -246,15 +269,17 @@ def convert_checkpoint(
     _check_source_folder(Path(src))
     _check_destination(Path(dst), Path(src))  # before reading anything
     if dst_format is not None:
-        _check_options(dst_format, shards, max_shard_size)
+        _check_options(dst_format, shards, max_shard_size, tokenizer_path)
     dst = Path(dst)
     import titanctl.checkpoint.formats  # noqa: F401  (torch, DCP, safetensors: not part of the timing)
 
     start = time.perf_counter()
     with open_checkpoint(src, src_format, flavor=flavor, config=config) as source:
         fmt = dst_format or ("hf" if source.format == "dcp" else "dcp")
+        notes = list(source.notes)
         files = write_checkpoint(
-            source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress
+            source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
+            tokenizer_path=tokenizer_path, notes=notes,
         )
         return ConversionReport(
             src=Path(src),
@@ -267,6 +292,7 @@ def convert_checkpoint(
             nbytes=source.total_bytes(torch_dtype),
             seconds=time.perf_counter() - start,
             files=files,
+            notes=notes,
         )
 
 

@@ -71,6 +71,17 @@ def _meta_name(name: str, args: ModelArgs) -> str:
     )
 
 
+def canonical_name_of(hf_name: str) -> str | None:
+    """The titanctl (Meta) name of a Hugging Face Llama weight name, whatever the model's depth
+    (None: not a Llama weight name)."""
+    if hf_name in _TOP_NAMES_INV:
+        return _TOP_NAMES_INV[hf_name]
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES_INV:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES_INV[m.group(2)]}"
+    return None
+
+
 def _layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     d, hd, h = args.dim, args.head_dim, args.ffn_hidden_dim
     return {
@@ -368,6 +379,7 @@ def args_from_hf_config(cfg: dict[str, Any], *, max_seq_len: int | None = None) 
 
 __all__ = [
     "args_from_hf_config",
+    "canonical_name_of",
     "expected_shapes",
     "from_hf_state_dict",
     "from_hf_tensor",

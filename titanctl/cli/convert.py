@@ -20,10 +20,10 @@ def convert(
     src: Path = typer.Argument(..., help="Checkpoint folder to read."),
     dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
     from_format: str | None = typer.Option(
-        None, "--from", help="Source format: meta, dcp, hf or torchtune. Default: told by SRC's files."
+        None, "--from", help="Source format: meta, dcp, hf, torchtune or torchtitan. Default: told by SRC's files."
     ),
     to_format: str | None = typer.Option(
-        None, "--to", help="Target format: meta, dcp, hf or torchtune. Default: dcp, or hf when SRC is dcp."
+        None, "--to", help="Target format: meta, dcp, hf, torchtune or torchtitan. Default: dcp, or hf when SRC is dcp."
     ),
     flavor: str | None = typer.Option(
         None, "--flavor", help="Model flavor (debugmodel, 8B, 70B, 405B) instead of SRC's own config."
@@ -34,8 +34,14 @@ def convert(
     max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."
     ),
+    tokenizer_path: Path | None = typer.Option(
+        None,
+        "--tokenizer-path",
+        help="Tokenizer (tiktoken tokenizer.model or tokenizer.json) for the tokenizer files of an hf or torchtune "
+        "output, recorded in a dcp output. Default: the one SRC records, else the bundled one if its vocabulary fits.",
+    ),
 ) -> None:
-    """Convert checkpoints between Meta, DCP, Hugging Face and torchtune formats."""
+    """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats."""
     from titanctl.checkpoint.convert import ConversionReport, ProgressSink, convert_checkpoint
 
     class Bar(ProgressSink):
@@ -84,6 +90,7 @@ def convert(
             shards=shards,
             max_shard_size=max_shard_size,
             progress=bar,
+            tokenizer_path=tokenizer_path,
         )
     finally:
         bar.progress.stop()
@@ -93,3 +100,5 @@ def convert(
         f"in {report.seconds:.1f} s ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}, "
         f"model from {report.origin}) → {report.dst}"
     )
+    for note in report.notes:
+        typer.echo(f"  note: {note}")

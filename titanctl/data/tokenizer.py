@@ -127,6 +127,8 @@ class Tokenizer:
         _validate_ranks(ranks, self.path)
 
         self.n_base_tokens = len(ranks)
+        self.ranks: dict[bytes, int] = ranks  # the BPE: token bytes -> rank (= id)
+        self.pattern: str = pattern  # the pre-tokenizer split regex
         self.special_tokens: dict[str, int] = specials or {
             tok: self.n_base_tokens + i for i, tok in enumerate(SPECIAL_TOKENS)
         }

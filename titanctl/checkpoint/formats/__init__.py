@@ -4,8 +4,9 @@
 |-------------|-----------------------------------------------------------------|
 | `meta`      | `params.json` + `consolidated.NN.pth` (model-parallel shards)    |
 | `dcp`       | DCP files + `.metadata` (+ `titanctl.json`)                      |
-| `hf`        | `config.json` + `*.safetensors` (+ `model.safetensors.index.json`) |
+| `hf`        | `*.safetensors` (+ index, + `config.json` unless --flavor/shapes)  |
 | `torchtune` | `model-00001-of-00001.bin` / `*.pt` with torchtune's key names   |
+| `torchtitan`| DCP files + `.metadata`, no `titanctl.json` (torchtitan's names) |
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from titanctl.checkpoint.formats import dcp, hf, meta, torchtune
+from titanctl.checkpoint.formats import dcp, hf, meta, torchtitan, torchtune
 from titanctl.checkpoint.formats.base import FORMATS, DictSource, Source, TensorInfo, peek_keys, torch_weight_files
 from titanctl.errors import CheckpointError
 
@@ -22,8 +23,15 @@ SOURCES: dict[str, type[Source]] = {
     "dcp": dcp.DCPSource,
     "hf": hf.HFSource,
     "torchtune": torchtune.TorchtuneSource,
+    "torchtitan": torchtitan.TorchtitanSource,
 }
-WRITERS = {"meta": meta.write, "dcp": dcp.write, "hf": hf.write, "torchtune": torchtune.write}
+WRITERS = {
+    "meta": meta.write,
+    "dcp": dcp.write,
+    "hf": hf.write,
+    "torchtune": torchtune.write,
+    "torchtitan": torchtitan.write,
+}
 _CONSOLIDATED = re.compile(r"consolidated\.\d+\.pth")
 
 
@@ -42,12 +50,15 @@ def detect(folder: Path) -> str:
     """The format of a checkpoint folder, from the files in it."""
     folder = Path(folder)
     names = {p.name for p in folder.iterdir()}
-    if "titanctl.json" in names or ".metadata" in names:
+    if "titanctl.json" in names:
         return "dcp"
+    if ".metadata" in names:  # DCP without titanctl's metadata: torchtitan's (any version's names)
+        return "torchtitan"
     if "params.json" in names and any(_CONSOLIDATED.fullmatch(n) for n in names):
         return "meta"
-    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
-        return "hf"
+    if any(n.endswith(".safetensors") for n in names):
+        if "config.json" in names or hf.holds_hf_names(folder):
+            return "hf"
     weight_files = torch_weight_files(folder)
     if weight_files:
         found = naming(peek_keys(weight_files[0]))
@@ -60,7 +71,8 @@ def detect(folder: Path) -> str:
             return found
     raise CheckpointError(
         f"cannot tell the checkpoint format of {folder}: expected params.json + consolidated.*.pth (meta), "
-        ".metadata / titanctl.json (dcp), config.json + *.safetensors (hf) or a torchtune .bin/.pt; give --from"
+        "titanctl.json + .metadata (dcp), .metadata alone (torchtitan), *.safetensors with Hugging Face names (hf) "
+        "or a torchtune .bin/.pt; give --from"
     )
 
 

@@ -28,7 +28,7 @@ from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
-FORMATS = ("meta", "dcp", "hf", "torchtune")
+FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")
 # Derived RoPE tables that some tools save beside the weights: never weights, never written.
 DERIVED_BUFFERS = ("rope.freqs", "freqs_cis", "rope_cache")
 
@@ -68,6 +68,7 @@ class Source(abc.ABC):
         self.args: ModelArgs | None = None
         self.origin = ""  # where args came from, e.g. "params.json" or "--flavor 8B"
         self.infos: list[TensorInfo] = []  # in the order that reads the source best
+        self.notes: list[str] = []  # worth telling the user, e.g. what was read but ignored
 
     # -- configuration
     @abc.abstractmethod

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,8 @@ class DCPSource(Source):
 
     def _read_group(self, first: str) -> None:
         order = [i.name for i in self.infos]
-        group: dict[str, torch.Tensor] = {}
+        group: dict[str, torch.Tensor] = {}  # stored name -> tensor to fill
+        names: dict[str, str] = {}  # stored name -> canonical name (they differ in subclasses)
         size = 0
         for name in order[order.index(first) :]:
             if name in self._cache:
@@ -122,7 +123,8 @@ class DCPSource(Source):
             info = self.info(name)
             if group and size + info.nbytes() > self.group_bytes:
                 break
-            group[name] = torch.empty(info.shape, dtype=info.dtype)
+            group[info.shown] = torch.empty(info.shape, dtype=info.dtype)  # read by its stored name
+            names[info.shown] = name
             size += info.nbytes()
         try:
             with _quiet():
@@ -131,7 +133,7 @@ class DCPSource(Source):
             cause = _cause(e) if isinstance(e, CheckpointException) else e
             raise CheckpointError(f"{self.folder}: reading {first!r} failed: {_first_line(cause)}") from None
         self.reads += 1
-        self._cache.update(group)
+        self._cache.update((names[key], tensor) for key, tensor in group.items())
 
     def load(self, name: str) -> torch.Tensor:
         if name not in self._cache:
@@ -153,23 +155,26 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return self._fetch(write_item.index.fqn)
 
 
-def write(
+def save_streaming(
     folder: Path,
-    args: ModelArgs,
     source: Source,
     *,
     dtype: torch.dtype | None,
     progress: Progress,
-    step: int = 0,
-    extra: dict[str, Any] | None = None,
-) -> None:
+    stored_name: Callable[[str], str] | None = None,
+) -> list[torch.dtype]:
+    """Write every tensor of `source` into a DCP folder, under ``stored_name(canonical name)``
+    (default: the canonical name), producing each tensor only when DCP writes it.
+    Returns the dtypes written."""
+    rename = stored_name or (lambda name: name)
+    canonical = {rename(info.name): info.name for info in source.infos}
     placeholders = {
-        info.name: torch.empty(info.shape, dtype=dtype or info.dtype, device="meta") for info in source.infos
+        rename(info.name): torch.empty(info.shape, dtype=dtype or info.dtype, device="meta") for info in source.infos
     }
 
-    def fetch(name: str) -> torch.Tensor:
-        tensor = cast(source.load(name), dtype).contiguous()
-        progress(name, tensor.nbytes)
+    def fetch(key: str) -> torch.Tensor:
+        tensor = cast(source.load(canonical[key]), dtype).contiguous()
+        progress(key, tensor.nbytes)
         return tensor
 
     # One file per tensor: DCP keeps every tensor of a file alive until the file is closed.
@@ -182,7 +187,21 @@ def write(
         if isinstance(cause, Exception):
             raise cause from None
         raise RuntimeError(f"DCP save to {folder} failed: {_first_line(cause)}") from e
-    dtypes = sorted({dtype_name(p.dtype) for p in placeholders.values()})
+    return [p.dtype for p in placeholders.values()]
+
+
+def write(
+    folder: Path,
+    args: ModelArgs,
+    source: Source,
+    *,
+    dtype: torch.dtype | None,
+    progress: Progress,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    written = save_streaming(folder, source, dtype=dtype, progress=progress)
+    dtypes = sorted({dtype_name(d) for d in written})
     write_metadata(
         folder,
         args,

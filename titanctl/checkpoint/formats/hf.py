@@ -27,7 +27,14 @@ from titanctl.checkpoint.formats.base import (
     dtype_name,
     read_json,
 )
-from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_tensor, hf_config, to_hf_tensor
+from titanctl.checkpoint.hf_names import (
+    args_from_hf_config,
+    canonical_name_of,
+    from_hf_tensor,
+    hf_config,
+    to_hf_tensor,
+)
+from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -66,13 +73,21 @@ def special_token_ids(vocab_size: int) -> tuple[int | None, int | None]:
     return vocab_size - 256, vocab_size - 255
 
 
+def holds_hf_names(folder: Path) -> bool:
+    """Whether the first safetensors file of `folder` holds Hugging Face Llama names (headers only)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    try:
+        with safe_open(str(files[0]), framework="pt") as f:
+            return any(canonical_name_of(key) is not None for key in f.keys())
+    except (IndexError, SafetensorError, OSError):
+        return False
+
+
 class HFSource(Source):
     format = "hf"
 
     def __init__(self, folder: Path) -> None:
         super().__init__(folder)
-        if not (self.folder / CONFIG_FILE).is_file():
-            raise CheckpointError(f"{self.folder} has no {CONFIG_FILE}: not a Hugging Face checkpoint")
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
@@ -116,6 +131,9 @@ class HFSource(Source):
         self._open_file: Any = None
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
+        if not (self.folder / CONFIG_FILE).is_file():  # e.g. torchtitan's own HF save: safetensors only
+            shapes = {canonical_name_of(key): shape for key, _path, shape, _dtype in self.raw}
+            return infer_model_args(shapes, f"{self.folder} (no {CONFIG_FILE})")
         return args_from_hf_config(read_json(self.folder / CONFIG_FILE)), CONFIG_FILE
 
     def vocab_size(self, dim: int) -> int:

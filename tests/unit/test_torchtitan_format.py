@@ -1,0 +1,169 @@
+"""torchtitan checkpoints both ways: 0.3 and <= 0.2 names, weights-only and full training checkpoints,
+models without a config (from --flavor or inferred from shapes), and HF folders without config.json.
+
+The torchtitan folders here are written by the test itself with DCP, as torchtitan 0.3's
+CheckpointManager lays them out: the model state dict flat at the top level, beside the
+optimizer, lr_scheduler, dataloader and train_state entries of a full checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.unit.trained_model import loss_of
+from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
+from titanctl.checkpoint.formats import detect
+from titanctl.errors import CheckpointError
+from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.model import Transformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+# What torchtitan 0.3 calls the weights that it renamed (torchtitan/models/llama3/state_dict_adapter.py).
+QKV = re.compile(r"layers\.(\d+)\.attention\.(wq|wk|wv)\.weight")
+
+
+def torchtitan_03_name(name: str) -> str:
+    if name == "output.weight":
+        return "lm_head.weight"
+    return QKV.sub(r"layers.\1.attention.qkv_linear.\2.weight", name)
+
+
+def training_state(model_sd: dict[str, torch.Tensor]) -> dict:
+    """Entries of a torchtitan full checkpoint besides the model (their shapes as torchtitan saves them)."""
+    return {
+        "optimizer": {
+            "state": {n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.ones_like(t), "step": torch.tensor(7.0)}
+                      for n, t in model_sd.items()},
+            "param_groups": {n: {"lr": 8e-4, "betas": (0.9, 0.95)} for n in model_sd},
+        },
+        "lr_scheduler": {"lr_scheduler_0": {"last_epoch": 7, "base_lrs": [8e-4]}},
+        "dataloader": {"dp_rank_0": pickle.dumps({"sample_idx": 99}), "world_size": 1},
+        "train_state": {"step": 7, "ntokens_seen": 7 * 8 * 64},
+    }
+
+
+def write_torchtitan(folder, state: dict[str, torch.Tensor], *, names="0.3", full=False) -> None:
+    model_sd = {torchtitan_03_name(k) if names == "0.3" else k: v for k, v in state.items()}
+    dcp.save({**model_sd, **(training_state(model_sd) if full else {})}, checkpoint_id=str(folder), no_dist=True)
+
+
+def stored(folder) -> dict:
+    return dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def transformers(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
+        import transformers
+
+        yield transformers
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["weights-only", "full"])
+def test_torchtitan_03_checkpoint_converts_to_hf_and_matches_transformers(trained_debug, transformers, tmp_path, full):
+    step = tmp_path / "step-7"
+    write_torchtitan(step, trained_debug["state"], full=full)
+    assert detect(step) == "torchtitan"
+    report = convert_checkpoint(step, tmp_path / "hf", dst_format="hf")
+    # No titanctl.json: the model comes from the shapes, which are the debug flavor's with 2 layers.
+    assert report.src_format == "torchtitan" and report.origin.startswith("tensor shapes")
+    assert "flavor debugmodel's with 2 layers" in report.origin
+    assert report.args == trained_debug["args"].replace(max_seq_len=report.args.max_seq_len)
+    assert "torchtitan 0.3 names (attention.qkv_linear.*, lm_head)" in report.notes
+    ignored = [n for n in report.notes if n.startswith("full training checkpoint")]
+    if full:
+        assert ignored == ["full training checkpoint: model weights taken; dataloader, lr_scheduler, optimizer, "
+                           "train_state ignored"]
+    else:
+        assert not ignored
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ours = Transformer(trained_debug["args"])
+    ours.load_state_dict(trained_debug["state"])
+    ids = trained_debug["held_out"][:4, :-1]
+    with torch.no_grad():
+        delta = (ours.eval()(ids) - theirs(ids).logits).abs().max().item()
+    assert delta <= 1e-4, delta
+    assert loss_of(theirs, trained_debug["held_out"]) == pytest.approx(trained_debug["loss"], rel=1e-5)
+
+
+def test_torchtitan_02_names_are_read_too(trained_debug, tmp_path):
+    write_torchtitan(tmp_path / "old", trained_debug["state"], names="<=0.2", full=True)
+    with open_checkpoint(tmp_path / "old") as source:
+        assert source.format == "torchtitan" and "torchtitan <= 0.2 names" in source.notes
+        assert_same(dict(source.iter_tensors()), trained_debug["state"])
+
+
+def test_titanctl_to_torchtitan_and_back_is_bit_identical(trained_debug, tmp_path):
+    there = convert_checkpoint(trained_debug["folder"], tmp_path / "tt", dst_format="torchtitan")
+    assert (there.src_format, there.dst_format) == ("dcp", "torchtitan")
+    entries = stored(tmp_path / "tt")
+    # torchtitan 0.3's model state dict keys, flat at the top level of the DCP state dict, nothing else.
+    assert set(entries) == {torchtitan_03_name(k) for k in trained_debug["state"]}
+    assert "layers.1.attention.qkv_linear.wk.weight" in entries and "lm_head.weight" in entries
+    assert not (tmp_path / "tt" / "titanctl.json").exists()
+    assert detect(tmp_path / "tt") == "torchtitan"
+    back = convert_checkpoint(tmp_path / "tt", tmp_path / "back", dst_format="dcp")
+    assert back.origin == "params.json" and back.args == trained_debug["args"].replace(max_seq_len=back.args.max_seq_len)
+    for folder in ("tt", "back"):
+        sd, _ = load_checkpoint(tmp_path / folder)
+        assert_same(sd, trained_debug["state"])
+
+
+def test_bf16_export_round_trips(trained_debug, tmp_path):
+    convert_checkpoint(trained_debug["folder"], tmp_path / "tt", dst_format="torchtitan", dtype="bf16")
+    assert {e.properties.dtype for e in stored(tmp_path / "tt").values()} == {torch.bfloat16}
+    convert_checkpoint(tmp_path / "tt", tmp_path / "back", dst_format="dcp")
+    sd, _ = load_checkpoint(tmp_path / "back")
+    assert_same(sd, {k: v.to(torch.bfloat16) for k, v in trained_debug["state"].items()})
+
+
+def test_a_model_without_config_needs_flavor_when_shapes_cannot_say(tmp_path):
+    args = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300, max_seq_len=32)
+    torch.manual_seed(0)
+    state = Transformer(args).state_dict()
+    write_torchtitan(tmp_path / "tt", state, full=True)
+    with pytest.raises(CheckpointError, match=r"tensor shapes say dim 64, 2 layers, vocab 300, query width 64, "
+                                              r"key/value width 16, ffn 256.*n_heads cannot be inferred.*--flavor"):
+        load_checkpoint(tmp_path / "tt")
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text('[model]\nflavor = "debugmodel"\nn_layers = 2\n')
+    with pytest.raises(CheckpointError, match=r"has shape \(300, 64\), expected \(300, 256\) for the model from --config"):
+        load_checkpoint(tmp_path / "tt", config=recipe)
+
+
+def test_hf_folder_without_config_json(trained_debug, tmp_path):
+    """torchtitan's own HF save writes only safetensors (+ index): --flavor says which model, or the shapes do."""
+    convert_checkpoint(trained_debug["folder"], tmp_path / "hf", dst_format="hf")
+    (tmp_path / "hf" / "config.json").unlink()
+    assert detect(tmp_path / "hf") == "hf"
+    with pytest.raises(CheckpointError, match="lacks tensor.*layers.2.*--flavor debugmodel"):
+        load_checkpoint(tmp_path / "hf", flavor="debugmodel")  # the flavor has 6 layers, the weights 2
+    report = convert_checkpoint(tmp_path / "hf", tmp_path / "back", dst_format="dcp")
+    assert "flavor debugmodel's with 2 layers" in report.origin
+    assert_same(load_checkpoint(tmp_path / "back")[0], trained_debug["state"])
+    recipe = tmp_path / "two_layers.toml"
+    recipe.write_text('[model]\nflavor = "debugmodel"\nn_layers = 2\n[training]\nseq_len = 64\n')
+    sd, args = load_checkpoint(tmp_path / "hf", config=recipe)
+    assert args.n_layers == 2
+    assert_same(sd, trained_debug["state"])
+
+
+def test_dcp_output_of_a_torchtitan_source_carries_no_step(trained_debug, tmp_path):
+    write_torchtitan(tmp_path / "tt", trained_debug["state"], full=True)
+    convert_checkpoint(tmp_path / "tt", tmp_path / "dcp")
+    meta = json.loads((tmp_path / "dcp" / "titanctl.json").read_text())
+    assert meta["step"] == 0 and meta["converted_from"] == "torchtitan" and meta["weights_only"] is True

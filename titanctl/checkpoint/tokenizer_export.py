@@ -1,0 +1,260 @@
+"""The tokenizer files an exported model folder needs, built from titanctl's tokenizer.
+
+Hugging Face (``AutoTokenizer``, ``pipeline``, torchtitan 0.3's ``HuggingFaceTokenizer``):
+``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``, and
+``generation_config.json``. ``tokenizer.json`` is a byte-level BPE built with the
+``tokenizers`` library from the tiktoken ranks:
+
+- vocab: each token's bytes spelled in GPT-2's printable byte alphabet, id = rank;
+- merges: tiktoken has none, it merges whichever adjacent pair forms the lowest-ranked
+  token. Listing, for every token, each split of it into two tokens, ordered by the
+  rank of the token they form, makes "apply the earliest merge" pick the same pair;
+  ``ignore_merges`` makes a pre-token that is itself a token one id, as tiktoken does;
+- pre-tokenizer: the tokenizer's split regex (Llama 3's), then bytes to the alphabet;
+- the 256 special tokens at their ids, and ``<|begin_of_text|>`` prepended on encode.
+
+torchtune (``llama3_tokenizer``): the tiktoken ranks file ``tokenizer.model`` and
+``special_tokens.json``, a ``{"added_tokens": [...]}`` file as torchtune's
+``special_tokens_path`` reads it. torchtune 0.6 insists on ``<|step_id|>`` and
+``<|image|>`` entries: ``<|step_id|>`` names the id torchtune's own table gives it
+(base + 5, Llama 3.1's ``<|reserved_special_token_2|>``) and ``<|image|>`` the id just
+past the vocabulary, where torchtune's defaults put it for Meta's (128256); text never
+produces either.
+
+Which tokenizer: ``--tokenizer-path``, else the one the checkpoint records
+(``titanctl.json``'s ``tokenizer_path``, or a training step folder's ``config.toml``),
+else the bundled one when its vocabulary is the model's.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from titanctl.errors import CheckpointError, DataError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    from titanctl.checkpoint.formats.base import Source
+    from titanctl.data.tokenizer import Tokenizer
+    from titanctl.models.llama.args import ModelArgs
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+GENERATION_CONFIG = "generation_config.json"
+TIKTOKEN_FILE = "tokenizer.model"
+TORCHTUNE_SPECIAL_TOKENS = "special_tokens.json"
+RUN_CONFIG = "config.toml"  # the recipe a training step folder carries
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+# ----------------------------------------------------------------------------- which tokenizer
+
+
+def recorded_tokenizer_path(source: Source) -> str | None:
+    """The tokenizer a checkpoint says it was trained with ("" = the bundled one; None: it does not say)."""
+    meta = getattr(source, "meta", None) or {}
+    if isinstance(meta.get("tokenizer_path"), str):
+        return meta["tokenizer_path"]
+    run_config = source.folder / RUN_CONFIG
+    if run_config.is_file():
+        try:
+            model = tomllib.loads(run_config.read_text()).get("model", {})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise CheckpointError(f"{run_config} is unreadable: {e}") from None
+        path = model.get("tokenizer_path", "") if isinstance(model, dict) else ""
+        return path if isinstance(path, str) else None
+    return None
+
+
+def resolve_tokenizer(
+    source: Source, args: ModelArgs, tokenizer_path: str | Path | None, record_only: bool = False
+) -> tuple[Tokenizer | None, str | None, str]:
+    """(tokenizer or None, the path to record for it or None, a note saying which or why none).
+
+    ``record_only`` (a dcp output): only the path matters; nothing is guessed, a recorded
+    path is carried as it is.
+    """
+    from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+
+    recorded = None if tokenizer_path else recorded_tokenizer_path(source)
+    if tokenizer_path:
+        chosen, origin = str(Path(tokenizer_path).resolve()), f"--tokenizer-path {tokenizer_path}"
+    elif recorded is not None:
+        if record_only:
+            return None, recorded, ""
+        chosen = recorded
+        origin = f"the checkpoint's tokenizer {recorded or '(the bundled one)'}"
+        if recorded and not Path(recorded).is_file():
+            raise CheckpointError(
+                f"the checkpoint was trained with tokenizer {recorded}, which does not exist here: "
+                "give --tokenizer-path"
+            )
+    elif record_only:
+        return None, None, ""
+    else:
+        bundled = Tokenizer(DEFAULT_TOKENIZER_PATH)
+        if bundled.vocab_size == args.vocab_size:
+            return bundled, "", "tokenizer: the bundled one (the checkpoint names none; its vocabulary fits)"
+        return None, None, (
+            f"no tokenizer files written: the checkpoint names no tokenizer and the model's vocabulary "
+            f"({args.vocab_size}) is not the bundled tokenizer's ({bundled.vocab_size}); give --tokenizer-path"
+        )
+    try:
+        tokenizer = Tokenizer(chosen or DEFAULT_TOKENIZER_PATH)
+    except DataError as e:
+        raise CheckpointError(str(e)) from None
+    if tokenizer.vocab_size != args.vocab_size:
+        raise CheckpointError(
+            f"tokenizer {tokenizer.path} ({origin}) has {tokenizer.vocab_size} tokens but the model's vocabulary "
+            f"is {args.vocab_size}: give the tokenizer the model was trained with (--tokenizer-path)"
+        )
+    return tokenizer, chosen, f"tokenizer: {origin}"
+
+
+def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: Tokenizer | None) -> list[str]:
+    """The files beside the weights that make an `fmt` output usable on its own; returns notes."""
+    if fmt == "hf":
+        write_generation_config(folder, args, tokenizer)
+        if tokenizer is not None:
+            write_hf_tokenizer(folder, tokenizer, args.max_seq_len)
+    elif fmt == "torchtune" and tokenizer is not None:
+        why_not = write_torchtune_tokenizer(folder, tokenizer)
+        return [why_not] if why_not else []
+    return []
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in character for each byte value (index = byte)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars: dict[int, str] = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return [chars[b] for b in range(256)]
+
+
+def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A tiktoken BPE as a Hugging Face byte-level vocab and merge list (see the module docstring)."""
+    alphabet = _byte_alphabet()
+
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    merges: list[tuple[int, int, int, str, str]] = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], spell(left), spell(right)))
+    merges.sort()
+    return vocab, [(left, right) for *_, left, right in merges]
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """``tokenizer.json`` text of a titanctl tokenizer (byte-level BPE, Llama 3 special tokens)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab, merges = bpe_vocab_and_merges(tokenizer.ranks)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False, byte_fallback=False))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(tokenizer.pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+    hf.decoder = decoders.ByteLevel()
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    if [i for _, i in specials] != list(range(len(vocab), len(vocab) + len(specials))):
+        raise CheckpointError(f"tokenizer {tokenizer.path}: special tokens do not follow the base vocabulary")
+    hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])
+    bos = tokenizer.bos_id
+    hf.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos)]
+            ),
+        ]
+    )
+    return hf.to_str(pretty=False)
+
+
+def generation_config(bos_id: int | None, eos_ids: list[int] | int | None) -> dict[str, Any]:
+    return {"bos_token_id": bos_id, "eos_token_id": eos_ids}
+
+
+def write_generation_config(folder: Path, args: ModelArgs, tokenizer: Tokenizer | None) -> None:
+    """bos and the stop ids (end of text, of message, of turn: where titanctl's generation stops)."""
+    from titanctl.checkpoint.formats.hf import special_token_ids
+
+    if tokenizer is not None:
+        config = generation_config(tokenizer.bos_id, sorted(tokenizer.stop_tokens))
+    else:
+        bos, eos = special_token_ids(args.vocab_size)
+        config = generation_config(bos, eos)
+    (folder / GENERATION_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_hf_tokenizer(folder: Path, tokenizer: Tokenizer, max_len: int) -> None:
+    (folder / TOKENIZER_JSON).write_text(hf_tokenizer_json(tokenizer))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": max_len,
+    }
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / SPECIAL_TOKENS_MAP).write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- torchtune
+
+
+def tiktoken_file_bytes(tokenizer: Tokenizer) -> bytes:
+    """The tokenizer's ranks as a tiktoken ``tokenizer.model`` (its own file when it is one)."""
+    data = tokenizer.path.read_bytes()
+    if data.lstrip()[:1] != b"{":
+        return data
+    lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(
+        tokenizer.ranks.items(), key=lambda item: item[1]))
+    return "".join(lines).encode()
+
+
+def torchtune_special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    """titanctl's special tokens, with the two entries torchtune 0.6 requires (module docstring)."""
+    base = tokenizer.n_base_tokens
+    renamed = {tokenizer.n_base_tokens + 5: "<|step_id|>"}
+    tokens = {renamed.get(i, name): i for name, i in tokenizer.special_tokens.items()}
+    tokens["<|image|>"] = base + len(tokenizer.special_tokens)
+    return tokens
+
+
+def write_torchtune_tokenizer(folder: Path, tokenizer: Tokenizer) -> str | None:
+    """Write torchtune's tokenizer files; returns why not when torchtune's Llama 3 tokenizer cannot
+    reproduce this one (it always splits with Llama 3's regex)."""
+    from titanctl.data.tokenizer import LLAMA3_PATTERN
+
+    if tokenizer.pattern != LLAMA3_PATTERN:
+        return f"no torchtune tokenizer files: tokenizer {tokenizer.path} does not split text with Llama 3's regex"
+    (folder / TIKTOKEN_FILE).write_bytes(tiktoken_file_bytes(tokenizer))
+    added = [{"id": i, "content": name, "special": True} for name, i in torchtune_special_tokens(tokenizer).items()]
+    added.sort(key=lambda t: t["id"])
+    (folder / TORCHTUNE_SPECIAL_TOKENS).write_text(json.dumps({"added_tokens": added}, indent=1) + "\n")
+    return None
