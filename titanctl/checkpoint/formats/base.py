@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from titanctl.checkpoint.hf_names import expected_shapes
+from titanctl.checkpoint.paths import check_inside
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -77,6 +78,13 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def vocab_size(self, dim: int) -> int:
         """The vocabulary size the embedding weight has (for --flavor/--config overrides)."""
+
+    def embedding_rows(self, dim: int) -> int | None:
+        """vocab_size(dim), or None when the checkpoint has no usable embedding (bind will say so)."""
+        try:
+            return self.vocab_size(dim)
+        except CheckpointError:
+            return None
 
     @abc.abstractmethod
     def bind(self, args: ModelArgs, origin: str) -> None:
@@ -317,7 +325,7 @@ def torch_weight_files(folder: Path) -> list[Path]:
         for p in sorted(Path(folder).iterdir())
         if p.is_file() and p.suffix in (".pt", ".pth", ".bin") and not p.name.startswith(skip)
     ]
-    return files
+    return [check_inside(folder, p, str(folder)) for p in files]
 
 
 class DictSource(Source):
