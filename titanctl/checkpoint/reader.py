@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
 from titanctl.checkpoint import checksums
 from titanctl.checkpoint.metadata import METADATA_FILE, read_metadata
@@ -94,11 +94,29 @@ class DCPFolder:
                 )
 
     def verify(self, group=None) -> None:
-        """Hash the data files against the recorded checksums (no-op when none are recorded).
-        With `group`, each rank hashes a share; every rank raises the same error."""
+        """Before any tensor is used: hash the data files against the recorded checksums (when
+        recorded; with `group` each rank hashes a share and every rank raises the same error),
+        then read every non-tensor item as plain data, also those the caller will not load: a
+        checkpoint that carries a pickled object anywhere is refused as a whole."""
         if self.checksums is not None:
             names = [name for name in self.checksums if name not in _SMALL_FILES]
             checksums.verify(self.folder, self.checksums, names, group)
+        self._check_items()
+
+    def _check_items(self) -> None:
+        by_file: dict[str, list[tuple[int, int, str]]] = {}
+        for key, info in self.index.storage_data.items():
+            if isinstance(self.entries[key.fqn], BytesStorageMetadata):
+                by_file.setdefault(info.relative_path, []).append((info.offset, info.length, key.fqn))
+        for name, items in sorted(by_file.items()):
+            path = self.folder / name
+            try:
+                with open(path, "rb") as f:
+                    for offset, length, fqn in sorted(items):
+                        f.seek(offset)
+                        load_plain_item(f.read(length), f"{path} (item {fqn!r})")
+            except OSError as e:
+                raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
 
     def load(
         self,

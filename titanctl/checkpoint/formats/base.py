@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -279,6 +280,9 @@ def torch_load(path: Path) -> dict[str, torch.Tensor]:
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights_only unpickler names the global
+        if refused:
+            raise CheckpointError(f"{path}: refusing to unpickle {refused.group(1)} (not tensor data)") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is not a readable PyTorch weights file: {first}") from None
     if not isinstance(obj, dict) or not all(
