@@ -98,6 +98,8 @@ def _check_source_folder(folder: Path) -> None:
         if not folder.is_dir():
             raise CheckpointError(f"{folder} is not a folder (give the checkpoint's folder)")
         next(folder.iterdir(), None)
+    except PermissionError:
+        raise CheckpointError(f"cannot read checkpoint folder {folder}: permission denied") from None
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint folder {folder}: {e.strerror or e}") from None
 
