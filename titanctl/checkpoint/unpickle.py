@@ -9,10 +9,10 @@ every layout: one process, FSDP, TP, PP, DDP, async, weights-only, converted) an
 anything else with one line naming the file and the global, e.g.
 ``.../step-4/.metadata: refusing to unpickle posix.system (not a DCP metadata class)``.
 
-- ``.metadata`` (:func:`load_dcp_index`): DCP's metadata dataclasses, the file-system
-  reader's ``_StorageInfo``, ``torch.Size``, torch dtypes and layouts, and paths, which are
-  rebuilt as *pure* paths (no file access is possible through them). The result is then
-  checked field by field (:func:`check_index`).
+- ``.metadata`` (:func:`load_dcp_index`): DCP's metadata dataclasses and its memory-format
+  enum, the file-system reader's ``_StorageInfo``, ``torch.Size``, torch dtypes and layouts
+  (by name), and the writer's folder path, rebuilt as a *pure* path (no file access is
+  possible through it). The result is then checked field by field (:func:`check_index`).
 - non-tensor items (:func:`load_plain_item`, e.g. ``train_state``, the LR schedule): a
   ``torch.save`` archive whose pickle may hold only plain data (dicts, lists, tuples,
   strings, numbers, None, and sets/OrderedDicts/bytes), never a tensor or an object.
@@ -70,12 +70,10 @@ def _allowed_metadata_globals() -> dict[tuple[str, str], Any]:
     for name, value in vars(torch).items():
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
-    # StorageMeta.checkpoint_id is the path the writer was given. Pure paths cannot open files.
-    # (Python 3.13 moved the classes to pathlib._local.)
+    # StorageMeta.checkpoint_id: the writer's folder, a PosixPath (pathlib._local.PosixPath when
+    # written by Python 3.13+). Rebuilt as a pure path, which cannot open files.
     for module in ("pathlib", "pathlib._local"):
-        for name, pure in (("PosixPath", pathlib.PurePosixPath), ("PurePosixPath", pathlib.PurePosixPath),
-                           ("WindowsPath", pathlib.PureWindowsPath), ("PureWindowsPath", pathlib.PureWindowsPath)):
-            allowed[(module, name)] = pure
+        allowed[(module, "PosixPath")] = pathlib.PurePosixPath
     return allowed
 
 
