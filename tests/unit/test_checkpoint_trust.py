@@ -17,6 +17,7 @@ import pickle
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, TITANCTL, TRUSTED_RUN
+from tests.conftest import OFFLINE_ENV, TRUSTED_RUN
 
 STEP = Path("checkpoint") / "step-2"
 
@@ -136,24 +137,31 @@ def _without_dac_override() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def run(args: list, *, unprivileged: bool = False) -> tuple[subprocess.CompletedProcess, float]:
-    """The titanctl binary: (the finished process, its own peak resident memory in MiB).
+# Runs `python -m titanctl ARGS...` and, at exit, writes its peak resident memory (VmHWM, KiB) to
+# argv[1]. VmHWM belongs to the program after exec; getrusage/wait4 would also count the pytest
+# process the child was forked from.
+_MEASURED = """
+import atexit, runpy, sys
+def report(path=sys.argv[1]):
+    with open("/proc/self/status") as status:
+        peak = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    with open(path, "w") as out:
+        out.write(peak)
+atexit.register(report)
+sys.argv = ["titanctl", *sys.argv[2:]]
+runpy.run_module("titanctl", run_name="__main__", alter_sys=True)
+"""
 
-    Reaped with wait4, which reports this child's peak RSS (RUSAGE_CHILDREN would mix in every
-    earlier child of the test process); output goes through files so that nothing else waits on it.
-    """
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [*TITANCTL, *map(str, args)], stdout=out, stderr=err,
-            env={**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"},
+
+def run(args: list, *, unprivileged: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    """The titanctl binary: (the finished process, its peak resident memory in MiB)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".hwm") as peak:
+        proc = subprocess.run(
+            [sys.executable, "-c", _MEASURED, peak.name, *map(str, args)], capture_output=True, text=True,
+            env={**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}, timeout=300,
             preexec_fn=_without_dac_override if unprivileged else None,
         )
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
-    return done, usage.ru_maxrss / 1024  # KiB on Linux
+        return proc, int(peak.read() or 0) / 1024
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:
@@ -234,6 +242,24 @@ def test_payload_never_runs(trained_run, tmp_path, capsys, kind, path):
     assert not (tmp_path / "marker").exists(), "the payload ran"
     assert tree_hash(tmp_path / "run" / "checkpoint") == before, "a refused checkpoint changed on disk"
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_the_payloads_are_real(trained_run, tmp_path):
+    """What the cases above guard against: torch's own readers run both payloads."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    step = clone(trained_run, tmp_path / "a") / STEP
+    poison_metadata(step, tmp_path / "marker-a")
+    FileSystemReader(str(step)).read_metadata()  # DCP's reader: a bare pickle.load
+    assert (tmp_path / "marker-a").exists()
+    step = clone(trained_run, tmp_path / "b") / STEP
+    poison_item(step, tmp_path / "marker-b")
+    info = read_index(step).storage_data[MetadataIndex("train_state.step")]
+    with open(step / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        torch.load(io.BytesIO(f.read(info.length)), weights_only=False)  # what DCP's planner does
+    assert (tmp_path / "marker-b").exists()
 
 
 # ----------------------------------------------------------------------------- silent corruption
@@ -331,7 +357,7 @@ def outcomes(trained_run, formats, tmp_path_factory):
 def test_resource_bomb_is_refused_before_allocating(outcomes, name, message):
     proc, peak_mib, before, after, _ = outcomes[name]
     assert re.search(message, error_line(proc))
-    assert peak_mib < 1024, f"peak RSS {peak_mib:.0f} MiB: something was sized by the declared model"
+    assert 0 < peak_mib < 1024, f"peak RSS {peak_mib:.0f} MiB: something was sized by the declared model"
     assert before == after
 
 
