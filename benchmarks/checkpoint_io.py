@@ -1,11 +1,18 @@
-"""Checkpoint save/load times of the debug model (full training state), sync vs async, and
-what a resume costs from process start to the end of the first step.
+"""Checkpoint save/load times of the debug model (full training state), sync vs async, what a
+resume costs from process start to the end of the first step, and what checksums cost.
 
 Sync: training waits for the whole write. Async: training waits only for the staging copy
 ("blocking"); the write finishes in the background ("durable"). Each number is the median of
 --rounds rounds, sync and async alternating so that load from other processes hits both alike.
 
+Checksums (--part checksums): the same DCP save and load through titanctl's writer and reader,
+with and without the SHA-256 of every file (hashed by the writer once written; verified by the
+reader before loading), for the debug model's full training state and for the weights of an
+8B-shaped model cut to 2 layers (dim 4096, 32 heads, 8 KV heads, 8B's FFN, vocab 128256; bf16,
+3.1 GB). Loads follow saves, so files come from the page cache: the hashing is the whole cost.
+
     .venv/bin/python benchmarks/checkpoint_io.py [--rounds 3] [--flavor debugmodel] [--seq-len 256] [--keep]
+        [--part all|io|checksums]
 """
 
 from __future__ import annotations
@@ -85,11 +92,18 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint folders it wrote")
+    parser.add_argument("--part", choices=("all", "io", "checksums"), default="all")
     parser.add_argument("--child", nargs=argparse.REMAINDER)
     opts = parser.parse_args()
     if opts.child is not None:
         return child(opts.child)
+    if opts.part in ("all", "io"):
+        io_costs(opts)
+    if opts.part in ("all", "checksums"):
+        checksum_costs(opts)
 
+
+def io_costs(opts) -> None:
     from titanctl.checkpoint.manager import CheckpointManager
     from titanctl.config.loader import load_config
     from titanctl.train.trainer import Trainer
@@ -164,6 +178,105 @@ def main() -> None:
     if opts.keep:
         print(f"\n  (folders kept under {work})")
     else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _timed_save(state: dict, folder: Path, args, checksummed: bool) -> float:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, record
+    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.reader import quiet_dcp
+
+    start = time.perf_counter()
+    writer = (ChecksumWriter if checksummed else FileSystemWriter)(str(folder), sync_files=True)
+    with quiet_dcp():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    extra = {"checksums": record({**writer.checksums, **digest_files(folder, [".metadata"])})} if checksummed else {}
+    write_metadata(folder, args, step=1, weights_only=True, dtype="float32", **extra)
+    return time.perf_counter() - start
+
+
+def _timed_load(state: dict, folder: Path, checksummed: bool) -> float:
+    from titanctl.checkpoint.reader import DCPFolder
+
+    start = time.perf_counter()
+    source = DCPFolder(folder)  # verifies .metadata's checksum when one is recorded
+    assert source.verified == checksummed
+    source.verify()  # the data files' checksums (when recorded), then the non-tensor items
+    source.load(state)
+    return time.perf_counter() - start
+
+
+def _checksum_rows(label: str, state: dict, load_into: dict, args, work: Path, rounds: int) -> None:
+    from titanctl.checkpoint.checksums import digest_files
+
+    nbytes = 0
+    times: dict[str, list[float]] = {}
+    # Round 0 warms up (allocator, page cache) and is not counted.
+    for i in range(rounds + 1):
+        for checksummed in (False, True):  # alternate, so that machine load hits both alike
+            folder = work / f"{label}-{i}-{checksummed}"
+            save = _timed_save(state, folder, args, checksummed)
+            load = _timed_load(load_into, folder, checksummed)
+            nbytes = sum(p.stat().st_size for p in folder.iterdir())
+            if i > 0:
+                times.setdefault(f"save{checksummed}", []).append(save)
+                times.setdefault(f"load{checksummed}", []).append(load)
+                if checksummed:
+                    start = time.perf_counter()
+                    digest_files(folder, sorted(p.name for p in folder.iterdir()))
+                    times.setdefault("hash", []).append(time.perf_counter() - start)
+            shutil.rmtree(folder)
+    med = {key: statistics.median(values) for key, values in times.items()}
+    gib = nbytes / 2**30
+    print(f"\n  {label}: {nbytes / 2**20:,.0f} MiB on disk, {rounds} round(s) (median)")
+    hashing = med["hash"]
+    print(f"    sha256 of its files alone                        {hashing:7.2f} s  ({gib / hashing:.2f} GiB/s)")
+    print("                                                   without    with checksums")
+    for what in ("save", "load"):
+        plain, hashed = med[f"{what}False"], med[f"{what}True"]
+        print(f"    {what} (sync, one process)                      {plain:7.2f} s  {hashed:7.2f} s   "
+              f"{hashed - plain:+6.2f} s ({100 * (hashed - plain) / plain:+.0f}%)")
+
+
+def checksum_costs(opts) -> None:
+    import torch
+
+    from titanctl.checkpoint.manager import STATE_PARTS, CheckpointManager
+    from titanctl.config.loader import load_config
+    from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+    from titanctl.train.trainer import Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="titanctl-checksum-bench-"))
+    print(f"\nchecksums: sha256 (hashlib), files hot in the page cache, {torch.get_num_threads()} threads")
+    try:
+        # The debug model's full training state, as the CheckpointManager hands it to DCP.
+        cfg = load_config(None, overrides(opts, work / "run"))
+        trainer = Trainer(cfg)
+        trainer.train_step()  # optimizer state exists
+        manager = CheckpointManager(
+            cfg, model_parts=trainer.model_parts, optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler,
+            loader=trainer.loader, model_args=trainer.model_args, rank=0, world_size=1, dp_degree=1,
+            device=trainer.env.device, log=lambda text: None,
+        )
+        full = manager._dcp_state(list(STATE_PARTS))
+        _checksum_rows(f"{opts.flavor}, full training state", full, manager._dcp_state(list(STATE_PARTS)),
+                       trainer.model_args, work, opts.rounds)
+        del trainer, manager, full
+
+        # An 8B-shaped model cut to 2 layers: its embedding and output dominate (2 x 1.05 GB in bf16).
+        args = LLAMA3_FLAVORS["8B"].replace(n_layers=2, vocab_size=128256, max_seq_len=16)
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+        weights = {k: torch.randn(shape, dtype=torch.bfloat16) for k, shape in shapes.items()}
+        target = {k: torch.empty(shape, dtype=torch.bfloat16) for k, shape in shapes.items()}
+        _checksum_rows("8B-shaped, 2 layers, bf16 weights", weights, target, args, work, opts.rounds)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -30,3 +30,32 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.g
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+# A tiny training run whose checkpoints the checkpoint-trust tests (unit and distributed) copy.
+TRUSTED_RUN = [
+    "--model.n_layers", "2",
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "8",
+    "--training.local_batch_size", "8",
+    "--training.steps", "2",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "1",
+    "--metrics.log_freq", "1",
+    "--activation_checkpoint.mode", "none",
+    "--checkpoint.enable_checkpoint",
+    "--checkpoint.interval", "1",
+    "--checkpoint.keep_latest_k", "0",
+]
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """Dump folder of one 2-step run of a 2-layer model, one process, full checkpoints at steps 1
+    and 2 (with checksums). Shared by the session: tests copy it, never change it."""
+    from titanctl.config.loader import load_config
+    from titanctl.train.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("trusted_run")
+    Trainer(load_config(None, [*TRUSTED_RUN, "--job.dump_folder", str(out)])).train()
+    return out

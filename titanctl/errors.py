@@ -21,6 +21,11 @@ class CheckpointError(TitanError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
 
 
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint whose bytes are damaged (checksum mismatch, truncated or missing file): a run
+    resuming its own folder falls back to an older step; anything else is refused."""
+
+
 class ParallelError(TitanError):
     """A parallel layout that does not fit the world size, the model or the device."""
 

@@ -12,6 +12,7 @@ of SRC and DST, so a mistyped path fails at once.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -92,10 +93,16 @@ def resolve_args(
 
 
 def _check_source_folder(folder: Path) -> None:
-    if not folder.exists():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a folder (give the checkpoint's folder)")
+    try:
+        if not folder.exists():
+            raise CheckpointError(f"checkpoint folder {folder} does not exist")
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder} is not a folder (give the checkpoint's folder)")
+        next(folder.iterdir(), None)
+    except PermissionError:
+        raise CheckpointError(f"cannot read checkpoint folder {folder}: permission denied") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint folder {folder}: {e.strerror or e}") from None
 
 
 def open_checkpoint(
@@ -156,13 +163,24 @@ class ProgressSink:
 
 
 def _check_destination(dst: Path, src: Path | None) -> None:
-    if src is not None and dst.resolve() == src.resolve():
-        raise CheckpointError(f"destination {dst} is the source folder")
-    if dst.exists():
-        if not dst.is_dir():
-            raise CheckpointError(f"destination {dst} exists and is not a folder")
-        if any(dst.iterdir()):
-            raise CheckpointError(f"destination {dst} is not empty: refusing to overwrite it (give a new folder)")
+    try:
+        if dst.is_symlink():
+            # The finished folder is renamed onto DST: that would replace the link, not fill its target.
+            raise CheckpointError(
+                f"destination {dst} is a symbolic link (to {os.readlink(dst)}): give the folder it points to, "
+                "or a new path"
+            )
+        if src is not None and dst.resolve() == src.resolve():
+            raise CheckpointError(f"destination {dst} is the source folder")
+        if src is not None and dst.resolve().is_relative_to(src.resolve()):
+            raise CheckpointError(f"destination {dst} is inside the source folder {src}: give a folder outside it")
+        if dst.exists():
+            if not dst.is_dir():
+                raise CheckpointError(f"destination {dst} exists and is not a folder")
+            if any(dst.iterdir()):
+                raise CheckpointError(f"destination {dst} is not empty: refusing to overwrite it (give a new folder)")
+    except OSError as e:
+        raise CheckpointError(f"cannot use destination {dst}: {e.strerror or e}") from None
 
 
 def _check_options(
@@ -177,14 +195,34 @@ def _check_options(
 
 
 def _prepare_destination(dst: Path, src: Path | None) -> Path:
-    """Check DST, then make the temporary folder beside it that becomes DST when complete."""
+    """Check DST, then make the temporary folder beside it (``.DST.partial-PID``) that becomes DST
+    when complete. Such folders left by a conversion that was killed are removed first; one whose
+    process still runs means another conversion is writing DST."""
     _check_destination(dst, src)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        for leftover in dst.parent.glob(f".{glob.escape(dst.name)}.partial-*"):
+            pid = leftover.name.rsplit("-", 1)[1]
+            if not pid.isdigit() or not leftover.is_dir():
+                continue
+            if int(pid) != os.getpid() and _process_alive(int(pid)):
+                raise CheckpointError(f"another conversion (process {pid}) is writing {dst}: wait for it, or stop it")
+            shutil.rmtree(leftover)
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+        tmp.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"cannot write next to destination {dst}: {e.strerror or e}") from None
     return tmp
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def write_checkpoint(

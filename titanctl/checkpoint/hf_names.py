@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from titanctl.checkpoint.model_args import check_args
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling
+from titanctl.models.llama.shapes import weight_shapes
 
 Pairs = Iterable[tuple[str, torch.Tensor]]  # (name, tensor), e.g. read one by one from safetensors
 
@@ -82,42 +84,13 @@ def canonical_name_of(hf_name: str) -> str | None:
     return None
 
 
-def _layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    d, hd, h = args.dim, args.head_dim, args.ffn_hidden_dim
-    return {
-        "attention.wq.weight": (args.n_heads * hd, d),
-        "attention.wk.weight": (args.kv_heads * hd, d),
-        "attention.wv.weight": (args.kv_heads * hd, d),
-        "attention.wo.weight": (d, args.n_heads * hd),
-        "feed_forward.w1.weight": (h, d),
-        "feed_forward.w2.weight": (d, h),
-        "feed_forward.w3.weight": (h, d),
-        "attention_norm.weight": (d,),
-        "ffn_norm.weight": (d,),
-    }
-
-
-def _top_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    d = args.dim
-    return {
-        "tok_embeddings.weight": (args.vocab_size, d),
-        "norm.weight": (d,),
-        "output.weight": (args.vocab_size, d),
-    }
-
-
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Shape of every weight, by Meta name (the same shapes under Hugging Face names)."""
-    per_layer = _layer_shapes(args)
-    shapes = {}
-    for i in range(args.n_layers):
-        shapes.update({f"layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()})
-    return {**shapes, **_top_shapes(args)}
+    """Shape of every weight, by Meta name (the same shapes under Hugging Face names): the model's own."""
+    return weight_shapes(args)
 
 
 def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
-    layer = _META_LAYER.fullmatch(meta_name)
-    expected = _layer_shapes(args)[layer.group(2)] if layer else _top_shapes(args)[meta_name]
+    expected = weight_shapes(args)[meta_name]
     if tuple(tensor.shape) != expected:
         raise CheckpointError(
             f"tensor {shown_name!r} has shape {tuple(tensor.shape)}, expected {expected} for this model"
@@ -333,22 +306,37 @@ def _ffn_args(dim: int, hidden: int) -> tuple[int, float | None]:
     raise CheckpointError(f"cannot express intermediate_size {hidden} for dim {dim} in ModelArgs")
 
 
-def args_from_hf_config(cfg: dict[str, Any], *, max_seq_len: int | None = None) -> ModelArgs:
-    """ModelArgs of a Hugging Face LlamaForCausalLM config (4.x or 5.x keys).
+def args_from_hf_config(
+    cfg: dict[str, Any], *, max_seq_len: int | None = None, where: str = "the Hugging Face config"
+) -> ModelArgs:
+    """ModelArgs of a Hugging Face LlamaForCausalLM config (4.x or 5.x keys), checked
+    (``titanctl.checkpoint.model_args.check_args``) before any arithmetic on them.
 
     ``max_seq_len`` (the RoPE table length; the trainer sets its own) defaults to
     ``max_position_embeddings``.
     """
     if cfg.get("model_type", "llama") != "llama":
         raise CheckpointError(f"not a Llama config: model_type {cfg.get('model_type')!r}")
-    dim = int(_require(cfg, "hidden_size"))
-    n_heads = int(_require(cfg, "num_attention_heads"))
-    n_kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
-    if dim % n_heads or n_heads % n_kv_heads:
-        raise CheckpointError(f"hidden_size {dim}, {n_heads} heads and {n_kv_heads} KV heads do not divide")
-    if cfg.get("head_dim") not in (None, dim // n_heads):
+    try:
+        n_heads = _whole(_require(cfg, "num_attention_heads"))
+        declared = ModelArgs(
+            dim=_whole(_require(cfg, "hidden_size")),
+            n_layers=_whole(_require(cfg, "num_hidden_layers")),
+            n_heads=n_heads,
+            n_kv_heads=_whole(cfg.get("num_key_value_heads") or n_heads),
+            vocab_size=_whole(_require(cfg, "vocab_size")),
+            norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_EPS)),
+            max_seq_len=_whole(max_seq_len or cfg.get("max_position_embeddings") or ModelArgs.max_seq_len),
+        )
+        check_args(declared, where)
+        hidden = _whole(_require(cfg, "intermediate_size"))
+        theta, scaling = _rope_from_hf(cfg)
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+        raise CheckpointError(f"{where} has an invalid value: {e}") from None
+    dim = declared.dim
+    if cfg.get("head_dim") not in (None, declared.head_dim):
         raise CheckpointError(
-            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {dim // n_heads}"
+            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {declared.head_dim}"
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {cfg['hidden_act']!r} is not Llama's 'silu'")
@@ -359,22 +347,18 @@ def args_from_hf_config(cfg: dict[str, Any], *, max_seq_len: int | None = None) 
         raise CheckpointError(
             "tie_word_embeddings=true is not supported (Llama 3.1 has a separate output layer)"
         )
-    theta, scaling = _rope_from_hf(cfg)
-    multiple_of, multiplier = _ffn_args(dim, int(_require(cfg, "intermediate_size")))
-    max_pos = cfg.get("max_position_embeddings")
-    return ModelArgs(
-        dim=dim,
-        n_layers=int(_require(cfg, "num_hidden_layers")),
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        vocab_size=int(_require(cfg, "vocab_size")),
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=multiplier,
-        norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_EPS)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=int(max_seq_len or max_pos or ModelArgs.max_seq_len),
+    multiple_of, multiplier = _ffn_args(dim, hidden)
+    args = declared.replace(
+        multiple_of=multiple_of, ffn_dim_multiplier=multiplier, rope_theta=theta, rope_scaling=scaling
     )
+    return check_args(args, where)
+
+
+def _whole(value: Any) -> int:
+    """An integer field: ints (and integral floats, as some exporters write them) only."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{value!r} is not an integer")
+    return int(value)
 
 
 __all__ = [

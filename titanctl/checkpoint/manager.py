@@ -15,10 +15,15 @@ half-deleted checkpoint never looks complete either.
 
 The DCP state dict follows ``titanctl.checkpoint.metadata``: the model's canonical FQNs at
 the top level, plus ``optimizer`` (flattened FQN keys, so it reshards across layouts),
-``lr_scheduler``, ``dataloader``, ``train_state`` (step, tokens_seen) and ``rng``. Model and
-optimizer go through ``torch.distributed.checkpoint.state_dict`` over all of this rank's
-model parts (pipeline stages hold different parts), so names are canonical under every
-layout and under compile/AC wrappers.
+``lr_scheduler``, ``dataloader``, ``train_state`` (step, tokens_seen) and ``rng``. Each part is
+a ``Stateful`` (``titanctl.checkpoint.state``); the manager builds one dict of them and hands
+it to DCP, for saves and loads alike.
+
+Integrity: every rank hashes the files it wrote and rank 0 records the checksums in
+``titanctl.json`` before the rename (``titanctl.checkpoint.checksums``). A load reads the
+folder through ``titanctl.checkpoint.reader`` (no pickle outside an allow-list) and verifies
+the checksums before any tensor is used; a damaged newest step of the run's own folder is
+replaced by the newest older one that verifies (``titanctl.checkpoint.load_plan``).
 
 Async saves (``checkpoint.async_mode``) stage a CPU copy, then write in a background
 thread on their own gloo process group (async DCP on the default group deadlocked). The
@@ -31,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import re
 import shutil
 import threading
 import time
@@ -39,40 +43,49 @@ import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
-from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, read_metadata, write_metadata
+from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, gather_checksums, record
+from titanctl.checkpoint.load_plan import (
+    STATE_PARTS,
+    STEP_FOLDER,
+    LoadPlan,
+    check_config,
+    check_model,
+    complete_checkpoints,
+    fallback_note,
+    plan_load,
+    resolve_checkpoint_path,
+)
+from titanctl.checkpoint.metadata import write_metadata
+from titanctl.checkpoint.reader import DCP_INDEX, first_failure, one_line, quiet_dcp
+from titanctl.checkpoint.state import (
+    LoaderState,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    SchedulerState,
+    TrainState,
+)
 from titanctl.config.job_config import JobConfig
-from titanctl.errors import CheckpointError, ConfigError, DataError
+from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, TitanError
 from titanctl.models.llama.args import ModelArgs
 
-STEP_FOLDER = re.compile(r"step-(\d+)")
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
-DCP_INDEX = ".metadata"
 CONFIG_FILE = "config.toml"
-# What a full checkpoint holds: the model's tensors at the top level, the other parts nested under their names.
-STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-# Model-args fields that decide tensor shapes (named in mismatch messages).
-_SHAPE_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
-# Optimizer param-group entries that choose a kernel for this layout, not training state.
-_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
-
-def complete_checkpoints(root: Path) -> dict[int, Path]:
-    """{step: folder} of the complete checkpoints under ``root`` (temporary folders ignored)."""
-    found = {}
-    if root.is_dir():
-        for child in root.iterdir():
-            match = STEP_FOLDER.fullmatch(child.name)
-            if match and child.is_dir():
-                found[int(match.group(1))] = child
-    return dict(sorted(found.items()))
+__all__ = [
+    "STATE_PARTS", "STEP_FOLDER", "CheckpointManager", "LoadPlan", "Resumed", "check_config", "check_model",
+    "complete_checkpoints", "plan_load", "resolve_checkpoint_path",
+]
 
 
 @dataclasses.dataclass
@@ -84,22 +97,6 @@ class Resumed:
     tokens_seen: int
     loaded: tuple[str, ...]  # which of STATE_PARTS
     initial: bool  # from checkpoint.initial_load_path rather than the run's own folder
-
-
-@dataclasses.dataclass
-class LoadPlan:
-    """A checked checkpoint to restore (plan_load): which folder, which parts."""
-
-    folder: Path
-    initial: bool  # from checkpoint.initial_load_path
-    parts: list[str]  # of STATE_PARTS
-    meta: dict[str, Any]  # titanctl.json
-    index: Any  # the DCP Metadata
-
-    @property
-    def restores_model(self) -> bool:
-        """The model's weights come from the checkpoint: initializing them first is wasted work."""
-        return "model" in self.parts
 
 
 @dataclasses.dataclass
@@ -116,6 +113,7 @@ class _Pending:
     step: int
     tmp: Path
     meta: dict[str, Any]
+    writer: ChecksumWriter
     started: float
     upload: Future
     staging: Future | None
@@ -145,9 +143,6 @@ class CheckpointManager:
         self.cfg = cfg
         self.ck = ck = cfg.checkpoint
         self.root = Path(cfg.job.dump_folder) / ck.folder
-        self.model_parts = model_parts
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
         self.loader = loader
         self.model_args = model_args
         self.rank, self.world_size, self.dp_degree = rank, world_size, dp_degree
@@ -168,7 +163,17 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         self.saving = ck.enable_checkpoint or ck.create_seed_checkpoint
         self.async_mode = ck.async_mode if ck.enable_checkpoint else "disabled"
-        self._model = _model_view(model_parts)
+        # The run's state, one Stateful per part of STATE_PARTS: what DCP saves and loads.
+        self.model = ModelState(model_parts)
+        self.train_state = TrainState(dp_degree)
+        self.states: dict[str, Stateful] = {
+            "model": self.model,
+            "optimizer": OptimizerState(self.model, optimizer),
+            "lr_scheduler": SchedulerState(lr_scheduler),
+            "dataloader": LoaderState(loader),
+            "train_state": self.train_state,
+            "rng": RNGState(rank, device),
+        }
         self._pg = None
         if world_size > 1 and (self.saving or ck.initial_load_path):
             import torch.distributed as dist
@@ -192,6 +197,18 @@ class CheckpointManager:
                 )
             )
 
+    def _dcp_state(self, parts: list[str], dtype: str | None = None) -> dict[str, Any]:
+        """What DCP saves or loads: the model's tensors at the top level (in `dtype` if given),
+        every other part of `parts` as its Stateful under its name."""
+        state: dict[str, Any] = {}
+        if "model" in parts:
+            state.update(self.model.state_dict())
+            if dtype is not None:
+                target = getattr(torch, dtype)
+                state = {k: v.to(target) if v.dtype != target else v for k, v in state.items()}
+        state.update({part: self.states[part] for part in parts if part != "model"})
+        return state
+
     # ------------------------------------------------------------------ saving
 
     def should_save(self, step: int, last: bool) -> bool:
@@ -213,12 +230,11 @@ class CheckpointManager:
         self, step: int, tokens_seen: int, *, weights_only: bool = False, dtype: str | None = None,
         force_sync: bool = False,
     ) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-
         self.wait()  # one save at a time: the previous one is durable before this one starts
         started = time.perf_counter()
-        state = self._state_to_save(step, tokens_seen, weights_only, dtype)
+        parts = ["model"] if weights_only else list(STATE_PARTS)
+        self.train_state.step, self.train_state.tokens_seen = step, tokens_seen
+        state = self._dcp_state(parts, dtype)
         tmp = self.root / f"{TMP_PREFIX}{step}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -229,47 +245,54 @@ class CheckpointManager:
             "step": step,
             "weights_only": weights_only,
             "dtype": dtype or _dtype_name(state),
-            "contents": ["model"] if weights_only else list(STATE_PARTS),
+            "contents": parts,
             "tokens_seen": tokens_seen,  # per data-parallel rank, as the trainer counts them
             "dp_degree": self.dp_degree,
             "world_size": self.world_size,
             "torch_version": torch.__version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        writer = FileSystemWriter(str(tmp), sync_files=True)
+        writer = ChecksumWriter(str(tmp), sync_files=True)
         timing = SaveTiming(step, 0.0)
         self.timings.append(timing)
+        synchronous = self.async_mode == "disabled" or force_sync
         try:
-            with _quiet_dcp():
-                if self.async_mode == "disabled" or force_sync:
+            with quiet_dcp():
+                if synchronous:
                     dcp.save(state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None)
                 else:
                     result = dcp.async_save(
                         state, storage_writer=writer, process_group=self._pg, no_dist=self._pg is None,
                         async_stager=self._stager,
                     )
-        except (Exception, _checkpoint_exception()) as e:  # DCP's CheckpointException is a BaseException
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"saving checkpoint step {step} into {tmp} failed: {_reason(e)}") from None
-        if self.async_mode == "disabled" or force_sync:
-            if self.rank == 0:
-                self._finalize(step, tmp, meta)
+        if synchronous:
+            self._written(step, tmp, meta, writer)
             timing.blocking_s = timing.durable_s = time.perf_counter() - started
             self.log(f"checkpoint step-{step} saved in {timing.blocking_s:.2f} s")
             return
         staging, upload = None, result
         if not isinstance(result, Future):  # AsyncSaveResponse: staging itself runs in the background
             staging, upload = result.staging_completion, result.upload_completion
-        pending = _Pending(step, tmp, meta, started, upload, staging, timing)
+        pending = _Pending(step, tmp, meta, writer, started, upload, staging, timing)
         upload.add_done_callback(lambda fut: self._on_written(pending, fut))
         self._pending = pending
         timing.blocking_s = time.perf_counter() - started
         self.log(f"checkpoint step-{step} staged in {timing.blocking_s:.2f} s; writing in the background")
 
+    def _written(self, step: int, tmp: Path, meta: dict[str, Any], writer: ChecksumWriter) -> None:
+        """Every rank, once DCP wrote everything: rank 0 gathers the checksums and makes the folder visible."""
+        checksums = gather_checksums(writer.checksums, self._pg)
+        if self.rank == 0:
+            self._finalize(step, tmp, meta, checksums)
+
     def _on_written(self, pending: _Pending, fut: Future) -> None:
-        """Runs in DCP's writer thread when every rank has written: rank 0 makes the folder visible."""
+        """Runs in DCP's writer thread when every rank has written (the checkpoint group is idle
+        until ``wait`` returns, so its collectives can run here)."""
         try:
-            if fut.exception() is None and self.rank == 0:
-                self._finalize(pending.step, pending.tmp, pending.meta)
+            if fut.exception() is None:
+                self._written(pending.step, pending.tmp, pending.meta, pending.writer)
         except BaseException as e:
             pending.error = e
         finally:
@@ -290,7 +313,7 @@ class CheckpointManager:
             return
         try:
             pending.upload.result()
-        except (Exception, _checkpoint_exception()) as e:
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(
                 f"saving checkpoint step {pending.step} into {pending.tmp} failed: {_reason(e)}"
             ) from None
@@ -322,14 +345,15 @@ class CheckpointManager:
                 self.log(f"[red]the outstanding checkpoint save failed too: {_reason(e)}[/red]")
         return False
 
-    def _finalize(self, step: int, tmp: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, after all ranks wrote: metadata, config, rename into place, retention."""
+    def _finalize(self, step: int, tmp: Path, meta: dict[str, Any], checksums: dict[str, str]) -> None:
+        """Rank 0, after all ranks wrote: config, checksums and metadata, rename into place, retention."""
         from titanctl.config.loader import to_toml
 
+        (tmp / CONFIG_FILE).write_text(to_toml(self.cfg))
+        checksums = {**checksums, **digest_files(tmp, [DCP_INDEX, CONFIG_FILE])}
         meta = dict(meta)
         write_metadata(tmp, self.model_args, step=meta.pop("step"), weights_only=meta.pop("weights_only"),
-                       dtype=meta.pop("dtype"), **meta)
-        (tmp / CONFIG_FILE).write_text(to_toml(self.cfg))
+                       dtype=meta.pop("dtype"), checksums=record(checksums), **meta)
         _fsync_dir(tmp)
         final = self.root / f"step-{step}"
         if final.exists():  # the same step saved again (a resume from an earlier step)
@@ -354,52 +378,22 @@ class CheckpointManager:
 
             dist.barrier(group=self._pg)
 
-    def _state_to_save(self, step: int, tokens_seen: int, weights_only: bool, dtype: str | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        state: dict[str, Any] = dict(get_model_state_dict(self._model))
-        if dtype is not None:
-            target = getattr(torch, dtype)
-            state = {k: v.to(target) if v.dtype != target else v for k, v in state.items()}
-        if weights_only:
-            return state
-        state["optimizer"] = self._optimizer_state()
-        state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        state["dataloader"] = self._loader_state()
-        state["train_state"] = {"step": step, "tokens_seen": tokens_seen, "dp_degree": self.dp_degree}
-        state["rng"] = {f"rank{self.rank}": self._rng_state()}
-        return state
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(
-            self._model, self.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
-        )
-
-    def _loader_state(self) -> dict[str, Any]:
-        if self.loader.n_windows is None:  # streaming: each data-parallel rank has its own position
-            return {f"dp_rank{self.loader.dp_rank}": self.loader.state_dict()}
-        return self.loader.state_dict()  # finite: the same on every rank, any layout
-
-    def _rng_state(self) -> dict[str, torch.Tensor]:
-        state = {"torch_cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["torch_cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
     # ------------------------------------------------------------------ loading
 
     def load(self, plan: LoadPlan | None = None) -> Resumed | None:
         """Restore ``plan`` (default: plan_load's choice); None when there is nothing to load.
 
-        Nothing on disk changes, and every check that needs no reading of tensors ran in plan_load.
+        Nothing on disk changes. The data files are verified against their checksums first; a
+        damaged step of the run's own folder gives way to the newest older one that verifies.
         """
         plan = plan or plan_load(self.cfg, self.model_args)
         if plan is None:
             return None
-        resumed = self._read(plan.folder, plan.index, plan.parts)
-        step = int(plan.meta.get("step", 0))
+        for note in plan.notes:
+            self.log(note)
+        plan = self._verified(plan)
+        resumed = self._read(plan)
+        step = plan.step
         if plan.meta.get("weights_only") and not plan.initial and step > 0:
             # The run's own final export: the run is complete, nothing is left to train.
             resumed.step = step
@@ -408,303 +402,57 @@ class CheckpointManager:
         resumed.initial = plan.initial
         what = ", ".join(resumed.loaded) or "nothing"
         origin = "initial checkpoint" if plan.initial else "checkpoint"
-        self.log(f"loaded {origin} {plan.folder} (step {step}): {what}; training continues at step {resumed.step}")
+        unverified = "" if plan.source.verified else " (no checksums recorded: not verified)"
+        self.log(
+            f"loaded {origin} {plan.folder} (step {step}){unverified}: {what}; "
+            f"training continues at step {resumed.step}"
+        )
         return resumed
 
-    def _read(self, folder: Path, index: Any, parts: list[str]) -> Resumed:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        entries = index.state_dict_metadata
-        state: dict[str, Any] = {}
-        model_keys: list[str] = []
-        if "model" in parts:
-            model_state = get_model_state_dict(self._model)
-            model_keys = list(model_state)
-            state.update(model_state)
-        if "optimizer" in parts:
-            # A fresh optimizer gets its state tensors (zero-lr step) to be read into.
-            state["optimizer"] = self._optimizer_state()
-        if "lr_scheduler" in parts:
-            state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        if "dataloader" in parts:
-            state["dataloader"] = self._loader_state()
-        if "train_state" in parts:
-            state["train_state"] = {"step": 0, "tokens_seen": 0, "dp_degree": self.dp_degree}
-        rng_key = f"rank{self.rank}"
-        if "rng" in parts and any(k.startswith(f"rng.{rng_key}.") for k in entries):
-            # RNG streams are per rank; ranks the saving run did not have keep their seeded state.
-            state["rng"] = {rng_key: self._rng_state()}
-        for key in _flat_keys(state):
-            if key not in entries:
-                part = key.split(".", 1)[0]
-                raise CheckpointError(
-                    f"{folder}: the checkpoint has no {part} entry {key!r} (saved by a different optimizer, "
-                    f"data setup or titanctl version?); skip it with checkpoint.exclude_from_loading = {part}"
-                )
-        try:
-            with _quiet_dcp():
-                dcp.load(state, storage_reader=FileSystemReader(str(folder)), process_group=self._pg,
-                         no_dist=self._pg is None)
-        except (Exception, _checkpoint_exception()) as e:
-            raise CheckpointError(f"{folder}: reading the checkpoint failed: {_reason(e)}") from None
-
-        loaded = []
-        if "model" in parts:
-            set_model_state_dict(self._model, {k: state[k] for k in model_keys})
-            loaded.append("model")
-        if "optimizer" in parts:
-            impl = [{k: g[k] for k in _IMPL_KEYS if k in g} for g in self.optimizer.param_groups]
-            set_optimizer_state_dict(
-                self._model, self.optimizer, state["optimizer"],
-                options=StateDictOptions(flatten_optimizer_state_dict=True),
-            )
-            for group, kernel in zip(self.optimizer.param_groups, impl):
-                group.update(kernel)  # the kernel that suits this layout, not the saving one's
-            loaded.append("optimizer")
-        if "lr_scheduler" in parts:
-            sched = self.lr_scheduler
-            sched.load_state_dict(state["lr_scheduler"])
-            lambdas = getattr(sched, "lr_lambdas", None)
-            if lambdas:
-                # The schedule's shape comes from this run's config (training.steps may have grown):
-                # recompute the current lr the way LambdaLR does instead of trusting the saved value.
-                sched._last_lr = [base * f(sched.last_epoch) for f, base in zip(lambdas, sched.base_lrs)]
-            for group, lr in zip(self.optimizer.param_groups, sched.get_last_lr()):
-                group["lr"] = lr
-            loaded.append("lr_scheduler")
-        if "dataloader" in parts:
-            data = state["dataloader"]
+    def _verified(self, plan: LoadPlan) -> LoadPlan:
+        """`plan` once its data files match their checksums (hashed in shares over the ranks)."""
+        while True:
             try:
-                if self.loader.n_windows is None:  # streaming: this data-parallel rank's position
-                    data = data[f"dp_rank{self.loader.dp_rank}"]
-                self.loader.load_state_dict(data)
-            except DataError as e:
-                raise CheckpointError(f"{folder}: {e}") from None
-            loaded.append("dataloader")
-        step, tokens = 0, 0
-        if "train_state" in parts:
-            train = state["train_state"]
-            step = int(train["step"])
-            saved_dp = int(train.get("dp_degree", self.dp_degree))
-            tokens = int(train["tokens_seen"]) * saved_dp // self.dp_degree  # tokens per rank
-            loaded.append("train_state")
-        if "rng" in state:
-            rng = state["rng"][rng_key]
-            torch.set_rng_state(rng["torch_cpu"])
-            if "torch_cuda" in rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["torch_cuda"], self.device)
-            loaded.append("rng")
-        return Resumed(folder=folder, step=step, tokens_seen=tokens, loaded=tuple(loaded), initial=False)
+                plan.source.verify(group=self._pg)
+                return plan
+            except CheckpointCorrupt as damage:
+                if not plan.may_fall_back:
+                    raise
+                older = plan_load(self.cfg, self.model_args, before_step=plan.step)
+                if older is None:
+                    raise CheckpointCorrupt(f"{damage} (and the run has no older checkpoint)") from None
+                self.log(fallback_note(damage, older.folder))
+                for note in older.notes:
+                    self.log(note)
+                plan = older
 
+    def _read(self, plan: LoadPlan) -> Resumed:
+        folder, parts = plan.folder, list(plan.parts)
+        if "rng" in parts and not any(key.startswith(f"rng.rank{self.rank}.") for key in plan.source.entries):
+            parts.remove("rng")  # RNG streams are per rank; ranks the saving run did not have keep theirs
 
-# ---------------------------------------------------------------------- choosing and checking
-
-
-def plan_load(cfg: JobConfig, model_args: ModelArgs) -> LoadPlan | None:
-    """What a run with ``cfg`` restores at start, checked against the model: the newest complete
-    checkpoint of the run (or checkpoint.load_step), else checkpoint.initial_load_path, else None.
-
-    Reads only small files (no process group, no model needed), so it can run before the model is
-    built: a bad checkpoint fails fast, and a run that restores its weights can skip initializing them.
-    """
-    ck = cfg.checkpoint
-    check_config(cfg)
-    picked = _pick(cfg)
-    if picked is None:
-        return None
-    folder, initial = picked
-    meta, index = check_folder(folder)
-    parts = [p for p in STATE_PARTS if p not in ck.exclude_from_loading]
-    if initial and ck.initial_load_model_weights_only:
-        parts = [p for p in parts if p == "model"]
-    step = int(meta.get("step", 0))
-    if meta.get("weights_only"):
-        parts = [p for p in parts if p == "model"]
-        if not initial and 0 < step < cfg.training.steps:
-            raise CheckpointError(
-                f"{folder} is weights-only (the run's final export), so training cannot resume at step "
-                f"{step}: set checkpoint.load_step to a full checkpoint, or start a new dump folder "
-                f"with checkpoint.initial_load_path = {str(folder)!r}"
+        def missing(key: str) -> CheckpointError:
+            part = key.split(".", 1)[0] if key.split(".", 1)[0] in STATE_PARTS else "model"
+            return CheckpointError(
+                f"{folder}: the checkpoint has no {part} entry {key!r} (saved by a different optimizer, "
+                f"data setup or titanctl version?); skip it with checkpoint.exclude_from_loading = {part}"
             )
-    check_model(folder, meta, index, model_args)
-    return LoadPlan(folder=folder, initial=initial, parts=parts, meta=meta, index=index)
 
-
-def check_config(cfg: JobConfig) -> None:
-    ck = cfg.checkpoint
-    unknown = [name for name in ck.exclude_from_loading if name not in STATE_PARTS]
-    if unknown:
-        raise ConfigError(
-            f"config key 'checkpoint.exclude_from_loading' has unknown {', '.join(map(repr, unknown))}; "
-            f"valid: {', '.join(STATE_PARTS)}"
-        )
-    if ck.load_step < -1:
-        raise ConfigError(f"config key 'checkpoint.load_step' = {ck.load_step} must be -1 (newest) or a step >= 0")
-
-
-def _pick(cfg: JobConfig) -> tuple[Path, bool] | None:
-    ck = cfg.checkpoint
-    root = Path(cfg.job.dump_folder) / ck.folder
-    own = complete_checkpoints(root) if ck.enable_checkpoint else {}
-    if ck.enable_checkpoint and ck.load_step >= 0:
-        if ck.load_step not in own:
-            have = ", ".join(f"step-{s}" for s in own) or "none"
-            raise CheckpointError(
-                f"checkpoint.load_step = {ck.load_step}: {root / f'step-{ck.load_step}'} does not exist "
-                f"(complete checkpoints there: {have})"
-            )
-        return own[ck.load_step], False
-    if own:
-        return own[max(own)], False
-    if ck.initial_load_path:
-        return resolve_checkpoint_path(Path(ck.initial_load_path), "checkpoint.initial_load_path"), True
-    return None
-
-
-def check_model(folder: Path, meta: dict[str, Any], index: Any, args: ModelArgs) -> None:
-    """Every model tensor present with the model's shape, and nothing else, before any read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from titanctl.models.llama import Transformer
-
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    hint = _args_hint(meta, args)
-    entries = index.state_dict_metadata
-    for key, shape in expected.items():
-        entry = entries.get(key)
-        if entry is None:
-            raise CheckpointError(f"{folder}: tensor {key} is missing from the checkpoint{hint}")
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"{folder}: {key} is not a tensor in the checkpoint")
-        if tuple(entry.size) != shape:
-            raise CheckpointError(
-                f"{folder}: tensor {key} has shape {_shape(entry.size)} in the checkpoint but {_shape(shape)} "
-                f"in the model{hint}"
-            )
-    for key in entries:
-        if key.split(".", 1)[0] not in STATE_PARTS and key not in expected:
-            raise CheckpointError(f"{folder}: the checkpoint has tensor {key}, which the model does not{hint}")
-
-
-
-
-def resolve_checkpoint_path(path: Path, what: str) -> Path:
-    """A step folder, or a checkpoint root holding step-N folders (-> the newest complete one)."""
-    if not path.exists():
-        raise CheckpointError(f"{what} {path} does not exist")
-    if path.is_file():
-        raise CheckpointError(
-            f"{what} {path} is a file, not a checkpoint folder (titanctl checkpoints are step-N folders "
-            f"holding DCP files and {METADATA_FILE})"
-        )
-    if not (path / METADATA_FILE).exists():
-        steps = complete_checkpoints(path)
-        if steps:
-            return steps[max(steps)]
-    return path
-
-
-def check_folder(folder: Path) -> tuple[dict[str, Any], Any]:
-    """titanctl.json and the DCP index readable, every file the index names present and long enough.
-
-    Returns (titanctl.json contents, DCP Metadata). Raises a one-line CheckpointError otherwise.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    meta = read_metadata(folder)
-    index_file = folder / DCP_INDEX
-    if not index_file.is_file():
-        raise CheckpointError(f"{index_file} is missing: {folder} is incomplete or not a DCP checkpoint")
-    try:
-        index = FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"{index_file} is not a readable DCP index: {_reason(e)}") from None
-    if not isinstance(index, Metadata) or not isinstance(index.storage_data, dict):
-        raise CheckpointError(f"{index_file} is not a DCP index (it holds a {type(index).__name__})")
-    needed: dict[str, int] = {}
-    for info in index.storage_data.values():
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(rel, str):
-            raise CheckpointError(f"{index_file} is not a file-system DCP index")
-        needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
-    for rel, end in sorted(needed.items()):
-        data = folder / rel
-        if not data.is_file():
-            raise CheckpointError(f"{data} is missing (the checkpoint's {DCP_INDEX} refers to it)")
-        size = data.stat().st_size
-        if size < end:
-            raise CheckpointError(f"{data} is truncated: {size} bytes, but the checkpoint's {DCP_INDEX} needs {end}")
-    return meta, index
+        state = self._dcp_state(parts)
+        try:
+            plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing)
+            if "model" in parts:
+                self.model.load_state_dict({k: v for k, v in state.items() if k not in self.states})
+        except TitanError as e:  # a Stateful's own check does not know the folder
+            if str(e).startswith(str(folder)):
+                raise
+            raise CheckpointError(f"{folder}: {e}") from None
+        step = self.train_state.step if "train_state" in parts else 0
+        tokens = self.train_state.tokens_seen if "train_state" in parts else 0
+        return Resumed(folder=folder, step=step, tokens_seen=tokens, loaded=tuple(parts), initial=False)
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-class _PartsView(nn.Module):
-    """Several pipeline stages of one rank as one module with the canonical names.
-
-    Stages are cut from one Transformer and keep its names (``layers`` is keyed by layer id),
-    so their children merge without prefixes; the modules are shared, not copied.
-    """
-
-    def __init__(self, parts: list[nn.Module]) -> None:
-        super().__init__()
-        layers = nn.ModuleDict()
-        for part in parts:
-            if next(part.parameters(recurse=False), None) is not None:
-                raise ValueError("a model part holds parameters of its own; cannot merge parts")
-            for name, child in part.named_children():
-                if name == "layers":
-                    for layer_id, block in child.items():
-                        layers[layer_id] = block
-                elif name in self._modules:
-                    raise ValueError(f"two model parts both hold {name!r}")
-                else:
-                    self.add_module(name, child)
-        self.add_module("layers", layers)
-
-
-def _model_view(parts: list[nn.Module]) -> nn.Module:
-    return parts[0] if len(parts) == 1 else _PartsView(parts)
-
-
-def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
-    """The keys DCP stores a nested state dict under ("a.b.c")."""
-    keys = []
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            keys.extend(_flat_keys(value, f"{name}."))
-        else:
-            keys.append(name)
-    return keys
-
-
-def _args_hint(meta: dict[str, Any], args: ModelArgs) -> str:
-    """' (n_layers 2 in the checkpoint's titanctl.json vs 4 in the recipe)', or '' when they agree."""
-    try:
-        saved = model_args_from_metadata(meta)
-    except (KeyError, TypeError, ValueError):
-        return ""
-    diffs = [
-        f"{name} {getattr(saved, name)} in the checkpoint's {METADATA_FILE} vs {getattr(args, name)} in the recipe"
-        for name in _SHAPE_ARGS
-        if getattr(saved, name) != getattr(args, name)
-    ]
-    return f" ({'; '.join(diffs)})" if diffs else ""
-
-
-def _shape(size) -> str:
-    return "(" + ", ".join(str(int(s)) for s in size) + ")"
 
 
 def _dtype_name(state: dict[str, Any]) -> str:
@@ -714,29 +462,11 @@ def _dtype_name(state: dict[str, Any]) -> str:
     return "float32"
 
 
-def _checkpoint_exception() -> type[BaseException]:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
-
-
 def _reason(e: BaseException) -> str:
     """One line: DCP's CheckpointException wraps per-rank failures in a multi-line message."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        e = first[0] if isinstance(first, tuple) else first
-    text = str(e).strip()
-    line = text.splitlines()[0].rstrip(",:;") if text else ""
-    return f"{type(e).__name__}: {line}" if line else type(e).__name__
-
-
-@contextmanager
-def _quiet_dcp():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
-        yield
+    if isinstance(e, CheckpointException):
+        e = first_failure(e)
+    return one_line(e)
 
 
 def _discard(path: Path) -> None:

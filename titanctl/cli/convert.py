@@ -17,7 +17,8 @@ def _size(nbytes: int) -> str:
 
 
 def convert(
-    src: Path = typer.Argument(..., help="Checkpoint folder to read."),
+    # readable=False: titanctl checks SRC itself and says what is wrong in one line.
+    src: Path = typer.Argument(..., readable=False, help="Checkpoint folder to read."),
     dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
     from_format: str | None = typer.Option(
         None, "--from", help="Source format: meta, dcp, hf, torchtune or torchtitan. Default: told by SRC's files."

@@ -1,8 +1,9 @@
 """Text generation with a KV cache, in one process or Tensor Parallel over all ranks.
 
-Checkpoints (:func:`find_checkpoint`): a titanctl DCP step folder (``titanctl.json`` gives the model;
-full training or weights-only), a plain DCP folder (the model comes from a recipe), a folder of
-step folders (the newest is taken), or a Hugging Face folder (``config.json`` + ``*.safetensors``).
+Checkpoints (:func:`find_checkpoint`, :func:`load_weights`, from ``titanctl.checkpoint.weights``): a
+titanctl DCP step folder (``titanctl.json`` gives the model; full training or weights-only), a plain
+DCP folder (the model comes from a recipe), a folder of step folders (the newest is taken), or a
+Hugging Face folder (``config.json`` + ``*.safetensors``).
 
 Tensor parallel (:func:`build_model`): the model is built on the meta device and sharded with the
 inference plan (no sequence parallel, vocabulary gathered at the output), then materialized; each
@@ -18,74 +19,27 @@ decodes the same sequence.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from titanctl.errors import CheckpointError, DataError, ParallelError
+from titanctl.checkpoint.weights import CheckpointSource, find_checkpoint, load_weights
+from titanctl.errors import DataError, ParallelError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
 
-_STEP_DIR = re.compile(r"step-(\d+)")
+__all__ = [
+    "CheckpointSource", "Generation", "apply_inference_tp", "build_model", "check_tp_degree", "check_vocab",
+    "find_checkpoint", "generate", "load_weights", "sample_token",
+]
 
 
 # ------------------------------------------------------------------------------ checkpoints
-
-
-@dataclass
-class CheckpointSource:
-    kind: str  # "dcp" or "hf"
-    folder: Path
-    args: ModelArgs | None  # None: a plain DCP folder, the model comes from a recipe
-    meta: dict[str, Any] = field(default_factory=dict)  # titanctl.json, when there is one
-
-    def describe(self) -> str:
-        if self.kind == "hf":
-            return "Hugging Face safetensors"
-        if not self.meta:
-            return "DCP"
-        return f"DCP step {self.meta.get('step')}" + (" (weights only)" if self.meta.get("weights_only") else "")
-
-
-def find_checkpoint(path: Path) -> CheckpointSource:
-    """Tell what kind of checkpoint ``path`` is and read its model arguments."""
-    from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, read_metadata
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint {folder} does not exist or is not a folder")
-    if (folder / METADATA_FILE).is_file():
-        meta = read_metadata(folder)
-        return CheckpointSource("dcp", folder, model_args_from_metadata(meta), meta)
-    if (folder / "config.json").is_file():
-        if not list(folder.glob("*.safetensors")):
-            raise CheckpointError(f"{folder} has a config.json but no *.safetensors files")
-        import json
-
-        from titanctl.checkpoint.hf_names import args_from_hf_config
-
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except ValueError as e:
-            raise CheckpointError(f"{folder / 'config.json'} is not valid JSON: {e}") from None
-        return CheckpointSource("hf", folder, args_from_hf_config(config))
-    if (folder / ".metadata").is_file():
-        return CheckpointSource("dcp", folder, None)
-    steps = [
-        (int(m.group(1)), p) for p in folder.iterdir()
-        if (m := _STEP_DIR.fullmatch(p.name)) and (p / METADATA_FILE).is_file()
-    ]
-    if steps:
-        return find_checkpoint(max(steps)[1])
-    raise CheckpointError(
-        f"{folder} is not a checkpoint: expected a DCP step folder (titanctl.json + .metadata), a folder of "
-        "step-N folders, or a Hugging Face folder (config.json + *.safetensors)"
-    )
+# Reading weights lives in titanctl.checkpoint.weights (one reader for training, conversion and
+# generation); these names stay importable from here.
 
 
 def check_tp_degree(args: ModelArgs, tp: int) -> None:
@@ -125,63 +79,6 @@ def build_model(args: ModelArgs, device: torch.device, tp_mesh=None) -> Transfor
     model.to_empty(device=device)
     model.init_buffers(device)
     return model.eval()
-
-
-def load_weights(model: Transformer, source: CheckpointSource) -> None:
-    if source.kind == "hf":
-        _load_hf(model, source.folder)
-    else:
-        _load_dcp(model, source.folder)
-
-
-def _load_dcp(model: Transformer, folder: Path) -> None:
-    """Each rank reads its own shards of the model keys (other top-level entries are left alone)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"{folder}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
-    state = model.state_dict()
-    for name, tensor in state.items():
-        if name not in stored:
-            raise CheckpointError(f"{folder} lacks model tensor {name!r}")
-        size = getattr(stored[name], "size", None)
-        if size is not None and tuple(size) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"{folder}: tensor {name!r} has shape {tuple(size)}, the model expects {tuple(tensor.shape)}"
-            )
-    try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not torch.distributed.is_initialized())
-    except CheckpointException as e:  # a BaseException: `except Exception` would miss it
-        raise CheckpointError(f"{folder}: loading failed: {str(e).splitlines()[0] if str(e) else e!r}") from None
-
-
-def _safetensors_pairs(folder: Path) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-@torch.no_grad()
-def _load_hf(model: Transformer, folder: Path) -> None:
-    """Stream full tensors one at a time; each rank keeps its slice (no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from titanctl.checkpoint.hf_names import iter_from_hf
-
-    params = dict(model.named_parameters())
-    for name, full in iter_from_hf(_safetensors_pairs(folder), model.args):
-        param = params[name]
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
 
 
 # ------------------------------------------------------------------------------ decoding

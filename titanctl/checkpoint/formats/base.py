@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from titanctl.checkpoint.hf_names import expected_shapes
+from titanctl.checkpoint.paths import check_inside
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -78,6 +80,13 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def vocab_size(self, dim: int) -> int:
         """The vocabulary size the embedding weight has (for --flavor/--config overrides)."""
+
+    def embedding_rows(self, dim: int) -> int | None:
+        """vocab_size(dim), or None when the checkpoint has no usable embedding (bind will say so)."""
+        try:
+            return self.vocab_size(dim)
+        except CheckpointError:
+            return None
 
     @abc.abstractmethod
     def bind(self, args: ModelArgs, origin: str) -> None:
@@ -272,6 +281,9 @@ def torch_load(path: Path) -> dict[str, torch.Tensor]:
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights_only unpickler names the global
+        if refused:
+            raise CheckpointError(f"{path}: refusing to unpickle {refused.group(1)} (not tensor data)") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is not a readable PyTorch weights file: {first}") from None
     if not isinstance(obj, dict) or not all(
@@ -318,7 +330,7 @@ def torch_weight_files(folder: Path) -> list[Path]:
         for p in sorted(Path(folder).iterdir())
         if p.is_file() and p.suffix in (".pt", ".pth", ".bin") and not p.name.startswith(skip)
     ]
-    return files
+    return [check_inside(folder, p, str(folder)) for p in files]
 
 
 class DictSource(Source):

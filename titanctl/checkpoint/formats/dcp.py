@@ -5,9 +5,12 @@ names at the top level; a training step folder also holds ``optimizer``,
 ``lr_scheduler``, ``dataloader``, ``train_state`` and ``rng``, which conversion skips
 without reading. No process group is needed on either side.
 
-Reading loads a few tensors at a time through a partial state dict; writing hands DCP
-placeholder (meta-device) tensors and produces each real tensor only when DCP asks for
-it, one file per tensor, so neither side holds the model.
+Reading goes through ``titanctl.checkpoint.reader`` (the allow-listed ``.metadata``, paths
+and sizes checked, checksums verified before the first tensor is read) and loads a few
+tensors at a time through a partial state dict; writing hands DCP placeholder
+(meta-device) tensors and produces each real tensor only when DCP asks for it, one file
+per tensor, so neither side holds the model. A written folder records the checksums of
+its files in ``titanctl.json``, as training checkpoints do.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem
 
+from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, record
 from titanctl.checkpoint.formats.base import (
     DERIVED_BUFFERS,
     Progress,
@@ -35,7 +38,9 @@ from titanctl.checkpoint.formats.base import (
     check_complete,
     dtype_name,
 )
-from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, read_metadata, write_metadata
+from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, write_metadata
+from titanctl.checkpoint.model_args import check_declared
+from titanctl.checkpoint.reader import DCP_INDEX, DCPFolder
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -74,11 +79,9 @@ class DCPSource(Source):
             if (self.folder / METADATA_FILE).is_file():
                 raise CheckpointError(f"{self.folder} has {METADATA_FILE} but no DCP {DCP_METADATA_FILE}: incomplete")
             raise CheckpointError(f"{self.folder} has no DCP {DCP_METADATA_FILE}: not a DCP checkpoint")
-        try:
-            self.entries = FileSystemReader(str(self.folder)).read_metadata().state_dict_metadata
-        except Exception as e:
-            raise CheckpointError(f"{self.folder / DCP_METADATA_FILE} is unreadable: {_first_line(e)}") from None
-        self.meta = read_metadata(self.folder) if (self.folder / METADATA_FILE).is_file() else None
+        self.reader = DCPFolder(self.folder, require_titanctl=False)
+        self.entries = self.reader.entries
+        self.meta = self.reader.meta
         self.group_bytes = group_bytes
         self._cache: dict[str, torch.Tensor] = {}
         self.reads = 0  # DCP load calls made (tests check that reads are grouped)
@@ -86,10 +89,10 @@ class DCPSource(Source):
     def own_args(self) -> tuple[ModelArgs | None, str]:
         if self.meta is None:
             return None, METADATA_FILE
-        try:
-            return model_args_from_metadata(self.meta), METADATA_FILE
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{self.folder / METADATA_FILE} has invalid model_args: {e}") from None
+        where = str(self.folder / METADATA_FILE)
+        args = model_args_from_metadata(self.meta, where)
+        check_declared(args, self.reader.tensors(), self.embedding_rows(args.dim), where)
+        return args, METADATA_FILE
 
     def vocab_size(self, dim: int) -> int:
         entry = self.entries.get("tok_embeddings.weight")
@@ -108,6 +111,7 @@ class DCPSource(Source):
             infos.append(TensorInfo(key, tuple(entry.size), entry.properties.dtype, key, str(self.folder)))
         check_complete(infos, args, origin, self.folder)
         self.infos = infos
+        self.reader.verify()  # every file against its checksum, before the first tensor is read
 
     def extra_metadata(self) -> dict[str, Any]:
         return {"step": self.meta["step"]} if self.meta and isinstance(self.meta.get("step"), int) else {}
@@ -126,12 +130,7 @@ class DCPSource(Source):
             group[info.shown] = torch.empty(info.shape, dtype=info.dtype)  # read by its stored name
             names[info.shown] = name
             size += info.nbytes()
-        try:
-            with _quiet():
-                dcp.load(group, storage_reader=FileSystemReader(str(self.folder)), no_dist=True)
-        except (Exception, CheckpointException) as e:
-            cause = _cause(e) if isinstance(e, CheckpointException) else e
-            raise CheckpointError(f"{self.folder}: reading {first!r} failed: {_first_line(cause)}") from None
+        self.reader.load(group)
         self.reads += 1
         self._cache.update((names[key], tensor) for key, tensor in group.items())
 
@@ -162,10 +161,10 @@ def save_streaming(
     dtype: torch.dtype | None,
     progress: Progress,
     stored_name: Callable[[str], str] | None = None,
-) -> list[torch.dtype]:
+) -> tuple[list[torch.dtype], dict[str, str]]:
     """Write every tensor of `source` into a DCP folder, under ``stored_name(canonical name)``
     (default: the canonical name), producing each tensor only when DCP writes it.
-    Returns the dtypes written."""
+    Returns the dtypes written and the checksums of the data files."""
     rename = stored_name or (lambda name: name)
     canonical = {rename(info.name): info.name for info in source.infos}
     placeholders = {
@@ -178,7 +177,7 @@ def save_streaming(
         return tensor
 
     # One file per tensor: DCP keeps every tensor of a file alive until the file is closed.
-    writer = FileSystemWriter(str(folder), single_file_per_rank=False, thread_count=1)
+    writer = ChecksumWriter(str(folder), single_file_per_rank=False, thread_count=1)
     try:
         with _quiet():
             dcp.save(placeholders, storage_writer=writer, planner=_StreamingSavePlanner(fetch), no_dist=True)
@@ -187,7 +186,7 @@ def save_streaming(
         if isinstance(cause, Exception):
             raise cause from None
         raise RuntimeError(f"DCP save to {folder} failed: {_first_line(cause)}") from e
-    return [p.dtype for p in placeholders.values()]
+    return [p.dtype for p in placeholders.values()], writer.checksums
 
 
 def write(
@@ -200,7 +199,7 @@ def write(
     step: int = 0,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    written = save_streaming(folder, source, dtype=dtype, progress=progress)
+    written, checksums = save_streaming(folder, source, dtype=dtype, progress=progress)
     dtypes = sorted({dtype_name(d) for d in written})
     write_metadata(
         folder,
@@ -208,5 +207,6 @@ def write(
         step=step,
         weights_only=True,
         dtype=dtypes[0] if len(dtypes) == 1 else "mixed",
+        checksums=record({**checksums, **digest_files(folder, [DCP_INDEX])}),
         **(extra or {}),
     )

@@ -34,6 +34,8 @@ from titanctl.checkpoint.hf_names import (
     hf_config,
     to_hf_tensor,
 )
+from titanctl.checkpoint.model_args import check_declared
+from titanctl.checkpoint.paths import check_inside, inside
 from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
@@ -93,13 +95,14 @@ class HFSource(Source):
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index} has no weight_map")
-            files = list(dict.fromkeys(self.folder / f for f in weight_map.values()))
+            # Every file the index names must lie inside the folder (no /etc/passwd, no ../..).
+            files = list(dict.fromkeys(inside(self.folder, f, str(index)) for f in weight_map.values()))
             for path in files:
                 if not path.is_file():
                     raise CheckpointError(f"{index} names {path.name}, which is missing")
         else:
             weight_map = None
-            files = sorted(self.folder.glob("*.safetensors"))
+            files = [check_inside(self.folder, p, str(self.folder)) for p in sorted(self.folder.glob("*.safetensors"))]
             if not files:
                 bins = sorted(p.name for p in self.folder.glob("*.bin"))
                 hint = f" ({bins[0]} is PyTorch .bin: load and save_pretrained it as safetensors)" if bins else ""
@@ -110,7 +113,7 @@ class HFSource(Source):
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for key in f.keys():
-                        if weight_map is not None and weight_map.get(key) != path.name:
+                        if weight_map is not None and self.folder / weight_map.get(key, "") != path:
                             raise CheckpointError(f"{path.name} holds {key!r}, which {INDEX_FILE} puts elsewhere")
                         piece = f.get_slice(key)
                         dtype = _DTYPES.get(piece.get_dtype())
@@ -134,7 +137,11 @@ class HFSource(Source):
         if not (self.folder / CONFIG_FILE).is_file():  # e.g. torchtitan's own HF save: safetensors only
             shapes = {canonical_name_of(key): shape for key, _path, shape, _dtype in self.raw}
             return infer_model_args(shapes, f"{self.folder} (no {CONFIG_FILE})")
-        return args_from_hf_config(read_json(self.folder / CONFIG_FILE)), CONFIG_FILE
+        where = str(self.folder / CONFIG_FILE)
+        args = args_from_hf_config(read_json(self.folder / CONFIG_FILE), where=where)
+        stored = ((key, shape) for key, _path, shape, _dtype in self.raw)
+        check_declared(args, stored, self.embedding_rows(args.dim), where)
+        return args, CONFIG_FILE
 
     def vocab_size(self, dim: int) -> int:
         for key, _path, shape, _dtype in self.raw:
@@ -152,7 +159,7 @@ class HFSource(Source):
                 name, canonical = from_hf_tensor(key, torch.empty(shape, dtype=dtype, device="meta"), args)
             except CheckpointError as e:
                 raise CheckpointError(f"{path.name}: {e} (model from {origin})") from None
-            infos.append(TensorInfo(name, tuple(canonical.shape), dtype, key, path.name))
+            infos.append(TensorInfo(name, tuple(canonical.shape), dtype, key, str(path.relative_to(self.folder))))
         check_complete(infos, args, origin, self.folder)
         self.infos = infos
 

@@ -32,6 +32,8 @@ from titanctl.checkpoint.formats.base import (
     read_json,
     torch_weight_files,
 )
+from titanctl.checkpoint.model_args import check_args, check_declared
+from titanctl.checkpoint.paths import check_inside
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 
@@ -67,7 +69,7 @@ def args_from_params(params: dict[str, Any], where: str = PARAMS_FILE) -> ModelA
         elif params.get("use_scaled_rope"):
             scaling = RopeScaling()
         multiplier = params.get("ffn_dim_multiplier")
-        return ModelArgs(
+        args = ModelArgs(
             dim=int(params["dim"]),
             n_layers=int(params["n_layers"]),
             n_heads=int(params["n_heads"]),
@@ -81,8 +83,11 @@ def args_from_params(params: dict[str, Any], where: str = PARAMS_FILE) -> ModelA
         )
     except KeyError as e:
         raise CheckpointError(f"{where} lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise CheckpointError(f"{where} has an invalid value: {e}") from None
+    if args.vocab_size == -1:  # Llama 2's params.json; the caller takes it from the embedding
+        return check_args(args.replace(vocab_size=1), where).replace(vocab_size=-1)
+    return check_args(args, where)
 
 
 def params_from_args(args: ModelArgs) -> dict[str, Any]:
@@ -120,7 +125,7 @@ def find_files(folder: Path) -> list[Path]:
     for path in folder.iterdir():
         m = _SHARD_FILE.fullmatch(path.name)
         if m:
-            shards[int(m.group(1))] = path
+            shards[int(m.group(1))] = check_inside(folder, path, str(folder))
     if shards:
         missing = [i for i in range(max(shards) + 1) if i not in shards]
         if missing:
@@ -152,6 +157,8 @@ class MetaSource(Source):
         args = args_from_params(read_json(path), str(path))
         if args.vocab_size <= 0:  # Llama 2's params.json says -1
             args = args.replace(vocab_size=self.vocab_size(args.dim))
+        stored = ((name, tuple(t.shape)) for name, t in self.shards[0].items())
+        check_declared(args, stored, self.embedding_rows(args.dim), str(path))
         return args, PARAMS_FILE
 
     def _embedding_split(self, dim: int) -> int | None:

@@ -29,6 +29,7 @@ from titanctl.checkpoint.formats.base import (
 )
 from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, params_from_args
 from titanctl.checkpoint.hf_names import args_from_hf_config
+from titanctl.checkpoint.model_args import check_declared
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -90,13 +91,19 @@ class TorchtuneSource(Source):
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
         if (self.folder / PARAMS_FILE).is_file():
-            args = args_from_params(read_json(self.folder / PARAMS_FILE), str(self.folder / PARAMS_FILE))
+            where = str(self.folder / PARAMS_FILE)
+            args = args_from_params(read_json(self.folder / PARAMS_FILE), where)
             if args.vocab_size <= 0:
                 args = args.replace(vocab_size=self.vocab_size(args.dim))
-            return args, PARAMS_FILE
-        if (self.folder / "config.json").is_file():  # copied by torchtune from a Hugging Face source
-            return args_from_hf_config(read_json(self.folder / "config.json")), "config.json"
-        return None, f"{PARAMS_FILE} or config.json"
+            name = PARAMS_FILE
+        elif (self.folder / "config.json").is_file():  # copied by torchtune from a Hugging Face source
+            where = str(self.folder / "config.json")
+            args, name = args_from_hf_config(read_json(self.folder / "config.json"), where=where), "config.json"
+        else:
+            return None, f"{PARAMS_FILE} or config.json"
+        stored = [(key, tuple(t.shape)) for sd in self.files.files.values() for key, t in sd.items()]
+        check_declared(args, stored, self.embedding_rows(args.dim), where)
+        return args, name
 
     def vocab_size(self, dim: int) -> int:
         for sd in self.files.files.values():

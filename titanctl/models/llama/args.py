@@ -51,15 +51,10 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count, computed from shapes (no model needed)."""
-        d, h = self.dim, self.ffn_hidden_dim
-        kv_dim = self.kv_heads * self.head_dim
-        attn = d * d * 2 + d * kv_dim * 2
-        block = attn + 3 * d * h + 2 * d
-        total = self.n_layers * block + d + self.vocab_size * d  # final norm + output
-        if include_embedding:
-            total += self.vocab_size * d
-        return total
+        """Parameter count, from the weight shapes of the model (built on the meta device)."""
+        from titanctl.models.llama.shapes import num_params  # shapes.py builds the model, which imports this
+
+        return num_params(self, include_embedding)
 
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {

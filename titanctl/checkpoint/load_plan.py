@@ -1,0 +1,218 @@
+"""Which checkpoint a run restores at start, checked before the model exists.
+
+``plan_load`` picks the newest complete ``step-N`` of the run (or ``checkpoint.load_step``),
+else ``checkpoint.initial_load_path``, and checks it with everything that reads no tensor
+data (``titanctl.checkpoint.reader.DCPFolder``, then every model tensor's shape). When the
+run's own newest step is damaged (``CheckpointCorrupt``: a checksum mismatch, a truncated
+or missing file) and no step was asked for by number, it falls back to the newest older
+step that passes, and says so. Anything else (a foreign or mismatched checkpoint, a refused
+pickle, a folder it may not read) stops the run with one line: falling back there would
+hide a problem the user has to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
+from titanctl.checkpoint.reader import DCPFolder
+from titanctl.config.job_config import JobConfig
+from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError
+from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.shapes import weight_shapes
+
+STEP_FOLDER = re.compile(r"step-(\d+)")
+# What a full checkpoint holds: the model's tensors at the top level, the other parts nested under their names.
+STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+# Model-args fields that decide tensor shapes (named in mismatch messages).
+_SHAPE_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """A checked checkpoint to restore: which folder, which parts."""
+
+    folder: Path
+    initial: bool  # from checkpoint.initial_load_path
+    parts: list[str]  # of STATE_PARTS
+    meta: dict[str, Any]  # titanctl.json
+    source: DCPFolder  # the folder opened for reading (index read, files checked; data not yet verified)
+    may_fall_back: bool = False  # the run's own newest step: an older one may replace it if damaged
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the choice skipped, and why
+
+    @property
+    def index(self) -> Any:
+        """The DCP Metadata."""
+        return self.source.index
+
+    @property
+    def step(self) -> int:
+        return int(self.meta.get("step", 0))
+
+    @property
+    def restores_model(self) -> bool:
+        """The model's weights come from the checkpoint: initializing them first is wasted work."""
+        return "model" in self.parts
+
+
+def complete_checkpoints(root: Path) -> dict[int, Path]:
+    """{step: folder} of the complete checkpoints under ``root`` (temporary folders ignored)."""
+    found = {}
+    try:
+        if root.is_dir():
+            for child in root.iterdir():
+                match = STEP_FOLDER.fullmatch(child.name)
+                if match and child.is_dir():
+                    found[int(match.group(1))] = child
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint folder {root}: {e.strerror or e}") from None
+    return dict(sorted(found.items()))
+
+
+def plan_load(cfg: JobConfig, model_args: ModelArgs, *, before_step: int | None = None) -> LoadPlan | None:
+    """What a run with ``cfg`` restores at start, checked against the model; None: nothing to restore.
+
+    ``before_step``: only the run's own steps older than it (a fallback after a damaged step).
+    Reads only small files (no process group, no model needed), so it can run before the model is
+    built: a bad checkpoint fails fast, and a run that restores its weights can skip initializing them.
+    """
+    check_config(cfg)
+    candidates, initial, may_fall_back = _candidates(cfg, before_step)
+    damaged: list[CheckpointCorrupt] = []
+    for folder in candidates:
+        try:
+            plan = _plan(folder, initial, cfg, model_args)
+        except CheckpointCorrupt as e:
+            if not may_fall_back:
+                raise
+            damaged.append(e)
+            continue
+        plan.may_fall_back = may_fall_back
+        plan.notes = [fallback_note(e, folder) for e in damaged]
+        return plan
+    if damaged:
+        more = f" (older checkpoints are damaged too: {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        raise CheckpointCorrupt(f"{damaged[0]}{more}")
+    return None
+
+
+def fallback_note(damage: CheckpointCorrupt, folder: Path) -> str:
+    return f"note: {damage}; falling back to {folder}"
+
+
+def check_config(cfg: JobConfig) -> None:
+    ck = cfg.checkpoint
+    unknown = [name for name in ck.exclude_from_loading if name not in STATE_PARTS]
+    if unknown:
+        raise ConfigError(
+            f"config key 'checkpoint.exclude_from_loading' has unknown {', '.join(map(repr, unknown))}; "
+            f"valid: {', '.join(STATE_PARTS)}"
+        )
+    if ck.load_step < -1:
+        raise ConfigError(f"config key 'checkpoint.load_step' = {ck.load_step} must be -1 (newest) or a step >= 0")
+
+
+def _candidates(cfg: JobConfig, before_step: int | None) -> tuple[list[Path], bool, bool]:
+    """(folders to try, newest first; from initial_load_path; may fall back to the next one)."""
+    ck = cfg.checkpoint
+    root = Path(cfg.job.dump_folder) / ck.folder
+    own = complete_checkpoints(root) if ck.enable_checkpoint else {}
+    newest_first = [own[s] for s in sorted(own, reverse=True)]
+    if before_step is not None:
+        return [own[s] for s in sorted(own, reverse=True) if s < before_step], False, True
+    if ck.enable_checkpoint and ck.load_step >= 0:
+        if ck.load_step not in own:
+            have = ", ".join(f"step-{s}" for s in own) or "none"
+            raise CheckpointError(
+                f"checkpoint.load_step = {ck.load_step}: {root / f'step-{ck.load_step}'} does not exist "
+                f"(complete checkpoints there: {have})"
+            )
+        return [own[ck.load_step]], False, False  # asked for by number: never another one
+    if newest_first:
+        return newest_first, False, True
+    if ck.initial_load_path:
+        return [resolve_checkpoint_path(Path(ck.initial_load_path), "checkpoint.initial_load_path")], True, False
+    return [], False, False
+
+
+def _plan(folder: Path, initial: bool, cfg: JobConfig, model_args: ModelArgs) -> LoadPlan:
+    ck = cfg.checkpoint
+    source = DCPFolder(folder)
+    meta = source.meta
+    parts = [p for p in STATE_PARTS if p not in ck.exclude_from_loading]
+    if initial and ck.initial_load_model_weights_only:
+        parts = [p for p in parts if p == "model"]
+    step = int(meta.get("step", 0))
+    if meta.get("weights_only"):
+        parts = [p for p in parts if p == "model"]
+        if not initial and 0 < step < cfg.training.steps:
+            raise CheckpointError(
+                f"{folder} is weights-only (the run's final export), so training cannot resume at step "
+                f"{step}: set checkpoint.load_step to a full checkpoint, or start a new dump folder "
+                f"with checkpoint.initial_load_path = {str(folder)!r}"
+            )
+    check_model(folder, meta, source.entries, model_args)
+    return LoadPlan(folder=folder, initial=initial, parts=parts, meta=meta, source=source)
+
+
+def check_model(folder: Path, meta: dict[str, Any], entries: dict[str, Any], args: ModelArgs) -> None:
+    """Every model tensor present with the model's shape, and nothing else, before any read."""
+    expected = weight_shapes(args)
+    hint = _args_hint(meta, args)
+    for key, shape in expected.items():
+        entry = entries.get(key)
+        if entry is None:
+            raise CheckpointError(f"{folder}: tensor {key} is missing from the checkpoint{hint}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{folder}: {key} is not a tensor in the checkpoint")
+        if tuple(entry.size) != shape:
+            raise CheckpointError(
+                f"{folder}: tensor {key} has shape {_shape(entry.size)} in the checkpoint but {_shape(shape)} "
+                f"in the model{hint}"
+            )
+    for key in entries:
+        if key.split(".", 1)[0] not in STATE_PARTS and key not in expected:
+            raise CheckpointError(f"{folder}: the checkpoint has tensor {key}, which the model does not{hint}")
+
+
+def resolve_checkpoint_path(path: Path, what: str) -> Path:
+    """A step folder, or a checkpoint root holding step-N folders (-> the newest complete one)."""
+    try:
+        if not path.exists():
+            raise CheckpointError(f"{what} {path} does not exist")
+        if path.is_file():
+            raise CheckpointError(
+                f"{what} {path} is a file, not a checkpoint folder (titanctl checkpoints are step-N folders "
+                f"holding DCP files and {METADATA_FILE})"
+            )
+        has_metadata = (path / METADATA_FILE).exists()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not has_metadata:
+        steps = complete_checkpoints(path)
+        if steps:
+            return steps[max(steps)]
+    return path
+
+
+def _args_hint(meta: dict[str, Any], args: ModelArgs) -> str:
+    """' (n_layers 2 in the checkpoint's titanctl.json vs 4 in the recipe)', or '' when they agree."""
+    try:
+        saved = model_args_from_metadata(meta)
+    except CheckpointError:
+        return ""
+    diffs = [
+        f"{name} {getattr(saved, name)} in the checkpoint's {METADATA_FILE} vs {getattr(args, name)} in the recipe"
+        for name in _SHAPE_ARGS
+        if getattr(saved, name) != getattr(args, name)
+    ]
+    return f" ({'; '.join(diffs)})" if diffs else ""
+
+
+def _shape(size) -> str:
+    return "(" + ", ".join(str(int(s)) for s in size) + ")"

@@ -1,0 +1,117 @@
+"""Model arguments that come from a checkpoint's own files, checked in one place.
+
+``params.json`` (Meta), ``config.json`` (Hugging Face) and ``titanctl.json`` each give a
+model's size. Whatever the file, its values pass :func:`check_args` (types, ranges, and the
+divisibility the model relies on, so ``n_heads = 0`` is a one-line error, not a
+ZeroDivisionError) and then :func:`check_declared` against the tensors the checkpoint
+really holds (names and shapes from headers and indexes: nothing read yet, nothing sized by
+the declared values allocated). Only then does anything build a model or a table of
+expected shapes from them: a ``params.json`` declaring 10^7 layers or a dim of 10^9 is
+refused before it can allocate anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from titanctl.errors import CheckpointError
+from titanctl.models.llama.args import ModelArgs, RopeScaling
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# The final norm's weight, as each format names it: shape (dim,) in every format and every shard.
+FINAL_NORMS = ("norm.weight", "model.norm.weight", "norm.scale")
+
+
+def _int(value: Any, name: str, where: str, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"{where}: {name} is {value!r}, expected an integer >= {minimum}")
+
+
+def _positive(value: Any, name: str, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{where}: {name} is {value!r}, expected a finite number > 0")
+
+
+def check_args(args: ModelArgs, where: str) -> ModelArgs:
+    """`args` (read from `where`) if every value is one the model can be built with; a one-line
+    CheckpointError naming the value otherwise."""
+    for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        _int(getattr(args, name), name, where)
+    if args.n_kv_heads is not None:
+        _int(args.n_kv_heads, "n_kv_heads", where)
+    for name in ("norm_eps", "rope_theta"):
+        _positive(getattr(args, name), name, where)
+    if args.ffn_dim_multiplier is not None:
+        _positive(args.ffn_dim_multiplier, "ffn_dim_multiplier", where)
+    if not isinstance(args.depth_init, bool):
+        raise CheckpointError(f"{where}: depth_init is {args.depth_init!r}, expected true or false")
+    if args.dim % args.n_heads:
+        raise CheckpointError(f"{where}: dim {args.dim} is not divisible by n_heads {args.n_heads}")
+    if args.n_heads % args.kv_heads:
+        raise CheckpointError(f"{where}: n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}")
+    if args.head_dim % 2:
+        raise CheckpointError(
+            f"{where}: head_dim = dim / n_heads = {args.head_dim} must be even (RoPE rotates pairs of channels)"
+        )
+    if args.ffn_hidden_dim < 1:
+        raise CheckpointError(f"{where}: ffn_dim_multiplier {args.ffn_dim_multiplier} leaves no feed-forward width")
+    scaling = args.rope_scaling
+    if scaling is not None:
+        if not isinstance(scaling, RopeScaling):
+            raise CheckpointError(f"{where}: rope_scaling is {scaling!r}, expected Llama 3.1's four factors")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _positive(getattr(scaling, name), f"rope_scaling.{name}", where)
+        _int(scaling.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings", where)
+        if scaling.low_freq_factor == scaling.high_freq_factor:
+            raise CheckpointError(f"{where}: rope_scaling low_freq_factor and high_freq_factor must differ")
+    return args
+
+
+def args_from_fields(raw: Any, where: str) -> ModelArgs:
+    """ModelArgs from a dict of its fields (titanctl.json's ``model_args``), checked."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: model_args is {type(raw).__name__}, expected an object of ModelArgs fields")
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        valid = ", ".join(sorted(known))
+        raise CheckpointError(f"{where}: model_args has unknown field {unknown[0]!r}; valid: {valid}")
+    raw = dict(raw)
+    scaling = raw.get("rope_scaling")
+    if scaling is not None:
+        fields = {f.name for f in dataclasses.fields(RopeScaling)}
+        if not isinstance(scaling, dict) or set(scaling) - fields:
+            valid = ", ".join(sorted(fields))
+            raise CheckpointError(f"{where}: model_args.rope_scaling must be an object with {valid}")
+        raw["rope_scaling"] = RopeScaling(**scaling)
+    return check_args(ModelArgs(**raw), where)
+
+
+def check_declared(
+    args: ModelArgs, stored: Iterable[tuple[str, tuple[int, ...]]], vocab_size: int | None, where: str
+) -> None:
+    """The model `where` declares against the (name, shape) pairs the checkpoint stores, in any
+    format's names: no more layers than it has, the dim of its final norm, the vocabulary of its
+    embedding. Cheap and bounded by the files, so it runs before any table sized by `args`."""
+    layers: set[int] = set()
+    norm: tuple[int, ...] | None = None
+    for name, shape in stored:
+        match = _LAYER.search(name)
+        if match:
+            layers.add(int(match.group(1)))
+        elif name in FINAL_NORMS:
+            norm = tuple(shape)
+    if args.n_layers > len(layers):
+        raise CheckpointError(
+            f"{where} declares n_layers {args.n_layers}, but the checkpoint holds tensors of {len(layers)} layer(s)"
+        )
+    if norm is not None and norm != (args.dim,):
+        raise CheckpointError(f"{where} declares dim {args.dim}, but the checkpoint's final norm has shape {norm}")
+    if vocab_size is not None and vocab_size != args.vocab_size:
+        raise CheckpointError(
+            f"{where} declares vocab_size {args.vocab_size}, but the checkpoint's embedding has {vocab_size} rows"
+        )
