@@ -21,15 +21,7 @@ from torch import nn
 
 from titanctl.checkpoint.formats.base import Source
 from titanctl.errors import CheckpointError
-
-# Wrappers that activation checkpointing, compile and DDP put into parameter names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
-
-
-def _canonical(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+from titanctl.parallel.init import canonical_name
 
 
 @dataclass
@@ -49,7 +41,7 @@ def load_source_into(model: nn.Module, source: Source) -> LoadReport:
 
     if source.args is None:
         raise ValueError("bind the source first (open_checkpoint does)")
-    params = {_canonical(name): param for name, param in model.named_parameters()}
+    params = {canonical_name(name): param for name, param in model.named_parameters()}
     infos = {info.name: info for info in source.infos}
     for name, param in params.items():
         info = infos.get(name)

@@ -8,6 +8,11 @@ or missing file) and no step was asked for by number, it falls back to the newes
 step that passes, and says so. Anything else (a foreign or mismatched checkpoint, a refused
 pickle, a folder it may not read) stops the run with one line: falling back there would
 hide a problem the user has to fix.
+
+``checkpoint.initial_load_path`` may also name another tool's checkpoint (Hugging Face,
+torchtitan, Meta, torchtune): it becomes a ``ForeignPlan``, its format ``Source`` bound to
+this run's model (every shape checked before anything is built) and streamed into the model
+tensor by tensor at load, converted on the fly, with no converted copy on disk.
 """
 
 from __future__ import annotations
@@ -60,6 +65,20 @@ class LoadPlan:
         return "model" in self.parts
 
 
+@dataclasses.dataclass
+class ForeignPlan:
+    """Model weights from another tool's checkpoint, as this run's starting point (never a resume)."""
+
+    folder: Path
+    format: str  # of titanctl.checkpoint.formats.FORMATS
+    source: Any  # a bound titanctl.checkpoint.formats.Source
+    initial: bool = True
+    parts: tuple[str, ...] = ("model",)
+    step: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    restores_model: bool = True
+
+
 def complete_checkpoints(root: Path) -> dict[int, Path]:
     """{step: folder} of the complete checkpoints under ``root`` (temporary folders ignored)."""
     found = {}
@@ -74,7 +93,9 @@ def complete_checkpoints(root: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def plan_load(cfg: JobConfig, model_args: ModelArgs, *, before_step: int | None = None) -> LoadPlan | None:
+def plan_load(
+    cfg: JobConfig, model_args: ModelArgs, *, before_step: int | None = None
+) -> LoadPlan | ForeignPlan | None:
     """What a run with ``cfg`` restores at start, checked against the model; None: nothing to restore.
 
     ``before_step``: only the run's own steps older than it (a fallback after a damaged step).
@@ -85,6 +106,8 @@ def plan_load(cfg: JobConfig, model_args: ModelArgs, *, before_step: int | None 
     candidates, initial, may_fall_back = _candidates(cfg, before_step)
     damaged: list[CheckpointCorrupt] = []
     for folder in candidates:
+        if initial and not (folder / METADATA_FILE).exists():
+            return _foreign_plan(folder, cfg, model_args)
         try:
             plan = _plan(folder, initial, cfg, model_args)
         except CheckpointCorrupt as e:
@@ -158,6 +181,40 @@ def _plan(folder: Path, initial: bool, cfg: JobConfig, model_args: ModelArgs) ->
             )
     check_model(folder, meta, source.entries, model_args)
     return LoadPlan(folder=folder, initial=initial, parts=parts, meta=meta, source=source)
+
+
+def _foreign_plan(folder: Path, cfg: JobConfig, model_args: ModelArgs) -> ForeignPlan:
+    """Another tool's checkpoint as initial weights: its format told by its files, every tensor's
+    shape and the model's non-shape settings (RoPE, norm eps) checked against this run's model."""
+    from titanctl.checkpoint.formats import detect, open_source
+
+    fmt = detect(folder)
+    if not cfg.checkpoint.initial_load_model_weights_only:
+        raise ConfigError(
+            f"checkpoint.initial_load_path {folder} is a {fmt} checkpoint, which holds model weights only: "
+            "set checkpoint.initial_load_model_weights_only = true"
+        )
+    source = open_source(folder, fmt)
+    try:
+        own, origin = source.own_args()
+        if own is not None:
+            _check_same_model(own, model_args, f"{folder}'s {origin}")
+        source.bind(model_args, "this run's recipe")
+    except BaseException:
+        source.close()
+        raise
+    notes = [f"note: {folder}: {note}" for note in source.notes]
+    return ForeignPlan(folder=folder, format=fmt, source=source, notes=notes)
+
+
+def _check_same_model(saved: ModelArgs, args: ModelArgs, where: str) -> None:
+    """Settings that change the model's function without changing a shape must agree too."""
+    for name in ("rope_theta", "rope_scaling", "norm_eps"):
+        if getattr(saved, name) != getattr(args, name):
+            raise CheckpointError(
+                f"{where} has {name} = {getattr(saved, name)}, but this run's model has {getattr(args, name)}: "
+                "choose the recipe (model.flavor) that matches the checkpoint"
+            )
 
 
 def check_model(folder: Path, meta: dict[str, Any], entries: dict[str, Any], args: ModelArgs) -> None:

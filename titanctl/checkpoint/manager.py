@@ -53,9 +53,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, gather_checksums, record
+from titanctl.checkpoint.load_into_model import load_source_into
 from titanctl.checkpoint.load_plan import (
     STATE_PARTS,
     STEP_FOLDER,
+    ForeignPlan,
     LoadPlan,
     check_config,
     check_model,
@@ -391,6 +393,8 @@ class CheckpointManager:
             return None
         for note in plan.notes:
             self.log(note)
+        if isinstance(plan, ForeignPlan):
+            return self._read_foreign(plan)
         plan = self._verified(plan)
         resumed = self._read(plan)
         step = plan.step
@@ -408,6 +412,16 @@ class CheckpointManager:
             f"training continues at step {resumed.step}"
         )
         return resumed
+
+    def _read_foreign(self, plan: ForeignPlan) -> Resumed:
+        """Another tool's weights, each full tensor read once per rank and sliced locally."""
+        with plan.source as source:
+            load_source_into(self.model.module, source)
+        self.log(
+            f"loaded initial checkpoint {plan.folder} ({plan.format}, converted on the fly, model from "
+            f"{plan.source.origin or 'its files'}): model; training starts at step 0"
+        )
+        return Resumed(folder=plan.folder, step=0, tokens_seen=0, loaded=("model",), initial=True)
 
     def _verified(self, plan: LoadPlan) -> LoadPlan:
         """`plan` once its data files match their checksums (hashed in shares over the ranks)."""

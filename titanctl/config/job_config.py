@@ -149,7 +149,11 @@ class Checkpoint:
         "Save without blocking training: disabled, async, or async_with_pinned_mem (CUDA).",
         choices=("disabled", "async", "async_with_pinned_mem"),
     )
-    initial_load_path: str = opt("", "Checkpoint to start from when the run has none of its own.")
+    initial_load_path: str = opt(
+        "",
+        "Checkpoint to start from when the run has none of its own: a titanctl step folder, or a "
+        "Hugging Face, torchtitan, Meta or torchtune folder (weights converted on the fly).",
+    )
     initial_load_model_weights_only: bool = opt(True, "Take only the model weights from initial_load_path.")
     last_save_model_weights_only: bool = opt(False, "Make the final checkpoint weights only.")
     export_dtype: str = opt("float32", "Dtype of a weights-only final checkpoint.", choices=DTYPES)
