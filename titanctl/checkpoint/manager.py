@@ -77,6 +77,7 @@ from titanctl.checkpoint.state import (
     TrainState,
 )
 from titanctl.config.job_config import JobConfig
+from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, TitanError
 from titanctl.models.llama.args import ModelArgs
 
@@ -252,6 +253,8 @@ class CheckpointManager:
             "dp_degree": self.dp_degree,
             "world_size": self.world_size,
             "torch_version": torch.__version__,
+            # Exports (`titanctl convert --to hf/torchtune`) write this tokenizer's files beside the weights.
+            "tokenizer_path": str(Path(self.cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH).resolve()),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         writer = ChecksumWriter(str(tmp), sync_files=True)
