@@ -4,7 +4,9 @@
 ``tolist``, ``cpu``, ``numpy``, truth value, ``float()``/``int()``, indexing with a tensor,
 printing) and notes each call made under ``Trainer.train``, with its call site. A call counts as
 *allowed* when ``Trainer.read_losses`` or ``Trainer._log`` (which run on log steps only) is on
-the stack; any other call is a host sync in the step: a violation.
+the stack. The first step of a process may read the host once to set itself up (a pipeline
+schedule sends its stages' shapes as Python objects then): those calls are kept apart. Any other
+call is a host sync in the step: a violation.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ LOG_STEP_FUNCTIONS = {"read_losses", "_log"}
 @dataclass
 class HostSyncs:
     allowed: int = 0  # calls made by the log-step functions
-    violations: list[str] = field(default_factory=list)  # "method at file:line <- ..." of every other call
+    first_step: list[str] = field(default_factory=list)  # calls during the first step of the process
+    violations: list[str] = field(default_factory=list)  # "method in function (file:line) <- ..." of any other
 
 
 def _stack() -> list:
@@ -49,7 +52,8 @@ def record_host_syncs():
 
         def method(self, *args, **kwargs):
             frames = _stack()
-            if any(_in_trainer(f, "train") for f in frames):
+            loop = next((f for f in frames if _in_trainer(f, "train")), None)
+            if loop is not None:
                 if any(_in_trainer(f, fn) for f in frames for fn in LOG_STEP_FUNCTIONS):
                     seen.allowed += 1
                 else:
@@ -57,7 +61,8 @@ def record_host_syncs():
                         f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno})"
                         for f in frames[:6]
                     )
-                    seen.violations.append(f"Tensor.{name} in {where}")
+                    first = loop.f_locals["self"].step == loop.f_locals.get("start_step")
+                    (seen.first_step if first else seen.violations).append(f"Tensor.{name} in {where}")
             return original(self, *args, **kwargs)
 
         return method
