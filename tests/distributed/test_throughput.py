@@ -54,7 +54,7 @@ def test_tps_and_mfu_are_per_device(tmp_path, name, overrides):
     for row in rows:
         expected_tps = GLOBAL_BATCH * SEQ_LEN / row["step_time"] / 2  # global tokens / step time / world size
         assert row["tps"] == pytest.approx(expected_tps, rel=0.01), (name, row)
-        assert row["tflops"] == pytest.approx(expected_tps * fpt / 1e12, rel=0.01, abs=1e-4), (name, row)
+        assert row["tflops"] == pytest.approx(expected_tps * fpt / 1e12, rel=0.01), (name, row)
         assert row["mfu"] == pytest.approx(100 * expected_tps * fpt / (PEAK * 1e12), rel=0.01), (name, row)
     # The step time is a real measurement: positive, and the logged windows fit in the run's wall time.
     assert all(r["step_time"] > 0 for r in rows)

@@ -256,7 +256,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "tps": round(rate.tps, 1),
-            "tflops": round(rate.tflops, 4),
+            "tflops": float(f"{rate.tflops:.4g}"),  # 4 significant digits: CPU runs are far below 1
             "mfu": None if rate.mfu is None else round(rate.mfu, 3),
             "step_time": round(rate.step_time, 6),
             **memory,
