@@ -5,8 +5,8 @@ decay, so the first steps' learning rates do not depend on the run's length):
 - 20 steps in 1 process and on FSDP 2 (float8 all-gathers, precomputed scales): the loss tracks the
   bf16 run within 2% at step 20, and differs from the bf16 run of the same layout at every step
   after the first few (a no-op float8 would reproduce it bit for bit);
-- fp32, 10 steps: float8 on TP 2 and float8 with compile equal float8 in 1 process within 1e-4,
-  while float8 itself moves the losses by more than that;
+- fp32, 10 steps: float8 on TP 2, on PP 2 with full activation checkpointing, and with compile
+  equal float8 in 1 process within 1e-4, while float8 itself moves the losses by more than that;
 - the FSDP run's checkpoint holds plain fp32 weights under canonical names; `titanctl convert`
   makes a Hugging Face folder whose logits in transformers match ours, and `titanctl infer-tp`
   reads the checkpoint unchanged.
@@ -33,8 +33,14 @@ BF16 = [*RUN, "--training.mixed_precision_param", "bfloat16", "--training.steps"
 FP32 = [*RUN, "--training.mixed_precision_param", "float32", "--training.steps", "10"]
 FLOAT8 = ["--float8.enable_float8_linear"]
 FSDP_FLOAT8 = [*FLOAT8, "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
-ONE, FSDP2, TP2 = (1, ["--training.local_batch_size", "8"]), (2, ["--training.local_batch_size", "4"]), (
-    2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"])
+ONE = (1, ["--training.local_batch_size", "8"])
+FSDP2 = (2, ["--training.local_batch_size", "4"])
+TP2 = (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"])
+# One microbatch of the whole batch: float8's dynamic scales come from the tensors a matmul sees,
+# so smaller microbatches (like gradient accumulation) would scale differently from one process.
+PP2_FULL_AC = (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+                   "--parallelism.pipeline_parallel_schedule", "GPipe",
+                   "--parallelism.pipeline_parallel_microbatch_size", "8", "--activation_checkpoint.mode", "full"])
 
 
 def train(folder, layout, args) -> tuple[list[float], str]:
@@ -87,12 +93,20 @@ def fp32_runs(tmp_path_factory):
     return {"plain": train(root / "plain", ONE, FP32)[0], "float8": train(root / "float8", ONE, [*FP32, *FLOAT8])[0]}
 
 
-def test_float8_tp2_equals_float8_in_one_process(tmp_path, fp32_runs):
-    tp_losses, stdout = train(tmp_path, TP2, [*FP32, *FLOAT8])
+@pytest.mark.parametrize(
+    "layout, note",
+    [
+        (TP2, "float8 with tensor parallel on gloo: activations are all-gathered in high precision"),
+        (PP2_FULL_AC, None),
+    ],
+    ids=["tp2", "pp2_full_ac"],
+)
+def test_float8_layouts_equal_float8_in_one_process(tmp_path, fp32_runs, layout, note):
+    layout_losses, stdout = train(tmp_path, layout, [*FP32, *FLOAT8])
     assert max_rel_diff(fp32_runs["float8"], fp32_runs["plain"]) > 1e-4  # what float8 itself changes
-    assert max_rel_diff(tp_losses, fp32_runs["float8"]) <= 1e-4
+    assert max_rel_diff(layout_losses, fp32_runs["float8"]) <= 1e-4
     assert "float8: 14 linear layers in float8" in stdout
-    assert "float8 with tensor parallel on gloo: activations are all-gathered in high precision" in stdout
+    assert note is None or note in stdout
 
 
 def test_float8_compile_equals_float8_eager(tmp_path, fp32_runs):
