@@ -1,9 +1,12 @@
 """Tokens/s of titanctl's training step vs. a plain transformers LlamaForCausalLM step.
 
 Same model shape, batch, optimizer and machine; both in fp32 eager unless --dtype bfloat16
-(autocast for both). Prints both rates and their ratio.
+(autocast for both). Prints both rates and their ratio. ``--float8`` and ``--norm fused_rmsnorm``
+add titanctl variants (float8 linears; the fused norm), each printed as a ratio to plain titanctl.
+On a CPU float8 is emulated: its ratio shows the emulation's overhead, not a speed-up.
 
     .venv/bin/python benchmarks/train_throughput.py [--rounds 5] [--flavor debugmodel] [--seq-len 256]
+        [--float8] [--norm fused_rmsnorm]
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import torch
 
 from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
-from titanctl.config.job_config import LRScheduler
+from titanctl.config.job_config import Float8, LRScheduler
 from titanctl.config.job_config import Optimizer as OptimizerConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
@@ -49,8 +52,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--float8", action="store_true", help="also time titanctl with float8 linears")
+    parser.add_argument("--norm", default="rmsnorm", choices=["rmsnorm", "fused_rmsnorm"],
+                        help="fused_rmsnorm: also time titanctl with the fused norm")
     opts = parser.parse_args()
 
+    if opts.float8:
+        from titanctl.parallel.float8 import torchao_float8
+
+        torchao_float8()  # before transformers imports torchao with its import-time warnings
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -81,22 +91,38 @@ def main() -> None:
 
         return step
 
+    steps = {
+        "titanctl": make_step(ours, lambda m: m(inputs)),
+        "transformers": make_step(theirs, lambda m: m(input_ids=inputs).logits),
+    }
+    if opts.float8:
+        from titanctl.parallel.float8 import convert_to_float8
+
+        float8 = variant(ours, args)
+        convert_to_float8(float8, Float8(), tp=1, device=torch.device("cpu"))
+        steps["titanctl+float8"] = make_step(float8, lambda m: m(inputs))
+    if opts.norm == "fused_rmsnorm":
+        steps["titanctl+fused_rmsnorm"] = make_step(variant(ours, args.replace(norm_type="fused_rmsnorm")),
+                                                    lambda m: m(inputs))
+
     batch_tokens = opts.batch * opts.seq_len
-    rates = alternating_rates(
-        {
-            "titanctl": make_step(ours, lambda m: m(inputs)),
-            "transformers": make_step(theirs, lambda m: m(input_ids=inputs).logits),
-        },
-        batch_tokens,
-        opts.rounds,
-        opts.steps_per_round,
-    )
+    rates = alternating_rates(steps, batch_tokens, opts.rounds, opts.steps_per_round)
     ours_tps, theirs_tps = rates["titanctl"], rates["transformers"]
     print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
           f"{opts.dtype}, {torch.get_num_threads()} threads")
-    print(f"titanctl      {ours_tps:10,.0f} tokens/s")
-    print(f"transformers  {theirs_tps:10,.0f} tokens/s")
+    for name, rate in rates.items():
+        print(f"{name:24s}{rate:10,.0f} tokens/s")
     print(f"ratio titanctl/transformers = {ours_tps / theirs_tps:.3f}")
+    for name in rates:
+        if name.startswith("titanctl+"):
+            print(f"ratio {name}/titanctl = {rates[name] / ours_tps:.3f}")
+
+
+def variant(model: Transformer, args) -> Transformer:
+    """A copy of ``model`` (same weights) built from ``args``."""
+    copy = Transformer(args)
+    copy.load_state_dict(model.state_dict())
+    return copy
 
 
 if __name__ == "__main__":

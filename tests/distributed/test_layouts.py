@@ -36,6 +36,7 @@ LAYOUTS = [
     ("fsdp2", 2, 4, []),
     ("ddp2", 2, 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("tp2_fused_rmsnorm", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--model.norm_type", "fused_rmsnorm"]),
     ("tp2_no_loss_parallel", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]),
     ("fsdp2_reshard_never_full_ac", 2, 4, ["--parallelism.fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "full"]),
     ("fsdp2_selective_ac_every_2", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]),

@@ -36,6 +36,12 @@ class Model:
         "debugmodel", "Model size.", choices=("debugmodel", "8B", "70B", "405B")
     )
     n_layers: int = opt(0, "Override the flavor's number of layers (0 keeps the flavor's).", min=0)
+    norm_type: str = opt(
+        "rmsnorm",
+        "RMSNorm implementation: rmsnorm (written out in PyTorch ops) or fused_rmsnorm "
+        "(torch.nn.functional.rms_norm, one fused kernel forward and backward). Same weights, same results.",
+        choices=("rmsnorm", "fused_rmsnorm"),
+    )
     tokenizer_path: str = opt(
         "", "Tokenizer file (Llama 3 tiktoken format); empty means the bundled tokenizer."
     )
@@ -176,10 +182,24 @@ class Compile:
 
 @dataclass
 class Float8:
-    enable_float8_linear: bool = opt(False, "Float8 matmuls in linear layers (CUDA, SM89+).")
-    enable_fsdp_float8_all_gather: bool = opt(False, "All-gather FSDP parameters in float8.")
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(False, "One all-reduce for all float8 scales.")
-    filter_fqns: list[str] = opt(["output"], "Linear layers kept out of float8.")
+    enable_float8_linear: bool = opt(
+        False,
+        "Train linear layers in float8 with torchao (dynamic tensorwise scales). Float8 hardware on CUDA "
+        "SM 8.9+; emulated elsewhere (CPU included), which tests the path but is slower, not faster.",
+    )
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "FSDP all-gathers float8 linears' weights in float8 (half of bf16's traffic); needs FSDP."
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False,
+        "Compute the float8 scales of all FSDP-sharded weights with one all-reduce after the optimizer "
+        "step, instead of one per layer in forward; needs enable_fsdp_float8_all_gather.",
+    )
+    filter_fqns: list[str] = opt(
+        ["output"],
+        "Linear layers kept in high precision, by name or dotted part of a name (output, attention.wk, "
+        "layers.0). Linears whose dims (per tensor-parallel shard) are not multiples of 16 are kept too.",
+    )
 
 
 @dataclass
@@ -211,11 +231,6 @@ class Comm:
 
 
 @dataclass
-class MemoryEstimation:
-    disable_fake_mode: bool = opt(False, "Estimate with real tensors instead of fake ones.")
-
-
-@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -230,4 +245,3 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
-    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

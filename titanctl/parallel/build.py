@@ -1,6 +1,8 @@
 """How a recipe becomes (sharded) model parts: the one place `train` and `estimate-memory` share.
 
-Order inside every model part (a whole model, or each pipeline stage):
+Model converters (float8 linears) run first, on the whole model on the meta device, so that
+their names are canonical and every later step wraps the converted modules. Then, inside every
+model part (a whole model, or each pipeline stage):
 TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 """
 
@@ -19,6 +21,7 @@ from titanctl.models.llama import ModelArgs, Transformer
 from titanctl.parallel.activation_checkpoint import apply_ac
 from titanctl.parallel.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
 from titanctl.parallel.init import initialize_weights
 from titanctl.parallel.tensor_parallel import apply_tp, check_tp
 
@@ -27,6 +30,7 @@ from titanctl.parallel.tensor_parallel import apply_tp, check_tp
 class ModelParts:
     parts: list[nn.Module]
     pipeline: object | None = None  # titanctl.parallel.pipeline.Pipeline when pp > 1
+    float8: Float8Conversion | None = None  # what became float8 (float8.enable_float8_linear)
 
     @property
     def has_last_stage(self) -> bool:
@@ -51,6 +55,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
+    check_float8(cfg, fsdp=dims.fsdp_enabled)
 
 
 def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Module:
@@ -63,6 +68,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             loss_parallel=not p.disable_loss_parallel,
             async_tp=p.enable_async_tensor_parallel,
             compiled=cfg.compile.enable,
+            float8=cfg.float8.enable_float8_linear,
         )
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
@@ -99,6 +105,9 @@ def build_model_parts(
     check_layout(cfg, dims, args)
     with torch.device("meta"):
         model = Transformer(args)
+    float8 = None
+    if cfg.float8.enable_float8_linear:
+        float8 = convert_to_float8(model, cfg.float8, tp=dims.tp, device=torch.device(device))
     if dims.pp > 1:
         from titanctl.parallel.pipeline import build_pipeline
 
@@ -111,9 +120,14 @@ def build_model_parts(
             parallelize_fn=lambda stage: parallelize(stage, cfg, dims),
             loss_fn=loss_fn,
         )
-        result = ModelParts(pipeline.model_parts, pipeline)
+        result = ModelParts(pipeline.model_parts, pipeline, float8)
     else:
-        result = ModelParts([parallelize(model, cfg, dims)])
+        result = ModelParts([parallelize(model, cfg, dims)], float8=float8)
+    if float8 is not None and dims.tp > 1 and not sends_float8(dims.mesh["tp"]):
+        float8.notes.append(
+            "float8 with tensor parallel on gloo: activations are all-gathered in high precision "
+            "(gloo has no float8 dtypes; NCCL all-gathers them in float8)"
+        )
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         for part in result.parts:
             part.to_empty(device=device)

@@ -23,12 +23,26 @@ def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
             raise ParallelError(f"{what} = {size} is not divisible by tensor_parallel_degree = {tp}")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool, compiled: bool) -> None:
-    """Shard ``model`` (a whole model or a pipeline stage: absent parts are skipped)."""
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool, compiled: bool, float8: bool = False
+) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage: absent parts are skipped).
+
+    ``float8``: the model's float8 linears get torchao's float8 styles (see tp_plan.block_plan),
+    which all-gather activations in float8; on gloo, which has no float8 dtypes, they keep the
+    plain styles (float8 matmuls, high-precision communication).
+    """
     root = {name: style for name, style in root_plan(loss_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
+    styles = None
+    if float8:
+        from titanctl.parallel.float8 import float8_tp_styles, is_float8_linear, sends_float8
+
+        if sends_float8(tp_mesh):
+            styles = float8_tp_styles()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan())
+        names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
+        parallelize_module(block, tp_mesh, block_plan(styles, names))
     if async_tp:
         enable_async_tp(tp_mesh, compiled)
 

@@ -1,4 +1,7 @@
-"""Reductions that every layout needs: the global loss and the global gradient norm."""
+"""Reductions that every layout needs: the global loss and the global gradient norm.
+
+None of them reads a value on the host: the Trainer does that only on log steps.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +25,50 @@ def global_mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> torch.Ten
     value = loss.detach().clone() if loss is not None else torch.zeros((), device=_device())
     dist.all_reduce(value)
     return value / (dims.tp * dims.dp * dims.cp)
+
+
+class StepLosses:
+    """Each step's loss stays a device tensor; reading it is a host sync, so the Trainer reads it
+    only on log steps (and before a checkpoint is written). Between reads it remembers, on the
+    device, the first step whose loss was not finite, so divergence is still caught at the next read.
+    """
+
+    # The first bad step s with its value's kind k (1 nan, 2 +inf, 3 -inf) is kept as
+    # (_NEVER - s) * 4 + k, 0 meaning none: a MAX all-reduce then finds the earliest on any rank.
+    _NEVER = 2**60
+    _KINDS = {1: float("nan"), 2: float("inf"), 3: float("-inf")}
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self._first_bad: torch.Tensor | None = None
+
+    def record(self, step: int, loss: torch.Tensor | None) -> None:
+        """This rank's loss of ``step`` (None off the last pipeline stage); no host sync."""
+        if loss is None:
+            return
+        if isinstance(loss, DTensor):  # loss parallel: replicated over the tp mesh
+            loss = loss.full_tensor()
+        self.last = loss.detach()
+        if self._first_bad is None:
+            self._first_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+        kind = torch.where(torch.isnan(self.last), 1, torch.where(self.last > 0, 2, 3))
+        newly_bad = ~torch.isfinite(self.last) & (self._first_bad == 0)
+        self._first_bad = torch.where(newly_bad, (self._NEVER - step) * 4 + kind, self._first_bad)
+
+    def read(self, dims: ParallelDims) -> tuple[float, tuple[int, float] | None]:
+        """(global mean loss of the last recorded step, (step, value) of the first non-finite loss
+        on any rank since the run started, or None). Every rank must call it at the same steps:
+        it runs collectives."""
+        loss = global_mean_loss(self.last, dims)
+        first_bad = torch.zeros((), dtype=torch.int64, device=loss.device)
+        if self._first_bad is not None:
+            first_bad.copy_(self._first_bad)
+        if dims.world_size > 1:
+            dist.all_reduce(first_bad, op=dist.ReduceOp.MAX)
+        marker = int(first_bad.item())
+        if not marker:
+            return loss.item(), None
+        return loss.item(), (self._NEVER - marker // 4, self._KINDS[marker % 4])
 
 
 def _device() -> torch.device:

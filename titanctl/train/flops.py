@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,10 +32,43 @@ GPU_PEAK_TFLOPS = {
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls of N non-embedding parameters, plus
-    12·L·H·Q·T for attention scores and values (forward + backward)."""
+    """Training FLOPs per token of the whole model: 6N for the matmuls of its N parameters
+    outside the embedding table (forward 2N, backward 4N; the output layer counts), plus
+    12·L·H·Q·T for attention scores and values (4·T·Q per head and layer forward, 3x with
+    backward; causal masking halves the work actually done, which this formula, like
+    torchtitan's, does not credit).
+
+    N is the whole model's, also under TP and PP, where each device holds a part of it: the
+    throughput it multiplies is per device too (tokens of the global batch / world size), and
+    a device that holds 1/(tp·pp) of the model and sees 1/cp of a sequence does that share of
+    the work of its data-parallel rank's tokens.
+    """
     n = args.num_params(include_embedding=False)
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+@dataclass(frozen=True)
+class Throughput:
+    step_time: float  # seconds per optimizer step
+    tps: float  # tokens per second per device
+    tflops: float  # achieved TFLOP/s per device
+    mfu: float | None  # % of the device's peak; None without a peak figure
+
+
+def throughput(
+    global_tokens_per_step: int, steps: int, seconds: float, world_size: int, flops_per_token: float,
+    peak_tflops: float | None,
+) -> Throughput:
+    """Per-device rates of ``steps`` optimizer steps that took ``seconds``.
+
+    Every device of the job shares the work of the global batch, whatever the layout: divide by
+    the world size (data-parallel ranks x tp x pp x cp), as torchtitan does.
+    """
+    step_time = seconds / steps
+    tps = global_tokens_per_step / step_time / world_size
+    tflops = tps * flops_per_token / 1e12
+    mfu = 100 * tflops / peak_tflops if peak_tflops else None
+    return Throughput(step_time, tps, tflops, mfu)
 
 
 def gpu_peak_tflops(name: str) -> float | None:

@@ -13,10 +13,8 @@ from typing import Any
 import torch
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process: the CUDA caching allocator's, or the CPU peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device) / 2**30
+def cpu_peak_rss_gib() -> float:
+    """Peak resident memory of this process (the whole run so far), in GiB."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -26,6 +24,45 @@ def peak_memory_gib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MemoryMonitor:
+    """Memory columns of a log row, each about the log window since the previous row.
+
+    CUDA: ``memory_gib`` is the caching allocator's peak reserved memory (what the GPU really had
+    to give), ``memory_active_gib`` the peak of live tensors, ``memory_reserved_pct`` that peak
+    reserved as a share of the device's memory, and ``num_alloc_retries`` / ``num_ooms`` how often
+    the allocator had to free its cache and retry, or failed (retries mean fragmentation or a
+    near-full device: they cost time). Peaks and counts restart each window.
+    CPU: ``memory_gib`` is the process's peak resident memory (peak of the whole run).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.capacity = torch.cuda.get_device_properties(device).total_memory
+            stats = torch.cuda.memory_stats(device)
+            self._retries, self._ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def read(self) -> dict[str, float | int]:
+        """This window's columns; starts the next window."""
+        if not self.is_cuda:
+            return {"memory_gib": round(cpu_peak_rss_gib(), 3)}
+        stats = torch.cuda.memory_stats(self.device)
+        reserved, active = stats.get("reserved_bytes.all.peak", 0), stats.get("active_bytes.all.peak", 0)
+        retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+        row = {
+            "memory_gib": round(reserved / 2**30, 3),
+            "memory_active_gib": round(active / 2**30, 3),
+            "memory_reserved_pct": round(100 * reserved / self.capacity, 2),
+            "num_alloc_retries": retries - self._retries,
+            "num_ooms": ooms - self._ooms,
+        }
+        self._retries, self._ooms = retries, ooms
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return row
 
 
 class MetricSinks:

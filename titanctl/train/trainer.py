@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import time
 from pathlib import Path
 
@@ -23,11 +22,12 @@ from titanctl.models.llama import model_args_from_config
 from titanctl.parallel.build import build_model_parts
 from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.env import init_process
-from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
-from titanctl.train.flops import device_peak_tflops, flops_per_token
+from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
+from titanctl.parallel.utils import StepLosses, clip_grad_norm
+from titanctl.train.flops import device_peak_tflops, flops_per_token, throughput
 from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
-from titanctl.train.metrics import MetricSinks, peak_memory_gib
+from titanctl.train.metrics import MemoryMonitor, MetricSinks
 from titanctl.train.optim import build_optimizer
 from titanctl.train.profiler import maybe_profile
 from titanctl.train.step import ForwardBackward
@@ -79,6 +79,8 @@ class Trainer:
             for part in built.parts:
                 part.init_buffers(self.env.device)  # buffers are not in checkpoints
         self.model_parts, self.pipeline = built.parts, built.pipeline
+        self.float8 = built.float8
+        self.precompute_float8 = cfg.float8.precompute_float8_dynamic_scale_for_fsdp
         self.forward_backward = ForwardBackward(cfg, self.dims, self.model_parts, self.pipeline, self.env.device)
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -92,6 +94,8 @@ class Trainer:
         compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_tflops = device_peak_tflops(self.env.device, compute_dtype, cfg.metrics.peak_tflops)
+        self.memory = MemoryMonitor(self.env.device)
+        self.losses = StepLosses()
         self.sinks = None
         if self.env.rank == 0:
             self.sinks = MetricSinks(
@@ -105,21 +109,34 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over the global batch; returns (loss, grad norm)."""
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over the global batch; records its loss and returns the grad norm.
+
+        No host sync: the loss and the norm stay device tensors, read only on log steps
+        (a GPU then runs ahead of Python instead of waiting for it every step).
+        """
         loss_sum = self.forward_backward(self.loader.next_step())
+        self.losses.record(self.step + 1, loss_sum)
         grad_norm = clip_grad_norm(self.parameters(), self.cfg.training.max_norm, self.dims)
-        loss_value = global_mean_loss(loss_sum, self.dims).item()
-        if not math.isfinite(loss_value):
-            raise TrainingDiverged(
-                f"loss is {loss_value} at step {self.step + 1}; lower optimizer.lr "
-                f"(now {self.cfg.optimizer.lr}) or raise lr_scheduler.warmup_steps"
-            )
         self.checkpoint.wait_for_staging()  # an async save may still be copying the weights
         self.optimizer.step()
+        if self.precompute_float8:
+            precompute_float8_scales(self.model_parts)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_value, grad_norm.item()
+        return grad_norm
+
+    def read_losses(self) -> float:
+        """The last step's global loss (a host sync and collectives: every rank, same steps).
+        Stops the run if any step since the last read had a non-finite loss."""
+        loss, diverged = self.losses.read(self.dims)
+        if diverged is not None:
+            step, value = diverged
+            raise TrainingDiverged(
+                f"loss is {value} at step {step}; lower optimizer.lr "
+                f"(now {self.cfg.optimizer.lr}) or raise lr_scheduler.warmup_steps"
+            )
+        return loss
 
     def _build_checkpoint_manager(self) -> CheckpointManager:
         return CheckpointManager(
@@ -146,14 +163,21 @@ class Trainer:
             self.console.print(f"seed checkpoint written to {folder}; not training (create_seed_checkpoint)")
             return
         n_params = self.model_args.num_params()
+        if cfg.job.description:
+            self.console.print(cfg.job.description, soft_wrap=True)
         self.console.print(
-            f"[bold]titanctl[/bold] {cfg.model.flavor}: {n_params / 1e6:.1f}M params, "
+            f"[bold]titanctl[/bold] {cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:.1f}M params, "
             f"vocab {self.model_args.vocab_size}, layout {self.dims.describe()}, device {self.env.device}, "
             f"global batch {self.global_batch} x {cfg.training.seq_len} tokens, "
             f"{self.loader.grad_accum_steps} microbatch(es)/step",
             soft_wrap=True,
         )
-        tokens_per_step = self.global_batch * cfg.training.seq_len // self.dims.dp
+        if self.float8 is not None:
+            self.console.print(self.float8.describe(), soft_wrap=True)
+            note = emulation_note(self.env.device)
+            if note:
+                self.console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
+        tokens_per_dp_rank = self.global_batch * cfg.training.seq_len // self.dims.dp
         progress = Progress(
             TextColumn("[bold blue]train"),
             BarColumn(),
@@ -163,7 +187,7 @@ class Trainer:
             console=self.console,
             disable=not self.is_logging_rank or not self.console.is_terminal,
         )
-        window_start, window_tokens = time.perf_counter(), 0
+        window_start, window_steps = time.perf_counter(), 0
         start_step = self.step
         profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
         with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, _scheduled_gc():
@@ -174,22 +198,28 @@ class Trainer:
                 first = self.step == start_step
                 watchdog.timeout_s = cfg.comm.init_timeout_seconds if first else cfg.comm.train_timeout_seconds
                 with watchdog.watch(f"step {self.step + 1}"):
-                    loss, grad_norm = self.train_step()
+                    grad_norm = self.train_step()
                 self.step += 1
-                self.tokens_seen += tokens_per_step
-                window_tokens += tokens_per_step
-                progress.update(task, advance=1, loss=f"{loss:.4f}")
-                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                    elapsed = time.perf_counter() - window_start
-                    self._log(loss, grad_norm, lr, window_tokens / elapsed)
-                    window_start, window_tokens = time.perf_counter(), 0
-                self.checkpoint.maybe_save(self.step, self.tokens_seen, last=self.step == cfg.training.steps)
+                self.tokens_seen += tokens_per_dp_rank
+                window_steps += 1
+                last = self.step == cfg.training.steps
+                log_step = self.step % cfg.metrics.log_freq == 0 or last
+                if log_step or self.checkpoint.should_save(self.step, last):
+                    # The loop's only host syncs; a checkpoint never holds weights a NaN reached.
+                    with watchdog.watch(f"step {self.step} (metrics)"):
+                        loss = self.read_losses()
+                        if log_step:
+                            self._log(loss, grad_norm, lr, time.perf_counter() - window_start, window_steps)
+                            window_start, window_steps = time.perf_counter(), 0
+                            progress.update(task, loss=f"{loss:.4f}")  # the bar shows the last logged loss
+                progress.update(task, advance=1)
+                self.checkpoint.maybe_save(self.step, self.tokens_seen, last=last)
                 profiler.step()
                 if self.step % cfg.training.gc_freq == 0:
                     gc.collect(1)
         if self.sinks is not None:
             self.sinks.close()
-        self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per rank")
+        self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per data-parallel rank")
 
     @contextlib.contextmanager
     def _hang_watchdog(self):
@@ -212,27 +242,39 @@ class Trainer:
         finally:
             watchdog.close()
 
-    def _log(self, loss: float, grad_norm: float, lr: float, tps: float) -> None:
-        mfu = None
-        if self.peak_tflops:
-            mfu = 100 * tps * self.flops_per_token / (self.peak_tflops * 1e12)
-        memory = peak_memory_gib(self.env.device)
+    def _log(self, loss: float, grad_norm: torch.Tensor, lr: float, seconds: float, steps: int) -> None:
+        """One metrics row for the ``steps`` steps that took ``seconds`` (wall time up to a host sync)."""
+        grad_norm = grad_norm.item()
+        rate = throughput(
+            self.global_batch * self.cfg.training.seq_len, steps, seconds, self.dims.world_size,
+            self.flops_per_token, self.peak_tflops,
+        )
+        memory = self.memory.read()
         row = {
             "step": self.step,
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": lr,
-            "tps": round(tps, 1),
-            "mfu": None if mfu is None else round(mfu, 3),
-            "memory_gib": round(memory, 3),
+            "tps": round(rate.tps, 1),
+            "tflops": float(f"{rate.tflops:.4g}"),  # 4 significant digits: CPU runs are far below 1
+            "mfu": None if rate.mfu is None else round(rate.mfu, 3),
+            "step_time": round(rate.step_time, 6),
+            **memory,
             "tokens_seen": self.tokens_seen,
         }
         if self.sinks is not None:
             self.sinks.log(row)
-        mfu_text = "n/a" if mfu is None else f"{mfu:.2f}%"
+        mfu_text = "n/a" if rate.mfu is None else f"{rate.mfu:.2f}%"
+        memory_text = f"memory {memory['memory_gib']:6.2f} GiB"
+        if "memory_reserved_pct" in memory:
+            memory_text += f" ({memory['memory_reserved_pct']:.0f}%)"
+            if memory["num_alloc_retries"] or memory["num_ooms"]:
+                memory_text += (
+                    f" [yellow]{memory['num_alloc_retries']} alloc retries, {memory['num_ooms']} OOMs[/yellow]"
+                )
         self.console.print(
             f"step {self.step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
-            f"tps {tps:>9,.0f}  mfu {mfu_text:>6}  memory {memory:6.2f} GiB",
+            f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}  {memory_text}",
             soft_wrap=True,
         )
 

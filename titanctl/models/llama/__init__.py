@@ -2,10 +2,14 @@ from titanctl.config.job_config import Model as ModelConfig
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 from titanctl.models.llama.model import Transformer
 
+# Model family (config model.name) -> its flavors.
+MODEL_FAMILIES = {"llama3": LLAMA3_FLAVORS}
+
 
 def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> ModelArgs:
     """The flavor's published dimensions, with the tokenizer's vocab and the run's sequence length."""
-    args = LLAMA3_FLAVORS[cfg.flavor].replace(vocab_size=vocab_size, max_seq_len=seq_len)
+    flavors = MODEL_FAMILIES[cfg.name]
+    args = flavors[cfg.flavor].replace(vocab_size=vocab_size, max_seq_len=seq_len, norm_type=cfg.norm_type)
     if cfg.n_layers:
         args = args.replace(n_layers=cfg.n_layers)
     return args

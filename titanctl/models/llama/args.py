@@ -31,6 +31,8 @@ class ModelArgs:
     max_seq_len: int = 8192  # length of the RoPE table; the trainer sets it to training.seq_len
     # Scale the std of each block's output projections by its depth (else by the model depth).
     depth_init: bool = True
+    # "rmsnorm" (written out in PyTorch ops) or "fused_rmsnorm" (F.rms_norm): same weights and math.
+    norm_type: str = "rmsnorm"
 
     @property
     def head_dim(self) -> int:

@@ -8,6 +8,10 @@ layer leaves logits sharded on the vocabulary and the loss is computed on the sh
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -16,6 +20,22 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+
+@dataclass(frozen=True)
+class LinearStyles:
+    """The styles of a block's linears and of the modules that gather their input.
+
+    Float8 training passes torchao's float8 styles, which cast to float8 before communicating
+    (the all-gather of activations moves float8); the plan stays the same.
+    """
+
+    colwise: type[ColwiseParallel] = ColwiseParallel
+    rowwise: type[RowwiseParallel] = RowwiseParallel
+    prepare_input: type[PrepareModuleInput] = PrepareModuleInput
+
+
+PLAIN = LinearStyles()
 
 
 def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -30,23 +50,46 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def block_plan() -> dict[str, ParallelStyle]:
+def block_plan(float8: LinearStyles | None = None, float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
+    """The plan of one block. ``float8``: the styles for the linears named in ``float8_linears``
+    (names inside the block, e.g. attention.wq); the others, and a gather feeding any of them,
+    keep the plain styles (a float8 input would reach a high-precision linear)."""
+
+    def styles(*linears: str) -> LinearStyles:
+        return float8 if float8 is not None and all(n in float8_linears for n in linears) else PLAIN
+
     return {
         "attention_norm": SequenceParallel(),
         # The block passes (hidden, rope): gather the hidden states, leave the rope table alone.
-        "attention": PrepareModuleInput(
+        "attention": styles("attention.wq", "attention.wk", "attention.wv").prepare_input(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wq": styles("attention.wq").colwise(),
+        "attention.wk": styles("attention.wk").colwise(),
+        "attention.wv": styles("attention.wv").colwise(),
+        "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward": styles("feed_forward.w1", "feed_forward.w3").prepare_input(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": styles("feed_forward.w1").colwise(),
+        "feed_forward.w2": styles("feed_forward.w2").rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": styles("feed_forward.w3").colwise(),
     }
+
+
+def sharded_linear_dims(name: str, tp: int) -> tuple[int, int]:
+    """How many ways tensor parallelism splits the (out, in) dims of the linear ``name``
+    (canonical, e.g. layers.3.attention.wo or output): colwise splits out, rowwise splits in."""
+    if tp == 1:
+        return 1, 1
+    in_block = re.fullmatch(r"layers\.\d+\.(.+)", name)
+    style = block_plan()[in_block.group(1)] if in_block else root_plan(loss_parallel=True)[name]
+    if isinstance(style, ColwiseParallel):
+        return tp, 1
+    if isinstance(style, RowwiseParallel):
+        return 1, tp
+    return 1, 1
 
 
 # Inference: no sequence parallel, so a single decoded token (T = 1) needs no sequence split.

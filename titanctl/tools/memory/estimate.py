@@ -131,7 +131,9 @@ def estimation_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
         notes.append("async tensor parallel ignored (needs CUDA symmetric memory): TP is estimated "
                      "with ordinary collectives")
     f8 = cfg.float8
-    if f8.enable_float8_linear or f8.enable_fsdp_float8_all_gather:
+    if f8.enable_float8_linear:
+        f8.enable_float8_linear = f8.enable_fsdp_float8_all_gather = False
+        f8.precompute_float8_dynamic_scale_for_fsdp = False
         notes.append(f"float8 modelled as {cfg.training.mixed_precision_param}: float8 linears and float8 "
                      "all-gathers are not estimated (they would shrink all-gather buffers and saved inputs)")
     if cfg.activation_checkpoint.mode == "selective" and cfg.activation_checkpoint.selective_ac_option == "op":
