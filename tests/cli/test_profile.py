@@ -48,6 +48,26 @@ def test_trace_and_memory_timeline_are_written(single):
     assert cpu["peak_allocated_bytes"] == max(cpu["allocated_bytes"]) > 0
 
 
+def test_kineto_start_stop_markers_are_not_shown(single):
+    _, proc = single
+    assert "USDT" not in proc.stderr and "profiler_start" not in proc.stderr, proc.stderr
+
+
+def test_marker_filter_keeps_every_other_stderr_line(capfd):
+    import sys
+
+    from titanctl.train.profiler import without_kineto_markers
+
+    with without_kineto_markers():
+        os.write(2, b"USDT:2026-11-24 04:51:58 15753:15753 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR:2026-11-24 04:51:58 15753:15753 Something.cpp:1] a real kineto error\n")
+        print("a Python warning", file=sys.stderr)
+        os.write(2, b"USDT:2026-11-24 04:51:58 15753:15753 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    lines = capfd.readouterr().err.splitlines()  # (pytest routes sys.stderr apart from fd 2: order differs)
+    assert sorted(lines) == ["ERROR:2026-11-24 04:51:58 15753:15753 Something.cpp:1] a real kineto error",
+                             "a Python warning"]
+
+
 def test_summary_says_where_the_time_went(single):
     folder, proc = single
     out = proc.stdout

@@ -1,7 +1,7 @@
 import pytest
 
 from titanctl.config.job_config import JobConfig
-from titanctl.config.loader import load_config, parse_overrides, reference_table, to_toml
+from titanctl.config.loader import field_specs, load_config, parse_overrides, reference_table, to_toml
 from titanctl.errors import ConfigError
 
 
@@ -63,7 +63,7 @@ def test_print_config_round_trips(tmp_path):
         (["--training.deterministic", "maybe"], "expects bool"),
         (["--optimizer.name", "adamw"], "is not one of AdamW, Adam; did you mean 'AdamW'?"),
         (["--training.steps", "0"], "'training.steps' = 0 must be >= 1"),
-        (["--optimizer.lr", "-1"], "'optimizer.lr' = -1.0 must be >= 0"),
+        (["--optimizer.lr", "-1"], "'optimizer.lr' = -1.0 must be > 0"),
         (["--parallelism.data_parallel_shard_degree", "0"], "must be -1 or >= 1"),
         (["--training.global_batch_size", "2", "--training.local_batch_size", "4"], "global_batch_size"),
         (["--lr_scheduler.decay_ratio", "1.5"], "must be in [0, 1]"),
@@ -111,3 +111,88 @@ def test_every_field_is_documented():
 def test_shipped_recipes_load(repo, recipe):
     cfg = load_config(repo / "recipes" / f"{recipe}.toml")
     assert cfg.model.flavor in ("debugmodel", "8B", "70B", "405B")
+
+
+FLOAT_KEYS = [key for key, (typ, _) in field_specs().items() if float in (typ, *getattr(typ, "__args__", ()))]
+FOLDER_KEYS = [key for key, (_, f) in field_specs().items() if f.metadata["in_dump_folder"]]
+
+
+def test_float_and_folder_keys_are_found():
+    assert {"optimizer.lr", "optimizer.eps", "training.max_norm", "lr_scheduler.decay_ratio"} <= set(FLOAT_KEYS)
+    assert set(FOLDER_KEYS) == {"checkpoint.folder", "metrics.save_tb_folder", "profiling.save_traces_folder",
+                                "profiling.save_memory_snapshot_folder"}
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_key_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match=f"config key '{key}' = {value} must be a finite number"):
+        load_config(None, [f"--{key}", value])
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_must_be_finite_in_toml_too(tmp_path, key):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"config key '{key}' = nan must be a finite number"):
+        load_config(write(tmp_path, f"[{section}]\n{name} = nan\n"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--optimizer.lr", "0"], "'optimizer.lr' = 0.0 must be > 0"),
+        (["--optimizer.beta1", "1"], "'optimizer.beta1' = 1.0 must be in [0, 1)"),
+        (["--optimizer.beta2", "-0.1"], "'optimizer.beta2' = -0.1 must be in [0, 1)"),
+        (["--lr_scheduler.lr_min", "1.01"], "'lr_scheduler.lr_min' = 1.01 must be in [0, 1]"),
+        (["--training.seed", str(2**64)], f"'training.seed' = {2**64} must be in [0, 2^64)"),
+        (["--comm.trace_buf_size", str(2**63)], "does not fit in 64 bits; valid: [-2^63, 2^63)"),
+        (["--job.dump_folder", ""], "'job.dump_folder' is empty"),
+        (["--job.dump_folder", "  "], "'job.dump_folder' is empty"),
+    ],
+)
+def test_ranges(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_range_edges_are_accepted():
+    cfg = load_config(None, ["--training.seed", str(2**64 - 1), "--optimizer.beta2", "0", "--lr_scheduler.lr_min",
+                             "1", "--optimizer.lr", "1e-12"])
+    assert cfg.training.seed == 2**64 - 1
+
+
+def test_folder_keys_are_the_ones_documented_relative_to_the_dump_folder():
+    documented = [key for key, (_, f) in field_specs().items() if "relative to job.dump_folder" in f.metadata["help"]]
+    assert documented == FOLDER_KEYS
+
+
+@pytest.mark.parametrize("key", FOLDER_KEYS)
+@pytest.mark.parametrize(
+    "value, problem",
+    [("/etc", "is absolute"), ("../x", "leads out of the dump folder"), ("a/../../x", "leads out of the dump folder"),
+     ("", "is the dump folder itself"), (".", "is the dump folder itself"), ("a/..", "is the dump folder itself")],
+)
+def test_folder_keys_stay_inside_the_dump_folder(key, value, problem):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--{key}={value}"])
+    assert f"config key '{key}' = {value!r} {problem}: it must be a relative path to a folder inside" in str(err.value)
+
+
+@pytest.mark.parametrize("key", FOLDER_KEYS)
+def test_folder_keys_accept_sub_folders(key):
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, [f"--{key}", "runs/a/../b"]), section), name) == "runs/a/../b"
+
+
+def test_non_utf8_recipe_names_the_byte(tmp_path):
+    path = tmp_path / "recipe.toml"
+    path.write_bytes("[job]\ndescription = \"café\"\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"recipe.toml is not UTF-8 text \(byte 0xe9 at offset 24\)"):
+        load_config(path)
+
+
+def test_reference_table_states_the_ranges():
+    table = reference_table()
+    assert "| `optimizer.beta1` | `0.9` | Adam beta1. Valid: in [0, 1). |" in table
+    assert "Valid: > 0." in table and "Valid: in [0, 2^64)." in table

@@ -21,7 +21,7 @@ from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.tools.download import repo_file
 
 SECRET = "hf_TopSecretToken1234567890"
-REPO_ID = "meta-llama/Meta-Llama-3.1-8B"
+REPO_ID = "meta-llama/Llama-3.1-8B"  # the default --repo-id
 
 
 class FakeHub:
@@ -132,6 +132,7 @@ def test_download_from_hub_sends_the_token_and_never_shows_it(tmp_path):
     saved = tmp_path / "assets" / "tokenizer" / "original" / "tokenizer.model"
     assert saved.read_bytes() == model
     assert "vocab 4352" in proc.stdout and str(saved.relative_to(tmp_path)) in proc.stdout
+    assert proc.stdout.startswith(f"contacting {hub.url} for original/tokenizer.model of {REPO_ID}\n")
     assert f"Bearer {SECRET}" in hub.auth  # the token reached the Hub ...
     assert SECRET not in proc.stdout + proc.stderr  # ... and nowhere else
 
@@ -165,3 +166,19 @@ def test_hub_refusals_are_one_line_without_the_token(tmp_path, case):
     want = "is gated" if case == "gated" else "has no file original/tokenizer.model"
     assert want in proc.stderr, proc.stderr
 
+
+
+def test_unreachable_hub_with_the_file_already_there_uses_it(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # nothing listens on this port
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    target = tmp_path / "tok" / "original" / "tokenizer.model"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(DEFAULT_TOKENIZER_PATH.read_bytes())
+    proc = run(["--local-dir", str(tmp_path / "tok")], tmp_path, hub_url=url)
+    assert proc.returncode == 0, proc.stderr
+    assert "is unreachable" in proc.stdout and f"using {target} as it is" in proc.stdout and "vocab 4352" in proc.stdout
+    assert proc.stderr == ""
+    assert sorted(p.name for p in (tmp_path / "tok").rglob("*")) == ["original", "tokenizer.model"]

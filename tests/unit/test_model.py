@@ -168,3 +168,44 @@ def test_init_statistics():
         # Output projections shrink with depth (depth_init).
         want = 0.02 / math.sqrt(2 * (i + 1))
         assert sd[f"layers.{i}.attention.wo.weight"].std().item() == pytest.approx(want, rel=0.1)
+
+
+def test_seeds_up_to_2_pow_64_draw_and_small_seeds_keep_their_numbers():
+    """training.seed takes [0, 2^64): the per-parameter seed wraps modulo 2^64 instead of overflowing,
+    and every seed that worked before draws exactly the numbers it drew then."""
+    import zlib
+
+    from titanctl.models.llama.model import ParamInit
+    from titanctl.parallel.init import draw
+
+    spec = ParamInit("normal", std=1.0)
+    old = torch.Generator().manual_seed(5 * 1_000_003 + zlib.crc32(b"w"))
+    assert torch.equal(draw(torch.Size([4]), spec, 5, "w"), torch.randn(4, generator=old))
+    assert draw(torch.Size([4]), spec, 2**64 - 1, "w").isfinite().all()
+
+
+def test_first_loss_is_ln_vocab_plus_half_the_logit_variance():
+    """Why the debug recipe's first loss is ~8.86, not ln(4352) = 8.38 (README, "make train").
+
+    The final RMSNorm gives unit-RMS features and output.weight is drawn with std dim^-1/2 (truncated
+    at 3 std), so each logit is ~N(0, sigma^2) with sigma ~0.99. For Gaussian logits the expected
+    log-sum-exp over V tokens is ln V + sigma^2 / 2, so the untrained model's loss is ~8.38 + 0.49.
+    """
+    import torch.nn.functional as F
+
+    from tests.unit.trained_model import tokens_of
+    from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+
+    tok = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=tok.vocab_size, max_seq_len=256)
+    model = build(args, seed=0)  # the debug recipe: seed 0, 6 layers, seq_len 256
+    ids = torch.tensor(tokens_of("bundled", 20, tok)[: 8 * 257]).view(8, 257)
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).float()  # (8, 256, V)
+    variance = logits.var(dim=-1).mean().item()
+    predicted = math.log(tok.vocab_size) + variance / 2
+    assert 0.95 < variance < 1.0  # 0.9866^2 = 0.973
+    assert torch.logsumexp(logits, dim=-1).mean().item() == pytest.approx(predicted, abs=0.01)
+    assert predicted == pytest.approx(8.86, abs=0.01)
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+    assert loss == pytest.approx(predicted, abs=0.1)  # the label's own logit averages ~0

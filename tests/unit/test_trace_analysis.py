@@ -193,3 +193,60 @@ def test_no_torch_at_import_time():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_gzip_bomb_is_decompressed_only_up_to_the_bound(tmp_path):
+    """64 MiB of JSON in 64 KB of gzip, read with a 1 MiB bound: refused before 2 MiB were held."""
+    import tracemalloc
+
+    from titanctl.errors import TraceError
+
+    bomb = tmp_path / "rank0_trace.json.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:
+        f.write(b'{"traceEvents": [')
+        for _ in range(64):
+            f.write(b" " * (1 << 20))
+        f.write(b"]}")
+    assert bomb.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError, match=r"decompresses to more than 1 MiB: raise --max-size-mib"):
+            read_document(bomb, max_mib=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"peak {peak / 2**20:.1f} MiB"
+    assert read_document(bomb, max_mib=65) == {"traceEvents": []}  # a raised bound reads it
+
+
+def test_plain_file_over_the_bound(tmp_path):
+    from titanctl.errors import TraceError
+
+    big = tmp_path / "rank0_trace.json"
+    big.write_bytes(b'{"traceEvents": [' + b" " * (1 << 20) + b"]}")
+    with pytest.raises(TraceError, match=r"rank0_trace.json is larger than 1 MiB: raise --max-size-mib"):
+        read_document(big, max_mib=1)
+
+
+@pytest.mark.parametrize("kind", ["json", "pickle-name", "dump-sizes"])
+def test_deep_nesting_is_one_line_naming_the_file(tmp_path, capsys, kind):
+    import pickle
+
+    path = tmp_path / "rank0_trace.json"
+    if kind == "json":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        if kind == "pickle-name":  # a trace event whose name is 100k lists deep: str() of it recurses
+            doc = {"traceEvents": [{"ph": "X", "name": "DEEP", "ts": 0, "dur": 1, "pid": 1, "tid": 1}]}
+        else:  # a Flight Recorder dump with nested input sizes
+            doc = {"entries": [{"collective_seq_id": 1, "profiling_name": "nccl:all_reduce",
+                                "input_sizes": "DEEP", "state": "completed"}], "pg_config": {}}
+        # pickle.dumps itself recurses, so the deep list is spliced in as opcodes: MARK x n, EMPTY_LIST,
+        # LIST x n builds n + 1 nested lists, which the unpickler's stack machine reads without recursing.
+        raw = pickle.dumps(doc, protocol=2)
+        placeholder = b"X\x04\x00\x00\x00DEEP"
+        assert raw.count(placeholder) == 1
+        path.write_bytes(raw.replace(placeholder, b"(" * 100_000 + b"]" + b"l" * 100_000))
+    code, out, err = run_cli(["inspect-trace", str(path)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and str(path) in err, err
+    assert "nested" in err

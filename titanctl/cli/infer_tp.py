@@ -19,7 +19,9 @@ def infer_tp(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 is greedy decoding."),
     top_k: int = typer.Option(200, "--top-k", min=0, help="Sample among the k likeliest tokens (0: all)."),
-    seed: int | None = typer.Option(None, "--seed", min=0, help="Sampling seed (default: random, printed)."),
+    seed: int | None = typer.Option(
+        None, "--seed", min=0, max=2**64 - 1, help="Sampling seed, 0 to 2^64-1 (default: random, printed)."
+    ),
     config: Path | None = typer.Option(
         None, "--config", help="Recipe giving the tokenizer, and the model when the checkpoint does not say."
     ),

@@ -10,16 +10,20 @@ import typer
 
 def inspect_trace(
     path: Path = typer.Argument(..., help="A trace/dump file, or a folder with one per rank."),
-    top: int = typer.Option(10, "--top", help="How many operators to list per rank, by self time."),
+    top: int = typer.Option(10, "--top", min=0, help="How many operators to list per rank, by self time."),
     straggler_pct: float = typer.Option(
-        10.0, "--straggler-pct", help="A rank this many percent above the median compute/step time is a straggler."
+        10.0, "--straggler-pct", min=0.0,
+        help="A rank this many percent above the median compute/step time is a straggler.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of tables."),
+    max_size_mib: int = typer.Option(
+        1024, "--max-size-mib", min=1, help="Refuse a file larger than this once decompressed (MiB)."
+    ),
 ) -> None:
     """Read profiler traces and Flight Recorder dumps: what is slow, which rank hangs."""
     from titanctl.tools.trace_analysis import inspect_path
 
-    result = inspect_path(path, top=top, threshold_pct=straggler_pct)
+    result = inspect_path(path, top=top, threshold_pct=straggler_pct, max_mib=max_size_mib)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

@@ -11,9 +11,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
-    """A config field with its documentation and the values it accepts."""
-    meta = {"help": help, "choices": choices, "min": min}
+def opt(
+    default: Any,
+    help: str,
+    choices: tuple | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    in_dump_folder: bool = False,
+) -> Any:
+    """A config field with its documentation and the values it accepts.
+
+    ``min``/``max`` are inclusive bounds, ``above``/``below`` exclusive ones. Every float must also
+    be finite, and every int fit in 64 bits (the loader checks both). ``in_dump_folder`` marks a
+    folder given relative to job.dump_folder: it must name a folder inside it.
+    """
+    meta = {
+        "help": help, "choices": choices, "min": min, "max": max, "above": above, "below": below,
+        "in_dump_folder": in_dump_folder,
+    }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -24,7 +41,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass
 class Job:
-    dump_folder: str = opt("./outputs", "Folder for metrics, TensorBoard events, checkpoints and traces.")
+    dump_folder: str = opt(
+        "./outputs", "Folder for metrics, TensorBoard events, checkpoints and traces (not empty)."
+    )
     description: str = opt("", "Free text describing the run; printed at start.")
     log_ranks: list[int] = opt([0], "Ranks whose console output is shown (others stay quiet).")
 
@@ -50,9 +69,9 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = opt("AdamW", "Optimizer.", choices=("AdamW", "Adam"))
-    lr: float = opt(8e-4, "Peak learning rate.", min=0)
-    beta1: float = opt(0.9, "Adam beta1.", min=0)
-    beta2: float = opt(0.95, "Adam beta2.", min=0)
+    lr: float = opt(8e-4, "Peak learning rate.", above=0)
+    beta1: float = opt(0.9, "Adam beta1.", min=0, below=1)
+    beta2: float = opt(0.95, "Adam beta2.", min=0, below=1)
     eps: float = opt(1e-8, "Adam epsilon.", min=0)
     weight_decay: float = opt(0.1, "Decoupled weight decay.", min=0)
     implementation: str = opt(
@@ -70,11 +89,12 @@ class LRScheduler:
         "Fraction of steps spent decaying at the end (WSD: warmup, stable, decay); "
         "unset means decay over all steps after warmup.",
         min=0,
+        max=1,
     )
     decay_type: str = opt(
         "linear", "Shape of the decay.", choices=("linear", "sqrt", "cosine")
     )
-    lr_min: float = opt(0.0, "Final learning rate as a fraction of optimizer.lr.", min=0)
+    lr_min: float = opt(0.0, "Final learning rate as a fraction of optimizer.lr.", min=0, max=1)
 
 
 @dataclass
@@ -92,7 +112,7 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence.", min=1)
     max_norm: float = opt(1.0, "Gradient clipping max norm (0 disables clipping).", min=0)
     steps: int = opt(10000, "Optimizer steps to train.", min=1)
-    seed: int = opt(0, "Seed for weight init, data order and dropout-free RNG state.", min=0)
+    seed: int = opt(0, "Seed for weight init, data order and dropout-free RNG state.", min=0, below=2**64)
     deterministic: bool = opt(False, "Use deterministic algorithms (slower, bitwise reproducible).")
     mixed_precision_param: str = opt(
         "bfloat16",
@@ -146,7 +166,7 @@ class Parallelism:
 @dataclass
 class Checkpoint:
     enable_checkpoint: bool = opt(False, "Save and resume checkpoints.")
-    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.", in_dump_folder=True)
     interval: int = opt(500, "Save every N steps (and at the last step).", min=1)
     keep_latest_k: int = opt(10, "Keep the newest k checkpoints (0 keeps all).", min=0)
     load_step: int = opt(-1, "Step to resume from; -1 takes the newest complete checkpoint.")
@@ -206,7 +226,7 @@ class Float8:
 class Metrics:
     log_freq: int = opt(10, "Log metrics every N steps.", min=1)
     enable_tensorboard: bool = opt(False, "Write TensorBoard scalars.")
-    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.", in_dump_folder=True)
     enable_wandb: bool = opt(False, "Log to Weights & Biases (WANDB_MODE=offline works without network).")
     peak_tflops: float = opt(
         0.0, "Peak device TFLOP/s for MFU; 0 looks it up (GPU) or measures it once (CPU).", min=0
@@ -217,10 +237,14 @@ class Metrics:
 @dataclass
 class Profiling:
     enable_profiling: bool = opt(False, "Capture torch.profiler traces while training.")
-    save_traces_folder: str = opt("profile_trace", "Trace folder, relative to job.dump_folder.")
+    save_traces_folder: str = opt(
+        "profile_trace", "Trace folder, relative to job.dump_folder.", in_dump_folder=True
+    )
     profile_freq: int = opt(10, "Capture a trace every N steps.", min=1)
     enable_memory_snapshot: bool = opt(False, "Dump CUDA memory snapshots.")
-    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, relative to job.dump_folder.")
+    save_memory_snapshot_folder: str = opt(
+        "memory_snapshot", "Snapshot folder, relative to job.dump_folder.", in_dump_folder=True
+    )
 
 
 @dataclass

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
+import posixpath
 import types
 import typing
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from titanctl.config.job_config import JobConfig
@@ -124,10 +126,8 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] | No
     cfg = JobConfig()
     if config_path:
         path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(_read_text(path))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
         for section, values in data.items():
@@ -141,12 +141,90 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] | No
     return cfg
 
 
+def _read_text(path: Path) -> str:
+    """The recipe's text; a missing, unreadable or non-UTF-8 file is a ConfigError naming it."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); TOML files are UTF-8"
+        ) from None
+
+
+def _number(x: float) -> str:
+    """2**64 reads as 2^64, other bounds as written."""
+    if isinstance(x, int) and x >= 2**16 and x & (x - 1) == 0:
+        return f"2^{x.bit_length() - 1}"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def valid_range(meta: dict) -> str:
+    """'>= 0', '> 0', 'in [0, 1]', 'in [0, 1)', ... from a field's bounds; '' without any."""
+    low, high = meta.get("min"), meta.get("max")
+    above, below = meta.get("above"), meta.get("below")
+    if (low is not None or above is not None) and (high is not None or below is not None):
+        left = f"[{_number(low)}" if low is not None else f"({_number(above)}"
+        right = f"{_number(high)}]" if high is not None else f"{_number(below)})"
+        return f"in {left}, {right}"
+    for bound, sign in ((low, ">="), (above, ">"), (high, "<="), (below, "<")):
+        if bound is not None:
+            return f"{sign} {_number(bound)}"
+    return ""
+
+
+def _in_range(value: float, meta: dict) -> bool:
+    low, high = meta.get("min"), meta.get("max")
+    above, below = meta.get("above"), meta.get("below")
+    return not (
+        (low is not None and value < low)
+        or (high is not None and value > high)
+        or (above is not None and value <= above)
+        or (below is not None and value >= below)
+    )
+
+
+def _check_number(key: str, value: float, meta: dict) -> None:
+    """Finite floats, ints that fit in 64 bits, and the field's own bounds."""
+    bounds = valid_range(meta)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' = {value!r} must be a finite number" + (f" {bounds}" if bounds else ""))
+    if not _in_range(value, meta):
+        raise ConfigError(f"config key '{key}' = {value!r} must be {bounds}")
+    own_limit = meta.get("max") is not None or meta.get("below") is not None
+    if isinstance(value, int) and not own_limit and not -(2**63) <= value < 2**63:
+        raise ConfigError(f"config key '{key}' = {value!r} does not fit in 64 bits; valid: [-2^63, 2^63)")
+
+
+def _check_in_dump_folder(key: str, value: str, default: str) -> None:
+    """A folder documented as relative to job.dump_folder must name a folder inside it: an absolute
+    path or one climbing out with '..' would write (and prune checkpoints) anywhere."""
+    parts = PurePosixPath(posixpath.normpath(value.replace("\\", "/"))).parts if value else ()
+    if PurePosixPath(value).is_absolute() or PureWindowsPath(value).is_absolute():
+        problem = "is absolute"
+    elif not parts or parts == (".",):
+        problem = "is the dump folder itself"
+    elif parts[0] == "..":
+        problem = "leads out of the dump folder"
+    else:
+        return
+    raise ConfigError(
+        f"config key '{key}' = {value!r} {problem}: it must be a relative path to a folder inside "
+        f"job.dump_folder, e.g. {default!r}"
+    )
+
+
 def validate(cfg: JobConfig) -> None:
-    """Check choices, lower bounds and relations between keys that need no runtime facts."""
+    """Check choices, ranges, folders and relations between keys that need no runtime facts."""
     for key, (_, f) in field_specs().items():
         section, name = key.split(".", 1)
         value = getattr(getattr(cfg, section), name)
-        choices, low = f.metadata.get("choices"), f.metadata.get("min")
+        choices = f.metadata.get("choices")
         if choices and value not in choices:
             by_lower = {str(c).lower(): str(c) for c in choices}
             close = difflib.get_close_matches(str(value).lower(), list(by_lower), n=1)
@@ -154,8 +232,12 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(
                 f"config key '{key}' = {value!r} is not one of {', '.join(map(str, choices))}{hint}"
             )
-        if low is not None and value is not None and value < low:
-            raise ConfigError(f"config key '{key}' = {value!r} must be >= {low}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            _check_number(key, value, f.metadata)
+        if f.metadata.get("in_dump_folder"):
+            _check_in_dump_folder(key, value, f.default)
+    if not cfg.job.dump_folder.strip():
+        raise ConfigError("config key 'job.dump_folder' is empty; give the run's output folder (e.g. './outputs')")
     gbs = cfg.training.global_batch_size
     if gbs != -1 and gbs < cfg.training.local_batch_size:
         raise ConfigError(
@@ -165,8 +247,6 @@ def validate(cfg: JobConfig) -> None:
     shard = cfg.parallelism.data_parallel_shard_degree
     if shard == 0 or shard < -1:
         raise ConfigError(f"config key 'parallelism.data_parallel_shard_degree' = {shard} must be -1 or >= 1")
-    if cfg.lr_scheduler.decay_ratio is not None and cfg.lr_scheduler.decay_ratio > 1:
-        raise ConfigError(f"config key 'lr_scheduler.decay_ratio' = {cfg.lr_scheduler.decay_ratio} must be in [0, 1]")
 
 
 def _toml_value(value: Any) -> str:
@@ -204,6 +284,10 @@ def reference_table() -> str:
         help_text = f.metadata["help"]
         if f.metadata.get("choices"):
             help_text += " One of: " + ", ".join(map(str, f.metadata["choices"])) + "."
+        if valid_range(f.metadata):
+            help_text += f" Valid: {valid_range(f.metadata)}."
+        if f.metadata.get("in_dump_folder"):
+            help_text += " Must name a folder inside it (no absolute path, no '..' out of it)."
         shown = "unset" if value is None else _toml_value(value)
         rows.append(f"| `{key}` | `{shown}` | {help_text} |")
     return "\n".join(rows)

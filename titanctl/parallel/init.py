@@ -31,7 +31,9 @@ def draw(shape: torch.Size, spec: ParamInit, seed: int, name: str) -> torch.Tens
     full = torch.empty(shape, dtype=torch.float32)
     if spec.kind == "ones":
         return full.fill_(1.0)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    # Modulo 2^64, the generator's seed range: the same numbers as ever for every seed below
+    # 2^64 / 1_000_003, and no overflow for larger ones (training.seed goes up to 2^64 - 1).
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
     if spec.kind == "normal":
         return nn.init.normal_(full, std=spec.std, generator=gen)
     return nn.init.trunc_normal_(full, std=spec.std, a=-spec.bound, b=spec.bound, generator=gen)

@@ -11,12 +11,15 @@ error message before that message is shown.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from titanctl.errors import DataError
 
 DEFAULT_LOCAL_DIR = Path("assets/tokenizer")
+DEFAULT_REPO_ID = "meta-llama/Llama-3.1-8B"  # the id the README and docs/conversion.md use
+PROBE_TIMEOUT_S = 5.0  # a reachable Hub answers a TCP connect in well under a second
 
 
 @dataclass
@@ -37,20 +40,43 @@ def repo_file(tokenizer_path: str, filename: str | None) -> str:
     return f"{folder}/{name}" if folder else name
 
 
+def _connect_target(endpoint: str) -> tuple[str, int]:
+    """The (host, port) a request to ``endpoint`` first connects to: the proxy that the environment
+    names for it (HTTPS_PROXY, ..., minus NO_PROXY), else the endpoint itself."""
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    host = url.hostname or ""
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host = url.hostname or ""
+    return host, url.port or (443 if url.scheme == "https" else 80)
+
+
+def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when a TCP connection to the Hub (or its proxy) opens, else why not: one connect
+    instead of huggingface_hub's five retries with back-off (~23 s) before it gives up."""
+    import socket
+
+    host, port = _connect_target(endpoint)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except socket.gaierror as e:
+        return f"cannot resolve {host} ({e.strerror or e})"
+    except OSError as e:
+        return f"cannot connect to {host}:{port} ({e.strerror or e})"
+    return None
+
+
 def _scrub(text: str, token: str | None) -> str:
     text = " ".join(str(text).split())  # one line
     return text.replace(token, "***") if token else text
 
 
-def download_tokenizer(
-    repo_id: str,
-    *,
-    tokenizer_path: str = "original",
-    filename: str | None = None,
-    local_dir: str | os.PathLike = DEFAULT_LOCAL_DIR,
-    hf_token: str | None = None,
-) -> Downloaded:
-    """Download one tokenizer file into `local_dir` (keeping the repo's sub-folders) and check it loads."""
+def _hub_download(repo_id: str, target: str, local_dir, hf_token: str | None, tokenizer_path: str) -> Path:
+    """huggingface_hub's download, its refusals turned into one-line DataErrors without the token."""
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -62,10 +88,9 @@ def download_tokenizer(
     )
 
     token = hf_token or os.environ.get("HF_TOKEN") or None
-    target = repo_file(tokenizer_path, filename)
     where = f"{target} of {repo_id}"
     try:
-        path = Path(hf_hub_download(repo_id=repo_id, filename=target, local_dir=local_dir, token=token))
+        return Path(hf_hub_download(repo_id=repo_id, filename=target, local_dir=local_dir, token=token))
     except GatedRepoError:
         raise DataError(
             f"{repo_id} is gated: accept its licence on the Hub with your account, then pass a token of that "
@@ -95,6 +120,45 @@ def download_tokenizer(
         raise DataError(f"cannot download {where}: {_scrub(e, token)}") from None
     except (OSError, ValueError) as e:  # a local_dir that cannot be written, a malformed repo id
         raise DataError(f"cannot download {where}: {_scrub(e, token)}") from None
+
+
+def download_tokenizer(
+    repo_id: str,
+    *,
+    tokenizer_path: str = "original",
+    filename: str | None = None,
+    local_dir: str | os.PathLike = DEFAULT_LOCAL_DIR,
+    hf_token: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Downloaded:
+    """Download one tokenizer file into `local_dir` (keeping the repo's sub-folders) and check it loads.
+
+    Online, ``log`` first hears which endpoint is contacted for which file. A Hub that cannot be
+    reached fails at once, without touching `local_dir`, unless the file is already there (used as
+    it is, as offline mode would).
+    """
+    from huggingface_hub import constants
+
+    target = repo_file(tokenizer_path, filename)
+    where = f"{target} of {repo_id}"
+    if constants.is_offline_mode():
+        path = _hub_download(repo_id, target, local_dir, hf_token, tokenizer_path)
+    else:
+        if log is not None:
+            log(f"contacting {constants.ENDPOINT} for {where}")
+        unreachable = probe(constants.ENDPOINT)
+        if unreachable is None:
+            path = _hub_download(repo_id, target, local_dir, hf_token, tokenizer_path)
+        elif (Path(local_dir) / target).is_file():
+            path = Path(local_dir) / target
+            if log is not None:
+                log(f"the Hub is unreachable ({unreachable}); using {path} as it is")
+        else:
+            raise DataError(
+                f"cannot download {where}: the Hugging Face Hub ({constants.ENDPOINT}) is unreachable "
+                f"({unreachable}) and the file is not in {local_dir}; check the network, HF_ENDPOINT or "
+                "HTTPS_PROXY, or copy the file there"
+            )
 
     from titanctl.data.tokenizer import Tokenizer
 

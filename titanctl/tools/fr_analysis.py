@@ -157,9 +157,14 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _freeze(value: Any) -> Any:
+_MAX_DEPTH = 16  # input sizes are lists of shapes: 2 levels; deeper is not a dump torch wrote
+
+
+def _freeze(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
+        if depth >= _MAX_DEPTH:
+            raise ValueError(f"a value nested more than {_MAX_DEPTH} levels deep")
+        return tuple(_freeze(v, depth + 1) for v in value)
     return value
 
 
@@ -224,12 +229,16 @@ def parse_dump(doc: dict, path: Path) -> RankDump:
         if not info["desc"] and desc:
             info["desc"] = desc
         profiling_name = str(e.get("profiling_name") or "?")
+        try:
+            sizes, dtypes = _freeze(e.get("input_sizes") or ()), _freeze(e.get("input_dtypes") or ())
+        except ValueError as bad:
+            raise TraceError(f"{path}: entry {seq} of the Flight Recorder dump has {bad}") from None
         c = Collective(
             seq=seq,
             op=profiling_name.split(":", 1)[-1],
             profiling_name=profiling_name,
-            input_sizes=_freeze(e.get("input_sizes") or ()),
-            input_dtypes=_freeze(e.get("input_dtypes") or ()),
+            input_sizes=sizes,
+            input_dtypes=dtypes,
             state=str(e.get("state") or ""),
         )
         collectives.setdefault(name, {}).setdefault(seq, []).append(c)

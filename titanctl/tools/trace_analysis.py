@@ -32,13 +32,15 @@ Rules (all times in microseconds, as in the trace):
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
 import pickle
 import re
 import statistics
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,17 +77,48 @@ class _PlainUnpickler(pickle.Unpickler):
         raise TraceError(f"refusing to unpickle {module}.{name}: only plain data is accepted")
 
 
-def read_document(path: Path) -> Any:
-    """Decode a JSON file (optionally gzipped) or a plain-data pickle. Raises TraceError when corrupt."""
+DEFAULT_MAX_MIB = 1024  # a trace or dump larger than this once decompressed is refused
+
+
+def _read_bounded(path: Path, max_mib: int) -> bytes | bytearray:
+    """The file's bytes, gunzipped if it is gzip, refused beyond ``max_mib`` MiB: a gzip bomb of a few
+    MB would otherwise grow without bound in memory. Decompresses chunk by chunk, never past the cap."""
+    limit = max_mib * 2**20
     try:
-        raw = Path(path).read_bytes()
+        f = open(path, "rb")
     except OSError as e:
         raise TraceError(f"cannot read {path}: {e.strerror or e}") from None
-    if raw[:2] == b"\x1f\x8b":
+    with f:
         try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
+            gzipped = f.read(2) == b"\x1f\x8b"
+            f.seek(0)
+            if not gzipped:
+                raw = f.read(limit + 1)
+                if len(raw) > limit:
+                    raise TraceError(
+                        f"{path} is larger than {max_mib} MiB: raise --max-size-mib to read it"
+                    )
+                return raw
+        except OSError as e:
+            raise TraceError(f"cannot read {path}: {e.strerror or e}") from None
+        out = bytearray()
+        try:
+            with gzip.GzipFile(fileobj=f) as gz:
+                while chunk := gz.read(min(1 << 20, limit + 1 - len(out))):
+                    out += chunk
+                    if len(out) > limit:
+                        raise TraceError(
+                            f"{path} decompresses to more than {max_mib} MiB: raise --max-size-mib to read it"
+                        )
+        except (OSError, EOFError, zlib.error) as e:
             raise TraceError(f"{path}: corrupt gzip file ({e})") from None
+        return out
+
+
+def read_document(path: Path, max_mib: int = DEFAULT_MAX_MIB) -> Any:
+    """Decode a JSON file (optionally gzipped) or a plain-data pickle of at most ``max_mib`` MiB
+    (decompressed). Raises TraceError, naming the file, when it is too big, corrupt or malformed."""
+    raw = _read_bounded(Path(path), max_mib)
     head = raw[:64].lstrip()
     if raw[:1] == b"\x80":
         try:
@@ -97,9 +130,20 @@ def read_document(path: Path) -> Any:
     if head[:1] in (b"{", b"["):
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise TraceError(f"{path}: JSON nested too deeply to be a trace or a dump") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise TraceError(f"{path}: corrupt JSON ({e})") from None
     raise TraceError(f"{path}: neither JSON nor a pickle (is it a profiler trace or a Flight Recorder dump?)")
+
+
+@contextlib.contextmanager
+def _one_file(path: Path) -> Iterator[None]:
+    """A value nested thousands of levels deep (str() of it recurses) is a malformed file, not a bug."""
+    try:
+        yield
+    except RecursionError:
+        raise TraceError(f"{path}: values nested too deeply to be a trace or a dump") from None
 
 
 def looks_like_profiler_trace(doc: Any) -> bool:
@@ -395,7 +439,8 @@ def analyze_profiles(
     for path, doc in docs:
         rank = _trace_rank(doc, path)
         rank = next(free) if rank is None else rank  # no rank anywhere: number them in file order
-        ranks[rank] = analyze_rank(doc, rank, str(path), top)
+        with _one_file(path):
+            ranks[rank] = analyze_rank(doc, rank, str(path), top)
     profiles = [ranks[r] for r in sorted(ranks)]
 
     stragglers: list[Straggler] = []
@@ -467,8 +512,11 @@ def _sniff(path: Path) -> bool:
     return head[:2] == b"\x1f\x8b" or head[:1] == b"\x80" or head.lstrip()[:1] in (b"{", b"[")
 
 
-def inspect_path(path: Path, top: int = 10, threshold_pct: float = STRAGGLER_THRESHOLD_PCT) -> InspectResult:
-    """Read a trace/dump file or a folder of them and analyze what was found."""
+def inspect_path(
+    path: Path, top: int = 10, threshold_pct: float = STRAGGLER_THRESHOLD_PCT, max_mib: int = DEFAULT_MAX_MIB
+) -> InspectResult:
+    """Read a trace/dump file or a folder of them (each at most ``max_mib`` MiB decompressed) and
+    analyze what was found."""
     path = Path(path)
     if not path.exists():
         raise TraceError(f"{path} does not exist")
@@ -484,12 +532,13 @@ def inspect_path(path: Path, top: int = 10, threshold_pct: float = STRAGGLER_THR
     else:
         files = [path]
     for p in files:
-        doc = read_document(p)
+        doc = read_document(p, max_mib)
         kind = detect_kind(doc)
         if kind == "profiler":
             profiles.append((p, doc))
         elif kind == "flight_recorder":
-            dumps.append(fr.parse_dump(doc, p))
+            with _one_file(p):
+                dumps.append(fr.parse_dump(doc, p))
         elif path.is_dir():
             skipped.append(str(p))
         else:

@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +39,30 @@ SNAPSHOT_FILE = "rank{rank}_memory_snapshot.pickle"
 MAX_WARMUP_STEPS = 3
 SNAPSHOT_MAX_ENTRIES = 100_000
 _DEVICE_NAMES = {0: "cpu", 1: "cuda"}  # the profiler's "Device Type" codes
+# kineto (torch 2.13) writes "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start"
+# (and _stop) to stderr at every start and stop. They are tracing probes' markers, at a severity
+# above ERROR: KINETO_LOG_LEVEL could only hide them by hiding kineto's errors too.
+_KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def without_kineto_markers() -> Iterator[None]:
+    """Drop kineto's profiler_start/profiler_stop lines from stderr (fd 2) while the block runs;
+    every other line written meanwhile (warnings, errors, from C++ or Python) is passed on after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured:
+                if not _KINETO_MARKER.match(line):
+                    os.write(2, line)
 
 
 
@@ -110,13 +137,15 @@ class StepProfiler:
                 profile_memory=True,
                 with_stack=False,
             )
-            self._torch_prof.__enter__()
+            with without_kineto_markers():
+                self._torch_prof.__enter__()
 
     def step(self) -> None:
         """Call after every training step."""
         self.step_num += 1
         if self._torch_prof is not None:
-            self._torch_prof.step()  # writes the trace when the recorded step just ended
+            with without_kineto_markers():
+                self._torch_prof.step()  # writes the trace when the recorded step just ended
         if self.cfg.enable_memory_snapshot and self.step_num % self.cfg.profile_freq == 0:
             self._dump_snapshot(iteration_folder(self.snapshot_folder, self.step_num))
 
@@ -126,7 +155,8 @@ class StepProfiler:
         if self._torch_prof is not None:
             # Completed recorded steps were written by step(); one still open at exit never ran.
             self._torch_prof.on_trace_ready = None
-            self._torch_prof.__exit__(None, None, None)
+            with without_kineto_markers():
+                self._torch_prof.__exit__(None, None, None)
             self._torch_prof = None
         if self.cfg.enable_memory_snapshot:
             if isinstance(exc, torch.OutOfMemoryError):  # the snapshot that explains the OOM
