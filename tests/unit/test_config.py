@@ -111,3 +111,16 @@ def test_every_field_is_documented():
 def test_shipped_recipes_load(repo, recipe):
     cfg = load_config(repo / "recipes" / f"{recipe}.toml")
     assert cfg.model.flavor in ("debugmodel", "8B", "70B", "405B")
+
+
+def test_model_n_kv_heads_overrides_the_flavors():
+    from titanctl.models.llama import model_args_from_config
+
+    def kv_heads(*overrides):
+        return model_args_from_config(load_config(None, list(overrides)).model, 300, 32).kv_heads
+
+    assert kv_heads() == 4  # titanctl's debugmodel
+    assert kv_heads("--model.n_kv_heads", "16") == 16  # torchtitan's debugmodel: multi-head attention
+    assert kv_heads("--model.flavor", "8B", "--model.n_kv_heads", "4") == 4
+    with pytest.raises(ConfigError, match="'model.n_kv_heads' = 3 must divide flavor debugmodel's n_heads 16"):
+        kv_heads("--model.n_kv_heads", "3")

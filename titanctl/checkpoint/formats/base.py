@@ -27,6 +27,7 @@ import torch
 
 from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.checkpoint.paths import check_inside
+from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -76,6 +77,11 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def own_args(self) -> tuple[ModelArgs | None, str]:
         """(ModelArgs from the checkpoint's own config or None, the config's file name)."""
+
+    def declared_args(self) -> tuple[ModelArgs | None, str]:
+        """Like ``own_args``, but only what the checkpoint's files declare: None where ``own_args``
+        would infer the model from tensor shapes (an assumption, not a fact to check a run against)."""
+        return self.own_args()
 
     @abc.abstractmethod
     def vocab_size(self, dim: int) -> int:
@@ -151,7 +157,7 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
         if tuple(info.shape) != want:
             raise CheckpointError(
                 f"tensor {info.shown!r} in {info.where} has shape {tuple(info.shape)}, expected {want} "
-                f"for the model from {origin}"
+                f"for the model from {origin}{kv_heads_hint(info.name, info.shape, want, args)}"
             )
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"tensor {info.shown!r} in {info.where} has dtype {info.dtype}, not a float")
