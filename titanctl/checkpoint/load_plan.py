@@ -185,8 +185,7 @@ def _plan(folder: Path, initial: bool, cfg: JobConfig, model_args: ModelArgs) ->
 
 def _foreign_plan(folder: Path, cfg: JobConfig, model_args: ModelArgs) -> ForeignPlan:
     """Another tool's checkpoint as initial weights: its format told by its files, every tensor's
-    shape and, where its files declare them, the model's non-shape settings (RoPE, norm eps) checked
-    against this run's model (a folder without a config is taken as the recipe's model)."""
+    shape and the model's non-shape settings (RoPE, norm eps) checked against this run's model."""
     from titanctl.checkpoint.formats import detect, open_source
 
     fmt = detect(folder)
@@ -197,7 +196,7 @@ def _foreign_plan(folder: Path, cfg: JobConfig, model_args: ModelArgs) -> Foreig
         )
     source = open_source(folder, fmt)
     try:
-        own, origin = source.declared_args()
+        own, origin = source.own_args()
         if own is not None:
             _check_same_model(own, model_args, f"{folder}'s {origin}")
         source.bind(model_args, "this run's recipe")

@@ -78,11 +78,6 @@ class Source(abc.ABC):
     def own_args(self) -> tuple[ModelArgs | None, str]:
         """(ModelArgs from the checkpoint's own config or None, the config's file name)."""
 
-    def declared_args(self) -> tuple[ModelArgs | None, str]:
-        """Like ``own_args``, but only what the checkpoint's files declare: None where ``own_args``
-        would infer the model from tensor shapes (an assumption, not a fact to check a run against)."""
-        return self.own_args()
-
     @abc.abstractmethod
     def vocab_size(self, dim: int) -> int:
         """The vocabulary size the embedding weight has (for --flavor/--config overrides)."""

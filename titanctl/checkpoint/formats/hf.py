@@ -143,11 +143,6 @@ class HFSource(Source):
         check_declared(args, stored, self.embedding_rows(args.dim), where)
         return args, CONFIG_FILE
 
-    def declared_args(self) -> tuple[ModelArgs | None, str]:
-        if not (self.folder / CONFIG_FILE).is_file():
-            return None, f"no {CONFIG_FILE}"
-        return self.own_args()
-
     def vocab_size(self, dim: int) -> int:
         for key, _path, shape, _dtype in self.raw:
             if key == "model.embed_tokens.weight" and len(shape) == 2:

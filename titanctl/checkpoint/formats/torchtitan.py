@@ -100,11 +100,6 @@ class TorchtitanSource(DCPSource):
             return args, PARAMS_FILE
         return infer_model_args(self._canonical_shapes(), str(self.folder))
 
-    def declared_args(self) -> tuple[ModelArgs | None, str]:
-        if not (self.folder / PARAMS_FILE).is_file():
-            return None, f"no {PARAMS_FILE}"
-        return self.own_args()
-
     def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         return {
             from_torchtitan_name(k): tuple(entry.size)
