@@ -122,3 +122,36 @@ def test_torchtitan_training_checkpoint_to_hf_says_what_it_ignored(tmp_path):
     back, _ = load_checkpoint(tmp_path / "hf")
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(tmp_path):
+    """torchtitan's debugmodel is multi-head attention (16 key/value heads; titanctl's flavor has 4)."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanctl.models.llama.args import LLAMA3_FLAVORS
+
+    args = LLAMA3_FLAVORS["debugmodel"].replace(n_layers=1, n_kv_heads=16, vocab_size=300)
+    torch.manual_seed(0)
+    state = Transformer(args).state_dict()
+    step = tmp_path / "step-1"
+    dcp.save({"lm_head.weight" if k == "output.weight" else k.replace(".attention.w", ".attention.qkv_linear.w")
+              if k.split(".")[-2] in ("wq", "wk", "wv") else k: v for k, v in state.items()},
+             checkpoint_id=str(step), no_dist=True)
+    proc = run("convert", step, tmp_path / "hf", "--to", "hf")
+    first = proc.stdout.splitlines()[0]
+    assert "flavor debugmodel's with 1 layers; n_heads 16, RoPE and norm eps taken from it; n_kv_heads 16 from the " \
+           "key/value width (multi-head attention, where the flavor has 4)" in first, proc.stdout
+    # The flavor alone is not this model; a recipe that sets model.n_kv_heads is.
+    proc = run("convert", step, tmp_path / "out", "--flavor", "debugmodel", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "16 key/value heads of 16, the model 4; set model.n_kv_heads = 16 in the recipe" in proc.stderr
+    recipe = tmp_path / "tt_debug.toml"
+    recipe.write_text('[model]\nflavor = "debugmodel"\nn_layers = 1\nn_kv_heads = 16\n')
+    proc = run("convert", step, tmp_path / "dcp", "--config", recipe)
+    assert f"model from --config {recipe}" in proc.stdout, proc.stdout
+    for folder in ("hf", "dcp"):
+        back, got = load_checkpoint(tmp_path / folder)
+        assert got.kv_heads == 16
+        for name, tensor in state.items():
+            assert torch.equal(back[name], tensor), (folder, name)

@@ -196,3 +196,16 @@ def test_reference_table_states_the_ranges():
     table = reference_table()
     assert "| `optimizer.beta1` | `0.9` | Adam beta1. Valid: in [0, 1). |" in table
     assert "Valid: > 0." in table and "Valid: in [0, 2^64)." in table
+
+
+def test_model_n_kv_heads_overrides_the_flavors():
+    from titanctl.models.llama import model_args_from_config
+
+    def kv_heads(*overrides):
+        return model_args_from_config(load_config(None, list(overrides)).model, 300, 32).kv_heads
+
+    assert kv_heads() == 4  # titanctl's debugmodel
+    assert kv_heads("--model.n_kv_heads", "16") == 16  # torchtitan's debugmodel: multi-head attention
+    assert kv_heads("--model.flavor", "8B", "--model.n_kv_heads", "4") == 4
+    with pytest.raises(ConfigError, match="'model.n_kv_heads' = 3 must divide flavor debugmodel's n_heads 16"):
+        kv_heads("--model.n_kv_heads", "3")

@@ -147,3 +147,37 @@ def test_tokenizer_is_taken_from_the_option_the_checkpoint_or_nowhere(trained_de
     assert not (tmp_path / "hf5" / "tokenizer.json").exists() and (tmp_path / "hf5" / "generation_config.json").exists()
     with pytest.raises(CheckpointError, match="--tokenizer-path applies to --to hf, torchtune, dcp only"):
         convert_checkpoint(tmp_path / "small", tmp_path / "m", dst_format="meta", tokenizer_path=DEFAULT_TOKENIZER_PATH)
+
+
+def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_one(tmp_path, transformers):
+    """A run trained with its own tokenizer (here the bundled one cut to 3000 ranks: another vocabulary,
+    so the bundled default could not pass for it) records its path; `convert --to hf` writes its files."""
+    from titanctl.config.loader import load_config
+    from titanctl.train.trainer import Trainer
+
+    own = tmp_path / "elsewhere" / "tokenizer.model"
+    own.parent.mkdir()
+    own.write_text("\n".join(DEFAULT_TOKENIZER_PATH.read_text().splitlines()[:3000]) + "\n")
+    tok = Tokenizer(own)
+    assert tok.vocab_size == 3256 != Tokenizer().vocab_size
+    Trainer(load_config(None, [
+        "--model.tokenizer_path", str(own), "--model.n_layers", "1", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.steps", "1", "--activation_checkpoint.mode", "none",
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path / "run"),
+    ])).train()
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    meta = json.loads((step / "titanctl.json").read_text())
+    assert meta["tokenizer_path"] == str(own.resolve())
+    assert meta["model_args"]["vocab_size"] == 3256
+    proc = subprocess.run([*TITANCTL, "convert", str(step), str(tmp_path / "hf"), "--to", "hf"], capture_output=True,
+                          text=True, env={**os.environ, **OFFLINE_ENV}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"note: tokenizer: the checkpoint's tokenizer {own.resolve()}" in proc.stdout, proc.stdout
+    back = Tokenizer(tmp_path / "hf" / "tokenizer.json")
+    assert back.ranks == tok.ranks and back.special_tokens == tok.special_tokens
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (len(theirs), theirs.bos_token_id, theirs.eos_token_id) == (3256, 3000, 3001)
+    text = next(iter(load_documents("bundled_val", None)))
+    assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False, eos=False)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 3000, "eos_token_id": sorted(tok.stop_tokens)}

@@ -7,13 +7,17 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from tests.distributed.harness import losses, max_rel_diff, torchrun
 from tests.unit.test_torchtitan_format import write_torchtitan
 from tests.unit.trained_model import N_LAYERS, SEQ
 from titanctl.checkpoint.convert import convert_checkpoint
 from titanctl.config.loader import load_config
+from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import CheckpointError, ConfigError
+from titanctl.models.llama.args import LLAMA3_FLAVORS
+from titanctl.models.llama.model import Transformer
 from titanctl.train.trainer import Trainer
 
 RUN = [
@@ -92,3 +96,21 @@ def test_fsdp_ranks_each_slice_the_hf_weights_they_hold(exports, from_dcp, tmp_p
                                               "--checkpoint.initial_load_path", str(exports["hf"]),
                                               "--job.dump_folder", str(tmp_path)])
     assert max_rel_diff(losses(tmp_path), [r["loss"] for r in from_dcp]) <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torchtitans_multi_head_debugmodel_trains_with_model_n_kv_heads(tmp_path):
+    """torchtitan's debugmodel has 16 key/value heads, titanctl's flavor 4: `--model.n_kv_heads 16` makes
+    the run's model torchtitan's, and its first steps equal those from the converted checkpoint."""
+    args = LLAMA3_FLAVORS["debugmodel"].replace(n_layers=N_LAYERS, n_kv_heads=16, vocab_size=Tokenizer().vocab_size)
+    torch.manual_seed(0)
+    step = tmp_path / "step-5"
+    write_torchtitan(step, Transformer(args).state_dict(), full=True)
+    with pytest.raises(CheckpointError, match=r"16 key/value heads of 16, the model 4; set model\.n_kv_heads = 16"):
+        train(tmp_path / "refused", step)
+    convert_checkpoint(step, tmp_path / "dcp")
+    direct = train(tmp_path / "direct", step, "--model.n_kv_heads", "16")
+    converted = train(tmp_path / "converted", tmp_path / "dcp", "--model.n_kv_heads", "16")
+    assert [(r["loss"], r["grad_norm"]) for r in direct] == [(r["loss"], r["grad_norm"]) for r in converted]
+    meta = json.loads((tmp_path / "dcp" / "titanctl.json").read_text())
+    assert meta["model_args"]["n_kv_heads"] == 16

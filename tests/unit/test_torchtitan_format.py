@@ -1,5 +1,6 @@
 """torchtitan checkpoints both ways: 0.3 and <= 0.2 names, weights-only and full training checkpoints,
-models without a config (from --flavor or inferred from shapes), and HF folders without config.json.
+models without a config (from --flavor, --config or inferred from shapes, torchtitan's own multi-head
+debugmodel included), and HF folders without config.json.
 
 The torchtitan folders here are written by the test itself with DCP, as torchtitan 0.3's
 CheckpointManager lays them out: the model state dict flat at the top level, beside the
@@ -17,10 +18,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.unit.trained_model import loss_of
-from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
+from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint, save_state_dict
 from titanctl.checkpoint.formats import detect
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 from titanctl.models.llama.model import Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -167,3 +168,104 @@ def test_dcp_output_of_a_torchtitan_source_carries_no_step(trained_debug, tmp_pa
     convert_checkpoint(tmp_path / "tt", tmp_path / "dcp")
     meta = json.loads((tmp_path / "dcp" / "titanctl.json").read_text())
     assert meta["step"] == 0 and meta["converted_from"] == "torchtitan" and meta["weights_only"] is True
+
+
+# torchtitan's own debugmodel (0.2 and 0.3: torchtitan/models/llama3/__init__.py): titanctl's debugmodel
+# shape (dim 256, 16 heads, 6 layers, MLP 768, RoPE theta 5e5 with Llama 3.1 scaling), but n_kv_heads
+# unset, i.e. multi-head attention with 16 key/value heads, and its test tokenizer's 2048 tokens.
+TORCHTITAN_DEBUGMODEL = LLAMA3_FLAVORS["debugmodel"].replace(n_kv_heads=16, vocab_size=2048)
+# titanctl's own debugmodel flavor at the same vocabulary: what --flavor debugmodel means.
+TITANCTL_DEBUGMODEL = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=2048)
+
+
+def random_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Transformer(args).state_dict()
+
+
+@pytest.fixture(scope="module")
+def torchtitan_debugmodel():
+    return random_state(TORCHTITAN_DEBUGMODEL, 1)
+
+
+@pytest.fixture(scope="module")
+def titanctl_debugmodel():
+    return random_state(TITANCTL_DEBUGMODEL, 2)
+
+
+def write_configless(folder, state, args, fmt: str) -> None:
+    """A checkpoint folder that says nothing of its model: torchtitan's DCP, or HF safetensors alone."""
+    if fmt == "torchtitan":
+        write_torchtitan(folder, state, full=True)
+    else:
+        save_state_dict(state, args, folder, "hf")
+        (folder / "config.json").unlink()
+
+
+def recipe_file(tmp_path, text: str):
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["weights-only", "full"])
+def test_torchtitans_own_debugmodel_converts_to_hf_and_matches_transformers(
+    torchtitan_debugmodel, transformers, tmp_path, full
+):
+    step = tmp_path / "step-10"
+    write_torchtitan(step, torchtitan_debugmodel, full=full)
+    assert stored(step)["layers.0.attention.qkv_linear.wk.weight"].size == torch.Size([256, 256])
+    report = convert_checkpoint(step, tmp_path / "hf", dst_format="hf")
+    # The shapes are titanctl's debugmodel but for the key/value width: 16 heads, as many as the queries.
+    assert report.origin == (
+        "tensor shapes (dim 256, 6 layers, vocab 2048, query width 256, key/value width 256, ffn 768: flavor "
+        "debugmodel's; n_heads 16, RoPE and norm eps taken from it; n_kv_heads 16 from the key/value width "
+        "(multi-head attention, where the flavor has 4))"
+    )
+    assert report.args == TORCHTITAN_DEBUGMODEL.replace(max_seq_len=report.args.max_seq_len)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 16
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ours = Transformer(TORCHTITAN_DEBUGMODEL).eval()
+    ours.load_state_dict(torchtitan_debugmodel)
+    ids = torch.randint(0, 2048, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(ids)
+        delta = (want - theirs(ids).logits).abs().max().item()
+    assert want.abs().max() > 1.0  # logits far from zero: a wrong layout could not pass unseen
+    assert delta <= 1e-4, delta
+    assert_same(load_checkpoint(tmp_path / "hf")[0], torchtitan_debugmodel)
+
+
+@pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
+def test_the_flavor_of_other_kv_heads_is_refused_saying_what_to_set(torchtitan_debugmodel, tmp_path, fmt):
+    """titanctl's debugmodel flavor has 4 key/value heads, torchtitan's debugmodel 16: the error says how
+    many the checkpoint has, and which setting says so (--config with model.n_kv_heads, as tested below)."""
+    write_configless(tmp_path / "in", torchtitan_debugmodel, TORCHTITAN_DEBUGMODEL, fmt)
+    with pytest.raises(CheckpointError, match=r"(k|v)_proj\.weight|qkv_linear\.w[kv]\.weight") as error:
+        load_checkpoint(tmp_path / "in", flavor="debugmodel")
+    assert "has shape (256, 256), expected (64, 256) for " in str(error.value)
+    assert "the checkpoint has 16 key/value heads of 16, the model 4; set model.n_kv_heads = 16" in str(error.value)
+    assert "--flavor debugmodel" in str(error.value)
+
+
+@pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
+def test_flavor_reads_a_folder_without_config(titanctl_debugmodel, tmp_path, fmt):
+    write_configless(tmp_path / "in", titanctl_debugmodel, TITANCTL_DEBUGMODEL, fmt)
+    report = convert_checkpoint(tmp_path / "in", tmp_path / "dcp", flavor="debugmodel", dst_format="dcp")
+    assert report.origin == "--flavor debugmodel"
+    assert report.args == LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=2048)  # vocabulary from the embedding
+    sd, args = load_checkpoint(tmp_path / "dcp")
+    assert args == report.args
+    assert_same(sd, titanctl_debugmodel)
+
+
+@pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
+def test_config_reads_a_folder_without_config(torchtitan_debugmodel, tmp_path, fmt):
+    write_configless(tmp_path / "in", torchtitan_debugmodel, TORCHTITAN_DEBUGMODEL, fmt)
+    recipe = recipe_file(tmp_path, '[model]\nflavor = "debugmodel"\nn_kv_heads = 16\n[training]\nseq_len = 128\n')
+    report = convert_checkpoint(tmp_path / "in", tmp_path / "dcp", config=recipe, dst_format="dcp")
+    assert report.origin == f"--config {recipe}"
+    assert report.args == TORCHTITAN_DEBUGMODEL.replace(max_seq_len=128)
+    sd, args = load_checkpoint(tmp_path / "dcp")
+    assert args == report.args
+    assert_same(sd, torchtitan_debugmodel)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from titanctl.checkpoint.model_args import check_args
+from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 from titanctl.models.llama.shapes import weight_shapes
@@ -94,6 +95,7 @@ def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: Mo
     if tuple(tensor.shape) != expected:
         raise CheckpointError(
             f"tensor {shown_name!r} has shape {tuple(tensor.shape)}, expected {expected} for this model"
+            f"{kv_heads_hint(meta_name, tuple(tensor.shape), expected, args)}"
         )
 
 

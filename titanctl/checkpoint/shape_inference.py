@@ -4,9 +4,13 @@ Shapes give the width (embedding columns), the vocabulary (embedding rows), the 
 (layer ids), the query and key/value widths (``wq``/``wk`` rows) and the MLP width
 (``w1`` rows). They cannot give the number of attention heads (a 4096-wide query is 32
 heads of 128 or 64 of 64), nor RoPE's theta and scaling or the norm epsilon. So a model
-is inferred only when its shapes are those of a published flavor (any depth): the
-flavor supplies the rest, and the origin string says so. Otherwise the error lists what
-the shapes did say and asks for ``--flavor`` or ``--config``.
+is inferred only when its width, query width and MLP width are those of a published
+flavor (any depth): the flavor supplies the heads (so the head width), RoPE and norm eps,
+and the origin string says so. The key/value width then counts the key/value heads; it
+may differ from the flavor's, as in torchtitan's debugmodel: titanctl's debugmodel shape,
+but multi-head attention (16 key/value heads where titanctl's flavor has 4), and the origin
+says that too. Otherwise the error lists what the shapes did say and asks for ``--flavor``
+or ``--config``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,30 @@ from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def kv_heads_of(kv_width: int | None, args: ModelArgs) -> int | None:
+    """The key/value head count that a key/value width means with `args`' head width and query
+    heads (None: no whole count that divides n_heads)."""
+    if not kv_width:
+        return None
+    heads, rest = divmod(kv_width, args.head_dim)
+    return heads if not rest and heads and args.n_heads % heads == 0 else None
+
+
+def kv_heads_hint(name: str, shape: tuple[int, ...], want: tuple[int, ...], args: ModelArgs) -> str:
+    """For a weight `name` (canonical) of `shape` where the model `args` wants `want`: when only the
+    key/value heads differ (torchtitan's debugmodel against titanctl's flavor), how many the checkpoint
+    has and the setting that says so; '' otherwise."""
+    if not name.endswith(("attention.wk.weight", "attention.wv.weight")) or tuple(shape[1:]) != tuple(want[1:]):
+        return ""
+    heads = kv_heads_of(shape[0], args)
+    if heads is None:
+        return ""
+    return (
+        f": the checkpoint has {heads} key/value heads of {args.head_dim}, the model {args.kv_heads}; "
+        f"set model.n_kv_heads = {heads} in the recipe"
+    )
 
 
 def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[ModelArgs, str]:
@@ -37,15 +65,22 @@ def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[Mo
     q_dim, kv_dim, ffn = rows("attention.wq.weight"), rows("attention.wk.weight"), rows("feed_forward.w1.weight")
     seen = f"dim {dim}, {n_layers} layers, vocab {vocab}, query width {q_dim}, key/value width {kv_dim}, ffn {ffn}"
     for flavor, args in LLAMA3_FLAVORS.items():
-        if (args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim) == (
-            dim, q_dim, kv_dim, ffn
-        ):
-            depth = "" if n_layers == args.n_layers else f" with {n_layers} layers"
-            origin = (
-                f"tensor shapes ({seen}: flavor {flavor}'s{depth}; n_heads {args.n_heads}, "
-                f"n_kv_heads {args.kv_heads}, RoPE and norm eps taken from it)"
+        if (args.dim, args.n_heads * args.head_dim, args.ffn_hidden_dim) != (dim, q_dim, ffn):
+            continue
+        kv_heads = kv_heads_of(kv_dim, args)
+        if kv_heads is None:
+            continue
+        depth = "" if n_layers == args.n_layers else f" with {n_layers} layers"
+        if kv_heads == args.kv_heads:
+            heads = f"n_heads {args.n_heads}, n_kv_heads {args.kv_heads}, RoPE and norm eps taken from it"
+        else:
+            kind = "multi-head attention" if kv_heads == args.n_heads else "grouped-query attention"
+            heads = (
+                f"n_heads {args.n_heads}, RoPE and norm eps taken from it; n_kv_heads {kv_heads} from the "
+                f"key/value width ({kind}, where the flavor has {args.kv_heads})"
             )
-            return args.replace(n_layers=n_layers, vocab_size=vocab), origin
+        origin = f"tensor shapes ({seen}: flavor {flavor}'s{depth}; {heads})"
+        return args.replace(n_layers=n_layers, vocab_size=vocab, n_kv_heads=kv_heads), origin
     raise CheckpointError(
         f"{where} has no model config; its tensor shapes say {seen}, which is no published flavor, and "
         "n_heads cannot be inferred from shapes: give --flavor or --config"

@@ -55,6 +55,12 @@ class Model:
         "debugmodel", "Model size.", choices=("debugmodel", "8B", "70B", "405B")
     )
     n_layers: int = opt(0, "Override the flavor's number of layers (0 keeps the flavor's).", min=0)
+    n_kv_heads: int = opt(
+        0,
+        "Override the flavor's number of key/value heads (0 keeps the flavor's); must divide its n_heads. "
+        "Equal to n_heads is multi-head attention, as torchtitan's debugmodel (16 of 16; titanctl's has 4).",
+        min=0,
+    )
     norm_type: str = opt(
         "rmsnorm",
         "RMSNorm implementation: rmsnorm (written out in PyTorch ops) or fused_rmsnorm "

@@ -27,6 +27,7 @@ import torch
 
 from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.checkpoint.paths import check_inside
+from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 
@@ -151,7 +152,7 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
         if tuple(info.shape) != want:
             raise CheckpointError(
                 f"tensor {info.shown!r} in {info.where} has shape {tuple(info.shape)}, expected {want} "
-                f"for the model from {origin}"
+                f"for the model from {origin}{kv_heads_hint(info.name, info.shape, want, args)}"
             )
         if not info.dtype.is_floating_point:
             raise CheckpointError(f"tensor {info.shown!r} in {info.where} has dtype {info.dtype}, not a float")
