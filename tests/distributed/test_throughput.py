@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import TINY_RUN, WORKERS, torchrun
+from tests.distributed.workers.float8_probe import check_float8_all_gathers
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.llama.model import Transformer
@@ -78,31 +79,5 @@ def test_tps_and_mfu_are_per_device(tmp_path, name, overrides):
 
     if name == "fsdp2_float8":
         for rank in range(2):
-            check_float8_all_gathers_and_precomputed_scales(json.loads((tmp_path / f"float8_rank{rank}.json").read_text()))
+            check_float8_all_gathers(json.loads((tmp_path / f"float8_rank{rank}.json").read_text()), STEPS, FLOAT8_LINEARS)
 
-
-def check_float8_all_gathers_and_precomputed_scales(probe: dict, steps: int = STEPS, linears: int = FLOAT8_LINEARS):
-    """float8.enable_fsdp_float8_all_gather and float8.precompute_float8_dynamic_scale_for_fsdp both ran."""
-    # Every float8 weight's shard is torchao's wrapper, which FSDP all-gathers in float8 ...
-    assert probe["weights"] == ["WeightWithDynamicFloat8CastTensor"] * linears
-    gathers = {int(step): counts for step, counts in probe["all_gathers"].items()}
-    assert sorted(gathers) == list(range(1, steps + 1))
-    for step, (calls, precomputed, float8) in gathers.items():
-        assert calls >= linears and float8 == calls, (step, gathers)  # each weight, at least in forward
-        # ... with the scale precomputed after the previous step's optimizer step (none before step 1).
-        assert precomputed == (0 if step == 1 else calls), (step, gathers)
-    # One precompute per step and model part, right after the optimizer step, renewing every scale.
-    expected = []
-    for step in range(1, steps + 1):
-        expected += [["optimizer", step], ["precompute", step, 0, linears, linears]]
-    assert probe["events"] == expected
-    assert probe["final_scales_equal"] is True  # from the weights after the last optimizer step
-
-
-def check_no_float8_all_gathers(probe: dict, linears: int):
-    """The same float8 linears, with both FSDP float8 settings off: plain shards, nothing precomputed."""
-    assert len(probe["weights"]) == linears
-    assert "WeightWithDynamicFloat8CastTensor" not in probe["weights"]
-    assert probe["all_gathers"] == {}
-    assert [e for e in probe["events"] if e[0] == "precompute"] == []
-    assert probe["final_scales_equal"] is None

@@ -3,7 +3,8 @@
 The float8 all-gather and the precomputed scale give the same numbers as the plain path, so losses
 cannot tell whether they ran: this looks at the objects instead. ``Float8Probe(trainer)`` before
 ``trainer.train()`` (it patches the instance and torchao, reading no tensor on the host in the
-loop), ``probe.report()`` after (a collective: every rank calls it). The report:
+loop), ``probe.report()`` after (a collective: every rank calls it); the tests check reports with
+``check_float8_all_gathers`` and ``check_no_float8_all_gathers``. The report:
 
 - ``weights``: the type of every float8 linear's weight, as its FSDP shard holds it (the local
   tensor of the DTensor): ``WeightWithDynamicFloat8CastTensor`` makes FSDP all-gather it in float8;
@@ -108,3 +109,31 @@ class Float8Probe:
             "all_gathers": self.all_gathers,
             "final_scales_equal": self._final_scales_equal(),
         }
+
+
+def check_float8_all_gathers(probe: dict, steps: int, linears: int) -> None:
+    """A report of a run of ``steps`` steps with ``linears`` float8 linears in one model part:
+    float8.enable_fsdp_float8_all_gather and float8.precompute_float8_dynamic_scale_for_fsdp both ran."""
+    # Every float8 weight's shard is torchao's wrapper, which FSDP all-gathers in float8 ...
+    assert probe["weights"] == ["WeightWithDynamicFloat8CastTensor"] * linears
+    gathers = {int(step): counts for step, counts in probe["all_gathers"].items()}
+    assert sorted(gathers) == list(range(1, steps + 1))
+    for step, (calls, precomputed, float8) in gathers.items():
+        assert calls >= linears and float8 == calls, (step, gathers)  # each weight, at least in forward
+        # ... with the scale precomputed after the previous step's optimizer step (none before step 1).
+        assert precomputed == (0 if step == 1 else calls), (step, gathers)
+    # One precompute per step and model part, right after the optimizer step, renewing every scale.
+    expected = []
+    for step in range(1, steps + 1):
+        expected += [["optimizer", step], ["precompute", step, 0, linears, linears]]
+    assert probe["events"] == expected
+    assert probe["final_scales_equal"] is True  # from the weights after the last optimizer step
+
+
+def check_no_float8_all_gathers(probe: dict, linears: int) -> None:
+    """The same float8 linears, with both FSDP float8 settings off: plain shards, nothing precomputed."""
+    assert len(probe["weights"]) == linears
+    assert "WeightWithDynamicFloat8CastTensor" not in probe["weights"]
+    assert probe["all_gathers"] == {}
+    assert [e for e in probe["events"] if e[0] == "precompute"] == []
+    assert probe["final_scales_equal"] is None
