@@ -34,12 +34,27 @@ def debug_run(tmp_path_factory, repo):
     return out, proc
 
 
-def test_debug_recipe_writes_20_metric_rows(debug_run):
+def documented_metric_keys(repo) -> set[str]:
+    """The keys of README's metrics.jsonl table that a CPU run logs (CUDA-only rows left out)."""
+    lines = (repo / "README.md").read_text().split("| key | meaning |\n| --- | --- |\n", 1)[1].splitlines()
+    keys = set()
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        names, meaning = line.split("|")[1:3]
+        if not meaning.strip().startswith("CUDA only"):
+            keys.update(name.strip(" `") for name in names.split(","))
+    return keys
+
+
+def test_debug_recipe_writes_20_metric_rows(debug_run, repo):
     out, proc = debug_run
     data = rows(out)
     assert [r["step"] for r in data] == list(range(1, 21))
+    documented = documented_metric_keys(repo)
+    assert {"tps", "tflops", "mfu", "step_time", "memory_gib", "tokens_seen"} <= documented
     for r in data:
-        assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= r.keys()
+        assert set(r) == {"step"} | documented
         assert r["tps"] > 0 and 0 < r["mfu"] < 100 and r["memory_gib"] > 0
     assert data[-1]["loss"] < data[0]["loss"] - 0.5, [r["loss"] for r in data]
     assert "step     20" in proc.stdout
@@ -54,6 +69,16 @@ def test_tensorboard_events_are_readable(debug_run):
     losses = acc.Scalars("train/loss")
     assert [e.step for e in losses] == list(range(1, 21))
     assert losses[0].value == pytest.approx(rows(out)[0]["loss"], rel=1e-6)
+    # Every number of a metrics.jsonl row is a train/<key> scalar at its step, throughput included.
+    logged = set(acc.Tags()["scalars"])
+    assert {"train/tps", "train/tflops", "train/mfu", "train/step_time"} <= logged
+    for key in ("tps", "tflops", "mfu"):
+        events = acc.Scalars(f"train/{key}")
+        assert [e.step for e in events] == list(range(1, 21))
+        for event, row in zip(events, rows(out)):
+            assert row[key] > 0 and event.value == pytest.approx(row[key], rel=1e-6), (key, row)
+    numbers = {f"train/{k}" for k, v in rows(out)[0].items() if k != "step" and isinstance(v, (int, float))}
+    assert logged == numbers
 
 
 def test_same_seed_same_losses_and_other_seed_differs(tmp_path):

@@ -7,9 +7,18 @@ decay, so the first steps' learning rates do not depend on the run's length):
   after the first few (a no-op float8 would reproduce it bit for bit);
 - fp32, 10 steps: float8 on TP 2, on PP 2 with full activation checkpointing, and with compile
   equal float8 in 1 process within 1e-4, while float8 itself moves the losses by more than that;
+  DDP 2 with op-level selective AC and HSDP 2x2 (float8 all-gathers without precomputed scales, AC
+  on every 2nd block) equal float8 in 1 process with the same microbatches of 2 sequences (dynamic
+  scales follow the tensors a matmul sees); CP 2, whose ranks scale their own halves of each
+  sequence, stays closer to float8 in 1 process than to the plain run;
+- the data-parallel runs under the instrumented worker show that float8 all-gathers and precomputed
+  scales ran exactly when asked (tests/distributed/workers/float8_probe.py): HSDP all-gathers in
+  float8 and precomputes nothing, CP 2 (FSDP over cp, both settings off) does neither; both on is
+  tests/distributed/test_throughput.py's FSDP 2 run;
 - the FSDP run's checkpoint holds plain fp32 weights under canonical names; `titanctl convert`
   makes a Hugging Face folder whose logits in transformers match ours, and `titanctl infer-tp`
-  reads the checkpoint unchanged.
+  reads the checkpoint unchanged; a float8 FSDP run resumed from a checkpoint repeats the
+  uninterrupted run's losses bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 
 from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
 from tests.distributed.harness import WORKERS, losses, max_rel_diff, torchrun
+from tests.distributed.workers.float8_probe import check_float8_all_gathers, check_no_float8_all_gathers
 
 RUN = [
     "--model.n_layers", "2", "--training.seq_len", "64", "--training.global_batch_size", "8",
@@ -41,12 +51,25 @@ TP2 = (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_de
 PP2_FULL_AC = (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
                    "--parallelism.pipeline_parallel_schedule", "GPipe",
                    "--parallelism.pipeline_parallel_microbatch_size", "8", "--activation_checkpoint.mode", "full"])
+CLI = ["-m", "titanctl", "train"]
+# Trains like the CLI and also reports what FSDP's float8 settings did (float8_rank{r}.json).
+PROBED = [str(WORKERS / "sync_train_worker.py")]
+LINEARS = 14  # 2 blocks x 7; the output layer stays high precision
 
 
-def train(folder, layout, args) -> tuple[list[float], str]:
+def train(folder, layout, args, target=CLI) -> tuple[list[float], str]:
     nproc, layout_args = layout
-    proc = torchrun(nproc, ["-m", "titanctl", "train"], [*args, *layout_args, "--job.dump_folder", str(folder)])
+    proc = torchrun(nproc, target, [*args, *layout_args, "--job.dump_folder", str(folder)])
     return losses(folder), proc.stdout
+
+
+def probe_reports(folder, nproc: int) -> list[dict]:
+    return [json.loads((folder / f"float8_rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def mean_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return sum(abs(x - y) / abs(y) for x, y in zip(a, b)) / len(a)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +130,69 @@ def test_float8_layouts_equal_float8_in_one_process(tmp_path, fp32_runs, layout,
     assert max_rel_diff(layout_losses, fp32_runs["float8"]) <= 1e-4
     assert "float8: 14 linear layers in float8" in stdout
     assert note is None or note in stdout
+
+
+# Every rank gets microbatches of 2 sequences, as one process with a local batch of 2 does.
+DDP2_OP_AC = (2, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                  "--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "selective",
+                  "--activation_checkpoint.selective_ac_option", "op"])
+HSDP2X2_AC_EVERY_2 = (4, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_ac_option", "2",
+                          "--float8.enable_fsdp_float8_all_gather"])  # float8 all-gathers, scales not precomputed
+
+
+@pytest.fixture(scope="module")
+def float8_microbatches_of_2(tmp_path_factory):
+    """Float8 in one process, the global batch of 8 in 4 microbatches of 2 sequences."""
+    return train(tmp_path_factory.mktemp("float8_mb2"), (1, ["--training.local_batch_size", "2"]), [*FP32, *FLOAT8])[0]
+
+
+@pytest.mark.parametrize("layout", [DDP2_OP_AC, HSDP2X2_AC_EVERY_2], ids=["ddp2_op_ac", "hsdp2x2_ac_every_2"])
+def test_float8_data_parallel_equals_float8_with_the_same_microbatches(
+    tmp_path, fp32_runs, float8_microbatches_of_2, layout
+):
+    layout_losses, stdout = train(tmp_path, layout, [*FP32, *FLOAT8], target=PROBED)
+    assert max_rel_diff(float8_microbatches_of_2, fp32_runs["plain"]) > 1e-4  # what float8 itself changes
+    assert max_rel_diff(layout_losses, float8_microbatches_of_2) <= 1e-4
+    assert "float8: 14 linear layers in float8" in stdout
+    nproc, layout_args = layout
+    for report in probe_reports(tmp_path, nproc):
+        if "--float8.enable_fsdp_float8_all_gather" in layout_args:
+            check_float8_all_gathers(report, steps=10, linears=LINEARS, precomputed=False)
+        else:  # DDP: no FSDP, so plain weights
+            assert report["weights"] == ["Parameter"] * LINEARS and report["all_gathers"] == {}
+
+
+def test_float8_context_parallel(tmp_path, fp32_runs):
+    """CP 2 shards FSDP over cp but, without the two FSDP float8 settings, all-gathers plain weights.
+
+    Each rank casts its own half of every sequence with its own dynamic scale, so CP 2 cannot equal
+    float8 in one process exactly (measured: 1.8e-4 at worst, 4.5e-5 on average); it must stay
+    closer to it than to the plain run, from which float8 moves it (5.4e-4 at worst, 1.5e-4 on average).
+    """
+    cp = (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"])
+    layout_losses, stdout = train(tmp_path, cp, [*FP32, *FLOAT8], target=PROBED)
+    assert max_rel_diff(layout_losses, fp32_runs["plain"]) > 1e-4
+    assert mean_rel_diff(layout_losses, fp32_runs["float8"]) < mean_rel_diff(layout_losses, fp32_runs["plain"]) / 2
+    assert max_rel_diff(layout_losses, fp32_runs["float8"]) <= 5e-4
+    assert "float8: 14 linear layers in float8" in stdout
+    for report in probe_reports(tmp_path, 2):
+        check_no_float8_all_gathers(report, linears=LINEARS)
+
+
+def test_float8_fsdp_resume_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path):
+    """Saved at step 2 with float8 all-gathers and precomputed scales, resumed in the same process group:
+    the resumed run's first all-gather computes its scales afresh (none precomputed yet) and must
+    still give steps 3-4 exactly."""
+    args = [*BF16, *FSDP_FLOAT8, *FSDP2[1], "--training.steps", "4", "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    torchrun(2, [str(WORKERS / "ckpt_worker.py")], ["--test-resume-from", "2", *args])
+    first = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    again = {r["step"]: r["loss"] for r in
+             map(json.loads, (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(first) == [1, 2, 3, 4] and sorted(again) == [3, 4]
+    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)], (first, again)
 
 
 def test_float8_compile_equals_float8_eager(tmp_path, fp32_runs):

@@ -76,3 +76,24 @@ def test_every_recipe_chooses_a_norm(repo):
     for recipe in sorted((repo / "recipes").glob("*.toml")):
         norm = tomllib.loads(recipe.read_text())["model"].get("norm_type")
         assert norm in ("rmsnorm", "fused_rmsnorm"), recipe.name
+
+
+def test_on_cpu_rms_norm_runs_the_elementwise_ops_forward_and_backward():
+    """What README and model.norm_type's help say of the CPU: torch 2.13 has fused rms_norm kernels
+    for CUDA only; on CPU aten::_fused_rms_norm decomposes into pow, mean, add, rsqrt and mul, and
+    autograd differentiates those (no _fused_rms_norm_backward). If this fails, torch gained a CPU
+    kernel: update the docs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    norm = FusedRMSNorm(64, 1e-5)
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        norm(x).sum().backward()
+    events = list(prof.events())
+    fused = [e for e in events if e.name == "aten::_fused_rms_norm"]
+    assert len(fused) == 1
+    inside = {child.name for child in fused[0].cpu_children}
+    assert {"aten::pow", "aten::mean", "aten::add_", "aten::rsqrt", "aten::mul"} <= inside, inside
+    names = {e.name for e in events}
+    assert "aten::_fused_rms_norm_backward" not in names
+    assert {"RsqrtBackward0", "PowBackward0", "MeanBackward1"} <= names, names

@@ -113,6 +113,7 @@ def test_training_logs_the_documented_columns(tmp_path):
     for row in rows:
         assert {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "step_time", "memory_gib",
                 "tokens_seen"} == set(row)
-        assert row["tps"] == pytest.approx(2 * 32 / row["step_time"], rel=1e-3)
+        # tps is logged to 0.1: on a busy machine (tps ~40) that rounding alone exceeds 1e-3.
+        assert row["tps"] == pytest.approx(2 * 32 / row["step_time"], rel=1e-3, abs=0.05)
         assert row["tflops"] == pytest.approx(row["tps"] * trainer.flops_per_token / 1e12, rel=1e-2)
         assert row["mfu"] == pytest.approx(100 * row["tps"] * trainer.flops_per_token / 2e12, rel=1e-2)

@@ -34,6 +34,8 @@ def test_shard_degree_minus_one_takes_the_ranks_left_over():
         (2, {"data_parallel_replicate": 2, "data_parallel_shard": 1}, False, True, False),
         (4, {"data_parallel_replicate": 2}, True, False, True),
         (2, {"context_parallel": 2, "data_parallel_shard": 1}, True, False, False),  # FSDP shards over cp
+        # Replicas with context parallel: HSDP over (dp_replicate, cp); DDP would leave cp's grads unreduced.
+        (4, {"data_parallel_replicate": 2, "data_parallel_shard": 1, "context_parallel": 2}, True, False, True),
         (2, {"tensor_parallel": 2}, False, False, False),
     ],
 )

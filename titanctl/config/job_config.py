@@ -64,7 +64,8 @@ class Model:
     norm_type: str = opt(
         "rmsnorm",
         "RMSNorm implementation: rmsnorm (written out in PyTorch ops) or fused_rmsnorm "
-        "(torch.nn.functional.rms_norm, one fused kernel forward and backward). Same weights, same results.",
+        "(torch.nn.functional.rms_norm: on CUDA one fused kernel forward and one backward; on CPU torch "
+        "runs the same elementwise ops as rmsnorm, forward and backward). Same weights, same results.",
         choices=("rmsnorm", "fused_rmsnorm"),
     )
     tokenizer_path: str = opt(

@@ -56,7 +56,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1 or (self.cp > 1 and self.dp_replicate == 1)
+        # Context parallel ranks hold the same weights but see different tokens: their gradients
+        # must be reduced over cp too, so cp always shards with FSDP (HSDP beside replicas).
+        return self.dp_shard > 1 or self.cp > 1
 
     @property
     def ddp_enabled(self) -> bool:

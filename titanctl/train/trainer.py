@@ -187,11 +187,12 @@ class Trainer:
             console=self.console,
             disable=not self.is_logging_rank or not self.console.is_terminal,
         )
-        window_start, window_steps = time.perf_counter(), 0
         start_step = self.step
         profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
         with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, _scheduled_gc():
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
+            # The first window starts at the first step: setting up the context managers above is not step time.
+            window_start, window_steps = time.perf_counter(), 0
             while self.step < cfg.training.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 # The first step of a process also compiles and warms up: it gets the init timeout.

@@ -1,31 +1,67 @@
-"""Train under torchrun with every host read of a tensor recorded (see host_syncs.py).
+"""Train under torchrun with every host read of a tensor recorded (see host_syncs.py), the log
+windows timed here rather than by the Trainer, and, with float8 on, what FSDP's float8 settings did
+(see float8_probe.py).
 
     torchrun ... sync_train_worker.py --job.dump_folder OUT [--section.key VALUE ...]
 
-Writes metrics.jsonl as usual (rank 0) and OUT/host_syncs_rank{r}.json on every rank:
-{"allowed": calls made by the log-step functions, "first_step": [calls in the first step],
-"violations": [other calls, with call sites]}.
+Writes metrics.jsonl as usual (rank 0) and on every rank r:
+- OUT/host_syncs_rank{r}.json: {"allowed": calls made by the log-step functions,
+  "first_step": [calls in the first step], "violations": [other calls, with call sites]};
+- OUT/log_windows_rank{r}.json: [{"step": the logged step, "seconds": wall time of its window}], a
+  window running from the start of the first step, or from the end of the previous log row, to the
+  start of this one (after the log step's host sync: the moment the Trainer reads its own clock);
+- OUT/float8_rank{r}.json with float8.enable_float8_linear: Float8Probe.report().
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
+from tests.distributed.workers.float8_probe import Float8Probe
 from tests.distributed.workers.host_syncs import record_host_syncs
 from titanctl.cli.console import finish
 from titanctl.config.loader import load_config
 from titanctl.train.trainer import Trainer
 
 
+def time_log_windows(trainer: Trainer) -> list[dict]:
+    """Wrap the first train_step and every _log call of ``trainer`` with this worker's own clock."""
+    windows: list[dict] = []
+    started: list[float] = []
+    train_step, log = trainer.train_step, trainer._log
+
+    def timed_step():
+        if not started:
+            started.append(time.perf_counter())
+        return train_step()
+
+    def timed_log(*args, **kwargs):
+        windows.append({"step": trainer.step, "seconds": time.perf_counter() - started[-1]})
+        try:
+            return log(*args, **kwargs)
+        finally:
+            started.append(time.perf_counter())
+
+    trainer.train_step, trainer._log = timed_step, timed_log
+    return windows
+
+
 def main() -> None:
     cfg = load_config(None, sys.argv[1:])
     trainer = Trainer(cfg)
+    windows = time_log_windows(trainer)
+    probe = Float8Probe(trainer) if cfg.float8.enable_float8_linear else None
     with record_host_syncs() as syncs:
         trainer.train()
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
+    rank = trainer.env.rank
     record = {"allowed": syncs.allowed, "first_step": syncs.first_step, "violations": syncs.violations}
-    (out / f"host_syncs_rank{trainer.env.rank}.json").write_text(json.dumps(record))
+    (out / f"host_syncs_rank{rank}.json").write_text(json.dumps(record))
+    (out / f"log_windows_rank{rank}.json").write_text(json.dumps(windows))
+    if probe is not None:
+        (out / f"float8_rank{rank}.json").write_text(json.dumps(probe.report()))
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ class RMSNorm(nn.Module):
 
 
 class FusedRMSNorm(RMSNorm):
-    """The same norm through ``F.rms_norm``: one kernel forward and one backward instead of ~6
-    elementwise ops, each reading and writing the whole activation. It accumulates in fp32 too."""
+    """The same norm through ``F.rms_norm``. On CUDA that is one kernel forward and one backward
+    instead of ~6 elementwise ops, each reading and writing the whole activation; elsewhere torch
+    (2.13) has no such kernel and runs those same ops. It accumulates in fp32 too."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:

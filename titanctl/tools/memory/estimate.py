@@ -407,10 +407,6 @@ def plan_estimate(
     cfg, notes = estimation_config(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     accum = grad_accum_steps(cfg, dims.dp)
-    if dims.ddp_enabled and dims.cp > 1:
-        raise ParallelError(
-            "estimate-memory cannot model DDP with context parallel: use data_parallel_shard_degree > 1"
-        )
 
     from titanctl.models.llama import model_args_from_config
     from titanctl.parallel.build import check_layout
