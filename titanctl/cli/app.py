@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     except TitanError as e:
         if debug:
             raise
-        console.error(str(e))
+        console.report(e)
         code = 2
     except click.exceptions.Exit as e:
         code = e.exit_code
