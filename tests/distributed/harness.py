@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import OFFLINE_ENV, REPO
@@ -45,3 +47,69 @@ def losses(folder: Path) -> list[float]:
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- what a run wrote
+
+
+def rows(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses_by_step(folder: Path) -> dict[int, float]:
+    """The last logged loss of each step (a resumed run logs the re-run steps again)."""
+    return {r["step"]: r["loss"] for r in rows(folder)}
+
+
+def sample_log(folder: Path) -> list[dict]:
+    entries = []
+    for path in sorted(folder.glob("samples_rank*.jsonl")):
+        entries += [json.loads(line) for line in path.read_text().splitlines()]
+    return entries
+
+
+def samples_by_step(folder: Path) -> dict[int, set[str]]:
+    """Step -> the hashes of every sequence any rank trained on in that step."""
+    out: dict[int, set[str]] = {}
+    for entry in sample_log(folder):
+        out.setdefault(entry["step"], set()).update(entry["rows"])
+    return out
+
+
+# ----------------------------------------------------------------------------- killing runs
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every process under it at once (its workers run in their own sessions)."""
+    tree, frontier = [proc.pid], [proc.pid]
+    while frontier:
+        parent = frontier.pop()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                child = int(stat.parent.name)
+                tree.append(child)
+                frontier.append(child)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    time.sleep(0.2)  # let the kernel reap the workers before the next launch reads the folder
+
+
+def wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            tail = log.read_text()[-4000:]
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before the kill point:\n{tail}")
+        if time.monotonic() > deadline:
+            kill_job(proc)
+            raise AssertionError(f"timed out waiting for the kill point:\n{log.read_text()[-4000:]}")
+        time.sleep(0.002)

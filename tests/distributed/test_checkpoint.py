@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,16 @@ import pytest
 import torch
 
 from tests.conftest import OFFLINE_ENV, REPO
-from tests.distributed.harness import WORKERS, torchrun
+from tests.distributed.harness import (
+    WORKERS,
+    kill_job,
+    losses_by_step,
+    rows,
+    sample_log,
+    samples_by_step,
+    torchrun,
+    wait_until,
+)
 
 WORKER = [str(WORKERS / "ckpt_worker.py")]
 RUN = [
@@ -43,29 +51,12 @@ GLOBAL_BATCH = 8
 # ----------------------------------------------------------------------------- helpers
 
 
-def rows(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def losses_by_step(folder: Path) -> dict[int, float]:
-    """The last logged loss of each step (a resumed run logs the re-run steps again)."""
-    return {r["step"]: r["loss"] for r in rows(folder)}
-
-
-def sample_log(folder: Path) -> list[dict]:
-    entries = []
-    for path in sorted(folder.glob("samples_rank*.jsonl")):
-        entries += [json.loads(line) for line in path.read_text().splitlines()]
-    return entries
-
-
-def samples_by_step(folder: Path) -> dict[int, set[str]]:
-    """Step -> the hashes of every sequence any rank trained on in that step."""
-    out: dict[int, set[str]] = {}
-    for entry in sample_log(folder):
-        out.setdefault(entry["step"], set()).update(entry["rows"])
-    return out
+def steps_since_resume(folder: Path) -> list[int]:
+    """Steps logged by the newest resumed run (its first row says where it resumed; the rows after
+    that step from the run before were superseded when it started)."""
+    logged = rows(folder)
+    starts = [i for i, r in enumerate(logged) if "resumed_from_step" in r]
+    return [r["step"] for r in logged[starts[-1]:]] if starts else []
 
 
 def complete_steps(ckpt: Path) -> list[int]:
@@ -100,41 +91,6 @@ def launch(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every process under it at once (its workers run in their own sessions)."""
-    tree, frontier = [proc.pid], [proc.pid]
-    while frontier:
-        parent = frontier.pop()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                child = int(stat.parent.name)
-                tree.append(child)
-                frontier.append(child)
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
-    time.sleep(0.2)  # let the kernel reap the workers before the next launch reads the folder
-
-
-def wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            tail = log.read_text()[-4000:]
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before the kill point:\n{tail}")
-        if time.monotonic() > deadline:
-            kill_job(proc)
-            raise AssertionError(f"timed out waiting for the kill point:\n{log.read_text()[-4000:]}")
-        time.sleep(0.002)
-
-
 # ----------------------------------------------------------------------------- runs
 
 
@@ -166,9 +122,8 @@ def interrupted(reference, tmp_path_factory):
     seen["after_a"] = (complete_steps(ckpt), (ckpt / ".tmp-step-4").is_dir())
 
     kill_after = rng.choice([3, 5])  # odd steps: B saves synchronously at even ones
-    mark = len(rows(out))
     b = launch(2, [*RUN, *FSDP2, "--job.dump_folder", str(out)], out / "b.log")
-    wait_until(lambda: any(r["step"] == kill_after for r in rows(out)[mark:]), b, out / "b.log")
+    wait_until(lambda: kill_after in steps_since_resume(out), b, out / "b.log")
     kill_job(b)
     seen["after_b"] = complete_steps(ckpt)
     seen["kill_after"] = kill_after

@@ -184,12 +184,13 @@ def test_enable_and_dump_without_process_group(tmp_path, monkeypatch):
     env = runtime.enable(128, dump_folder=tmp_path / "fr")
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "128" == env["TORCH_FR_BUFFER_SIZE"]
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "fr" / "nccl" / "rank")
+    assert not (tmp_path / "fr").exists(), "enable() writes nothing: the run may still be refused"
     with pytest.raises(ValueError):
         runtime.enable(-1)
 
     path = runtime.dump(tmp_path / "fr", 3, reason="manual")
     assert path == tmp_path / "fr" / "rank3.json"
-    assert sorted(p.name for p in path.parent.iterdir()) == ["nccl", "rank3.json"]  # no temporary left
+    assert sorted(p.name for p in path.parent.iterdir()) == ["rank3.json"]  # no temporary left
     doc = json.loads(path.read_text())
     assert doc["rank"] == 3 and doc["titanctl"]["reason"] == "manual" and "pg_config" in doc
     report = inspect_path(path).flight_recorder

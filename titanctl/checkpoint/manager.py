@@ -251,6 +251,7 @@ class CheckpointManager:
             "contents": parts,
             "tokens_seen": tokens_seen,  # per data-parallel rank, as the trainer counts them
             "dp_degree": self.dp_degree,
+            "global_batch_size": self.loader.global_batch_size,  # kept by a resume with global_batch_size -1
             "world_size": self.world_size,
             "torch_version": torch.__version__,
             # Exports (`titanctl convert --to hf/torchtune`) write this tokenizer's files beside the weights.

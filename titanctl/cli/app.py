@@ -15,7 +15,7 @@ from typer import _click as typer_click  # Typer >= 0.22 vendors click: its own 
 from typer.core import TyperCommand, TyperGroup
 
 from titanctl.cli import console
-from titanctl.errors import TitanError
+from titanctl.errors import ConfigError, TitanError
 
 # Usage errors from either click hierarchy: Typer's vendored copy raises its own classes.
 _CLICK_ERRORS = (typer_click.exceptions.ClickException, click.ClickException)
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     except (TitanError, *_CLICK_ERRORS) as e:
         if debug:
             raise
-        console.error(str(e) if isinstance(e, TitanError) else e.format_message())
+        # A usage error is the same on every rank, as a config error is.
+        console.report(e if isinstance(e, TitanError) else ConfigError(e.format_message()))
         code = 2
     except _EXITS as e:
         code = e.exit_code

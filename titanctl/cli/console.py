@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 from rich.console import Console
 from rich.markup import escape
+
+from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.parallel import elastic
 
 err = Console(stderr=True, highlight=False)
 
@@ -15,6 +20,25 @@ def error(message: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     err.print(f"[bold red]error:[/bold red] {escape(prefix + message)}", soft_wrap=True)
+
+
+def report(e: TitanError) -> None:
+    """A user error, as one line on stderr (and in torchrun's end-of-job summary).
+
+    Under torchrun, an error that every rank meets alike (the config, the layout) is printed once,
+    by rank 0; the other ranks give rank 0 a moment to say it (or leave when torchrun stops them),
+    then exit with the same code, so that the error is not cut short by torchrun's SIGTERM.
+    """
+    elastic.record_failure(str(e))
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if rank == "0" or world == "1" or not isinstance(e, (ConfigError, ParallelError)):
+        error(str(e))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    time.sleep(_QUIET_RANKS_WAIT_S)
+
+
+_QUIET_RANKS_WAIT_S = 3.0
 
 
 def finish(code: int) -> None:

@@ -114,7 +114,8 @@ class Training:
     global_batch_size: int = opt(
         -1,
         "Sequences per optimizer step over all ranks; more than local_batch_size x data-parallel "
-        "degree means gradient accumulation. -1: local_batch_size x data-parallel degree.",
+        "degree means gradient accumulation. -1: local_batch_size x data-parallel degree, except that a run "
+        "resuming its own checkpoint keeps the checkpoint's (a restart on fewer ranks accumulates more).",
     )
     seq_len: int = opt(2048, "Tokens per sequence.", min=1)
     max_norm: float = opt(1.0, "Gradient clipping max norm (0 disables clipping).", min=0)

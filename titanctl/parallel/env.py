@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanctl.parallel import elastic, hang_watchdog
+
 
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +32,9 @@ class ProcessEnv:
 def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_folder=None) -> ProcessEnv:
     """Read torchrun's environment, pick the device and backend, start the process group.
 
-    ``trace_buf_size`` > 0 makes the Flight Recorder keep that many collectives per group.
+    ``trace_buf_size`` > 0 makes the Flight Recorder keep that many collectives per group. Under
+    ``torchrun --max-restarts`` every attempt rendezvouses under its own store prefix
+    (``titanctl.parallel.elastic``), so a restart never reads the dead attempt's addresses.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -45,13 +49,12 @@ def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_
         if "OMP_NUM_THREADS" not in os.environ or local_world_size > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     if world_size > 1 and not dist.is_initialized():
-        from titanctl.parallel import hang_watchdog
-
         hang_watchdog.enable(trace_buf_size, flight_recorder_folder)  # before the group exists
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        store = elastic.attempt_store(world_size, timeout)
+        where = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
         dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_seconds),
-            device_id=device if device.type == "cuda" else None,
+            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **where
         )
     return ProcessEnv(rank, local_rank, world_size, local_world_size, device)

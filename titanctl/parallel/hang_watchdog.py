@@ -38,7 +38,9 @@ def enable(buffer_size: int = 2000, dump_folder: Path | None = None) -> dict[str
     """Record the last ``buffer_size`` collectives of every process group created after this call.
 
     Call it before ``init_process_group``. With ``dump_folder``, NCCL's own dumps on a timeout
-    land in ``{dump_folder}/nccl/rank{N}`` (pickles). Returns the environment variables that were set.
+    land in ``{dump_folder}/nccl/rank{N}`` (pickles) once :func:`create_nccl_dump_folder` made that
+    folder: nothing is written here, so a run refused later (a bad layout, a dump folder owned by
+    another run) leaves no trace. Returns the environment variables that were set.
     """
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 0:
         raise ValueError(f"buffer_size must be an int >= 0, got {buffer_size!r}")
@@ -52,13 +54,16 @@ def enable(buffer_size: int = 2000, dump_folder: Path | None = None) -> dict[str
     if dump_folder is not None:
         # torch appends the rank to this prefix. A subfolder, so that these pickles and our own
         # rank{N}.json dumps are not read as two dumps of the same rank.
-        nccl_folder = Path(dump_folder) / "nccl"
-        nccl_folder.mkdir(parents=True, exist_ok=True)
-        env[DUMP_FILE_ENV] = str(nccl_folder / "rank")
+        env[DUMP_FILE_ENV] = str(Path(dump_folder) / "nccl" / "rank")
         # read by the CUDA build only (not present in the CPU build, so not verified here)
         env[NCCL_DUMP_ON_TIMEOUT_ENV] = os.environ.get(NCCL_DUMP_ON_TIMEOUT_ENV, "1")
     os.environ.update(env)
     return env
+
+
+def create_nccl_dump_folder(dump_folder: Path) -> None:
+    """The folder NCCL writes its own dumps into (it does not create it)."""
+    (Path(dump_folder) / "nccl").mkdir(parents=True, exist_ok=True)
 
 
 def _process_groups() -> dict[str, dict[str, Any]]:
@@ -139,18 +144,23 @@ class DumpOnce:
     comes first dumps, the other waits for that dump and reuses it.
     """
 
-    def __init__(self, folder: Path, rank: int, exit_code: int | None = None) -> None:
+    def __init__(
+        self, folder: Path, rank: int, exit_code: int | None = None, before_exit: Callable[[str], Any] | None = None
+    ) -> None:
         self.folder, self.rank, self.exit_code = Path(folder), rank, exit_code
+        self.before_exit = before_exit  # told the reason and the dump before the process exits
         self.path: Path | None = None
         self._lock = threading.Lock()
 
     def __call__(self, label: str = "", elapsed_s: float = 0.0) -> Path:
         with self._lock:
+            reason = f"{label} exceeded watchdog after {elapsed_s:.1f}s" if elapsed_s else label
             if self.path is None:
-                reason = f"{label} exceeded watchdog after {elapsed_s:.1f}s" if elapsed_s else label
                 self.path = dump(self.folder, self.rank, reason)
                 print(f"[rank {self.rank}] flight recorder dump: {self.path}", file=sys.stderr, flush=True)
             if self.exit_code is not None:
+                if self.before_exit is not None:
+                    self.before_exit(f"{reason}; flight recorder dump {self.path}")
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(self.exit_code)  # the main thread may be stuck in a collective forever

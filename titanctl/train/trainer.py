@@ -5,25 +5,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from titanctl.checkpoint.manager import CheckpointManager, plan_load
+from titanctl.checkpoint.manager import CheckpointManager, LoadPlan, complete_checkpoints, plan_load
 from titanctl.config.job_config import JobConfig
 from titanctl.data.datasets import load_documents
 from titanctl.data.loader import TokenWindowLoader
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.errors import TrainingDiverged
+from titanctl.errors import ConfigError, TitanError, TrainingDiverged
 from titanctl.models.llama import model_args_from_config
+from titanctl.parallel import elastic, hang_watchdog
 from titanctl.parallel.build import build_model_parts
 from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.env import init_process
 from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.utils import StepLosses, clip_grad_norm
+from titanctl.train import run_folder
 from titanctl.train.flops import device_peak_tflops, flops_per_token, throughput
 from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
@@ -34,6 +39,8 @@ from titanctl.train.step import ForwardBackward
 
 
 class Trainer:
+    """One run: built by ``__init__`` (which owns the dump folder from then on), run once by ``train``."""
+
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.dump_folder = Path(cfg.job.dump_folder)
@@ -41,21 +48,66 @@ class Trainer:
         self.env = init_process(
             cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size, self.flight_recorder_folder
         )
+        self.attempt = elastic.Attempt.from_env()
+        # A layout that does not fit is refused before anything is written.
         self.dims = ParallelDims.from_config(cfg.parallelism, self.env.world_size)
         self.is_logging_rank = self.env.rank in cfg.job.log_ranks
         self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing)
+        self.sinks = None
+        self._lock = self._own_dump_folder()
+        if self._lock is not None:  # also when a Trainer is dropped without training
+            weakref.finalize(self, self._lock.release)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
 
+    def _own_dump_folder(self) -> run_folder.RunLock | None:
+        """Rank 0 makes the dump folder and locks it for the whole job; every rank learns the outcome."""
+        lock, outcome = None, ("ok", None)
+        if self.env.rank == 0:
+            try:
+                run_folder.prepare(self.dump_folder)
+                lock = run_folder.RunLock(self.dump_folder)
+                outcome = ("ok", lock.acquire())
+            except TitanError as e:
+                outcome = ("refused", str(e))
+        if self.env.distributed:
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0)
+            outcome = box[0]
+        if outcome[0] == "refused":
+            raise ConfigError(outcome[1])
+        if outcome[1]:
+            self.console.print(f"[yellow]{outcome[1]}[/yellow]", soft_wrap=True)
+        if self.env.device.type == "cuda" and self.env.distributed and self.cfg.comm.trace_buf_size:
+            hang_watchdog.create_nccl_dump_folder(self.flight_recorder_folder)
+        return lock
+
+    def close(self) -> None:
+        """Release the dump folder (the end of ``train``, or a failed ``__init__``)."""
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _build(self) -> None:
+        cfg = self.cfg
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
 
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        # A checkpoint to resume is chosen and checked before the model exists: a bad one fails fast,
+        # and weights that the checkpoint restores need no initialization (costly for big models).
+        load_plan = None if cfg.checkpoint.create_seed_checkpoint else plan_load(cfg, self.model_args)
         dp_mesh = self.dims.mesh_for("dp_replicate", "dp_shard") if self.dims.world_size > 1 else None
         dp_degree, dp_rank = self.dims.dp, (dp_mesh.get_local_rank() if dp_mesh is not None else 0)
-        global_batch = cfg.training.global_batch_size
-        if global_batch == -1:
-            global_batch = cfg.training.local_batch_size * dp_degree
+        global_batch = self._global_batch(load_plan)
         self.loader = TokenWindowLoader(
             load_documents(cfg.training.dataset, cfg.training.dataset_path or None),
             self.tokenizer,
@@ -68,9 +120,6 @@ class Trainer:
         )
         self.global_batch = global_batch
 
-        # A checkpoint to resume is chosen and checked before the model exists: a bad one fails fast,
-        # and weights that the checkpoint restores need no initialization (costly for big models).
-        load_plan = None if cfg.checkpoint.create_seed_checkpoint else plan_load(cfg, self.model_args)
         restores_weights = load_plan is not None and load_plan.restores_model
         built = build_model_parts(
             cfg, self.dims, self.model_args, self.env.device, loss_fn=cross_entropy_loss, init=not restores_weights
@@ -87,17 +136,21 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.checkpoint = self._build_checkpoint_manager()
+        resumed = None
         if load_plan is not None:
             resumed = self.checkpoint.load(load_plan)  # before anything is written: a bad checkpoint changes nothing
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        self._first_row = self._announce_start(resumed)
 
         compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_tflops = device_peak_tflops(self.env.device, compute_dtype, cfg.metrics.peak_tflops)
         self.memory = MemoryMonitor(self.env.device)
         self.losses = StepLosses()
-        self.sinks = None
         if self.env.rank == 0:
+            note = run_folder.supersede_metrics(self.dump_folder, self.step)
+            if note:
+                self.console.print(note, soft_wrap=True)
             self.sinks = MetricSinks(
                 self.dump_folder,
                 tensorboard_folder=(
@@ -105,6 +158,33 @@ class Trainer:
                 ),
                 wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
             )
+
+    def _global_batch(self, load_plan) -> int:
+        """training.global_batch_size, or with -1 the resumed checkpoint's (so that a run restarted on
+        fewer ranks keeps its batch, with more gradient accumulation), else local_batch_size x dp."""
+        configured = self.cfg.training.global_batch_size
+        if configured != -1:
+            return configured
+        if isinstance(load_plan, LoadPlan) and not load_plan.initial:
+            saved = load_plan.meta.get("global_batch_size")
+            if isinstance(saved, int) and not isinstance(saved, bool) and saved > 0:
+                return saved
+        return self.cfg.training.local_batch_size * self.dims.dp
+
+    def _announce_start(self, resumed) -> dict:
+        """Say where this attempt starts; returns what the first metrics row records about it."""
+        resumed_step = resumed.step if resumed is not None and not resumed.initial else None
+        if not self.attempt.is_restart:
+            return {} if resumed_step is None else {"resumed_from_step": resumed_step}
+        restart = self.attempt.restart
+        if resumed_step is None:
+            self.console.print(
+                f"[yellow]restart {restart}: the run has no checkpoint yet; starting again from step 0[/yellow]",
+                soft_wrap=True,
+            )
+            return {"restart": restart}
+        self.console.print(f"[yellow]resumed from step-{resumed_step} after restart {restart}[/yellow]", soft_wrap=True)
+        return {"resumed_from_step": resumed_step, "restart": restart}
 
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
@@ -154,12 +234,43 @@ class Trainer:
         )
 
     def train(self) -> None:
+        stop_on_sigterm = elastic.sigterm_raises() if self.env.distributed else contextlib.nullcontext()
+        try:
+            with stop_on_sigterm:
+                self._train()
+        except elastic.Terminated:
+            if self.is_logging_rank:
+                self._say_where_the_run_stands("stopped by torchrun (SIGTERM: a rank failed, or a node left or joined)")
+            self.close()
+            elastic.die_of_sigterm()
+        except TitanError as e:
+            if elastic.under_torchrun():
+                elastic.record_failure(f"{e}; {self._where_the_run_stands()}")
+            raise
+        except BaseException as e:
+            if self.env.distributed:
+                line = self._say_where_the_run_stands(f"{type(e).__name__}: {_first_line(e)}")
+                elastic.record_failure(line)
+            raise
+        finally:
+            self.close()
+
+    def _where_the_run_stands(self) -> str:
+        """The newest complete checkpoint, and what torchrun does next."""
+        steps = complete_checkpoints(self.checkpoint.root) if self.cfg.checkpoint.enable_checkpoint else {}
+        newest = f"newest complete checkpoint: {list(steps.values())[-1]}" if steps else "no complete checkpoint"
+        return f"{newest}; {self.attempt.after_failure()}" if elastic.under_torchrun() else newest
+
+    def _say_where_the_run_stands(self, cause: str) -> str:
+        line = f"rank {self.env.rank} stopped at step {self.step + 1}: {cause}; {self._where_the_run_stands()}"
+        print(f"[titanctl] {line}", file=sys.stderr, flush=True)
+        return line
+
+    def _train(self) -> None:
         cfg = self.cfg
         if cfg.checkpoint.create_seed_checkpoint:
             with self.checkpoint:
                 folder = self.checkpoint.save_seed()
-            if self.sinks is not None:
-                self.sinks.close()
             self.console.print(f"seed checkpoint written to {folder}; not training (create_seed_checkpoint)")
             return
         n_params = self.model_args.num_params()
@@ -218,8 +329,6 @@ class Trainer:
                 profiler.step()
                 if self.step % cfg.training.gc_freq == 0:
                     gc.collect(1)
-        if self.sinks is not None:
-            self.sinks.close()
         self.console.print(f"done: {self.step} steps, {self.tokens_seen:,} tokens per data-parallel rank")
 
     @contextlib.contextmanager
@@ -227,13 +336,14 @@ class Trainer:
         """In a distributed run with the Flight Recorder on, dump it when a step outlives
         comm.train_timeout_seconds (gloo never dumps by itself) or raises, so that
         `titanctl inspect-trace` can say which rank is stuck where."""
-        from titanctl.parallel import hang_watchdog
-
         if not self.env.distributed or self.cfg.comm.trace_buf_size == 0:
             yield _NoWatchdog()
             return
         dump = hang_watchdog.DumpOnce(self.flight_recorder_folder, self.env.rank)
-        timed_out = hang_watchdog.DumpOnce(self.flight_recorder_folder, self.env.rank, exit_code=3)
+        timed_out = hang_watchdog.DumpOnce(
+            self.flight_recorder_folder, self.env.rank, exit_code=3,
+            before_exit=lambda reason: elastic.record_failure(self._say_where_the_run_stands(reason)),
+        )
         watchdog = hang_watchdog.CollectiveWatchdog(self.cfg.comm.train_timeout_seconds, timed_out)
         try:
             yield watchdog
@@ -262,7 +372,9 @@ class Trainer:
             "step_time": round(rate.step_time, 6),
             **memory,
             "tokens_seen": self.tokens_seen,
+            **self._first_row,  # where this attempt started, on its first row only
         }
+        self._first_row = {}
         if self.sinks is not None:
             self.sinks.log(row)
         mfu_text = "n/a" if rate.mfu is None else f"{rate.mfu:.2f}%"
@@ -297,3 +409,8 @@ class _NoWatchdog:
     @contextlib.contextmanager
     def watch(self, label: str = ""):
         yield self
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"

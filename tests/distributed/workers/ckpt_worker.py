@@ -8,11 +8,15 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
   --test-write-delay S   every DCP write waits S seconds first (a wide window for killing mid-save)
   --test-resume-from K   after training, resume in this same process group from step-K: copy it to
                          OUT/resumed/checkpoint/ and train again with job.dump_folder OUT/resumed
+  --test-fail-at A:R:S   in torchrun attempt A (TORCHELASTIC_RESTART_COUNT), rank R raises a RuntimeError
+                         when it starts step S (a crash inside training, for restart tests)
+  --test-step-delay S    every step waits S seconds first (a slower run, for a node to join it in time)
 """
 
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -45,6 +49,20 @@ def log_samples(trainer: Trainer, out: Path) -> None:
     loader.next_step = logged
 
 
+def fail_at(trainer: Trainer, spec: str) -> None:
+    attempt, rank, step = (int(x) for x in spec.split(":"))
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != attempt or trainer.env.rank != rank:
+        return
+    next_step = trainer.loader.next_step
+
+    def failing():
+        if trainer.step + 1 == step:
+            raise RuntimeError(f"injected failure at step {step}")
+        return next_step()
+
+    trainer.loader.next_step = failing
+
+
 def slow_writes(seconds: float) -> None:
     from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
@@ -57,11 +75,25 @@ def slow_writes(seconds: float) -> None:
     _FileSystemWriter.write_data = delayed
 
 
-def run(cfg) -> Trainer:
+def slow_steps(trainer: Trainer, seconds: float) -> None:
+    next_step = trainer.loader.next_step
+
+    def delayed():
+        time.sleep(seconds)
+        return next_step()
+
+    trainer.loader.next_step = delayed
+
+
+def run(cfg, fail: str | None = None, step_delay: str | None = None) -> Trainer:
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
     log_samples(trainer, out)
+    if fail:
+        fail_at(trainer, fail)
+    if step_delay:
+        slow_steps(trainer, float(step_delay))
     trainer.train()
     return trainer
 
@@ -79,10 +111,12 @@ def main() -> None:
     args = sys.argv[1:]
     delay = pop_option(args, "--test-write-delay")
     resume_from = pop_option(args, "--test-resume-from")
+    fail = pop_option(args, "--test-fail-at")
+    step_delay = pop_option(args, "--test-step-delay")
     if delay:
         slow_writes(float(delay))
     cfg = load_config(None, args)
-    trainer = run(cfg)
+    trainer = run(cfg, fail, step_delay)
     if resume_from:
         out = Path(cfg.job.dump_folder)
         again = out / "resumed"

@@ -2,7 +2,7 @@
 
 ``record_host_syncs()`` patches the Tensor methods that read a value on the host (``item``,
 ``tolist``, ``cpu``, ``numpy``, truth value, ``float()``/``int()``, indexing with a tensor,
-printing) and notes each call made under ``Trainer.train``, with its call site. A call counts as
+printing) and notes each call made under ``Trainer._train`` (the loop), with its call site. A call counts as
 *allowed* when ``Trainer.read_losses`` or ``Trainer._log`` (which run on log steps only) is on
 the stack. The first step of a process may read the host once to set itself up (a pipeline
 schedule sends its stages' shapes as Python objects then): those calls are kept apart. Any other
@@ -52,7 +52,7 @@ def record_host_syncs():
 
         def method(self, *args, **kwargs):
             frames = _stack()
-            loop = next((f for f in frames if _in_trainer(f, "train")), None)
+            loop = next((f for f in frames if _in_trainer(f, "_train")), None)
             if loop is not None:
                 if any(_in_trainer(f, fn) for f in frames for fn in LOG_STEP_FUNCTIONS):
                     seen.allowed += 1

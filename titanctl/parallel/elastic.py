@@ -1,0 +1,160 @@
+"""Restarts under ``torchrun --max-restarts``: a clean process group for every attempt.
+
+torchrun's agent keeps one TCPStore for the whole job and hands it to every attempt of the
+workers (``TORCHELASTIC_USE_AGENT_STORE=True``). The keys a dead attempt wrote there (each rank's
+gloo or NCCL address) stay behind, so a restarted rank can read a peer's address from the dead
+attempt before the peer has written its new one and fail with "Gloo connectFullMesh failed ...
+Connection refused" (torch 2.13, ``--standalone``: about one restart in three). Giving every attempt
+its own key prefix, ``titanctl/attempt_{TORCHELASTIC_RESTART_COUNT}``, makes the old keys
+invisible.
+
+The restart count is kept per agent, i.e. per node, and torchrun does not synchronize it between
+nodes: an agent that restarts its workers because another node rejoined does not count that as a
+restart. On one node the count is therefore the same for every rank. Across nodes it matches when
+every node's workers fail together (what happens when a rank dies: its peers' collectives fail),
+but not always, so multi-node jobs should also set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: then
+every rendezvous round gets a fresh store hosted by the new rank 0 and no prefix is needed
+(``slurm/multinode_trainer.slurm`` sets it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which attempt of a torchrun job this process belongs to."""
+
+    restart: int  # 0 for the first attempt
+    max_restarts: int
+    nodes: int  # agents (nodes) in this rendezvous round
+
+    @classmethod
+    def from_env(cls) -> Attempt:
+        return cls(
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+            nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+        )
+
+    @property
+    def is_restart(self) -> bool:
+        return self.restart > 0
+
+    @property
+    def is_last(self) -> bool:
+        """Restarts are exhausted: if this attempt fails, the job ends."""
+        return self.restart >= self.max_restarts
+
+    def after_failure(self) -> str:
+        """What happens to the job when this attempt fails."""
+        used = f"{self.restart} of {self.max_restarts}"
+        if self.is_last:
+            return f"restarts exhausted ({used} used): the same command resumes from it"
+        return f"torchrun restarts the job ({used} restarts used so far), which resumes from it"
+
+
+def uses_shared_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store this attempt's process group must rendezvous over, or None where torch's own
+    ``env://`` store is already fresh (no torchrun, or a store per rendezvous round)."""
+    if not uses_shared_agent_store():
+        return None
+    # torch is imported here, not at the top: the CLI reports errors through this module
+    # (record_failure) without paying for importing torch.
+    import torch.distributed as dist
+
+    attempt = Attempt.from_env()
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=False,  # the agent hosts it
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"titanctl/attempt_{attempt.restart}", store)
+
+
+def multinode_restart_note(attempt: Attempt) -> str | None:
+    """A warning for the case the attempt prefix cannot make safe (see the module doc)."""
+    if attempt.nodes > 1 and attempt.max_restarts > 0 and uses_shared_agent_store():
+        return (
+            "restarts across nodes: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (a fresh store per "
+            "rendezvous round); torchrun counts restarts per node, so a restarted attempt may otherwise wait for "
+            "peers that look for it under another restart count"
+        )
+    return None
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class Terminated(BaseException):
+    """torchrun stopped this worker with SIGTERM (another rank failed, or the job is being shut down).
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside the block SIGTERM raises :class:`Terminated` in the main thread, so that the worker can
+    say where the run stands before it goes (see :func:`die_of_sigterm`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def die_of_sigterm() -> None:
+    """End the process by SIGTERM itself, so that torchrun reports this rank as stopped by the signal
+    (and keeps the rank that really failed as the root cause)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # not reached
+
+
+def record_failure(message: str) -> None:
+    """Give torchrun this rank's reason for failing: its end-of-job summary ("Root Cause", "Failures")
+    prints it instead of "To enable traceback see ...". torchrun names the file in
+    TORCHELASTIC_ERROR_FILE; the plain form ``{"message": str, "timestamp": int}`` is one of the two it reads.
+
+    torchrun calls the failure with the smallest timestamp the root cause, and stamps a rank that
+    left no file (SIGKILL, the OOM killer) with the second it noticed. A rank that reports is often
+    only a victim of that one (its collective failed when the peer vanished), so its report is
+    stamped a second late: a silent death stays the root cause, and reports keep their order."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time()) + 1}, f)
+    except OSError:
+        pass  # the report is a courtesy; the exit code still tells torchrun

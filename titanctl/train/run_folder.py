@@ -1,0 +1,169 @@
+"""A run's dump folder: usable, owned by one run at a time, and one metrics row per step.
+
+Two runs on one dump folder would interleave ``metrics.jsonl`` and delete each other's
+checkpoints, so a run holds an exclusive lock on ``{dump_folder}/.titanctl.lock`` from start to
+end (rank 0 for the whole job). The lock is ``flock``: the kernel drops it when its holder dies,
+so a crashed run (or the dead attempt of a torchrun restart) never blocks the next one; the file
+names the holder (host, PID, start time) so that a refusal can say who owns the folder. A holder
+that ends cleanly removes the file (the folder is left as it found it); one that died leaves its
+name, and its successor says that it took over. ``flock`` is as reliable as the file system's
+locking (local file systems and Lustre with ``-o flock`` honour it across processes; some NFS setups
+only within one host).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from titanctl.errors import ConfigError
+
+LOCK_FILE = ".titanctl.lock"
+METRICS_FILE = "metrics.jsonl"
+
+
+def prepare(folder: Path) -> None:
+    """Create the dump folder if needed, or say in one line why it cannot hold a run."""
+    key = f"job.dump_folder {str(folder)!r}"
+    for parent in [folder, *folder.parents]:
+        if parent.exists() and not parent.is_dir():
+            what = "is a file" if parent == folder else f"is inside {parent}, which is a file"
+            raise ConfigError(f"{key} {what}: choose a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key} cannot be created: {e.strerror or e}; choose a writable folder") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} is not writable by this user; choose a writable folder")
+
+
+class RunLock:
+    """The exclusive lock of one run on its dump folder.
+
+    Held per process: several ``Trainer`` objects of one process (a library user's, or tests') may
+    share a folder one after the other; the lock goes when the last of them releases it.
+    """
+
+    _held: dict[Path, list] = {}  # lock file -> [fd, holders] of this process
+
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK_FILE
+        self._key: Path | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock, or raise naming its holder. Returns a note when a dead run's lock was taken over."""
+        key = self.path.resolve()
+        if key in RunLock._held:
+            RunLock._held[key][1] += 1
+            self._key = key
+            return None
+        fd = self._lock_file()
+        previous = _read(self.path)
+        mine = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        RunLock._held[key] = [fd, 1]
+        self._key = key
+        if previous:
+            return f"took over the dump folder lock of {_describe(previous)}, which is no longer running"
+        return None
+
+    def _lock_file(self) -> int:
+        """An open, flocked descriptor of the lock file that is still at ``self.path``."""
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ConfigError(f"cannot create the dump folder lock {self.path}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise ConfigError(f"cannot lock {self.path}: {e.strerror or e}") from None
+                raise ConfigError(
+                    f"job.dump_folder {str(self.path.parent)!r} is in use by another run "
+                    f"({_describe(_read(self.path))}); wait for it to end or choose another job.dump_folder"
+                ) from None
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the holder removed this file while we waited for it: lock the new one
+
+    def release(self) -> None:
+        key, self._key = self._key, None
+        if key is None:
+            return
+        held = RunLock._held[key]
+        held[1] -= 1
+        if held[1]:
+            return
+        fd = RunLock._held.pop(key)[0]
+        try:
+            self.path.unlink(missing_ok=True)  # a clean end: nobody to take over from, nothing left behind
+        finally:
+            os.close(fd)  # closing drops the flock
+
+
+def _read(path: Path) -> dict:
+    try:
+        holder = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe(holder: dict) -> str:
+    if not holder:
+        return "holder unknown"
+    return f"host {holder.get('host', '?')}, PID {holder.get('pid', '?')}, started {holder.get('started', '?')}"
+
+
+def supersede_metrics(folder: Path, start_step: int) -> str | None:
+    """Make ``metrics.jsonl`` hold one row per step for a run that continues after ``start_step``.
+
+    A resumed run re-trains the steps after its checkpoint: their earlier rows (from the attempt
+    that died) move to ``metrics.superseded.jsonl``. A run that starts at step 0 in a folder with
+    rows of an earlier run moves that file to ``metrics.<time>.jsonl`` and starts a new one.
+    Nothing is deleted. Returns what was done, for the console.
+    """
+    path = folder / METRICS_FILE
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines(keepends=True)
+    if not lines:
+        return None
+    if start_step == 0:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        kept = folder / f"metrics.{stamp}.jsonl"
+        os.replace(path, kept)
+        return f"{path} held an earlier run's rows: moved to {kept.name}; this run starts a new {METRICS_FILE}"
+    keep, drop = [], []
+    for line in lines:
+        (drop if _step(line) > start_step else keep).append(line)
+    if not drop:
+        return None
+    with open(folder / "metrics.superseded.jsonl", "a") as f:
+        f.writelines(drop)
+    tmp = folder / f".{METRICS_FILE}.tmp"
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+    return f"{len(drop)} row(s) after step {start_step} of the interrupted attempt moved to metrics.superseded.jsonl"
+
+
+def _step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0  # not a row of ours: keep it where it is
