@@ -4,7 +4,7 @@ Training shards with DTensor (``parallel/tensor_parallel.py``), whose Python dis
 than a decoded token's matmuls on a small model. Generation needs only the Megatron pattern, so
 here each rank keeps plain tensors: ``wq/wk/wv`` and ``w1/w3`` hold this rank's output rows (its
 heads, its hidden units), ``wo`` and ``w2`` the matching input columns, and a forward hook sums
-their partial outputs with one all-reduce each. The output layer holds this rank's vocabulary rows
+their partial outputs over the ranks (one collective each). The output layer holds this rank's vocabulary rows
 and a hook gathers the whole vocabulary, so every rank sees the same logits and picks the same
 token. The embedding, the norms and the RoPE table are replicated: an embedding lookup reads one
 row per token, and sharding it would add a collective per token.
@@ -75,16 +75,28 @@ def localize(model: Transformer, mesh: DeviceMesh) -> None:
         if name == "output":
             linear.register_forward_hook(_GatherLastDim(group, tp))
         elif dim == 1:  # row-wise: each rank computed a partial sum of the whole output
-            linear.register_forward_hook(_SumOverRanks(group))
+            linear.register_forward_hook(_SumOverRanks(group, tp))
+
+
+def has_collectives(model: nn.Module) -> bool:
+    """Whether :func:`localize` put collectives into ``model``'s forward."""
+    return any(isinstance(hook, (_SumOverRanks, _GatherLastDim))
+               for module in model.modules() for hook in module._forward_hooks.values())
 
 
 class _SumOverRanks:
-    def __init__(self, group):
-        self.group = group
+    """Each rank's partial sum (B, T, dim) -> their total, identical on every rank.
+
+    An all-gather and a local sum rather than an all-reduce: with two ranks the all-gather is one
+    exchange where gloo's all-reduce makes two, and the latency of each exchange, not the bytes,
+    is what a decoded token waits for.
+    """
+
+    def __init__(self, group, tp: int):
+        self.group, self.tp = group, tp
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(out, group=self.group)
-        return out
+        return _gather(out, self.group, self.tp).sum(0)
 
 
 class _GatherLastDim:
@@ -94,6 +106,12 @@ class _GatherLastDim:
         self.group, self.tp = group, tp
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        pieces = out.new_empty(self.tp * out.shape[0], *out.shape[1:])  # (tp * B, T, V / tp)
-        dist.all_gather_into_tensor(pieces, out.contiguous(), group=self.group)
-        return torch.cat(pieces.chunk(self.tp), dim=-1)  # (B, T, V)
+        pieces = _gather(out, self.group, self.tp)  # (tp, B, T, V / tp)
+        return pieces.permute(1, 2, 0, 3).flatten(2)  # (B, T, V)
+
+
+def _gather(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """(tp, *x.shape): every rank's x, in rank order."""
+    pieces = x.new_empty(tp * x.shape[0], *x.shape[1:])
+    dist.all_gather_single(pieces, x.contiguous(), group=group)
+    return pieces.unflatten(0, (tp, x.shape[0]))
