@@ -34,6 +34,7 @@ from titanctl.checkpoint.convert import save_state_dict
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.parallel import inference_tp
 from titanctl.parallel.init import initialize_weights
 from titanctl.tools.generate import GREEDY, Decoder, find_checkpoint, load_model
 
@@ -187,6 +188,7 @@ def tensor_parallel(opts) -> None:
 
     rates = alternating({f"tensor parallel {env.world_size}": tp_run, "1 process": solo_run}, prompt,
                         opts.new_tokens, opts.rounds, between=dist.barrier)
+    exchange = exchange_seconds(mesh, sharded.decoder.model.args.dim)
     if env.rank == 0:
         mode = "compiled" if opts.compile else "eager"
         print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
@@ -196,6 +198,10 @@ def tensor_parallel(opts) -> None:
         tp, one = rates[f"tensor parallel {env.world_size}"], rates["1 process"]
         print(f"ratio tensor parallel {env.world_size}/1 process: decode {tp['decode'] / one['decode']:.2f}, "
               f"prefill {tp['prefill'] / one['prefill']:.2f}; tokens identical: {tp['tokens'] == one['tokens']}")
+        model = sharded.decoder.model
+        collectives = 2 * model.args.n_layers + ("output" in inference_tp.sharded_linears(model, env.world_size))
+        print(f"one collective of a decoded token (gloo, tight loop): {exchange * 1e6:.0f} us; a token needs "
+              f"{collectives}: {collectives * exchange * 1e3:.2f} ms of the {1e3 / tp['decode']:.2f} ms it takes")
         if opts.compile:
             print(f"compile time of the decode step: TP {sharded.compile_seconds:.1f} s, "
                   f"1 process {solo.compile_seconds:.1f} s (not in the rates)")
@@ -203,6 +209,20 @@ def tensor_parallel(opts) -> None:
 
         shutil.rmtree(folder, ignore_errors=True)
     finish(0)
+
+
+def exchange_seconds(mesh, dim: int, repeats: int = 300) -> float:
+    """Median seconds of the sum-over-ranks a decoded token waits for after wo and w2, in a tight loop."""
+    hook = inference_tp._SumOverRanks(mesh.get_group(), mesh.size())
+    partial = torch.randn(1, 1, dim)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            hook(None, (), partial)
+        times.append((time.perf_counter() - start) / repeats)
+    return statistics.median(times)
 
 
 def main() -> None:

@@ -99,8 +99,8 @@ def use_decode_layout(model: nn.Module) -> None:
     """On a CPU, store every linear's weight transposed in memory (same shape and values).
 
     Decoding multiplies one row by each weight; ``F.linear`` then computes ``x @ W.T``, which
-    BLAS streams faster when ``W.T`` is the contiguous one (the debug model decodes ~1.3x faster,
-    ``benchmarks/generate_throughput.py``). Numerics change only in rounding.
+    BLAS streams faster when ``W.T`` is the contiguous one (measured on the debug model, eager
+    and compiled). Numerics change only in rounding.
     """
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.weight.device.type == "cpu":
@@ -148,10 +148,8 @@ class Decoder:
         self.trust_guards = True
         self._step = self._decode_step
         if compile:
-            # The C++ wrapper calls the kernels without a Python line per op (~1.4x on the debug
-            # model); it cannot call collectives (torch 2.13), so a TP-sharded model keeps Python's.
-            options = {"cpp_wrapper": not inference_tp.has_collectives(model)}
-            self._step = torch.compile(self._decode_step, fullgraph=True, dynamic=False, options=options)
+            self._step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
+                                       options=_compile_options(model))
         self._warm: set[Sampling] = set()
 
     def close(self) -> None:
@@ -159,8 +157,8 @@ class Decoder:
 
     def _same_inputs(self):
         """Later steps of one generation: the inputs keep their shapes, the model and sampling stay,
-        so the compiled step's guards (~1500 checks of the module tree, ~0.1-0.3 ms a token) are
-        skipped; those that tell the greedy and the sampling graph apart still run."""
+        so the compiled step's guards (checks of the whole module tree, a visible share of a small
+        model's step) are skipped; those that tell one compiled graph from another still run."""
         if self.compiled and self.trust_guards:
             return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         return nullcontext()
@@ -227,6 +225,19 @@ class Decoder:
         tokens, reason = _cut_at_stop(torch.cat(chosen).flatten().tolist(), set(stop_tokens))
         decode_seconds = time.perf_counter() - start - prefill_seconds
         return Generation(list(prompt), tokens, prefill_seconds, decode_seconds, reason, compile_seconds)
+
+
+def _compile_options(model: nn.Module) -> dict[str, Any]:
+    """Inductor settings for the decode step, each measured on the debug model (CPU, 2 cores):
+
+    - the C++ wrapper calls the kernels without a line of Python per op; it cannot call
+      collectives (torch 2.13), so a tensor-parallel model keeps the Python wrapper;
+    - one thread in the generated kernels: they work on one token's vectors, too small to split,
+      and an OpenMP team per kernel made 2-thread decoding collapse on a loaded machine, where the
+      second thread is often not running (``benchmarks/generate_throughput.py --threads 2``).
+      Matrix products keep torch's thread count.
+    """
+    return {"cpp_wrapper": not inference_tp.has_collectives(model), "cpp.threads": 1}
 
 
 def _has_stop(tokens: list[torch.Tensor], stops: torch.Tensor) -> bool:
