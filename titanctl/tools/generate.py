@@ -145,7 +145,6 @@ class Decoder:
         self.device = model.rope_cache.device
         model.setup_kv_cache(max_seq_len)
         self.compiled = compile
-        self.trust_guards = True
         self._step = self._decode_step
         if compile:
             self._step = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
@@ -158,8 +157,9 @@ class Decoder:
     def _same_inputs(self):
         """Later steps of one generation: the inputs keep their shapes, the model and sampling stay,
         so the compiled step's guards (checks of the whole module tree, a visible share of a small
-        model's step) are skipped; those that tell one compiled graph from another still run."""
-        if self.compiled and self.trust_guards:
+        model's step) are skipped; those that tell one compiled graph from another still run. The
+        stance is process-wide while the loop runs."""
+        if self.compiled:
             return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         return nullcontext()
 
