@@ -37,12 +37,11 @@ def checkpoints(tmp_path_factory, single_thread):
 def one_process(folder: Path, **sampling) -> list[int]:
     """Generation in this process, without a process group: the reference."""
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import build_model, find_checkpoint, generate, load_weights
+    from titanctl.tools.generate import find_checkpoint, generate, load_model
 
     source = find_checkpoint(folder)
     ids = Tokenizer().encode(PROMPT, bos=True, eos=False)
-    model = build_model(source.args.replace(max_seq_len=len(ids) + MAX_NEW), torch.device("cpu"))
-    load_weights(model, source)
+    model = load_model(source, source.args.replace(max_seq_len=len(ids) + MAX_NEW), torch.device("cpu"))
     return generate(model, ids, MAX_NEW, **sampling).tokens
 
 
@@ -86,6 +85,7 @@ def test_tp2_sampling_and_hf_checkpoint(checkpoints, reference, tmp_path):
     assert got["sample_7"] == got["sample_7_again"] == reference["sample_7"]  # across runs and TP degrees
     assert got["sample_8"] != got["sample_7"]
     assert got["hf_greedy"] == reference["greedy"]  # the same weights through safetensors
+    assert got["greedy_compiled"] == reference["greedy"]  # collectives inside the compiled decode step
 
 
 def test_one_process_cli_hf_sampling_is_reproducible(checkpoints, reference, tmp_path):

@@ -1,4 +1,5 @@
-"""KV-cache decoding and sampling (one process; tensor parallel is in tests/distributed/test_infer_tp.py)."""
+"""Static-KV-cache decoding (one process; tensor parallel is in tests/distributed/test_infer_tp.py,
+sampling in test_sampling.py, parity with transformers in test_generate_parity.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from titanctl.errors import CheckpointError, ParallelError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
 from titanctl.parallel.init import initialize_weights
-from titanctl.tools.generate import check_tp_degree, find_checkpoint, generate, sample_token
+from titanctl.tools.generate import Decoder, check_tp_degree, find_checkpoint, generate
+from titanctl.tools.sampling import Sampling
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
 PROMPT = [1, 17, 99, 3, 250, 42, 7]
@@ -25,43 +27,73 @@ def model():
     torch.set_num_threads(threads)
 
 
+def positions(start: int, stop: int) -> torch.Tensor:
+    return torch.arange(start, stop)
+
+
 @torch.no_grad()
-def test_prefill_then_decode_equals_full_forward(model):
+def test_static_cache_logits_equal_the_full_forward_at_every_position(model):
     tokens = torch.tensor([PROMPT + [5, 6, 8, 200, 11]])  # (1, 12)
     full = model(tokens)
     model.setup_kv_cache(16)
     try:
-        parts = [model(tokens[:, :7], start_pos=0)]  # prefill: causal over the prompt
-        parts.append(model(tokens[:, 7:10], start_pos=7))  # several new tokens at once (masked)
-        parts += [model(tokens[:, i : i + 1], start_pos=i) for i in (10, 11)]  # one at a time
+        parts = [model(tokens[:, :7], input_pos=positions(0, 7))]  # prefill: causal over the prompt
+        parts.append(model(tokens[:, 7:10], input_pos=positions(7, 10)))  # several new tokens at once
+        parts += [model(tokens[:, i : i + 1], input_pos=positions(i, i + 1)) for i in (10, 11)]  # one at a time
     finally:
         model.clear_kv_cache()
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
-def test_forward_without_start_pos_ignores_the_cache(model):
+def test_decoder_steps_give_the_full_forward_logits(model):
+    """What the generator runs (prefill, then its decode step at a position tensor) sees the
+    logits of the full forward at every position, also when the cache holds an older sequence."""
+    tokens = torch.tensor([PROMPT + [5, 6, 8, 200, 11]])
+    full = model(tokens)
+    decoder = Decoder(model, 16)
+    try:
+        decoder.generate([9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], 3)  # leaves other keys in the cache
+        logits = [model(tokens[:, :7], input_pos=positions(0, 7))]
+        for i in range(7, 12):
+            logits.append(model(tokens[:, i : i + 1], input_pos=torch.tensor([i])))
+    finally:
+        decoder.close()
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_forward_without_input_pos_ignores_the_cache(model):
     tokens = torch.tensor([PROMPT])
     before = model(tokens)
     model.setup_kv_cache()
     try:
-        model(tokens[:, :3], start_pos=0)
+        model(tokens[:, :3], input_pos=positions(0, 3))
         assert torch.equal(model(tokens), before)
     finally:
         model.clear_kv_cache()
     assert all(layer.attention.cache is None for layer in model.layers.values())
 
 
+def test_cache_is_preallocated_with_the_heads_of_wk(model):
+    model.setup_kv_cache(10)
+    try:
+        cache = model.layers["0"].attention.cache
+        assert cache.k.shape == cache.v.shape == (1, ARGS.kv_heads, 10, ARGS.head_dim)
+        assert not any(name.startswith("layers.0.attention.cache") for name in model.state_dict())
+    finally:
+        model.clear_kv_cache()
+
+
 def test_cache_longer_than_rope_table_and_overflow_are_refused(model):
     with pytest.raises(ValueError, match="max_seq_len"):
         model.setup_kv_cache(ARGS.max_seq_len + 1)
-    model.setup_kv_cache(4)
+    decoder = Decoder(model, 10)
     try:
-        with pytest.raises(ValueError, match="holds 4 positions"):
-            with torch.no_grad():
-                model(torch.tensor([PROMPT]), start_pos=0)
+        with pytest.raises(ValueError, match="exceed the 10-position KV cache"):
+            decoder.generate(PROMPT, 4)
     finally:
-        model.clear_kv_cache()
+        decoder.close()
 
 
 def test_greedy_with_cache_equals_recomputing_everything(model):
@@ -82,32 +114,37 @@ def test_sampling_is_reproducible_per_seed(model):
     assert generate(model, PROMPT, 24, temperature=1.0, top_k=50, seed=7, kv_cache=False).tokens == a.tokens
 
 
+def test_compiled_decode_step_equals_eager(model):
+    """One compiled decoder, greedy and sampled (two graphs); compile time is reported apart."""
+    decoder = Decoder(model, len(PROMPT) + 16, compile=True)
+    try:
+        greedy = decoder.generate(PROMPT, 16)
+        sampled = decoder.generate(PROMPT, 16, Sampling(1.0, 50), seed=7)
+        again = decoder.generate(PROMPT, 16, Sampling(1.0, 50), seed=7)
+    finally:
+        decoder.close()
+    assert greedy.compile_seconds > 0 and sampled.compile_seconds > 0 and again.compile_seconds == 0
+    assert greedy.tokens == generate(model, PROMPT, 16).tokens
+    assert sampled.tokens == again.tokens == generate(model, PROMPT, 16, temperature=1.0, top_k=50, seed=7).tokens
+
+
 def test_top_k_1_is_greedy(model):
     greedy = generate(model, PROMPT, 12, temperature=0)
     assert generate(model, PROMPT, 12, temperature=0.7, top_k=1, seed=5).tokens == greedy.tokens
 
 
-def test_stop_token_ends_generation(model):
+@pytest.mark.parametrize("interval", [1, 3, 8])
+def test_stop_token_ends_generation(model, interval):
     greedy = generate(model, PROMPT, 12, temperature=0)
     stop = greedy.tokens[3]
-    stopped = generate(model, PROMPT, 12, temperature=0, stop_tokens={stop})
+    decoder = Decoder(model, len(PROMPT) + 12, stop_check_interval=interval)
+    try:
+        stopped = decoder.generate(PROMPT, 12, stop_tokens={stop})
+    finally:
+        decoder.close()
     first = greedy.tokens.index(stop)
     assert stopped.tokens == greedy.tokens[: first + 1]
     assert stopped.stop_reason == "stop_token"
-
-
-def test_sample_token_follows_the_distribution():
-    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf")])
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros(4)
-    for _ in range(3000):
-        counts[sample_token(logits, 1.0, 0, gen)] += 1
-    expected = torch.softmax(logits, 0) * 3000
-    assert counts[3] == 0
-    assert torch.allclose(counts[:3], expected[:3], rtol=0.15)
-    top2 = {sample_token(logits, 1.0, 2, gen) for _ in range(200)}
-    assert top2 == {1, 2}
-    assert sample_token(logits, 0.0, 0, gen) == 2
 
 
 def test_tp_degree_must_divide_the_heads():

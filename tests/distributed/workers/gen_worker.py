@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N gen_worker.py DCP_FOLDER HF_FOLDER PROMPT MAX_NEW OUT
 
-OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy"} -> token lists.
+OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy", "greedy_compiled"} -> token lists.
 """
 
 import json
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from titanctl.cli.console import finish
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.parallel.env import init_process
-from titanctl.tools.generate import build_model, check_tp_degree, find_checkpoint, generate, load_weights
+from titanctl.tools.generate import check_tp_degree, find_checkpoint, generate, load_model
 
 # Hot enough that the tiny model, which knows its one sentence by heart, draws different tokens per seed.
 SAMPLING = {"temperature": 1.5, "top_k": 200}
@@ -24,9 +24,7 @@ def load(folder, prompt_len, max_new, env, mesh):
     source = find_checkpoint(Path(folder))
     args = source.args.replace(max_seq_len=prompt_len + max_new)
     check_tp_degree(args, env.world_size)
-    model = build_model(args, env.device, mesh)
-    load_weights(model, source)
-    return model
+    return load_model(source, args, env.device, mesh)
 
 
 def main() -> None:
@@ -34,14 +32,15 @@ def main() -> None:
     max_new = int(max_new)
     env = init_process(60)
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("tp",))
-    group = mesh.get_group()
     ids = Tokenizer().encode(prompt, bos=True, eos=False)
     results = {}
     model = load(dcp_folder, len(ids), max_new, env, mesh)
     for name, seed in (("sample_7", 7), ("sample_7_again", 7), ("sample_8", 8)):
-        results[name] = generate(model, ids, max_new, seed=seed, group=group, **SAMPLING).tokens
+        results[name] = generate(model, ids, max_new, seed=seed, **SAMPLING).tokens
+    # The compiled decode step traces the collectives of the sharded linears into its graph.
+    results["greedy_compiled"] = generate(model, ids, max_new, temperature=0, compile=True).tokens
     model = load(hf_folder, len(ids), max_new, env, mesh)
-    results["hf_greedy"] = generate(model, ids, max_new, temperature=0, group=group).tokens
+    results["hf_greedy"] = generate(model, ids, max_new, temperature=0).tokens
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank{env.rank}.json").write_text(json.dumps(results))
 

@@ -5,8 +5,8 @@ tensor-parallel plan that shards them column-wise just works; ``layers`` is a
 ModuleDict keyed by layer id, so pipeline stages keep canonical names; and any of
 ``tok_embeddings``, ``norm``, ``output`` may be set to None by a pipeline split.
 
-Inference adds an optional KV cache (``setup_kv_cache``, then ``forward(tokens, start_pos)``);
-training never passes ``start_pos`` and runs exactly the cache-free code.
+Inference adds an optional static KV cache (``setup_kv_cache``, then ``forward(tokens, input_pos)``
+with a tensor of positions); training never passes ``input_pos`` and runs exactly the cache-free code.
 """
 
 from __future__ import annotations
@@ -92,29 +92,32 @@ def build_norm(args: ModelArgs) -> RMSNorm:
     return NORMS[args.norm_type](args.dim, args.norm_eps)
 
 
-class KVCache:
-    """Keys and values of the positions decoded so far: (B, max_seq_len, H_kv, head_dim) each.
+class KVCache(nn.Module):
+    """Keys and values of every position a generation may reach, allocated once:
+    (B, H_kv, max_seq_len, head_dim) each, the layout attention reads.
 
-    Allocated at the first update from the keys it is given, so under tensor parallelism it
-    holds only this rank's heads, without the model knowing about parallelism.
+    Written at a tensor of positions (``index_copy_``), never sliced by a Python number, so a
+    decode step is the same computation at every position and compiles once.
     """
 
-    def __init__(self, max_seq_len: int):
-        self.max_seq_len = max_seq_len
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+    def __init__(self, batch: int, max_seq_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq_len, head_dim)
+        # Zeros, not empty: masked-out positions still enter the weighted sum (with weight 0).
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, T, H_kv, head_dim) at start_pos; return all keys and values up to it + T."""
-        end = start_pos + k.shape[1]
-        if end > self.max_seq_len:
-            raise ValueError(f"KV cache holds {self.max_seq_len} positions, asked to write up to {end}")
-        if self.k is None or self.k.shape[0] != k.shape[0]:
-            self.k = k.new_zeros(k.shape[0], self.max_seq_len, *k.shape[2:])  # (B, S_max, H_kv, head_dim)
-            self.v = v.new_zeros(v.shape[0], self.max_seq_len, *v.shape[2:])
-        self.k[:, start_pos:end] = k
-        self.v[:, start_pos:end] = v
-        return self.k[:, :end], self.v[:, :end]  # (B, end, H_kv, head_dim)
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T, head_dim) at positions input_pos (T,); return the whole cache."""
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v  # (B, H_kv, S_max, head_dim)
+
+    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+        """(T, S_max): the query at position p sees the keys at positions <= p."""
+        return self.positions[None, :] <= input_pos[:, None]
 
 
 class Attention(nn.Module):
@@ -128,8 +131,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.cache: KVCache | None = None  # set by Transformer.setup_kv_cache for decoding
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
-        """With ``start_pos`` (decoding) x holds positions start_pos.. and rope their rows."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those positions and rope their rows."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of them.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, head_dim)
@@ -137,19 +140,22 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
         rope = rope[:seqlen]  # the table may be longer than this sequence
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        mask, causal = None, True
-        if start_pos is not None:  # decoding: attend to the cached positions too
-            k, v = self.cache.update(start_pos, k, v)  # (B, S = start_pos + T, H_kv, head_dim)
-            if start_pos > 0:  # causal, aligned to the last key (a lone new token sees every key)
-                causal = False
-                if seqlen > 1:
-                    mask = torch.ones(seqlen, k.shape[1], dtype=torch.bool, device=x.device).tril(start_pos)
-        k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, S, H, head_dim)
-        v = v.repeat_interleave(self.kv_repeats, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
-        )  # (B, H, T, head_dim)
+        if input_pos is not None:
+            out = self._attend_cached(q, k, v, input_pos)
+        else:
+            k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, T, H, head_dim)
+            v = v.repeat_interleave(self.kv_repeats, dim=2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )  # (B, H, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor):
+        """Attention of the new positions over every cached one, masked by position."""
+        keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=self.cache.mask(input_pos), enable_gqa=self.kv_repeats > 1
+        )  # (B, H, T, head_dim)
 
 
 class FeedForward(nn.Module):
@@ -171,8 +177,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = build_norm(args)
         self.ffn_norm = build_norm(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, start_pos=start_pos)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos=input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -198,31 +204,38 @@ class Transformer(nn.Module):
         # Derived from args, so never saved: checkpoints hold weights only.
         self.register_buffer("rope_cache", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
 
-        ``start_pos`` (after ``setup_kv_cache``): tokens sit at positions start_pos.. and attend
-        to the cached ones before them. Returns logits (B, T, vocab), or hidden states when this
-        stage has no output layer.
+        ``input_pos`` (T,) int64, after ``setup_kv_cache``: the positions of the tokens, which
+        attend to the cached positions before them. Returns logits (B, T, vocab), or hidden
+        states when this stage has no output layer.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table: under sequence parallel h holds only this rank's part of the sequence.
         rope = self.rope_cache
-        if start_pos is not None:
-            rope = rope[start_pos : start_pos + h.shape[1]]  # (T, head_dim // 2, 2)
+        if input_pos is not None:
+            rope = rope[input_pos]  # (T, head_dim // 2, 2)
         for layer in self.layers.values():
-            h = layer(h, rope, start_pos=start_pos)
+            h = layer(h, rope, input_pos=input_pos)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def setup_kv_cache(self, max_seq_len: int | None = None) -> None:
-        """Give every attention an empty KV cache of ``max_seq_len`` positions (default: the RoPE table's)."""
+    def setup_kv_cache(self, max_seq_len: int | None = None, batch_size: int = 1) -> None:
+        """Give every attention a zeroed KV cache of ``max_seq_len`` positions (default: the RoPE table's).
+
+        Its heads are those the attention's ``wk`` produces, so a sharded ``wk`` gets a cache of
+        its own heads only.
+        """
         length = max_seq_len or self.rope_cache.shape[0]
         if length > self.rope_cache.shape[0]:
             raise ValueError(f"a {length}-position cache needs ModelArgs.max_seq_len >= {length}")
         for layer in self.layers.values():
-            layer.attention.cache = KVCache(length)
+            attention = layer.attention
+            weight = attention.wk.weight
+            attention.cache = KVCache(batch_size, length, weight.shape[0] // attention.head_dim, attention.head_dim,
+                                      weight.dtype, weight.device)
 
     def clear_kv_cache(self) -> None:
         for layer in self.layers.values():

@@ -90,28 +90,3 @@ def sharded_linear_dims(name: str, tp: int) -> tuple[int, int]:
     if isinstance(style, RowwiseParallel):
         return 1, tp
     return 1, 1
-
-
-# Inference: no sequence parallel, so a single decoded token (T = 1) needs no sequence split.
-# Activations between blocks stay replicated plain tensors; each block shards heads / hidden
-# units (colwise in, rowwise out, one all-reduce each for attention and the MLP), so the KV
-# cache holds only this rank's heads. The output layer gathers the whole vocabulary.
-
-
-def inference_root_plan() -> dict[str, ParallelStyle]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
-
-
-def inference_block_plan() -> dict[str, ParallelStyle]:
-    return {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-    }

@@ -1,0 +1,251 @@
+"""Generation speed: titanctl's decoder vs transformers' `generate()`, greedy, same weights.
+
+The model (a flavor, random weights from a seed) is exported once as a Hugging Face folder by
+titanctl; titanctl loads it through its own reader, transformers with ``from_pretrained``. Each
+contender is loaded once, then they decode the same prompt in alternating rounds, so load from
+other processes on the machine hits them alike. Prefill (prompt forward + first token) and decode
+(every later token) rates are printed apart, with their ratios, and whether the tokens agree.
+Compiling titanctl's decode step happens once, before the rounds, and is reported on its own.
+
+    .venv/bin/python benchmarks/generate_throughput.py [--rounds 5] [--prompt-len 64] [--new-tokens 160]
+        [--flavor debugmodel] [--threads N] [--no-compile]
+
+``--tp 2`` compares tensor-parallel decoding over 2 processes (gloo on CPU; the script launches
+torchrun itself) with one process, in alternating rounds inside one job: while rank 0 decodes
+alone with ``--threads`` threads, the other ranks wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titanctl.checkpoint.convert import save_state_dict
+from titanctl.data.datasets import load_documents
+from titanctl.data.tokenizer import Tokenizer
+from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.parallel import inference_tp
+from titanctl.parallel.init import initialize_weights
+from titanctl.tools.generate import GREEDY, Decoder, find_checkpoint, load_model
+
+
+@dataclass
+class Timing:
+    prefill_seconds: float  # prompt forward + first token
+    decode_seconds: float  # the other tokens
+    tokens: list[int]
+
+
+def prompt_ids(length: int) -> list[int]:
+    text = " ".join(doc for _, doc in zip(range(20), load_documents("bundled_val", None)))
+    ids = Tokenizer().encode(text, bos=True, eos=False)
+    if len(ids) < length:
+        raise SystemExit(f"the bundled text gives only {len(ids)} prompt tokens")
+    return ids[:length]
+
+
+def export_model(flavor: str, folder: Path, max_seq_len: int):
+    """A seeded random model of ``flavor``, written as a Hugging Face folder by titanctl."""
+    args = LLAMA3_FLAVORS[flavor].replace(vocab_size=Tokenizer().vocab_size, max_seq_len=max_seq_len)
+    model = Transformer(args)
+    initialize_weights(model, seed=0)
+    save_state_dict(model.state_dict(), args, folder, "hf")
+    return args
+
+
+class Ours:
+    def __init__(self, folder: Path, max_seq_len: int, compile: bool, mesh=None):
+        source = find_checkpoint(folder)
+        model = load_model(source, source.args.replace(max_seq_len=max_seq_len), torch.device("cpu"), mesh)
+        self.decoder = Decoder(model, max_seq_len, compile=compile)
+        self.compile_seconds = self.decoder.warm_up(GREEDY)
+
+    def __call__(self, prompt: list[int], new_tokens: int) -> Timing:
+        g = self.decoder.generate(prompt, new_tokens)
+        return Timing(g.prefill_seconds, g.decode_seconds, g.tokens)
+
+
+class Theirs:
+    """transformers' generate(), greedy, its default (dynamic) cache; a streamer marks the first token."""
+
+    def __init__(self, folder: Path):
+        import transformers
+
+        self.model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.transformers = transformers
+
+    def __call__(self, prompt: list[int], new_tokens: int) -> Timing:
+        marks: list[float] = []
+
+        class Clock:  # put() gets the prompt first, then each new token
+            def put(self, value):
+                marks.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            config = self.transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                                        max_new_tokens=new_tokens)
+            out = self.model.generate(torch.tensor([prompt]), generation_config=config, streamer=Clock())
+        end = time.perf_counter()
+        return Timing(marks[1] - start, end - marks[1], out[0, len(prompt):].tolist())
+
+
+def alternating(contenders: dict, prompt: list[int], new_tokens: int, rounds: int, between=None) -> dict:
+    """Median prefill and decode tokens/s of each contender over alternating rounds, and its tokens."""
+    for run in contenders.values():  # warm up
+        run(prompt, 8)
+    seen: dict[str, dict] = {name: {"prefill": [], "decode": [], "tokens": None} for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            if between is not None:
+                between()
+            t = run(prompt, new_tokens)
+            seen[name]["prefill"].append(len(prompt) / t.prefill_seconds)
+            seen[name]["decode"].append((len(t.tokens) - 1) / t.decode_seconds)
+            seen[name]["tokens"] = t.tokens
+    return {name: {**s, "prefill": statistics.median(s["prefill"]), "decode": statistics.median(s["decode"])}
+            for name, s in seen.items()}
+
+
+def print_rates(rates: dict) -> None:
+    print(f"{'':28s}{'prefill tokens/s':>18s}{'decode tokens/s':>18s}")
+    for name, r in rates.items():
+        print(f"{name:28s}{r['prefill']:18,.0f}{r['decode']:18,.1f}")
+
+
+def one_process(opts) -> None:
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    prompt = prompt_ids(opts.prompt_len)
+    length = opts.prompt_len + opts.new_tokens
+    with tempfile.TemporaryDirectory(prefix="titanctl-genbench-") as tmp:
+        args = export_model(opts.flavor, Path(tmp), length)
+        mode = "compiled" if opts.compile else "eager"
+        contenders = {f"titanctl ({mode})": Ours(Path(tmp), length, opts.compile)}
+        if opts.compile:
+            contenders["titanctl (eager)"] = Ours(Path(tmp), length, compile=False)
+        contenders["transformers generate()"] = Theirs(Path(tmp))
+    rates = alternating(contenders, prompt, opts.new_tokens, opts.rounds)
+    print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
+          f"{opts.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads, "
+          f"median of {opts.rounds} alternating rounds")
+    print_rates(rates)
+    theirs = rates["transformers generate()"]
+    for name, r in rates.items():
+        if name.startswith("titanctl"):
+            print(f"ratio {name}/transformers: prefill {r['prefill'] / theirs['prefill']:.2f}, "
+                  f"decode {r['decode'] / theirs['decode']:.2f}; tokens identical: {r['tokens'] == theirs['tokens']}")
+    if opts.compile:
+        print(f"compile time of the decode step: {contenders[f'titanctl ({mode})'].compile_seconds:.1f} s "
+              "(once per process, not in the rates)")
+
+
+def tensor_parallel(opts) -> None:
+    """Under torchrun: TP over all ranks vs rank 0 alone, alternating."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanctl.cli.console import finish
+    from titanctl.parallel.env import init_process
+
+    env = init_process(120)
+    tp_threads = torch.get_num_threads()
+    solo_threads = opts.threads or os.cpu_count() or 1
+    mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("tp",))
+    prompt = prompt_ids(opts.prompt_len)
+    length = opts.prompt_len + opts.new_tokens
+    folder = [tempfile.mkdtemp(prefix="titanctl-genbench-") if env.rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    folder = Path(folder[0])
+    if env.rank == 0:
+        args = export_model(opts.flavor, folder, length)
+    dist.barrier()
+    sharded = Ours(folder, length, opts.compile, mesh)
+    solo = Ours(folder, length, opts.compile) if env.rank == 0 else None  # safetensors: no collective
+
+    def tp_run(prompt, new_tokens):
+        torch.set_num_threads(tp_threads)
+        return sharded(prompt, new_tokens)
+
+    def solo_run(prompt, new_tokens):
+        if env.rank == 0:
+            torch.set_num_threads(solo_threads)
+            timing = solo(prompt, new_tokens)
+        dist.barrier()  # the others wait here while rank 0 decodes alone
+        return timing if env.rank == 0 else Timing(1.0, 1.0, [0, 0])
+
+    rates = alternating({f"tensor parallel {env.world_size}": tp_run, "1 process": solo_run}, prompt,
+                        opts.new_tokens, opts.rounds, between=dist.barrier)
+    exchange = exchange_seconds(mesh, sharded.decoder.model.args.dim)
+    if env.rank == 0:
+        mode = "compiled" if opts.compile else "eager"
+        print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
+              f"{opts.new_tokens} new tokens, greedy, fp32, {mode} decode step, median of {opts.rounds} "
+              f"alternating rounds; TP: gloo, {tp_threads} thread(s) per rank; 1 process: {solo_threads} thread(s)")
+        print_rates(rates)
+        tp, one = rates[f"tensor parallel {env.world_size}"], rates["1 process"]
+        print(f"ratio tensor parallel {env.world_size}/1 process: decode {tp['decode'] / one['decode']:.2f}, "
+              f"prefill {tp['prefill'] / one['prefill']:.2f}; tokens identical: {tp['tokens'] == one['tokens']}")
+        model = sharded.decoder.model
+        collectives = 2 * model.args.n_layers + ("output" in inference_tp.sharded_linears(model, env.world_size))
+        print(f"one collective of a decoded token (gloo, tight loop): {exchange * 1e6:.0f} us; a token needs "
+              f"{collectives}: {collectives * exchange * 1e3:.2f} ms of the {1e3 / tp['decode']:.2f} ms it takes")
+        if opts.compile:
+            print(f"compile time of the decode step: TP {sharded.compile_seconds:.1f} s, "
+                  f"1 process {solo.compile_seconds:.1f} s (not in the rates)")
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    finish(0)
+
+
+def exchange_seconds(mesh, dim: int, repeats: int = 300) -> float:
+    """Median seconds of the sum-over-ranks a decoded token waits for after wo and w2, in a tight loop."""
+    hook = inference_tp._SumOverRanks(mesh.get_group(), mesh.size())
+    partial = torch.randn(1, 1, dim)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            hook(None, (), partial)
+        times.append((time.perf_counter() - start) / repeats)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile titanctl's decode step (default); --no-compile: eager only")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree: > 1 compares with 1 process")
+    opts = parser.parse_args()
+    if opts.tp == 1:
+        one_process(opts)
+    elif "WORLD_SIZE" in os.environ:
+        tensor_parallel(opts)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.tp}",
+               __file__, *sys.argv[1:]]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()

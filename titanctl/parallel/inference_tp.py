@@ -1,0 +1,117 @@
+"""Tensor parallel for generation: plain local tensors and one collective per sharded pair of linears.
+
+Training shards with DTensor (``parallel/tensor_parallel.py``), whose Python dispatch costs more
+than a decoded token's matmuls on a small model. Generation needs only the Megatron pattern, so
+here each rank keeps plain tensors: ``wq/wk/wv`` and ``w1/w3`` hold this rank's output rows (its
+heads, its hidden units), ``wo`` and ``w2`` the matching input columns, and a forward hook sums
+their partial outputs over the ranks (one collective each). The output layer holds this rank's vocabulary rows
+and a hook gathers the whole vocabulary, so every rank sees the same logits and picks the same
+token. The embedding, the norms and the RoPE table are replicated: an embedding lookup reads one
+row per token, and sharding it would add a collective per token.
+
+Two steps, around loading:
+
+1. :func:`shard_weights` (on the meta model, before ``to_empty``) makes each sharded weight a
+   DTensor, so the checkpoint readers fill only this rank's slice (DCP reads only its shards);
+2. :func:`localize` (after loading) swaps every DTensor for its local tensor and installs the hooks.
+
+The model never learns it is sharded: its projections reshape with ``-1`` heads and its KV cache
+takes its head count from ``wk``. Collectives are plain ``torch.distributed`` calls, which
+``torch.compile`` traces into the compiled decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from titanctl.models.llama.model import Transformer
+
+# Block linear -> the weight dim (out = 0, in = 1) this rank holds a slice of.
+BLOCK_SHARDS = {
+    "attention.wq": 0,
+    "attention.wk": 0,
+    "attention.wv": 0,
+    "attention.wo": 1,
+    "feed_forward.w1": 0,
+    "feed_forward.w3": 0,
+    "feed_forward.w2": 1,
+}
+
+
+def sharded_linears(model: Transformer, tp: int) -> dict[str, tuple[nn.Linear, int]]:
+    """Every linear that tensor parallel splits, by name, with the dim it splits.
+
+    The output layer is split by vocabulary rows when the vocabulary divides evenly (its logits
+    are gathered with equal-sized pieces); otherwise it stays whole on every rank.
+    """
+    found = {}
+    for layer_id, block in model.layers.items():
+        for name, dim in BLOCK_SHARDS.items():
+            found[f"layers.{layer_id}.{name}"] = (block.get_submodule(name), dim)
+    if model.output is not None and model.output.out_features % tp == 0:
+        found["output"] = (model.output, 0)
+    return found
+
+
+def shard_weights(model: Transformer, mesh: DeviceMesh) -> None:
+    """Make each split weight a DTensor sharded over ``mesh`` (1-D), for a checkpoint reader to fill."""
+    for linear, dim in sharded_linears(model, mesh.size()).values():
+        weight = distribute_tensor(linear.weight.detach(), mesh, [Shard(dim)], src_data_rank=None)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def localize(model: Transformer, mesh: DeviceMesh) -> None:
+    """Swap the DTensor weights for their local tensors and add the collectives as forward hooks."""
+    group, tp = mesh.get_group(), mesh.size()
+    for name, (linear, dim) in sharded_linears(model, tp).items():
+        weight = linear.weight
+        if not isinstance(weight, DTensor):
+            raise TypeError(f"{name}.weight is not sharded: call shard_weights before loading")
+        linear.weight = nn.Parameter(weight.to_local(), requires_grad=False)
+        if name == "output":
+            linear.register_forward_hook(_GatherLastDim(group, tp))
+        elif dim == 1:  # row-wise: each rank computed a partial sum of the whole output
+            linear.register_forward_hook(_SumOverRanks(group, tp))
+
+
+def has_collectives(model: nn.Module) -> bool:
+    """Whether :func:`localize` put collectives into ``model``'s forward."""
+    return any(isinstance(hook, (_SumOverRanks, _GatherLastDim))
+               for module in model.modules() for hook in module._forward_hooks.values())
+
+
+class _SumOverRanks:
+    """Each rank's partial sum (B, T, dim) -> their total, identical on every rank.
+
+    An all-gather and a local sum rather than an all-reduce: with two ranks the all-gather is one
+    exchange where gloo's all-reduce makes two, and the latency of each exchange, not the bytes,
+    is what a decoded token waits for.
+    """
+
+    def __init__(self, group, tp: int):
+        self.group, self.tp = group, tp
+
+    def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+        return _gather(out, self.group, self.tp).sum(0)
+
+
+class _GatherLastDim:
+    """(B, T, V / tp) on each rank -> (B, T, V) in rank order on every rank."""
+
+    def __init__(self, group, tp: int):
+        self.group, self.tp = group, tp
+
+    def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+        pieces = _gather(out, self.group, self.tp)  # (tp, B, T, V / tp)
+        return pieces.permute(1, 2, 0, 3).flatten(2)  # (B, T, V)
+
+
+def _gather(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+    """(tp, *x.shape): every rank's x, in rank order."""
+    pieces = x.new_empty(tp * x.shape[0], *x.shape[1:])
+    dist.all_gather_single(pieces, x.contiguous(), group=group)
+    return pieces.unflatten(0, (tp, x.shape[0]))
