@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
 
@@ -84,7 +85,7 @@ class ParallelDims:
         for parts in (("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp")):
             present = [p for p in parts if self.degrees[p] > 1]
             if len(present) > 1:
-                mesh[tuple(present)]._flatten(mesh_dim_name="_".join(present))
+                _torch_compat.flatten_mesh(mesh[tuple(present)], "_".join(present))
         return mesh
 
     def mesh_for(self, *parts: str):

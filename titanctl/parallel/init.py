@@ -14,14 +14,13 @@ import zlib
 import torch
 from torch import nn
 
+from titanctl import _torch_compat
 from titanctl.models.llama.model import ParamInit
-
-# Wrappers that activation checkpointing and compile put into parameter names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
 
 
 def canonical_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
+    """A parameter name without the parts that wrappers (activation checkpointing, compile) put in."""
+    for part in _torch_compat.WRAPPER_NAME_PARTS:
         name = name.replace(part, "")
     return name
 
