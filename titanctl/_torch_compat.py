@@ -20,6 +20,7 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from titanctl.errors import TorchInternalsError
@@ -33,7 +34,6 @@ def torch_version() -> str:
     torch = sys.modules.get("torch")
     if torch is not None:
         return str(torch.__version__)
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("torch")

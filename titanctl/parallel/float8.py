@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanctl import _torch_compat
 from titanctl.config.job_config import Float8 as Float8Config
@@ -90,8 +92,6 @@ def float8_tp_styles() -> LinearStyles:
 
 def sends_float8(mesh) -> bool:
     """Whether the mesh's backend communicates float8 tensors (gloo has no float8 dtypes)."""
-    import torch.distributed as dist
-
     return dist.get_backend(mesh.get_group()) != "gloo"
 
 
@@ -218,8 +218,6 @@ def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str
     to float8 when FSDP gathers it. State dicts (checkpoints) get the plain tensor inside, sharing
     its storage: a checkpoint holds plain weights that any reader can load, and loading a
     checkpoint in place still writes into the parameter."""
-    from torch.distributed.tensor import DTensor
-
     key = prefix + "weight"
     tensor = state_dict.get(key)
     wrapper = torchao_float8().fsdp_utils.WeightWithDynamicFloat8CastTensor

@@ -71,7 +71,7 @@ def create_nccl_dump_folder(dump_folder: Path) -> None:
 
 def _process_groups() -> dict[str, dict[str, Any]]:
     """``{group name: {name, desc, ranks}}`` of this process, in the shape of torch's ``pg_config``."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # (see the module docstring: importing this module is free)
 
     if not (dist.is_available() and dist.is_initialized()):
         return {}

@@ -13,6 +13,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl import _torch_compat
 from titanctl.models.llama.model import ParamInit
@@ -44,8 +45,6 @@ def initialize_weights(model: nn.Module, seed: int, buffer_device: torch.device 
 
     ``model`` must provide ``param_init(name) -> ParamInit`` and ``init_buffers(device)``.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     model.init_buffers(buffer_device)
     for name, param in model.named_parameters():
         name = canonical_name(name)

@@ -10,6 +10,7 @@ from titanctl import _torch_compat
 from titanctl.errors import ParallelError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.tp_plan import block_plan, root_plan
+from titanctl.parallel.float8 import float8_tp_styles, is_float8_linear, sends_float8
 
 
 def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
@@ -37,8 +38,6 @@ def apply_tp(
     parallelize_module(model, tp_mesh, root)
     styles = None
     if float8:
-        from titanctl.parallel.float8 import float8_tp_styles, is_float8_linear, sends_float8
-
         if sends_float8(tp_mesh):
             styles = float8_tp_styles()
     for block in model.layers.values():

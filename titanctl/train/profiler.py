@@ -30,9 +30,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
 from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig, Profiling
 from titanctl.errors import ProfilingError
+from titanctl.parallel.env import device_type
 
 TRACE_FILE = "rank{rank}_trace.json"  # trace_analysis reads the rank from "rank{r}" in the name
 MEMORY_TIMELINE_FILE = "rank{rank}_memory_timeline.json"
@@ -118,8 +122,6 @@ class StepProfiler:
         if self.cfg.enable_memory_snapshot:
             _torch_compat.RECORD_MEMORY_HISTORY.get()(max_entries=SNAPSHOT_MAX_ENTRIES)
         if self.cfg.enable_profiling:
-            from torch.profiler import ProfilerActivity, profile, schedule
-
             # Each cycle is written out at its end; keeping events across cycles is not wanted.
             warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
             activities = [ProfilerActivity.CPU]
@@ -149,8 +151,6 @@ class StepProfiler:
             self._dump_snapshot(iteration_folder(self.snapshot_folder, self.step_num))
 
     def stop(self, exc: BaseException | None = None) -> None:
-        import torch
-
         if self._torch_prof is not None:
             # Completed recorded steps were written by step(); one still open at exit never ran.
             self._torch_prof.on_trace_ready = None
@@ -200,7 +200,6 @@ def maybe_profile(
     if not (p.enable_profiling or p.enable_memory_snapshot):
         yield _NoProfiler()
         return
-    from titanctl.parallel.env import device_type
 
     check_profiling(p, device_type())
     prof = StepProfiler(p, rank, Path(dump_folder), device_type(), step_num=start_step, log=log)
