@@ -279,9 +279,12 @@ def findings() -> dict[str, list[tuple[int, str]]]:
 
 
 def test_no_module_reaches_a_private_torch_name_itself(findings) -> None:
+    """Except that a subclass of a torch class may override and read its base's private hooks and state
+    (``self._x``), which no function can stand in for, if the compat module registers them (so that the
+    lookup test above checks them)."""
     offenders = [
         f"{path}:{line}: {name}" for path, hits in findings.items() if path not in NOT_YET_SWITCHED
-        for line, name in hits
+        for line, name in hits if not (name.startswith("self.") and _registered(name))
     ]
     assert not offenders, (
         "private torch names used outside titanctl/_torch_compat.py (add an entry there and use it):\n"
