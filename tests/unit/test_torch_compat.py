@@ -63,6 +63,9 @@ def test_a_missing_name_fails_its_feature_with_the_torch_version() -> None:
         message = str(info.value)
         assert "feature X" in message and torch.__version__ in message, message
         assert entry.name in message and _torch_compat.TESTED_TORCH in message, message
+    entry = _torch_compat.Private("torch.distributed.device_mesh.DeviceMesh._no_such_method", "feature Z")
+    with pytest.raises(TorchInternalsError, match=r"feature Z needs .*_no_such_method.*object has no \._no_such"):
+        entry.of(object())
     with pytest.raises(TorchInternalsError, match=r"feature Y: torch .* internals changed \(a schema\)"):
         _torch_compat.require(False, "feature Y", "a schema")
 

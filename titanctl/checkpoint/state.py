@@ -99,7 +99,7 @@ class SchedulerState(Stateful):
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _torch_compat.LR_SCHEDULER_STEP_COUNT.check()
+        _torch_compat.LR_SCHEDULER_STEP_COUNT.of(self.scheduler)  # the counter the state's key names
         state = dict(state_dict)
         epoch, count = state.get("last_epoch"), state.get(STEP_COUNT)
         if not _is_count(epoch) or not _is_count(count):
