@@ -106,6 +106,7 @@ def main() -> None:
 def io_costs(opts) -> None:
     from titanctl.checkpoint.manager import CheckpointManager
     from titanctl.config.loader import load_config
+    from titanctl.models.llama.shapes import num_params
     from titanctl.train.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="titanctl-ckpt-bench-"))
@@ -153,7 +154,7 @@ def io_costs(opts) -> None:
     size = folder_mib(work / "run" / "checkpoint" / f"step-{step}")
 
     med = statistics.median
-    print(f"\n{opts.flavor}: {trainer.model_args.num_params() / 1e6:.1f}M params, full training state "
+    print(f"\n{opts.flavor}: {num_params(trainer.model_args) / 1e6:.1f}M params, full training state "
           f"{size:.1f} MiB on disk, device {trainer.env.device}, {opts.rounds} rounds (median)")
     print(f"  sync save (training waits for all of it)      {med(sync_s):7.3f} s")
     print(f"  async save: training waits (staging copy)      {med(async_blocking):7.3f} s   "

@@ -68,7 +68,7 @@ def build(folder: Path, fmt: str, args, dtype, **options) -> None:
 
     from titanctl.checkpoint.convert import write_checkpoint
     from titanctl.checkpoint.formats.base import Source, TensorInfo
-    from titanctl.checkpoint.hf_names import expected_shapes
+    from titanctl.models.llama.shapes import weight_shapes
 
     class RandomSource(Source):
         format = "random"
@@ -76,7 +76,7 @@ def build(folder: Path, fmt: str, args, dtype, **options) -> None:
         def __init__(self):
             super().__init__(Path("<random>"))
             self.args = args
-            self.infos = [TensorInfo(n, s, dtype, n, "random") for n, s in expected_shapes(args).items()]
+            self.infos = [TensorInfo(n, s, dtype, n, "random") for n, s in weight_shapes(args).items()]
 
         def own_args(self):
             return args, "random"
@@ -101,9 +101,9 @@ def gb(nbytes: float) -> str:
 def run_suite(name: str, root: Path, args, dtype) -> list[tuple]:
     import torch
 
-    from titanctl.checkpoint.hf_names import expected_shapes
+    from titanctl.models.llama.shapes import weight_shapes
 
-    sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in expected_shapes(args).items()}
+    sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in weight_shapes(args).items()}
     total, largest = sum(sizes.values()), max(sizes.values())
     print(f"\n{name}: {args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}, {dtype}: "
           f"model {gb(total)}, largest tensor {gb(largest)}", flush=True)

@@ -22,6 +22,7 @@ from titanctl.config.job_config import Float8, LRScheduler
 from titanctl.config.job_config import Optimizer as OptimizerConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.models.llama.shapes import num_params
 from titanctl.parallel.init import initialize_weights
 from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
@@ -108,7 +109,7 @@ def main() -> None:
     batch_tokens = opts.batch * opts.seq_len
     rates = alternating_rates(steps, batch_tokens, opts.rounds, opts.steps_per_round)
     ours_tps, theirs_tps = rates["titanctl"], rates["transformers"]
-    print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
+    print(f"model {opts.flavor} ({num_params(args) / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
           f"{opts.dtype}, {torch.get_num_threads()} threads")
     for name, rate in rates.items():
         print(f"{name:24s}{rate:10,.0f} tokens/s")

@@ -40,3 +40,8 @@ class ProfilingError(TitanError):
 
 class TraceError(TitanError):
     """A profiler trace or Flight Recorder dump that cannot be read or makes no sense."""
+
+
+class TorchInternalsError(TitanError):
+    """The installed torch lacks (or changed) an internal that a titanctl feature relies on
+    (see titanctl._torch_compat): a different torch version than the one titanctl targets."""

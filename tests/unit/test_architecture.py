@@ -1,4 +1,4 @@
-"""The package layering holds: no titanctl package imports one that imports it back."""
+"""The package layering holds: no import cycle between titanctl's packages, nor between its modules."""
 
 from __future__ import annotations
 
@@ -24,35 +24,146 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def import_graph() -> dict[str, dict[str, list[str]]]:
-    """{package: {imported package: [modules that import it]}} over every import, local ones included."""
-    graph: dict[str, dict[str, list[str]]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = _module_name(path)
-        source = _package_of(module)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module]
-                if node.module == "titanctl":
-                    targets = [f"titanctl.{alias.name}" for alias in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that runs (local ones included), not those under ``if TYPE_CHECKING:``."""
+    found = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    walk(orelse)
                 continue
-            for target in targets:
-                if target.startswith("titanctl.") and _package_of(target) != source:
-                    graph.setdefault(source, {}).setdefault(_package_of(target), []).append(module)
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            walk(child)
+
+    walk(tree)
+    return found
+
+
+def _imported_modules(node: ast.Import | ast.ImportFrom, importer: str) -> list[str]:
+    """The titanctl modules an import statement loads (``from pkg import sub`` loads ``pkg.sub``)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the importer's package, up level - 1 packages
+            package = importer if MODULES[importer].name == "__init__.py" else importer.rpartition(".")[0]
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*parts, *([node.module] if node.module else [])])
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+    return [name for name in names if name in MODULES]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """{module: the titanctl modules it imports}, over every import that runs."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        targets = graph.setdefault(module, set())
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            targets.update(t for t in _imported_modules(node, module) if t != module)
     return graph
 
 
-def test_no_package_imports_one_that_imports_it_back():
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """{package: {imported package: [modules that import it]}} over every import, local ones included."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, targets in module_graph().items():
+        source = _package_of(module)
+        for target in targets:
+            if _package_of(target) != source:
+                graph.setdefault(source, {}).setdefault(_package_of(target), []).append(module)
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]] | dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The cycles of a directed graph: its strongly connected components of more than one node
+    (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def _describe(component: list[str], graph: dict) -> str:
+    edges = [f"  {a} -> {b}" for a in component for b in sorted(graph.get(a, ())) if b in component]
+    return " / ".join(component) + ":\n" + "\n".join(edges)
+
+
+def test_no_import_cycle_between_packages():
     graph = import_graph()
-    cycles = []
-    for a, targets in graph.items():
-        for b, importers in targets.items():
-            if a < b and a in graph.get(b, {}):
-                cycles.append(f"{a} <-> {b}: {sorted(set(importers))} and {sorted(set(graph[b][a]))}")
-    assert not cycles, "import cycles between packages:\n" + "\n".join(cycles)
+    cycles = strongly_connected(graph)
+    assert not cycles, "import cycles between packages:\n" + "\n".join(
+        _describe(c, graph) + "\n  (modules: " + "; ".join(
+            f"{a} -> {b}: {sorted(set(graph[a][b]))}" for a in c for b in graph.get(a, {}) if b in c
+        ) + ")"
+        for c in cycles
+    )
+
+
+def test_no_import_cycle_between_modules():
+    """Also within a package, and also when a function-local import is what keeps it from failing."""
+    graph = module_graph()
+    cycles = strongly_connected(graph)
+    assert not cycles, "import cycles between modules:\n" + "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_cycle_finder_finds_cycles_of_any_length():
+    assert strongly_connected({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert sorted(strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}})) == [
+        ["a", "b"], ["c", "d", "e"]
+    ]
+
+
+def test_the_graph_sees_local_and_package_imports():
+    graph = module_graph()
+    # a module-level import, a from-package import of a submodule, and a function-local import
+    assert "titanctl.errors" in graph["titanctl.config.loader"]
+    assert "titanctl.parallel.elastic" in graph["titanctl.cli.console"]
+    assert "titanctl.tools.profiling" in graph["titanctl.cli.profile"]  # inside the command function
 
 
 def test_the_model_knows_nothing_of_parallelism_or_training():

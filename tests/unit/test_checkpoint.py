@@ -4,7 +4,9 @@ seed checkpoints, weights-only exports, initial_load_path, exclude_from_loading.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -137,10 +139,52 @@ def slow_storage(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(_FileSystemWriter, "write_data", delayed)
 
 
+def gated_storage(monkeypatch, gates: dict[int, threading.Event], events: list[str]) -> None:
+    """Storage that writes step N's checkpoint only once ``gates[N]`` is set. A save that made training
+    wait for its storage would never let the gate open: after GATE_TIMEOUT_S the write goes ahead and
+    ``events`` says so."""
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    write_data = _FileSystemWriter.write_data
+
+    def gated(self, plan, planner):
+        step = int(re.search(r"step-(\d+)", str(self.path)).group(1))
+        opened = gates[step].wait(timeout=GATE_TIMEOUT_S)
+        events.append(f"step-{step} written" if opened else f"step-{step} storage gave up waiting")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(_FileSystemWriter, "write_data", gated)
+
+
+GATE_TIMEOUT_S = 120.0  # only reached when the behaviour under test is broken
+
+
 def test_async_save_writes_the_same_checkpoint_as_sync(trained, tmp_path, monkeypatch):
     out, _, _ = trained
-    slow_storage(monkeypatch, 1.0)
-    trainer = train(tmp_path, "--checkpoint.async_mode", "async")
+    events: list[str] = []
+    # Step 2's checkpoint may reach storage only after step 3 has trained, step 4's only after the call
+    # that saves it has returned: both happen only if training goes on while storage writes.
+    gates = {2: threading.Event(), 4: threading.Event()}
+    gated_storage(monkeypatch, gates, events)
+    trainer = make(tmp_path, "--checkpoint.async_mode", "async")
+    train_step, maybe_save = trainer.train_step, trainer.checkpoint.maybe_save
+
+    def logged_step():
+        result = train_step()
+        events.append(f"step {trainer.step + 1} trained")
+        if trainer.step + 1 == 3:
+            gates[2].set()
+        return result
+
+    def logged_save(step, tokens_seen, last=False):
+        maybe_save(step, tokens_seen, last=last)
+        if step in gates:
+            events.append(f"save of step {step} returned")
+        if step == 4:
+            gates[4].set()
+
+    trainer.train_step, trainer.checkpoint.maybe_save = logged_step, logged_save
+    trainer.train()
     assert losses(tmp_path) == losses(out)
     for step in (2, 4):
         sync = flat(read_dcp(out / "checkpoint" / f"step-{step}"))
@@ -152,8 +196,16 @@ def test_async_save_writes_the_same_checkpoint_as_sync(trained, tmp_path, monkey
             assert torch.equal(value, async_[key]) if isinstance(value, torch.Tensor) else value == async_[key], key
     timings = trainer.checkpoint.timings
     assert [t.step for t in timings] == [2, 4]
-    for t in timings:  # training went on while storage took its (slowed) second
-        assert t.blocking_s < 1.0 <= t.durable_s, t
+    # Training went on while storage wrote: step 3 trained before step 2's checkpoint was written (so
+    # before it was durable), and the save of step 4 returned before its checkpoint was written.
+    assert sorted(events) == sorted([
+        "step 1 trained", "step 2 trained", "step 3 trained", "step 4 trained",
+        "save of step 2 returned", "save of step 4 returned", "step-2 written", "step-4 written",
+    ]), events  # (a save that blocked training would show "storage gave up waiting")
+    at = {event: i for i, event in enumerate(events)}
+    assert at["save of step 2 returned"] < at["step 3 trained"] < at["step-2 written"], events
+    assert at["save of step 4 returned"] < at["step-4 written"], events
+    assert all(t.durable_s is not None for t in timings)
 
 
 def test_outstanding_async_save_completes_when_training_fails(tmp_path, monkeypatch):

@@ -23,11 +23,11 @@ from titanctl.checkpoint.convert import (
 )
 from titanctl.checkpoint.formats import FORMATS, DictSource, detect
 from titanctl.checkpoint.formats.dcp import DCPSource
-from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.checkpoint.metadata import read_metadata, write_metadata
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer
+from titanctl.models.llama.shapes import weight_shapes
 from titanctl.parallel.init import initialize_weights
 
 ARGS = ModelArgs(
@@ -125,7 +125,7 @@ def test_round_trip_is_bit_identical(src, dst, sources, state, tmp_path):
     for folder in ("there", "back"):
         sd, args = load_checkpoint(tmp_path / folder)
         assert_same(sd, state)
-        assert expected_shapes(args) == expected_shapes(ARGS)
+        assert weight_shapes(args) == weight_shapes(ARGS)
         assert (args.rope_theta, args.rope_scaling, args.norm_eps) == (ARGS.rope_theta, ARGS.rope_scaling, ARGS.norm_eps)
         names = stored_names(tmp_path / folder)
         assert not any("freq" in n or "rope" in n for n in names), names  # never a RoPE buffer

@@ -10,8 +10,8 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -103,15 +103,57 @@ def test_repo_file_layout():
     assert repo_file("", "tokenizer.model") == "tokenizer.model"
 
 
+# The CLI, with every DNS lookup and connection it attempts written to $NETWORK_LOG (they still happen).
+RECORDING_NETWORK = """
+import os, socket
+from titanctl.cli.app import main
+
+connect, getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+def record(what):
+    with open(os.environ["NETWORK_LOG"], "a") as log:
+        log.write(what + "\\n")
+
+def recording_connect(self, address):
+    record(f"connect {address}")
+    return connect(self, address)
+
+def recording_getaddrinfo(host, port, *args, **kwargs):
+    record(f"resolve {host}:{port}")
+    return getaddrinfo(host, port, *args, **kwargs)
+
+socket.socket.connect, socket.getaddrinfo = recording_connect, recording_getaddrinfo
+main()
+"""
+
+
 def test_offline_fails_at_once_with_one_line_and_no_token(tmp_path):
-    start = time.monotonic()
-    proc = run(["--repo-id", REPO_ID, "--tokenizer-path", "original", "--hf-token", SECRET], tmp_path)
-    elapsed = time.monotonic() - start
+    """Offline means no network at all: not a single lookup or connection (so no retries either)."""
+    log = tmp_path / "network.log"
+    env = {**os.environ, **OFFLINE_ENV, "HF_HOME": str(tmp_path / "hf_home"), "NETWORK_LOG": str(log)}
+    env.pop("HF_TOKEN", None)
+    args = ["download-tokenizer", "--repo-id", REPO_ID, "--tokenizer-path", "original", "--hf-token", SECRET]
+    proc = subprocess.run([sys.executable, "-c", RECORDING_NETWORK, *args], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "HF_HUB_OFFLINE" in proc.stderr and "original/tokenizer.model" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert SECRET not in proc.stderr + proc.stdout
-    assert elapsed < 20, f"offline failure took {elapsed:.1f} s"  # no retries (process start included)
+    assert not log.exists(), log.read_text()
+
+
+def test_the_network_recorder_records(tmp_path):
+    """The recorder above sees what the CLI does: online, against an address where nothing listens."""
+    log = tmp_path / "network.log"
+    env = {**os.environ, **OFFLINE_ENV, "HF_HOME": str(tmp_path / "hf_home"), "NETWORK_LOG": str(log),
+           "HF_ENDPOINT": "http://127.0.0.1:9"}
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HTTP_PROXY", "http_proxy", "HTTPS_PROXY",
+                "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(var, None)  # (a proxy would be where the connection goes)
+    proc = subprocess.run([sys.executable, "-c", RECORDING_NETWORK, "download-tokenizer"], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert log.read_text().splitlines().count("connect ('127.0.0.1', 9)") == 1, log.read_text()
 
 
 def test_offline_with_the_file_already_there_succeeds(tmp_path):

@@ -116,4 +116,5 @@ def test_training_logs_the_documented_columns(tmp_path):
         # tps is logged to 0.1: on a busy machine (tps ~40) that rounding alone exceeds 1e-3.
         assert row["tps"] == pytest.approx(2 * 32 / row["step_time"], rel=1e-3, abs=0.05)
         assert row["tflops"] == pytest.approx(row["tps"] * trainer.flops_per_token / 1e12, rel=1e-2)
-        assert row["mfu"] == pytest.approx(100 * row["tps"] * trainer.flops_per_token / 2e12, rel=1e-2)
+        # mfu is logged to 0.001 (%): on a busy machine (mfu ~0.02) that rounding alone exceeds 1e-2.
+        assert row["mfu"] == pytest.approx(100 * row["tps"] * trainer.flops_per_token / 2e12, rel=1e-2, abs=5e-4)

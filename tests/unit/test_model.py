@@ -9,6 +9,7 @@ import torch
 
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer, rope_frequencies
+from titanctl.models.llama.shapes import num_params
 from titanctl.parallel.init import initialize_weights
 
 TINY = ModelArgs(
@@ -41,8 +42,8 @@ def build(args: ModelArgs = TINY, seed: int = 0) -> Transformer:
 def test_parameter_count_matches_args(args):
     model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
-    assert total == args.num_params()
-    assert total - model.tok_embeddings.weight.numel() == args.num_params(include_embedding=False)
+    assert total == num_params(args)
+    assert total - model.tok_embeddings.weight.numel() == num_params(args, include_embedding=False)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +60,7 @@ def test_published_flavor_shapes(flavor, ffn_hidden, params):
     assert args.ffn_hidden_dim == ffn_hidden
     assert args.head_dim == 128
     assert args.kv_heads == 8
-    assert args.num_params() == params
+    assert num_params(args) == params
 
 
 @pytest.mark.parametrize("n_kv_heads", [None, 4, 2, 1])

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from titanctl.checkpoint.paths import inside
@@ -81,7 +82,6 @@ def gather_checksums(mine: dict[str, str], group) -> dict[str, str]:
     tensors over the checkpoint's gloo group, so nothing is pickled."""
     if group is None:
         return dict(mine)
-    import torch.distributed as dist
 
     data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
     world = dist.get_world_size(group)
@@ -125,8 +125,6 @@ def verify(folder: Path, files: dict[str, str], names: list[str] | None = None, 
             raise CheckpointCorrupt(f"{path} is missing (the checkpoint's titanctl.json records its checksum)")
     rank, world = 0, 1
     if group is not None:
-        import torch.distributed as dist
-
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = names[rank::world]
     unreadable: OSError | None = None
@@ -136,8 +134,6 @@ def verify(folder: Path, files: dict[str, str], names: list[str] | None = None, 
     except OSError as e:  # every rank must still reach the collective below
         unreadable, bad = e, -1
     if group is not None:
-        import torch.distributed as dist
-
         verdict = torch.tensor([bad], dtype=torch.int64)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
         bad = int(verdict.item())

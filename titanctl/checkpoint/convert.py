@@ -19,15 +19,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+
+from titanctl.checkpoint.formats import WRITERS, DictSource, Source, detect, open_source
+from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.config.loader import load_config
 from titanctl.errors import CheckpointError
-
-if TYPE_CHECKING:
-    import torch
-
-    from titanctl.checkpoint.formats import Source
-    from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama import model_args_from_config
+from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")  # outputs that carry (or record) the tokenizer
@@ -53,7 +53,6 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     key = _DTYPE_ALIASES.get(name, name)
     if key not in DTYPES:
         raise CheckpointError(f"unknown --dtype {name!r}; valid: {', '.join(DTYPES)}")
-    import torch
 
     return getattr(torch, DTYPES[key])
 
@@ -67,8 +66,6 @@ def resolve_args(
     source: Source, flavor: str | None = None, config: str | os.PathLike | None = None
 ) -> tuple[ModelArgs, str]:
     """The model to check the source against, and where it came from (for messages)."""
-    from titanctl.models.llama.args import LLAMA3_FLAVORS
-
     if flavor and config:
         raise CheckpointError("give --flavor or --config, not both")
     if flavor:
@@ -76,9 +73,6 @@ def resolve_args(
             raise CheckpointError(f"unknown flavor {flavor!r}; valid: {', '.join(LLAMA3_FLAVORS)}")
         base, origin = LLAMA3_FLAVORS[flavor], f"--flavor {flavor}"
     elif config:
-        from titanctl.config.loader import load_config
-        from titanctl.models.llama import model_args_from_config
-
         cfg = load_config(config)
         base = model_args_from_config(cfg.model, 1, cfg.training.seq_len)
         origin = f"--config {config}"
@@ -116,7 +110,6 @@ def open_checkpoint(
     folder = Path(folder)
     _check_format(fmt, "--from")
     _check_source_folder(folder)
-    from titanctl.checkpoint.formats import detect, open_source
 
     source = open_source(folder, fmt or detect(folder))
     try:
@@ -243,9 +236,6 @@ def write_checkpoint(
     hf and torchtune outputs also get the tokenizer files (see ``tokenizer_export``); a dcp
     output records the tokenizer path. What is worth telling the user is appended to `notes`.
     """
-    from titanctl.checkpoint.formats import WRITERS
-    from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
-
     _check_format(fmt, "--to")
     _check_options(fmt, shards, max_shard_size, tokenizer_path)
     notes = [] if notes is None else notes
@@ -309,7 +299,6 @@ def convert_checkpoint(
     if dst_format is not None:
         _check_options(dst_format, shards, max_shard_size, tokenizer_path)
     dst = Path(dst)
-    import titanctl.checkpoint.formats  # noqa: F401  (torch, DCP, safetensors: not part of the timing)
 
     start = time.perf_counter()
     with open_checkpoint(src, src_format, flavor=flavor, config=config) as source:
@@ -342,8 +331,6 @@ def save_state_dict(
     **kwargs,
 ) -> list[str]:
     """Write an in-memory canonical state dict (``model.state_dict()``) in any format."""
-    from titanctl.checkpoint.formats import DictSource
-
     source = DictSource(state_dict, args)
     source.bind(args, "the given ModelArgs")
     source.origin = "the given ModelArgs"

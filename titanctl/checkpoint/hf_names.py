@@ -85,11 +85,6 @@ def canonical_name_of(hf_name: str) -> str | None:
     return None
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Shape of every weight, by Meta name (the same shapes under Hugging Face names): the model's own."""
-    return weight_shapes(args)
-
-
 def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
     expected = weight_shapes(args)[meta_name]
     if tuple(tensor.shape) != expected:
@@ -144,7 +139,7 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[st
 
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool) -> Iterator[tuple[str, torch.Tensor]]:
     convert = to_hf_tensor if to_hf else from_hf_tensor
-    missing = set(expected_shapes(args))  # Meta names still to come
+    missing = set(weight_shapes(args))  # Meta names still to come
     for name, tensor in pairs:
         if not to_hf and name.endswith(_IGNORED_HF_SUFFIXES):
             continue
@@ -366,7 +361,6 @@ def _whole(value: Any) -> int:
 __all__ = [
     "args_from_hf_config",
     "canonical_name_of",
-    "expected_shapes",
     "from_hf_state_dict",
     "from_hf_tensor",
     "hf_config",

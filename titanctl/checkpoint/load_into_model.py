@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl.checkpoint.formats.base import Source
 from titanctl.errors import CheckpointError
@@ -37,8 +38,6 @@ def load_source_into(model: nn.Module, source: Source) -> LoadReport:
     Raises ``CheckpointError`` before copying anything if the model has a parameter the
     source lacks or one whose (global) shape differs.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if source.args is None:
         raise ValueError("bind the source first (open_checkpoint does)")
     params = {canonical_name(name): param for name, param in model.named_parameters()}

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titanctl.checkpoint.formats import detect, open_source
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
 from titanctl.checkpoint.reader import DCPFolder
 from titanctl.config.job_config import JobConfig
@@ -186,8 +187,6 @@ def _plan(folder: Path, initial: bool, cfg: JobConfig, model_args: ModelArgs) ->
 def _foreign_plan(folder: Path, cfg: JobConfig, model_args: ModelArgs) -> ForeignPlan:
     """Another tool's checkpoint as initial weights: its format told by its files, every tensor's
     shape and the model's non-shape settings (RoPE, norm eps) checked against this run's model."""
-    from titanctl.checkpoint.formats import detect, open_source
-
     fmt = detect(folder)
     if not cfg.checkpoint.initial_load_model_weights_only:
         raise ConfigError(

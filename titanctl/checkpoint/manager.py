@@ -47,9 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, gather_checksums, record
@@ -77,6 +79,7 @@ from titanctl.checkpoint.state import (
     TrainState,
 )
 from titanctl.config.job_config import JobConfig
+from titanctl.config.loader import to_toml
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, TitanError
 from titanctl.models.llama.args import ModelArgs
@@ -179,15 +182,11 @@ class CheckpointManager:
         }
         self._pg = None
         if world_size > 1 and (self.saving or ck.initial_load_path):
-            import torch.distributed as dist
-
             # Every collective of checkpointing runs here: async writes overlap training's own
             # collectives on the default group, which deadlocked when they shared it.
             self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
         self._stager = None
         if self.async_mode != "disabled":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             pinned = self.async_mode == "async_with_pinned_mem"
             # CPU: a plain blocking copy (pinned memory and non-blocking copies need an accelerator).
             # CUDA + pinned: copy into cached pinned buffers on a side stream while training goes on.
@@ -353,8 +352,6 @@ class CheckpointManager:
 
     def _finalize(self, step: int, tmp: Path, meta: dict[str, Any], checksums: dict[str, str]) -> None:
         """Rank 0, after all ranks wrote: config, checksums and metadata, rename into place, retention."""
-        from titanctl.config.loader import to_toml
-
         (tmp / CONFIG_FILE).write_text(to_toml(self.cfg))
         checksums = {**checksums, **digest_files(tmp, [DCP_INDEX, CONFIG_FILE])}
         meta = dict(meta)
@@ -380,8 +377,6 @@ class CheckpointManager:
 
     def _barrier(self) -> None:
         if self._pg is not None:
-            import torch.distributed as dist
-
             dist.barrier(group=self._pg)
 
     # ------------------------------------------------------------------ loading

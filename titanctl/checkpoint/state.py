@@ -22,11 +22,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titanctl import _torch_compat
 from titanctl.errors import CheckpointError
 
 # Optimizer param-group entries this run chooses itself: the kernel that suits its layout, and
 # the lr, which the LR schedule sets (restored or fresh), not the optimizer's saved value.
 _RUN_OWN_KEYS = ("lr", "fused", "foreach", "capturable", "differentiable")
+STEP_COUNT = _torch_compat.LR_SCHEDULER_STEP_COUNT_KEY  # the scheduler's own step counter
 
 
 class _PartsView(nn.Module):
@@ -46,7 +48,7 @@ class _PartsView(nn.Module):
                 if name == "layers":
                     for layer_id, block in child.items():
                         layers[layer_id] = block
-                elif name in self._modules:
+                elif name in dict(self.named_children()):
                     raise ValueError(f"two model parts both hold {name!r}")
                 else:
                     self.add_module(name, child)
@@ -97,13 +99,14 @@ class SchedulerState(Stateful):
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _torch_compat.LR_SCHEDULER_STEP_COUNT.of(self.scheduler)  # the counter the state's key names
         state = dict(state_dict)
-        epoch, count = state.get("last_epoch"), state.get("_step_count")
+        epoch, count = state.get("last_epoch"), state.get(STEP_COUNT)
         if not _is_count(epoch) or not _is_count(count):
-            raise CheckpointError(f"lr_scheduler state has last_epoch {epoch!r} and _step_count {count!r}")
+            raise CheckpointError(f"lr_scheduler state has last_epoch {epoch!r} and {STEP_COUNT} {count!r}")
         # One step short of the saved position, then step(): the scheduler computes the lr itself
         # from this run's schedule and sets it on the optimizer (and its get_last_lr()).
-        state.update(last_epoch=epoch - 1, _step_count=count - 1)
+        state.update({"last_epoch": epoch - 1, STEP_COUNT: count - 1})
         self.scheduler.load_state_dict(state)
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": not a training step
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step.*")

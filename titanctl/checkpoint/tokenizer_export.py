@@ -33,6 +33,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from titanctl.checkpoint.formats.hf import special_token_ids
+from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, Tokenizer
 from titanctl.errors import CheckpointError, DataError
 
 try:
@@ -82,8 +84,6 @@ def resolve_tokenizer(
     ``record_only`` (a dcp output): only the path matters; nothing is guessed, a recorded
     path is carried as it is.
     """
-    from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-
     recorded = None if tokenizer_path else recorded_tokenizer_path(source)
     if tokenizer_path:
         chosen, origin = str(Path(tokenizer_path).resolve()), f"--tokenizer-path {tokenizer_path}"
@@ -166,6 +166,7 @@ def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[
 
 def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     """``tokenizer.json`` text of a titanctl tokenizer (byte-level BPE, Llama 3 special tokens)."""
+    # tokenizers (Rust): only exports that write a tokenizer.json load it
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -200,8 +201,6 @@ def generation_config(bos_id: int | None, eos_ids: list[int] | int | None) -> di
 
 def write_generation_config(folder: Path, args: ModelArgs, tokenizer: Tokenizer | None) -> None:
     """bos and the stop ids (end of text, of message, of turn: where titanctl's generation stops)."""
-    from titanctl.checkpoint.formats.hf import special_token_ids
-
     if tokenizer is not None:
         config = generation_config(tokenizer.bos_id, sorted(tokenizer.stop_tokens))
     else:
@@ -249,8 +248,6 @@ def torchtune_special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
 def write_torchtune_tokenizer(folder: Path, tokenizer: Tokenizer) -> str | None:
     """Write torchtune's tokenizer files; returns why not when torchtune's Llama 3 tokenizer cannot
     reproduce this one (it always splits with Llama 3's regex)."""
-    from titanctl.data.tokenizer import LLAMA3_PATTERN
-
     if tokenizer.pattern != LLAMA3_PATTERN:
         return f"no torchtune tokenizer files: tokenizer {tokenizer.path} does not split text with Llama 3's regex"
     (folder / TIKTOKEN_FILE).write_bytes(tiktoken_file_bytes(tokenizer))

@@ -20,6 +20,7 @@ anything else with one line naming the file and the global, e.g.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pathlib
@@ -30,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
+from titanctl import _torch_compat
 from titanctl.errors import CheckpointCorrupt, CheckpointError
 
 # A non-tensor item is a few KB (the streaming loader's token buffer is the largest); this
@@ -49,7 +50,8 @@ def _dcp_class(module, name: str) -> type:
 
 
 _METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-                     "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+                     "ChunkStorageMetadata", "TensorProperties")
+_PRIVATE_METADATA_CLASSES = (_torch_compat.DCP_MEM_FORMAT_ENCODING, _torch_compat.DCP_STORAGE_INFO)
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
 
@@ -60,11 +62,15 @@ def _layout(name: str) -> torch.layout:
     return _LAYOUTS[name]
 
 
-def _allowed_metadata_globals() -> dict[tuple[str, str], Any]:
+@functools.cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What a DCP ``.metadata`` pickle may name (looked up on first use, not at import)."""
     allowed: dict[tuple[str, str], Any] = {
         (dcp_metadata.__name__, name): _dcp_class(dcp_metadata, name) for name in _METADATA_CLASSES
     }
-    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = _dcp_class(dcp_filesystem, "_StorageInfo")
+    for entry in _PRIVATE_METADATA_CLASSES:
+        module, name = entry.path.rsplit(".", 1)
+        allowed[(module, name)] = entry.get()
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = _layout
     for name, value in vars(torch).items():
@@ -75,9 +81,6 @@ def _allowed_metadata_globals() -> dict[tuple[str, str], Any]:
     for module in ("pathlib", "pathlib._local"):
         allowed[(module, "PosixPath")] = pathlib.PurePosixPath
     return allowed
-
-
-_METADATA_GLOBALS = _allowed_metadata_globals()
 
 
 def _latin1_bytes(text: str, encoding: str) -> bytes:
@@ -144,7 +147,7 @@ def load_dcp_index(path: Path) -> dcp_metadata.Metadata:
         data = Path(path).read_bytes()
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
-    index = _unpickle(data, _METADATA_GLOBALS, "not a DCP metadata class", str(path), "DCP index")
+    index = _unpickle(data, _metadata_globals(), "not a DCP metadata class", str(path), "DCP index")
     check_index(index, path)
     return index
 
@@ -153,14 +156,14 @@ def check_index(index: Any, path: Path) -> None:
     """Every field of a DCP index has the type DCP gives it, and every tensor's declared size is
     covered by chunks whose stored bytes can hold them: a crafted index cannot declare a tensor
     larger than the data on disk (which the caller checks the files hold)."""
-    Metadata = _METADATA_GLOBALS[(dcp_metadata.__name__, "Metadata")]
+    Metadata = _metadata_globals()[(dcp_metadata.__name__, "Metadata")]
     if not isinstance(index, Metadata):
         raise CheckpointError(f"{path} is not a DCP index (it holds a {type(index).__name__})")
     entries, storage = index.state_dict_metadata, index.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{path} is not a file-system DCP index")
-    storage_info = _METADATA_GLOBALS[(dcp_filesystem.__name__, "_StorageInfo")]
-    metadata_index = _METADATA_GLOBALS[(dcp_metadata.__name__, "MetadataIndex")]
+    storage_info = _torch_compat.DCP_STORAGE_INFO.get()
+    metadata_index = _metadata_globals()[(dcp_metadata.__name__, "MetadataIndex")]
     for key, info in storage.items():
         if not isinstance(key, metadata_index) or not isinstance(key.fqn, str) or key.fqn not in entries:
             raise CheckpointError(f"{path}: storage entry {_short(key)} belongs to no item of the index")
@@ -172,8 +175,8 @@ def check_index(index: Any, path: Path) -> None:
                 f"{path}: {key.fqn!r} is stored with transforms {list(info.transform_descriptors)!r}, "
                 "which titanctl does not read"
             )
-    tensor_meta = _METADATA_GLOBALS[(dcp_metadata.__name__, "TensorStorageMetadata")]
-    bytes_meta = _METADATA_GLOBALS[(dcp_metadata.__name__, "BytesStorageMetadata")]
+    tensor_meta = _metadata_globals()[(dcp_metadata.__name__, "TensorStorageMetadata")]
+    bytes_meta = _metadata_globals()[(dcp_metadata.__name__, "BytesStorageMetadata")]
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise CheckpointError(f"{path}: item name {_short(fqn)} is not a string")

@@ -8,8 +8,9 @@ a folder of step folders (the newest is taken), or a Hugging Face folder (``conf
 safetensors). :func:`load_weights` fills a built model, sharded or not, through the same
 readers as training resume and conversion (``titanctl.checkpoint.reader`` for DCP, the
 Hugging Face ``Source`` for safetensors): every shape checked and every checksum verified
-before a tensor is used. Under tensor parallel each rank reads only its DCP shards, or
-slices the full tensors it streams from safetensors.
+before a tensor is used (``load_plan.check_model`` for DCP, ``load_into_model`` for safetensors,
+as for training). Under tensor parallel each rank reads only its DCP shards, or slices the full
+tensors it streams from safetensors.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl.checkpoint.formats.hf import HFSource
+from titanctl.checkpoint.load_into_model import load_source_into
+from titanctl.checkpoint.load_plan import check_model
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.checkpoint.reader import DCP_INDEX, DCPFolder
@@ -96,33 +98,15 @@ def load_weights(model: nn.Module, source: CheckpointSource) -> None:
 def _load_dcp(model: nn.Module, folder: Path) -> None:
     """Each rank reads its own shards of the model keys (other top-level entries are left alone)."""
     reader = DCPFolder(folder, require_titanctl=False)
-    stored = reader.entries
+    check_model(folder, reader.meta or {}, reader.entries, model.args)
     state = model.state_dict()
-    for name, tensor in state.items():
-        if name not in stored:
-            raise CheckpointError(f"{folder} lacks model tensor {name!r}")
-        size = getattr(stored[name], "size", None)
-        if size is None:
-            raise CheckpointError(f"{folder}: {name!r} is not a tensor in the checkpoint")
-        if tuple(size) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"{folder}: tensor {name!r} has shape {tuple(size)}, the model expects {tuple(tensor.shape)}"
-            )
     reader.verify()
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     reader.load(state, no_dist=not distributed)
 
 
-@torch.no_grad()
 def _load_hf(model: nn.Module, folder: Path) -> None:
     """Stream full tensors one at a time; each rank keeps its slice (no communication)."""
-    params = dict(model.named_parameters())
     with HFSource(folder) as source:
         source.bind(model.args, _HF_CONFIG)
-        for info in source.infos:
-            full, param = source.load(info.name), params[info.name]
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(full)
+        load_source_into(model, source)

@@ -16,6 +16,52 @@ from titanctl.parallel import elastic
 err = Console(stderr=True, highlight=False)
 
 
+def wide_console(min_width: int) -> Console:
+    """stdout; piped or captured, at least ``min_width`` columns, so tables are not squeezed into 80."""
+    out = Console(highlight=False)
+    if not out.is_terminal:
+        out = Console(highlight=False, width=max(out.width, min_width))
+    return out
+
+
+class ByteProgress:
+    """A progress bar in bytes on stderr (with the tensor being written), drawn only on a terminal:
+    a ``titanctl.checkpoint.convert.ProgressSink`` (not imported here: this module loads with --help)."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[tensor]}", style="dim"),
+            console=err,
+            transient=True,
+            disable=not err.is_terminal,
+        )
+        self.task = None
+
+    def start(self, total_bytes: int, description: str) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task(description, total=total_bytes, tensor="")
+
+    def advance(self, name: str, nbytes: int) -> None:
+        self.progress.update(self.task, advance=nbytes, tensor=name)
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
 def error(message: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""

@@ -43,42 +43,9 @@ def convert(
     ),
 ) -> None:
     """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats."""
-    from titanctl.checkpoint.convert import ConversionReport, ProgressSink, convert_checkpoint
+    from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
 
-    class Bar(ProgressSink):
-        """A rich progress bar in bytes, drawn only on a terminal."""
-
-        def __init__(self) -> None:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[tensor]}", style="dim"),
-                console=console.err,
-                transient=True,
-                disable=not console.err.is_terminal,
-            )
-            self.task = None
-
-        def start(self, total_bytes: int, description: str) -> None:
-            self.progress.start()
-            self.task = self.progress.add_task(description, total=total_bytes, tensor="")
-
-        def advance(self, name: str, nbytes: int) -> None:
-            self.progress.update(self.task, advance=nbytes, tensor=name)
-
-    bar = Bar()
+    bar = console.ByteProgress()
     try:
         report: ConversionReport = convert_checkpoint(
             src,
@@ -94,7 +61,7 @@ def convert(
             tokenizer_path=tokenizer_path,
         )
     finally:
-        bar.progress.stop()
+        bar.stop()
     args = report.args
     typer.echo(
         f"{report.src_format} → {report.dst_format}: {report.tensors} tensors, {_size(report.nbytes)} "

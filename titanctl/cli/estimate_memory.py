@@ -71,13 +71,12 @@ def _where(phase: str, module: str) -> str:
 
 
 def print_report(estimate, validation, rss: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from titanctl.cli.console import wide_console
+
     e = estimate
-    out = Console(highlight=False)
-    if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-        out = Console(highlight=False, width=max(out.width, 120))
+    out = wide_console(120)
     out.print(
         f"[bold]titanctl estimate-memory[/bold] {e.recipe}: Llama 3.1 {e.flavor} ({_count(e.num_params)} params, "
         f"vocab {e.vocab_size:,}) on {e.world_size} ranks, layout {e.layout}",

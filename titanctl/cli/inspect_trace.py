@@ -27,11 +27,9 @@ def inspect_trace(
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
-    from rich.console import Console
+    from titanctl.cli.console import wide_console
 
-    out = Console(highlight=False)
-    if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-        out = Console(highlight=False, width=max(out.width, 160))
+    out = wide_console(160)
     if result.flight_recorder is not None:
         _print_flight_recorder(out, result.flight_recorder)
     if result.profile is not None:

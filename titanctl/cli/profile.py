@@ -20,41 +20,21 @@ def profile(
     Any config key can be overridden: --section.key VALUE. Checkpointing is off while profiling.
     """
     from titanctl.config.loader import load_config
-    from titanctl.parallel.env import device_type
-    from titanctl.train.profiler import check_profiling
+    from titanctl.tools import profiling
 
-    cfg = load_config(config, ctx.args)
-    cfg.training.steps = steps
-    cfg.profiling.enable_profiling = True
-    cfg.profiling.profile_freq = steps  # one recorded step: the last
-    cfg.checkpoint.enable_checkpoint = False  # neither resume from nor write checkpoints
-    check_profiling(cfg.profiling, device_type())
-
-    import torch.distributed as dist
-
-    from titanctl.tools.profiling import summarize
-    from titanctl.train.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    trainer.train()
-    if dist.is_initialized():
-        dist.barrier()  # every rank's trace is on disk
-    if trainer.env.rank != 0:
-        return
-    summary = summarize(Path(cfg.job.dump_folder) / cfg.profiling.save_traces_folder, step=steps, top=top)
-    _print_summary(summary, top)
+    summary = profiling.run(load_config(config, ctx.args), steps=steps, top=top)
+    if summary is not None:  # rank 0
+        _print_summary(summary, top)
 
 
 def _print_summary(summary, top: int) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
+    from titanctl.cli.console import wide_console
     from titanctl.tools.trace_analysis import format_us
 
-    out = Console(highlight=False)
-    if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
-        out = Console(highlight=False, width=max(out.width, 160))
+    out = wide_console(160)
     report = summary.report
     n = len(report.ranks)
     out.print(f"\n[bold]Where the time went[/bold]: step {summary.step}, {n} rank(s), traces in {summary.folder}")

@@ -154,7 +154,7 @@ def _c4() -> DocumentSource:
         raise DataError(
             f"cannot load {hub_id} from the Hugging Face hub (offline or unreachable): {reason}; {hint}"
         )
-    import datasets
+    import datasets  # only hub datasets load it (and pyarrow): bundled and local files stay light
 
     try:
         dataset = datasets.load_dataset(hub_id, name="en", split="train", streaming=True)
@@ -265,7 +265,7 @@ def _read_json(path: Path) -> Iterator[str]:
 
 
 def _read_parquet(path: Path) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # only parquet files need it
 
     try:
         file = pq.ParquetFile(path)

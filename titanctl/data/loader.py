@@ -188,7 +188,7 @@ class _StreamPacker:
     def __init__(
         self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, dp_rank: int, dp_degree: int
     ) -> None:
-        from datasets.distributed import split_dataset_by_node
+        from datasets.distributed import split_dataset_by_node  # streams come from `datasets` only
 
         self.source = source
         self.tokenizer = tokenizer

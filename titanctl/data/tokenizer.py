@@ -98,6 +98,7 @@ class Tokenizer:
     """
 
     def __init__(self, path: str | os.PathLike = DEFAULT_TOKENIZER_PATH) -> None:
+        # tiktoken (Rust) loads when a tokenizer is built, not when titanctl.data is imported
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 

@@ -6,28 +6,23 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import ActivationCheckpoint
 from titanctl.errors import ConfigError
 
 aten = torch.ops.aten
 
-# Outputs worth keeping: attention (every backend, the CPU one included) and reductions that are
-# cheap to store but need communication to recompute.
-_SAVE_OPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    aten.max.default,
-}
+
+def _save_ops() -> set:
+    """Outputs worth keeping: attention (every backend, the CPU one included) and reductions that
+    are cheap to store but need communication to recompute."""
+    return {entry.get() for entry in _torch_compat.SAC_SAVE_OPS} | {aten.max.default}
 
 
-def _op_policy():
-    """Save the listed ops and every other matmul; recompute the rest."""
+def _op_policy(save_ops: set):
+    """Save ``save_ops`` and every other matmul; recompute the rest."""
     mm_count: dict[str, int] = defaultdict(int)
 
     def policy(ctx, op, *args, **kwargs):
@@ -38,7 +33,7 @@ def _op_policy():
             if mm_count[mode] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -55,10 +50,12 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
                 "integer (checkpoint every N-th block) or 'op'"
             )
         every = int(option)
+    checkpoint_wrapper = _torch_compat.CHECKPOINT_WRAPPER.get()
+    save_ops = _save_ops() if cfg.mode == "selective" and option == "op" else set()
     for index, (layer_id, block) in enumerate(list(model.layers.items())):
         if cfg.mode == "selective" and option == "op":
             wrapped = checkpoint_wrapper(
-                block, context_fn=lambda: create_selective_checkpoint_contexts(_op_policy()),
+                block, context_fn=lambda: create_selective_checkpoint_contexts(_op_policy(save_ops)),
                 preserve_rng_state=False,
             )
         elif index % every == 0:

@@ -19,10 +19,12 @@ from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError
 from titanctl.models.llama import ModelArgs, Transformer
 from titanctl.parallel.activation_checkpoint import apply_ac
+from titanctl.parallel.context_parallel import check_cp_divisibility
 from titanctl.parallel.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
 from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.pipeline import build_pipeline
 from titanctl.parallel.tensor_parallel import apply_tp, check_tp
 
 
@@ -45,8 +47,6 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     elif p.enable_async_tensor_parallel:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     if dims.cp > 1:
-        from titanctl.parallel.context_parallel import check_cp_divisibility
-
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
     if dims.ddp_enabled and dims.tp > 1:
         raise ParallelError(
@@ -109,8 +109,6 @@ def build_model_parts(
     if cfg.float8.enable_float8_linear:
         float8 = convert_to_float8(model, cfg.float8, tp=dims.tp, device=torch.device(device))
     if dims.pp > 1:
-        from titanctl.parallel.pipeline import build_pipeline
-
         pipeline = build_pipeline(
             model,
             dims.mesh["pp"],

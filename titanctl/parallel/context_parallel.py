@@ -50,13 +50,15 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.experimental import context_parallel
 
+from titanctl import _torch_compat
 from titanctl.errors import ParallelError
 
 SEQ_DIM = 2  # of q, k, v inside SDPA: (B, H, T, head_dim)
 ROTATE_METHODS = ("allgather", "alltoall")
 
-_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
 _BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal",
              "attn_mask", "scale"]  # fmt: skip
@@ -84,28 +86,8 @@ def check_cp_divisibility(seq_len: int, cp: int) -> None:
         )
 
 
-def _cp_module():
-    import importlib
-
-    try:
-        mod = importlib.import_module(_CP_MODULE)
-    except ImportError as e:
-        raise ParallelError(
-            f"context parallel on CPU needs {_CP_MODULE}, which torch {torch.__version__} lacks"
-        ) from e
-    return mod
-
-
 def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise ParallelError(
-            f"context parallel on CPU: torch {torch.__version__} internals moved ({what}); "
-            "titanctl.parallel.context_parallel was written against torch 2.13"
-        )
-
-
-def _schema_args(op: torch._ops.OpOverload) -> list[str]:
-    return [a.name for a in op._schema.arguments]
+    _torch_compat.require(cond, "context parallel on CPU", what)
 
 
 def _params(fn) -> list[str]:
@@ -114,25 +96,18 @@ def _params(fn) -> list[str]:
 
 def _seq_sharded_spec(local: Tensor, mesh):
     """The DTensorSpec of a tensor whose local piece is ``local``, sharded on SEQ_DIM."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._utils import compute_global_tensor_info
-
     placements = (Shard(SEQ_DIM),)
-    shape, stride = compute_global_tensor_info(local, mesh, placements)
-    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    return DTensorSpec(mesh, placements, tensor_meta=meta)
+    shape, stride = _torch_compat.COMPUTE_GLOBAL_TENSOR_INFO.get()(local, mesh, placements)
+    meta = _torch_compat.TENSOR_META.get()(torch.Size(shape), tuple(stride), local.dtype)
+    return _torch_compat.DTENSOR_SPEC.get()(mesh, placements, tensor_meta=meta)
 
 
-def _make_cpu_ring_handler(cp_mod):
+def _make_cpu_ring_handler():
     """The DTensor custom-op handler for the CPU flash SDPA op and its backward."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    aten = torch.ops.aten
-    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
-    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    ring_fwd, ring_bwd = cp_mod._templated_ring_attention, cp_mod._templated_ring_attention_backward
+    dtensor_spec = _torch_compat.DTENSOR_SPEC.get()
+    dispatcher = _torch_compat.DTENSOR_OP_DISPATCHER.get()
+    fwd_op, bwd_op = _torch_compat.CPU_FLASH_SDPA.get(), _torch_compat.CPU_FLASH_SDPA_BACKWARD.get()
+    ring_fwd, ring_bwd = _torch_compat.CP_RING_FORWARD.get(), _torch_compat.CP_RING_BACKWARD.get()
 
     def ring_forward(group, query, key, value, dropout_p=0.0, is_causal=False, *,
                      attn_mask=None, scale=None):  # fmt: skip
@@ -150,11 +125,11 @@ def _make_cpu_ring_handler(cp_mod):
                         is_causal=is_causal, dropout_p=dropout_p, scale=scale)  # fmt: skip
 
     def handler(op_call, args, kwargs):
-        op_info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
         mesh = op_info.compute_mesh
         kwargs_schema = op_info.schema.kwargs_schema.values() if op_info.schema else ()
         for spec in (*op_info.flat_args_schema, *kwargs_schema):
-            if not isinstance(spec, DTensorSpec):
+            if not isinstance(spec, dtensor_spec):
                 continue
             if spec.mesh != mesh or tuple(spec.placements) != (Shard(SEQ_DIM),):
                 raise NotImplementedError(
@@ -166,7 +141,7 @@ def _make_cpu_ring_handler(cp_mod):
         run = ring_forward if op_call == fwd_op else ring_backward
         local_results = run(mesh.get_group(), *op_info.local_args, **op_info.local_kwargs)
         out_specs = tuple(_seq_sharded_spec(t, mesh) for t in local_results)
-        return DTensor._op_dispatcher.wrap(tuple(local_results), out_specs)
+        return dispatcher.wrap(tuple(local_results), out_specs)
 
     return {fwd_op: handler, bwd_op: handler}
 
@@ -175,36 +150,27 @@ def enable_cpu_ring_attention() -> None:
     """Route the CPU flash SDPA op (and its backward) through torch's ring attention under CP.
 
     Idempotent; a no-op if torch already routes the CPU op itself. Takes effect only
-    inside ``context_parallel`` (see the module docstring). Raises ParallelError if the
-    torch internals this relies on are missing.
+    inside ``context_parallel`` (see the module docstring). Raises TorchInternalsError if the
+    torch internals this relies on are missing or changed.
     """
-    aten = torch.ops.aten
-    cp_mod = _cp_module()
-    for name in ("custom_ops", "_templated_ring_attention", "_templated_ring_attention_backward",
-                 "_enable_cp_dtensor_dispatcher"):  # fmt: skip
-        _require(hasattr(cp_mod, name), f"{_CP_MODULE}.{name} is missing")
-    table = cp_mod.custom_ops
-    _require(isinstance(table, dict), f"{_CP_MODULE}.custom_ops is no longer a dict")
-    _require(
-        hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu")
-        and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"),
-        "aten._scaled_dot_product_flash_attention_for_cpu[_backward] is missing",
-    )
-    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
-    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    table = _torch_compat.CP_CUSTOM_OPS.get()
+    _torch_compat.CP_ENABLE_DISPATCHER.check()
+    _require(isinstance(table, dict), "the CP custom_ops table is no longer a dict")
+    fwd_op, bwd_op = _torch_compat.CPU_FLASH_SDPA.get(), _torch_compat.CPU_FLASH_SDPA_BACKWARD.get()
     if fwd_op in table and bwd_op in table:
         return  # already ours, or a torch that routes the CPU op itself
-    _require(_schema_args(fwd_op) == _FWD_ARGS, f"schema of {fwd_op} changed: {fwd_op._schema}")
-    _require(_schema_args(bwd_op) == _BWD_ARGS, f"schema of {bwd_op} changed: {bwd_op._schema}")
+    fwd_schema, bwd_schema = _torch_compat.op_schema(fwd_op), _torch_compat.op_schema(bwd_op)
+    _require([a.name for a in fwd_schema.arguments] == _FWD_ARGS, f"schema of {fwd_op} changed: {fwd_schema}")
+    _require([a.name for a in bwd_schema.arguments] == _BWD_ARGS, f"schema of {bwd_op} changed: {bwd_schema}")
     _require(
-        _params(cp_mod._templated_ring_attention) == _RING_FWD_PARAMS,
+        _params(_torch_compat.CP_RING_FORWARD.get()) == _RING_FWD_PARAMS,
         "signature of _templated_ring_attention changed",
     )
     _require(
-        _params(cp_mod._templated_ring_attention_backward) == _RING_BWD_PARAMS,
+        _params(_torch_compat.CP_RING_BACKWARD.get()) == _RING_BWD_PARAMS,
         "signature of _templated_ring_attention_backward changed",
     )
-    table.update(_make_cpu_ring_handler(cp_mod))
+    table.update(_make_cpu_ring_handler())
 
 
 def _set_rotate_method(rotate_method: str) -> None:
@@ -213,9 +179,7 @@ def _set_rotate_method(rotate_method: str) -> None:
             f"unknown context parallel rotate method {rotate_method!r}; "
             f"choose one of {', '.join(ROTATE_METHODS)}"
         )
-    cp_mod = _cp_module()
-    _require(hasattr(cp_mod, "set_rotate_method"), f"{_CP_MODULE}.set_rotate_method is missing")
-    cp_mod.set_rotate_method(rotate_method)
+    _torch_compat.CP_SET_ROTATE_METHOD.get()(rotate_method)
 
 
 @contextlib.contextmanager
@@ -237,8 +201,6 @@ def context_parallel_ctx(
     The rotate method (``allgather`` or ``alltoall``) is a process-wide torch setting; it is
     set on every entry.
     """
-    from torch.distributed.tensor.experimental import context_parallel
-
     if cp_mesh.ndim != 1:
         raise ParallelError(f"context parallel needs a 1-D mesh, got {cp_mesh.ndim} dims")
     if len(buffers) != len(seq_dims) or not buffers:

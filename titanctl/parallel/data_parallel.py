@@ -7,6 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from titanctl import _torch_compat
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -42,10 +44,8 @@ def _reshard(mode: str, default: bool) -> bool:
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    from torch.distributed._composable.replicate import replicate
-
     # The composable replicate keeps parameter names unchanged (no "module." prefix).
-    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
+    _torch_compat.REPLICATE.get()(model, device_mesh=dp_mesh, bucket_cap_mb=100)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from torch.distributed.device_mesh import init_device_mesh
+
+from titanctl import _torch_compat
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
+from titanctl.parallel.env import device_type
 
 # Outermost to innermost: pipeline stages talk least, tensor parallel talks most.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -75,16 +79,12 @@ class ParallelDims:
     @cached_property
     def mesh(self):
         """The world mesh over the dims of size > 1, plus flattened combinations (see mesh_for)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from titanctl.parallel.env import device_type
-
         names = [n for n in MESH_DIMS if self.degrees[n] > 1] or ["dp_shard"]
         mesh = init_device_mesh(device_type(), [self.degrees[n] for n in names], mesh_dim_names=tuple(names))
         for parts in (("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp")):
             present = [p for p in parts if self.degrees[p] > 1]
             if len(present) > 1:
-                mesh[tuple(present)]._flatten(mesh_dim_name="_".join(present))
+                _torch_compat.flatten_mesh(mesh[tuple(present)], "_".join(present))
         return mesh
 
     def mesh_for(self, *parts: str):

@@ -20,8 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import Float8 as Float8Config
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError, ParallelError
@@ -64,7 +67,7 @@ def torchao_float8():
     """
     with (
         _without_log_messages("torchao", "Failed to load"),
-        _without_log_messages("torch.utils._pytree", "is an Enum subclass"),
+        _without_log_messages(_torch_compat.PYTREE_LOGGER.path, "is an Enum subclass"),
     ):
         import torchao.float8 as f8
         import torchao.float8.float8_linear
@@ -89,8 +92,6 @@ def float8_tp_styles() -> LinearStyles:
 
 def sends_float8(mesh) -> bool:
     """Whether the mesh's backend communicates float8 tensors (gloo has no float8 dtypes)."""
-    import torch.distributed as dist
-
     return dist.get_backend(mesh.get_group()) != "gloo"
 
 
@@ -110,7 +111,7 @@ def _scaled_mm_runs(device_type: str) -> bool:
     b = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device_type)
     try:
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        _torch_compat.SCALED_MM.get()(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -217,18 +218,17 @@ def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str
     to float8 when FSDP gathers it. State dicts (checkpoints) get the plain tensor inside, sharing
     its storage: a checkpoint holds plain weights that any reader can load, and loading a
     checkpoint in place still writes into the parameter."""
-    from torch.distributed.tensor import DTensor
-
     key = prefix + "weight"
     tensor = state_dict.get(key)
     wrapper = torchao_float8().fsdp_utils.WeightWithDynamicFloat8CastTensor
-    if isinstance(tensor, DTensor) and isinstance(tensor._local_tensor, wrapper):
+    local = _torch_compat.dtensor_local_tensor(tensor) if isinstance(tensor, DTensor) else None
+    if isinstance(local, wrapper):
         state_dict[key] = DTensor.from_local(
-            tensor._local_tensor._tensor.detach(), tensor.device_mesh, tensor.placements,
+            _torch_compat.float8_weight_inner(local).detach(), tensor.device_mesh, tensor.placements,
             run_check=False, shape=tensor.shape, stride=tensor.stride(),
         )
     elif isinstance(tensor, wrapper):
-        state_dict[key] = tensor._tensor.detach()
+        state_dict[key] = _torch_compat.float8_weight_inner(tensor).detach()
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

@@ -29,6 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from titanctl import _torch_compat
+from titanctl.errors import TorchInternalsError
+
 BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 NCCL_DUMP_ON_TIMEOUT_ENV = "TORCH_NCCL_DUMP_ON_TIMEOUT"
@@ -68,35 +71,34 @@ def create_nccl_dump_folder(dump_folder: Path) -> None:
 
 def _process_groups() -> dict[str, dict[str, Any]]:
     """``{group name: {name, desc, ranks}}`` of this process, in the shape of torch's ``pg_config``."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # (see the module docstring: importing this module is free)
 
     if not (dist.is_available() and dist.is_initialized()):
         return {}
-    from torch.distributed import distributed_c10d as c10d
-
-    groups: dict[str, dict[str, Any]] = {}
     try:
-        for pg, name in list(c10d._world.pg_names.items()):  # private; absent in some versions
-            try:
-                ranks = dist.get_process_group_ranks(pg)
-            except Exception:  # a group this rank is not part of
-                continue
-            groups[str(name)] = {
-                "name": str(name),
-                "desc": str(getattr(pg, "group_desc", "") or ""),
-                "ranks": str(list(ranks)),
-            }
-    except AttributeError:
-        pass
+        names = _torch_compat.process_group_names()
+    except TorchInternalsError:
+        return {}  # the dump keeps torch's own (gloo: placeholder) pg_config
+    groups: dict[str, dict[str, Any]] = {}
+    for pg, name in names.items():
+        try:
+            ranks = dist.get_process_group_ranks(pg)
+        except Exception:  # a group this rank is not part of
+            continue
+        groups[str(name)] = {
+            "name": str(name),
+            "desc": str(getattr(pg, "group_desc", "") or ""),
+            "ranks": str(list(ranks)),
+        }
     return groups
 
 
 def snapshot(rank: int, reason: str = "") -> dict[str, Any]:
     """This process's Flight Recorder buffer as a dict, with the group layout filled in."""
     import torch.distributed as dist
-    from torch._C._distributed_c10d import _dump_fr_trace_json
 
-    data = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+    dump_fr_trace_json = _torch_compat.DUMP_FR_TRACE_JSON.get()
+    data = json.loads(dump_fr_trace_json(includeCollectives=True, onlyActive=False))
     groups = _process_groups()
     if groups:
         # gloo leaves a placeholder ({"": {"ranks": "[]"}}); keep real entries torch did write.

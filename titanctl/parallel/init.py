@@ -13,15 +13,15 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titanctl import _torch_compat
 from titanctl.models.llama.model import ParamInit
-
-# Wrappers that activation checkpointing and compile put into parameter names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
 
 
 def canonical_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
+    """A parameter name without the parts that wrappers (activation checkpointing, compile) put in."""
+    for part in _torch_compat.WRAPPER_NAME_PARTS:
         name = name.replace(part, "")
     return name
 
@@ -45,8 +45,6 @@ def initialize_weights(model: nn.Module, seed: int, buffer_device: torch.device 
 
     ``model`` must provide ``param_init(name) -> ParamInit`` and ``init_buffers(device)``.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     model.init_buffers(buffer_device)
     for name, param in model.named_parameters():
         name = canonical_name(name)

@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
 from titanctl.models.llama.pipeline import (
@@ -54,8 +57,7 @@ def read_schedule_csv(path: str | Path, pp_degree: int) -> tuple[dict[int, int],
 
     Returns (stage -> rank, microbatch count).
     """
-    from torch.distributed.pipelining.schedules import _Action
-
+    action_class = _torch_compat.PIPELINE_ACTION.get()
     where = f"schedule CSV {str(path)!r}"
     try:
         with open(path, newline="") as f:
@@ -76,7 +78,7 @@ def read_schedule_csv(path: str | Path, pp_degree: int) -> tuple[dict[int, int],
     for rank, row in enumerate(rows):
         for col, cell in enumerate(row):
             try:
-                action = _Action.from_str(cell)
+                action = action_class.from_str(cell)
             except RuntimeError:
                 action = False  # torch's parser accepts a prefix: compare the round trip below
             if action is None:
@@ -212,13 +214,6 @@ def build_pipeline(
     ``PipelineStage``. The returned ``model_parts`` are still on the meta device: materialize them
     before the first ``step``.
     """
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        PipelineScheduleSingle,
-        _PipelineScheduleRuntime,
-        get_schedule_class,
-    )
-
     if loss_fn is None:
         raise ValueError("build_pipeline needs a loss_fn (training runs backward)")
     p = cfg_parallelism
@@ -270,9 +265,9 @@ def build_pipeline(
 
     loss = _MicrobatchLoss(loss_fn)
     if csv_path:
-        schedule = _PipelineScheduleRuntime(stages, n_mb, loss_fn=loss, scale_grads=False)
+        schedule = _torch_compat.PIPELINE_RUNTIME.get()(stages, n_mb, loss_fn=loss, scale_grads=False)
         try:
-            schedule._load_csv(csv_path, format="compute_only")
+            _torch_compat.load_schedule_csv(schedule, csv_path)
         except (AssertionError, ValueError, RuntimeError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ParallelError(f"schedule CSV {csv_path!r} is not a valid schedule: {first_line}") from None

@@ -6,9 +6,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from titanctl import _torch_compat
 from titanctl.errors import ParallelError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.tp_plan import block_plan, root_plan
+from titanctl.parallel.float8 import float8_tp_styles, is_float8_linear, sends_float8
 
 
 def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
@@ -36,8 +38,6 @@ def apply_tp(
     parallelize_module(model, tp_mesh, root)
     styles = None
     if float8:
-        from titanctl.parallel.float8 import float8_tp_styles, is_float8_linear, sends_float8
-
         if sends_float8(tp_mesh):
             styles = float8_tp_styles()
     for block in model.layers.values():
@@ -56,8 +56,5 @@ def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
         )
     if not compiled:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs compile.enable = true")
-    import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    _torch_compat.enable_inductor_micro_pipeline_tp()
+    _torch_compat.ENABLE_SYMM_MEM_FOR_GROUP.get()(tp_mesh.get_group().group_name)

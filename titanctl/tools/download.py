@@ -11,10 +11,14 @@ error message before that message is shown.
 from __future__ import annotations
 
 import os
+import socket
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import DataError
 
 DEFAULT_LOCAL_DIR = Path("assets/tokenizer")
@@ -43,9 +47,6 @@ def repo_file(tokenizer_path: str, filename: str | None) -> str:
 def _connect_target(endpoint: str) -> tuple[str, int]:
     """The (host, port) a request to ``endpoint`` first connects to: the proxy that the environment
     names for it (HTTPS_PROXY, ..., minus NO_PROXY), else the endpoint itself."""
-    import urllib.request
-    from urllib.parse import urlsplit
-
     url = urlsplit(endpoint)
     host = url.hostname or ""
     proxy = urllib.request.getproxies().get(url.scheme)
@@ -58,8 +59,6 @@ def _connect_target(endpoint: str) -> tuple[str, int]:
 def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when a TCP connection to the Hub (or its proxy) opens, else why not: one connect
     instead of huggingface_hub's five retries with back-off (~23 s) before it gives up."""
-    import socket
-
     host, port = _connect_target(endpoint)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
@@ -77,6 +76,7 @@ def _scrub(text: str, token: str | None) -> str:
 
 def _hub_download(repo_id: str, target: str, local_dir, hf_token: str | None, tokenizer_path: str) -> Path:
     """huggingface_hub's download, its refusals turned into one-line DataErrors without the token."""
+    # huggingface_hub (and its HTTP stack) loads only when the hub is asked
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -137,7 +137,7 @@ def download_tokenizer(
     reached fails at once, without touching `local_dir`, unless the file is already there (used as
     it is, as offline mode would).
     """
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # (see _hub_download)
 
     target = repo_file(tokenizer_path, filename)
     where = f"{target} of {repo_id}"
@@ -160,7 +160,6 @@ def download_tokenizer(
                 "HTTPS_PROXY, or copy the file there"
             )
 
-    from titanctl.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(path)  # a DataError names the file if it is not a usable tokenizer
     return Downloaded(path=path, vocab_size=tokenizer.vocab_size, sha256=tokenizer.sha256)

@@ -1,15 +1,23 @@
-"""Where the time of a profiled training step went: ``titanctl profile``'s summary of the traces that
-``titanctl.train.profiler`` wrote, per rank and across ranks (``trace_analysis``'s rules).
+"""``titanctl profile``: train a few steps with the last one recorded, then say where its time went,
+per rank and across ranks (``trace_analysis``'s rules), from the traces ``titanctl.train.profiler``
+wrote.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
+from titanctl.config.job_config import JobConfig
 from titanctl.errors import ProfilingError
-from titanctl.train.profiler import MEMORY_TIMELINE_FILE, TRACE_FILE, iteration_folder
+from titanctl.parallel.env import device_type
+from titanctl.tools.trace_analysis import analyze_profiles, read_document
+from titanctl.train.profiler import MEMORY_TIMELINE_FILE, TRACE_FILE, check_profiling, iteration_folder
+from titanctl.train.trainer import Trainer
 
 
 @dataclass
@@ -46,10 +54,27 @@ def latest_iteration(traces_folder: Path) -> int:
     return max(steps)
 
 
+def run(cfg: JobConfig, steps: int, top: int = 15) -> ProfileSummary | None:
+    """Train ``steps`` steps of ``cfg`` with the last one recorded and checkpointing off (neither
+    resumed from nor written), then summarize every rank's trace of it. Returns the summary on
+    rank 0, None on the other ranks (which only take part in training)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.training.steps = steps
+    cfg.profiling.enable_profiling = True
+    cfg.profiling.profile_freq = steps  # one recorded step: the last
+    cfg.checkpoint.enable_checkpoint = False
+    check_profiling(cfg.profiling, device_type())
+    trainer = Trainer(cfg)
+    trainer.train()
+    if dist.is_initialized():
+        dist.barrier()  # every rank's trace is on disk
+    if trainer.env.rank != 0:
+        return None
+    return summarize(Path(cfg.job.dump_folder) / cfg.profiling.save_traces_folder, step=steps, top=top)
+
+
 def summarize(traces_folder: Path, step: int | None = None, top: int = 15) -> ProfileSummary:
     """Where the time of one recorded step went, on every rank (trace_analysis's rules)."""
-    from titanctl.tools.trace_analysis import analyze_profiles, read_document
-
     step = latest_iteration(traces_folder) if step is None else step
     folder = iteration_folder(traces_folder, step)
     traces = sorted(folder.glob(TRACE_FILE.format(rank="*")))

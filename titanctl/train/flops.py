@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.shapes import num_params
 
 # Dense bf16 TFLOP/s without sparsity, by the device name torch reports.
 GPU_PEAK_TFLOPS = {
@@ -43,7 +44,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     a device that holds 1/(tp·pp) of the model and sees 1/cp of a sequence does that share of
     the work of its data-parallel rank's tokens.
     """
-    n = args.num_params(include_embedding=False)
+    n = num_params(args, include_embedding=False)
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 

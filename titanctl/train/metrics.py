@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from titanctl.errors import ConfigError
 
 
 def cpu_peak_rss_gib() -> float:
@@ -21,7 +24,6 @@ def cpu_peak_rss_gib() -> float:
                 return int(line.split()[1]) / 2**20  # kB -> GiB
     except OSError:
         pass
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -71,7 +73,7 @@ class MetricSinks:
         self._jsonl = open(dump_folder / "metrics.jsonl", "a", buffering=1)
         self._tb = None
         if tensorboard_folder is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # tensorboard + protobuf: only runs that log there
 
             self._tb = SummaryWriter(log_dir=str(tensorboard_folder))
         self._wandb = None
@@ -98,10 +100,8 @@ class MetricSinks:
 
 
 def _start_wandb(dump_folder: Path, config: dict):
-    from titanctl.errors import ConfigError
-
     try:
-        import wandb
+        import wandb  # optional dependency (pip install titanctl[wandb])
     except ImportError:
         raise ConfigError(
             "metrics.enable_wandb = true but wandb is not installed: pip install 'titanctl[wandb]'"

@@ -30,8 +30,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig, Profiling
 from titanctl.errors import ProfilingError
+from titanctl.parallel.env import device_type
 
 TRACE_FILE = "rank{rank}_trace.json"  # trace_analysis reads the rank from "rank{r}" in the name
 MEMORY_TIMELINE_FILE = "rank{rank}_memory_timeline.json"
@@ -114,13 +119,9 @@ class StepProfiler:
         return self.dump_folder / self.cfg.save_memory_snapshot_folder
 
     def start(self) -> None:
-        import torch
-
         if self.cfg.enable_memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
+            _torch_compat.RECORD_MEMORY_HISTORY.get()(max_entries=SNAPSHOT_MAX_ENTRIES)
         if self.cfg.enable_profiling:
-            from torch.profiler import ProfilerActivity, profile, schedule
-
             # Each cycle is written out at its end; keeping events across cycles is not wanted.
             warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
             activities = [ProfilerActivity.CPU]
@@ -150,8 +151,6 @@ class StepProfiler:
             self._dump_snapshot(iteration_folder(self.snapshot_folder, self.step_num))
 
     def stop(self, exc: BaseException | None = None) -> None:
-        import torch
-
         if self._torch_prof is not None:
             # Completed recorded steps were written by step(); one still open at exit never ran.
             self._torch_prof.on_trace_ready = None
@@ -161,7 +160,7 @@ class StepProfiler:
         if self.cfg.enable_memory_snapshot:
             if isinstance(exc, torch.OutOfMemoryError):  # the snapshot that explains the OOM
                 self._dump_snapshot(self.snapshot_folder / f"iteration_{self.step_num + 1}_oom")
-            torch.cuda.memory._record_memory_history(enabled=None)
+            _torch_compat.RECORD_MEMORY_HISTORY.get()(enabled=None)
 
     def _trace_ready(self, prof) -> None:
         folder = iteration_folder(self.traces_folder, self.step_num)
@@ -175,11 +174,9 @@ class StepProfiler:
             self.log(f"profiler: step {self.step_num} trace and memory timeline in {folder}")
 
     def _dump_snapshot(self, folder: Path) -> None:
-        import torch
-
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / SNAPSHOT_FILE.format(rank=self.rank)
-        torch.cuda.memory._dump_snapshot(str(path))
+        _torch_compat.DUMP_MEMORY_SNAPSHOT.get()(str(path))
         self.written.append(path)
         if self.log is not None:
             self.log(f"profiler: CUDA memory snapshot in {path}")
@@ -203,7 +200,6 @@ def maybe_profile(
     if not (p.enable_profiling or p.enable_memory_snapshot):
         yield _NoProfiler()
         return
-    from titanctl.parallel.env import device_type
 
     check_profiling(p, device_type())
     prof = StepProfiler(p, rank, Path(dump_folder), device_type(), step_num=start_step, log=log)

@@ -9,8 +9,10 @@ import contextlib
 import dataclasses
 
 import torch
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titanctl.config.job_config import JobConfig
+from titanctl.parallel.context_parallel import context_parallel_ctx
 from titanctl.parallel.dims import ParallelDims
 from titanctl.train.loss import cross_entropy_loss
 
@@ -41,8 +43,6 @@ class ForwardBackward:
         """Loss parallel (logits stay sharded over tp) wraps forward, loss and backward."""
         p = self.cfg.parallelism
         if self.dims.tp > 1 and not p.disable_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             return loss_parallel()
         return contextlib.nullcontext()
 
@@ -55,8 +55,6 @@ class ForwardBackward:
                 return None if loss is None else loss.detach()
             cp_ctx = contextlib.nullcontext()
             if self.dims.cp > 1:
-                from titanctl.parallel.context_parallel import context_parallel_ctx
-
                 model = self.model_parts[0]
                 cp_ctx = context_parallel_ctx(
                     self.dims.mesh["cp"],

@@ -22,6 +22,7 @@ from titanctl.data.loader import TokenWindowLoader
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, TitanError, TrainingDiverged
 from titanctl.models.llama import model_args_from_config
+from titanctl.models.llama.shapes import num_params
 from titanctl.parallel import elastic, hang_watchdog
 from titanctl.parallel.build import build_model_parts
 from titanctl.parallel.dims import ParallelDims
@@ -273,7 +274,7 @@ class Trainer:
                 folder = self.checkpoint.save_seed()
             self.console.print(f"seed checkpoint written to {folder}; not training (create_seed_checkpoint)")
             return
-        n_params = self.model_args.num_params()
+        n_params = num_params(self.model_args)
         if cfg.job.description:
             self.console.print(cfg.job.description, soft_wrap=True)
         self.console.print(

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from titanctl.checkpoint.hf_names import expected_shapes
 from titanctl.checkpoint.paths import check_inside
 from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
+from titanctl.models.llama.shapes import weight_shapes
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")
 # Derived RoPE tables that some tools save beside the weights: never weights, never written.
@@ -135,7 +135,7 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
     Names must already be canonical: unknown source names are rejected by each format's
     name mapping (which knows how the source spells them).
     """
-    expected = expected_shapes(args)
+    expected = weight_shapes(args)
     seen: dict[str, TensorInfo] = {}
     for info in infos:
         if info.name not in expected:

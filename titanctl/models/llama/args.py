@@ -52,12 +52,6 @@ class ModelArgs:
     def replace(self, **changes) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count, from the weight shapes of the model (built on the meta device)."""
-        from titanctl.models.llama.shapes import num_params  # shapes.py builds the model, which imports this
-
-        return num_params(self, include_embedding)
-
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4),

@@ -29,6 +29,7 @@ def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def num_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Parameter count, from the weight shapes of the model."""
     return sum(
         math.prod(shape) for name, shape in weight_shapes(args).items() if include_embedding or name != EMBEDDING
     )

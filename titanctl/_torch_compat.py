@@ -1,0 +1,396 @@
+"""Every private torch name titanctl relies on, in one place.
+
+Some features need torch internals that no public API offers (the reason is written above each
+entry). They are all reached through this module: other modules call ``ENTRY.get()`` or one of
+the helpers at the bottom, never a ``_``-prefixed torch name themselves (a test checks that).
+
+Nothing is imported until a feature asks for its entry, so importing this module costs nothing
+and a torch without one of these names fails only the feature that needs it, with a
+``TorchInternalsError`` that names the feature and the torch version (not an ImportError at
+start-up). ``tests/unit/test_torch_compat.py`` looks every entry up, so a torch upgrade that moves
+one fails that test with the list of what moved, before any user's run does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from titanctl.errors import TorchInternalsError
+
+TESTED_TORCH = "2.13"  # the torch these entries were written against and are tested on
+
+_NO_VALUE = object()
+
+
+def torch_version() -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def _lookup(path: str) -> Any:
+    """``a.b.c`` -> the object, importing submodules on the way (raises ImportError/AttributeError).
+
+    A submodule wins over a package attribute of the same name (``_composable.replicate`` is
+    both a module and, in the package, the function it defines).
+    """
+    parts = path.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, name in enumerate(parts[1:], start=2):
+        if inspect.ismodule(obj):
+            with contextlib.suppress(ImportError):
+                obj = importlib.import_module(".".join(parts[:i]))
+                continue
+        obj = getattr(obj, name)
+    return obj
+
+
+@dataclass(frozen=True)
+class Private:
+    """One private name: ``path`` (dotted, from the top package), the feature that needs it, and
+    optionally an attribute that the class at ``path`` sets on its instances (``instance_attr``,
+    found in the class's source) or the value a name constant must have (``equals``)."""
+
+    path: str
+    feature: str
+    instance_attr: str | None = None
+    equals: Any = _NO_VALUE
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}.{self.instance_attr}" if self.instance_attr else self.path
+
+    def problem(self) -> str | None:
+        """Why this torch does not provide the name, or None if it does."""
+        try:
+            obj = _lookup(self.path)
+        except (ImportError, AttributeError) as e:
+            return f"{type(e).__name__}: {e}"
+        if self.instance_attr is not None and not _sets_attribute(obj, self.instance_attr):
+            return f"{self.path} no longer sets .{self.instance_attr}"
+        if self.equals is not _NO_VALUE and obj != self.equals:
+            return f"{self.path} is {obj!r}, not {self.equals!r}"
+        return None
+
+    def get(self) -> Any:
+        """The object (for an ``instance_attr`` entry: the class), or TorchInternalsError."""
+        if self in _FOUND:
+            return _FOUND[self]
+        problem = self.problem()
+        if problem is not None:
+            raise self.missing(problem)
+        _FOUND[self] = obj = _lookup(self.path)
+        return obj
+
+    def of(self, obj: Any) -> Any:
+        """The attribute this entry names (its ``instance_attr``, else its last part) of ``obj``.
+
+        Only a getattr, no lookup of the class's source: cheap enough for any path, and it allocates
+        nothing (a first use inside a measured step must not move the garbage collector's timing)."""
+        attr = self.instance_attr or self.path.rsplit(".", 1)[1]
+        try:
+            return getattr(obj, attr)
+        except AttributeError:
+            raise self.missing(f"{type(obj).__name__} has no .{attr}") from None
+
+    def missing(self, problem: str) -> TorchInternalsError:
+        return TorchInternalsError(
+            f"{self.feature} needs torch's internal {self.name}, which torch {torch_version()} does not "
+            f"have ({problem}); titanctl is written against torch {TESTED_TORCH}"
+        )
+
+    def check(self) -> None:
+        self.get()
+
+
+_FOUND: dict[Private, Any] = {}
+ENTRIES: list[Private] = []
+
+
+def _sets_attribute(cls: Any, attr: str) -> bool:
+    """Whether the code of ``cls`` or a base class refers to ``.attr`` (instance attributes are
+    not visible on the class itself)."""
+    pattern = re.compile(rf"\.{re.escape(attr)}\b")
+    return any(pattern.search(source) for source in _class_sources(cls))
+
+
+def _class_sources(cls: Any) -> Iterator[str]:
+    for klass in getattr(cls, "__mro__", (cls,)):
+        if klass is object:
+            continue
+        try:
+            yield inspect.getsource(klass)
+        except (OSError, TypeError):
+            # No class source (C classes; classes whose __module__ names a re-exporting package):
+            # the files their methods come from.
+            files = {inspect.getsourcefile(f) for f in vars(klass).values() if inspect.isfunction(f)}
+            for file in sorted(f for f in files if f):
+                with open(file, encoding="utf-8") as text:
+                    yield text.read()
+
+
+def _private(path: str, feature: str, *, instance_attr: str | None = None, equals: Any = _NO_VALUE) -> Private:
+    entry = Private(path, feature, instance_attr, equals)
+    ENTRIES.append(entry)
+    return entry
+
+
+def missing() -> list[str]:
+    """Every entry this torch lacks, as ``name (feature): why``; empty on the tested torch."""
+    return [f"{e.name} ({e.feature}): {p}" for e in ENTRIES if (p := e.problem()) is not None]
+
+
+def require(condition: bool, feature: str, what: str) -> None:
+    """A torch internal is there but behaves differently (a signature or a schema changed)."""
+    if not condition:
+        raise TorchInternalsError(
+            f"{feature}: torch {torch_version()} internals changed ({what}); titanctl is written against "
+            f"torch {TESTED_TORCH}"
+        )
+
+
+# --- activation checkpointing -------------------------------------------------------------------
+_AC = "activation_checkpoint.mode"
+_SAC = "activation_checkpoint.selective_ac_option = 'op'"
+# Wraps a block as a module that recomputes its forward in backward; torch.utils.checkpoint (public)
+# is a function, and FSDP, TP and compile need a module to wrap (torchtitan uses the same wrapper).
+CHECKPOINT_WRAPPER = _private(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper", _AC
+)
+# The ATen ops whose outputs op-level selective AC keeps: SDPA lowers to one of these kernels per
+# backend and they exist only under private names; TP's reduce-scatter runs as the functional op.
+SAC_SAVE_OPS = (
+    _private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default", _SAC),
+    _private("torch.ops.aten._scaled_dot_product_efficient_attention.default", _SAC),
+    _private("torch.ops.aten._scaled_dot_product_flash_attention.default", _SAC),
+    _private("torch.ops.aten._scaled_dot_product_cudnn_attention.default", _SAC),
+    _private("torch.ops._c10d_functional.reduce_scatter_tensor.default", _SAC),
+)
+
+# --- parameter names ----------------------------------------------------------------------------
+_NAMES = "canonical parameter names (checkpoints, weight init)"
+# The parts wrappers insert into parameter names, which canonical names leave out; torch names
+# them only in private constants (checkpoint wrapper, torch.compile's OptimizedModule, FSDP1).
+CHECKPOINT_WRAPPED_MODULE = _private(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE", _NAMES,
+    equals="_checkpoint_wrapped_module",
+)
+# (see above) torch.compile(module) keeps the compiled module as ._orig_mod.
+COMPILED_ORIG_MOD = _private("torch._dynamo.eval_frame.OptimizedModule", _NAMES, instance_attr="_orig_mod")
+# (see above) FSDP1's wrapper attribute; FSDP2 (what titanctl uses) adds none.
+FSDP_WRAPPED_MODULE = _private(
+    "torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE", _NAMES, equals="_fsdp_wrapped_module"
+)
+# DDP's "module." comes from its public attribute, so it needs no entry.
+WRAPPER_NAME_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+
+# --- data parallel ------------------------------------------------------------------------------
+_DDP = "DDP (parallelism.data_parallel_replicate_degree > 1 without FSDP)"
+# Composable DDP: keeps parameter names unchanged; the public DistributedDataParallel prefixes
+# them with "module." and is a wrapper FSDP/TP cannot compose with.
+REPLICATE = _private("torch.distributed._composable.replicate.replicate", _DDP)
+
+# --- device mesh --------------------------------------------------------------------------------
+_MESH = "flattened mesh dims (FSDP over dp_shard x cp, the data-parallel mesh of HSDP)"
+# One mesh dim spanning several (e.g. dp_shard x cp); DeviceMesh has no public flatten in 2.13.
+MESH_FLATTEN = _private("torch.distributed.device_mesh.DeviceMesh._flatten", _MESH)
+
+# --- context parallel ---------------------------------------------------------------------------
+_CP = "context parallel on CPU"
+_CP_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
+# The table of SDPA ops that torch's CP dispatcher sends to ring attention: it names only CUDA
+# kernels, so the CPU kernel is added to it (see titanctl.parallel.context_parallel).
+CP_CUSTOM_OPS = _private(f"{_CP_ATTENTION}.custom_ops", _CP)
+# Merges CP_CUSTOM_OPS into DTensor's dispatcher while CP is on; checked (not called): without it
+# the table above would have no effect.
+CP_ENABLE_DISPATCHER = _private(f"{_CP_ATTENTION}._enable_cp_dtensor_dispatcher", _CP)
+# torch's ring attention, forward and backward; device-agnostic (the kernel is an argument) but
+# not public.
+CP_RING_FORWARD = _private(f"{_CP_ATTENTION}._templated_ring_attention", _CP)
+CP_RING_BACKWARD = _private(f"{_CP_ATTENTION}._templated_ring_attention_backward", _CP)
+# allgather vs alltoall ring exchange; defined in the private module, not re-exported.
+CP_SET_ROTATE_METHOD = _private(f"{_CP_ATTENTION}.set_rotate_method", "parallelism.context_parallel_rotate_method")
+# The CPU flash-attention kernel SDPA lowers to, and its backward: what CPU ring attention runs.
+CPU_FLASH_SDPA = _private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default", _CP)
+CPU_FLASH_SDPA_BACKWARD = _private("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default", _CP)
+# The argument list of an op overload, to check the kernels' signatures before routing them;
+# OpOverload keeps its schema only in ._schema.
+OP_SCHEMA = _private("torch._ops.OpOverload", _CP, instance_attr="_schema")
+# DTensor's op dispatcher: unwraps a DTensor op call into local tensors and wraps the results,
+# as every custom-op handler in the CP table must; no public equivalent.
+DTENSOR_OP_DISPATCHER = _private("torch.distributed.tensor.DTensor._op_dispatcher", _CP)
+# The spec (mesh, placements, global shape) of the ring's outputs, which the dispatcher needs.
+DTENSOR_SPEC = _private("torch.distributed.tensor._dtensor_spec.DTensorSpec", _CP)
+TENSOR_META = _private("torch.distributed.tensor._dtensor_spec.TensorMeta", _CP)
+# The global shape and stride of a sharded tensor from its local piece.
+COMPUTE_GLOBAL_TENSOR_INFO = _private("torch.distributed.tensor._utils.compute_global_tensor_info", _CP)
+
+# --- tensor parallel ----------------------------------------------------------------------------
+_ASYNC_TP = "parallelism.enable_async_tensor_parallel"
+# Inductor's micro-pipeline pass that overlaps TP's collectives with matmuls: a private flag.
+INDUCTOR_MICRO_PIPELINE_TP = _private("torch._inductor.config._micro_pipeline_tp", _ASYNC_TP)
+# Symmetric memory for the TP group, which that pass needs; torch has no public switch for it.
+ENABLE_SYMM_MEM_FOR_GROUP = _private("torch.distributed._symmetric_memory.enable_symm_mem_for_group", _ASYNC_TP)
+
+# --- float8 -------------------------------------------------------------------------------------
+_F8 = "float8.enable_float8_linear"
+# The float8 matmul torchao runs; calling it once tells whether this device has a kernel for it.
+SCALED_MM = _private("torch._scaled_mm", _F8)
+# A DTensor's local shard as stored; to_local() returns an autograd view of it.
+DTENSOR_LOCAL_TENSOR = _private("torch.distributed.tensor.DTensor", _F8, instance_attr="_local_tensor")
+# The plain weight inside torchao's float8 all-gather wrapper, which offers no accessor for it.
+FLOAT8_WEIGHT_INNER = _private(
+    "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor", "float8.enable_fsdp_float8_all_gather",
+    instance_attr="_tensor",
+)
+# The logger through which torch's pytree warns about torchao's enum at import (filtered out).
+PYTREE_LOGGER = _private("torch.utils._pytree", _F8)
+
+# --- pipeline parallel --------------------------------------------------------------------------
+_CSV = "parallelism.pipeline_parallel_schedule_csv"
+# Parses a schedule action such as "0F1" (stage, kind, microbatch); torch has no public parser.
+PIPELINE_ACTION = _private("torch.distributed.pipelining.schedules._Action", _CSV)
+# The schedule that runs a list of actions read from a CSV file; only this private class does.
+PIPELINE_RUNTIME = _private("torch.distributed.pipelining.schedules._PipelineScheduleRuntime", _CSV)
+# Loads a compute-only CSV into that schedule and adds the communication actions.
+PIPELINE_LOAD_CSV = _private("torch.distributed.pipelining.schedules._PipelineScheduleRuntime._load_csv", _CSV)
+
+# --- Flight Recorder ----------------------------------------------------------------------------
+_FR = "the Flight Recorder dump (comm.trace_buf_size, inspect-trace)"
+# The Flight Recorder's buffer as JSON bytes: the only way to read it from inside the process.
+DUMP_FR_TRACE_JSON = _private("torch._C._distributed_c10d._dump_fr_trace_json", _FR)
+# Every process group of this process with its name, to fill in the group layout gloo leaves
+# empty in the dump; torch lists no groups publicly.
+PROCESS_GROUP_NAMES = _private("torch.distributed.distributed_c10d._world.pg_names", _FR)
+
+# --- profiling ----------------------------------------------------------------------------------
+_SNAPSHOT = "profiling.enable_memory_snapshot"
+# CUDA memory snapshots: documented in torch's memory guide but only under these private names.
+RECORD_MEMORY_HISTORY = _private("torch.cuda.memory._record_memory_history", _SNAPSHOT)
+DUMP_MEMORY_SNAPSHOT = _private("torch.cuda.memory._dump_snapshot", _SNAPSHOT)
+
+# --- checkpoints --------------------------------------------------------------------------------
+_DCP_READ = "reading a DCP checkpoint's .metadata"
+# Classes a DCP .metadata pickle names, which the safe unpickler must recognise by name.
+DCP_STORAGE_INFO = _private("torch.distributed.checkpoint.filesystem._StorageInfo", _DCP_READ)
+DCP_MEM_FORMAT_ENCODING = _private("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", _DCP_READ)
+# The LR scheduler's step counter, a key of its (public) state_dict that resume sets back by one.
+LR_SCHEDULER_STEP_COUNT = _private(
+    "torch.optim.lr_scheduler.LRScheduler", "resuming the LR schedule", instance_attr="_step_count"
+)
+LR_SCHEDULER_STEP_COUNT_KEY = "_step_count"
+
+# --- memory estimation (titanctl.tools.memory) --------------------------------------------------
+_MEM = "estimate-memory"
+# Tensors without storage, on which a whole training step runs to measure its memory.
+FAKE_TENSOR_MODE = _private("torch._subclasses.fake_tensor.FakeTensorMode", _MEM)
+# The profiler's allocation events (--validate counts the allocator's bytes from them).
+PROFILER_ALLOCATION_EVENT = _private("torch._C._profiler._EventType.Allocation", _MEM)
+# torch's memory trackers, which sort every storage of a step into parameters, gradients,
+# optimizer state, activations...; they exist only in torch.distributed._tools.
+MEM_TRACKER = _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM)
+FSDP_MEM_TRACKER = _private("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", _MEM)
+MOD_TRACKER = _private("torch.distributed._tools.mod_tracker.ModTracker", _MEM)
+# Flattens a module's inputs in the tracker's forward pre-hook (torch.utils._pytree has no public twin).
+TREE_FLATTEN = _private("torch.utils._pytree.tree_flatten", _MEM)
+# The trackers' hooks and state that titanctl's subclasses override or read: the forward pre-hooks
+# (to skip leaf inputs and allow a stage to be called per microbatch), the peak update (torch's
+# refreshes every module's peak on every op) and the snapshots it updates.
+MEM_TRACKER_HOOKS = (
+    _private("torch.distributed._tools.mod_tracker.ModTracker._fw_pre_hook", _MEM),
+    _private("torch.distributed._tools.mem_tracker.MemTracker._pre_fw_hook", _MEM),
+    _private("torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats", _MEM),
+    _private("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker._fsdp_state_pre_forward", _MEM),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_curr_mem_snap"),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_peak_mem"),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_peak_mem_snap"),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_in_opt"),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_mod_tracker"),
+    _private("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", _MEM, instance_attr="_root_mod"),
+)
+# DTensor's shape propagation, which the trackers must not count (it runs on global-size fake
+# tensors); patched for the duration of an estimate with patched() below.
+SHARDING_PROPAGATION = _private(
+    "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached", _MEM
+)
+# A pipeline stage's shape handshake with its neighbours, which on a fake process group rank 0
+# answers itself (titanctl.tools.memory.pipeline): the metadata messages, the stage's inferred
+# metadata, and the methods that exchange them.
+STAGE_FORWARD_META = _private("torch.distributed.pipelining._utils._StageForwardMeta", _MEM)
+STAGE_BACKWARD_META = _private("torch.distributed.pipelining._utils._StageBackwardMeta", _MEM)
+DERIVE_GRAD_METAS = _private("torch.distributed.pipelining._utils._derive_grad_metas", _MEM)
+STAGE_META = _private("torch.distributed.pipelining.stage._PipelineStageBase", _MEM, instance_attr="_stage_meta")
+STAGE_HANDSHAKE = {
+    name: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM)
+    for name in ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta")
+}
+
+
+# --- helpers for private methods and attributes of objects ---------------------------------------
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    return MESH_FLATTEN.of(mesh)(mesh_dim_name=name)
+
+
+def op_schema(op: Any) -> Any:
+    return OP_SCHEMA.of(op)
+
+
+def dtensor_local_tensor(tensor: Any) -> Any:
+    return DTENSOR_LOCAL_TENSOR.of(tensor)
+
+
+def float8_weight_inner(tensor: Any) -> Any:
+    return FLOAT8_WEIGHT_INNER.of(tensor)
+
+
+def load_schedule_csv(schedule: Any, path: str) -> None:
+    PIPELINE_LOAD_CSV.of(schedule)(path, format="compute_only")
+
+
+def process_group_names() -> dict:
+    """{process group: its name}, read afresh; TorchInternalsError if this torch keeps no such table."""
+    PROCESS_GROUP_NAMES.check()
+    return dict(_lookup(PROCESS_GROUP_NAMES.path))
+
+
+def enable_inductor_micro_pipeline_tp() -> None:
+    INDUCTOR_MICRO_PIPELINE_TP.check()
+    config = importlib.import_module("torch._inductor.config")
+    config._micro_pipeline_tp = True
+
+
+def stage_output_metas(stage: Any) -> Any:
+    return STAGE_META.of(stage).outputs
+
+
+def replace_stage_handshake(stage: Any, **methods: Any) -> None:
+    """Replace a PipelineStage's handshake methods (names as in STAGE_HANDSHAKE) on this object only."""
+    for name, method in methods.items():
+        STAGE_HANDSHAKE[name].of(stage)  # it has the method being replaced
+        setattr(stage, name, method)
+
+
+@contextlib.contextmanager
+def patched(entry: Private, replacement: Any) -> Iterator[Any]:
+    """Replace the class attribute ``entry`` names for the duration; yields the original."""
+    original = entry.get()
+    owner_path, attr = entry.path.rsplit(".", 1)
+    owner = _lookup(owner_path)
+    setattr(owner, attr, replacement)
+    try:
+        yield original
+    finally:
+        setattr(owner, attr, original)
