@@ -22,6 +22,8 @@ takes its head count from ``wk``. Collectives are plain ``torch.distributed`` ca
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,6 +59,9 @@ def sharded_linears(model: Transformer, tp: int) -> dict[str, tuple[nn.Linear, i
     return found
 
 
+_LOCALIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward now holds collectives
+
+
 def shard_weights(model: Transformer, mesh: DeviceMesh) -> None:
     """Make each split weight a DTensor sharded over ``mesh`` (1-D), for a checkpoint reader to fill."""
     for linear, dim in sharded_linears(model, mesh.size()).values():
@@ -76,12 +81,12 @@ def localize(model: Transformer, mesh: DeviceMesh) -> None:
             linear.register_forward_hook(_GatherLastDim(group, tp))
         elif dim == 1:  # row-wise: each rank computed a partial sum of the whole output
             linear.register_forward_hook(_SumOverRanks(group, tp))
+    _LOCALIZED.add(model)
 
 
 def has_collectives(model: nn.Module) -> bool:
     """Whether :func:`localize` put collectives into ``model``'s forward."""
-    return any(isinstance(hook, (_SumOverRanks, _GatherLastDim))
-               for module in model.modules() for hook in module._forward_hooks.values())
+    return model in _LOCALIZED
 
 
 class _SumOverRanks:
