@@ -1,15 +1,16 @@
 """Seconds `titanctl estimate-memory` takes for a pipelined recipe at 8 and at 32 microbatches.
 
 The default is Llama 3.1 405B on 512 ranks under PP 8 with the 1F1B schedule (FSDP 8 x TP 8 inside
-each stage), local batch 8 or 32 of 1-sample microbatches. Each estimate runs in a fresh process
-(as a user's would); the counts alternate over --rounds rounds so that load from other processes
-hits both alike. Prints each run's seconds (the estimator's own figure, and the process's wall time
-including imports), the medians and the ratio 32 / 8: the shortcuts make the cost independent of
-the microbatch count. --unshortened adds runs with --all-layers --all-microbatches (every block and
-every microbatch run; minutes) for comparison.
+each stage), local batches of 1-sample microbatches (--counts, default 8 and 32). Each estimate
+runs in a fresh process (as a user's would); the counts alternate over --rounds rounds so that load
+from other processes hits all alike. Prints each run's seconds (the estimator's own figure, and the
+process's wall time including imports), the medians and their ratios to the first count: past the
+schedule's warm-up the cost does not grow with the microbatch count (add 256 to see it).
+--unshortened adds runs with --all-layers --all-microbatches (every block and every microbatch
+run; minutes) for comparison.
 
-    .venv/bin/python benchmarks/estimate_memory_time.py [--rounds 2] [--schedule 1F1B] [--pp 8]
-        [--config recipes/llama3_405b.toml] [--world-size 512] [--unshortened]
+    .venv/bin/python benchmarks/estimate_memory_time.py [--rounds 2] [--counts 8,32] [--schedule 1F1B]
+        [--pp 8] [--config recipes/llama3_405b.toml] [--world-size 512] [--unshortened]
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--schedule", default="1F1B")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--counts", default="8,32", help="microbatch counts, comma-separated")
     parser.add_argument("--unshortened", action="store_true", help="also run every block and microbatch")
     opts = parser.parse_args()
 
-    variants = {"8 microbatches": (8,), "32 microbatches": (32,)}
+    counts = [int(c) for c in opts.counts.split(",")]
+    variants = {f"{n} microbatches": (n,) for n in counts}
     if opts.unshortened:
-        variants["8 microbatches, unshortened"] = (8, "--all-layers", "--all-microbatches")
-        variants["32 microbatches, unshortened"] = (32, "--all-layers", "--all-microbatches")
+        for n in counts:
+            variants[f"{n} microbatches, unshortened"] = (n, "--all-layers", "--all-microbatches")
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     peaks: dict[str, int] = {}
     print(f"{opts.config} on {opts.world_size} ranks, pp {opts.pp}, {opts.schedule}, microbatches of 1 sample")
@@ -71,9 +74,11 @@ def main() -> None:
     print()
     for name, value in median.items():
         print(f"median {name:30s} {value:6.1f} s")
-    print(f"ratio 32 / 8 microbatches: {median['32 microbatches'] / median['8 microbatches']:.2f}")
+    base = median[f"{counts[0]} microbatches"]
+    for n in counts[1:]:
+        print(f"ratio {n} / {counts[0]} microbatches: {median[f'{n} microbatches'] / base:.2f}")
     if opts.unshortened:
-        for n in (8, 32):
+        for n in counts:
             full, short = median[f"{n} microbatches, unshortened"], median[f"{n} microbatches"]
             same = peaks[f"{n} microbatches, unshortened"] == peaks[f"{n} microbatches"]
             print(f"{n} microbatches: unshortened / shortened {full / short:.2f}, same peak: {same}")
