@@ -30,7 +30,8 @@ def estimate(recipe: str, world_size: int, overrides: list[str], **kwargs) -> me
 
 
 def test_405b_on_512_ranks_is_plausible():
-    """(How long it takes: benchmarks/estimate_memory_time.py.)"""
+    """The flagship estimate's numbers (its time is no test's business: a few seconds, see
+    docs/estimate-memory.md; benchmarks/estimate_memory_time.py times the pipelined one)."""
     e = estimate("recipes/llama3_405b.toml", 512, [])
     assert e.layout == "dp_shard 64 x tp 8" and e.vocab_size == 128_256 and e.layers_run == [4, 5]
     assert e.target_device == "cuda"
