@@ -141,7 +141,7 @@ def assert_same_estimate(fast: memory.MemoryEstimate, full: memory.MemoryEstimat
 def shortcut_sizes(schedule: str) -> tuple[int, int, int]:
     """(stages, first, step) of the microbatch plan for ``schedule`` at pp 2."""
     stages = 2 if schedule in SINGLE_STAGE_SCHEDULES else 4
-    return (stages, *shortcuts._affine_from(schedule, 2, stages))
+    return (stages, *shortcuts.affine_from(schedule, 2, stages))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -149,7 +149,7 @@ def test_pipeline_microbatch_shortcut_equals_running_every_microbatch(schedule):
     """Two counts past the schedule's warm-up, extrapolated, equal running all the microbatches.
 
     Rank 0 of pp 2, one block per stage. The counts are those the plan picks for a long schedule
-    (the first two past the warm-up, see shortcuts._affine_from); the full run has two steps more.
+    (the first two past the warm-up, see shortcuts.affine_from); the full run has two steps more.
     """
     stages, first, step = shortcut_sizes(schedule)
     n = first + 2 * step

@@ -70,7 +70,7 @@ def pipeline_depth_plan(
     Layers are dealt out evenly, the first ``n_layers % num_stages`` stages taking one more; a model
     ``num_stages * period`` layers shallower has every stage ``period`` layers shorter, the same
     remainder and so the same shape of split. ``stages`` (this rank's) keep at least three groups
-    of ``period`` blocks: the first stage its first two blocks and one between them, the last
+    of ``period`` blocks: the first stage its first two blocks and one after them, the last
     stage its last two and one before them, so that every place of the full model is run.
     """
     step = num_stages * period
@@ -123,7 +123,7 @@ def stage_layer_names(depths: list[int], n_layers: int, num_stages: int) -> Call
     return name
 
 
-def _affine_from(schedule: str, pp: int, num_stages: int) -> tuple[int, int]:
+def affine_from(schedule: str, pp: int, num_stages: int) -> tuple[int, int]:
     """(first, step): from ``first`` microbatches on, every ``step`` more add the same memory.
 
     The tracker keeps peaks apart by the schedule action running: forward or backward of which
@@ -158,7 +158,7 @@ def microbatch_plan(schedule: str, n: int, pp: int, num_stages: int, all_microba
     The two counts ``n1 < n2`` are ``step`` apart, past the point where each step adds the same
     memory, and ``n = n1 (mod step)``; they are used only when they cost less than ``n``.
     """
-    first, step = _affine_from(schedule, pp, num_stages)
+    first, step = affine_from(schedule, pp, num_stages)
     if all_microbatches or n % step:
         return [n]
     n1 = first + (n - first) % step
