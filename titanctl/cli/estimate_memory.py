@@ -20,7 +20,12 @@ def estimate_memory(
         "torchrun) and compare the measured peak with the estimate."
     ),
     all_layers: bool = typer.Option(
-        False, "--all-layers", help="Run every layer instead of extrapolating deep models from 4 and 5 blocks."
+        False, "--all-layers", help="Run every layer instead of extrapolating deep models from shallow ones "
+        "(4 and 5 blocks; under a pipeline, stages of 3 and 4)."
+    ),
+    all_microbatches: bool = typer.Option(
+        False, "--all-microbatches", help="Run every pipeline microbatch instead of extrapolating long "
+        "schedules from two shorter ones past their warm-up."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
@@ -39,7 +44,8 @@ def estimate_memory(
     if validate:
         memory.check_validation_world(world_size)
     plan = memory.plan_estimate(
-        cfg, world_size, device=device, recipe=str(config) if config else "(defaults)", all_layers=all_layers
+        cfg, world_size, device=device, recipe=str(config) if config else "(defaults)", all_layers=all_layers,
+        all_microbatches=all_microbatches,
     )
     estimate = memory.run_estimate(plan) if rank == 0 else None
     validation = memory.validate(plan, estimate) if validate else None

@@ -9,14 +9,19 @@ torch's memory tracker (``FSDPMemTracker`` for FSDP layouts, ``MemTracker`` othe
 every storage each op allocates or frees, sorted into parameters, gradients, optimizer state,
 activations, temporaries and FSDP's communication buffers.
 
-Three shortcuts keep a 405B model on 512 ranks well under a minute, each exact by construction and
-checked against the unshortened computation in the tests:
+Four shortcuts keep a 405B model on 512 ranks under a minute, each exact by construction and
+checked against the unshortened computation in the tests (``shortcuts`` says which runs to make):
 
 - depth: every block runs the same code, so each quantity at each place of the step grows by the
-  same amount per block; models of 4 and 5 blocks give it at 126 (``depth_plan``);
+  same amount per block; models of 4 and 5 blocks give it at 126, and under a pipeline, stages of
+  3 and 4 blocks give it at 16 per stage (``shortcuts.depth_plan``, ``pipeline_depth_plan``);
+- pipeline microbatches: past the schedule's warm-up, each further microbatch adds the same
+  memory, so two counts give it at any count (``shortcuts.microbatch_plan``); with the depth
+  shortcut, the four runs of two depths by two counts give it at both;
 - steps: the second step is the first with Adam's state alive from its start (``_steady_state``);
   pipelines, whose first step also infers shapes, run both;
-- microbatches: at most two per step (the second already accumulates into existing gradients).
+- gradient accumulation: at most two microbatches per step (the second already accumulates into
+  existing gradients).
 
 DDP is the one layout that is modelled rather than run: its C++ reducer reads tensor data, so it is
 estimated as one replica plus its gradient buckets.
@@ -39,6 +44,7 @@ from pathlib import Path
 
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.tools.memory.shortcuts import ac_period, plan_runs
 
 # Llama 3's tokenizer: 128,000 BPE ranks + 256 special tokens.
 LLAMA3_VOCAB_SIZE = 128_256
@@ -88,6 +94,7 @@ class MemoryEstimate:
     ddp_bucket_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     layers_run: list[int] = field(default_factory=list)  # model depths run (two: extrapolated)
+    microbatches_run: list[int] = field(default_factory=list)  # pipeline microbatch counts (two: extrapolated)
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -176,29 +183,6 @@ def grad_accum_steps(cfg: JobConfig, dp: int) -> int:
     return global_batch // per_microbatch
 
 
-def ac_period(cfg: JobConfig) -> int:
-    """Blocks repeat with this period: 2 when every second block is checkpointed, else 1."""
-    ac = cfg.activation_checkpoint
-    if ac.mode == "selective" and ac.selective_ac_option.isdigit():
-        return max(1, int(ac.selective_ac_option))
-    return 1
-
-
-def depth_plan(n_layers: int, period: int, pp: int, all_layers: bool) -> list[int]:
-    """Layer counts to run: all of them, or two shallow models to extrapolate from.
-
-    Every block runs the same code, so each tracked quantity at a given place of the step (the
-    first/second block, the last/second-to-last, the output layer, the optimizer...) grows by the
-    same amount per added block: two depths that keep those places distinct (4 and 5 blocks, or 4
-    and 5 groups of ``period`` blocks) give it exactly at any depth. Pipeline stages are run whole:
-    each rank holds only its share of the layers.
-    """
-    base = 4 * period + n_layers % period
-    if pp > 1 or all_layers or n_layers < 2 * (base + period):
-        return [n_layers]
-    return [base, base + period]
-
-
 # ---------------------------------------------------------------------------------------------
 # The step, shared by the estimate (fake tensors) and the validation (real ones)
 
@@ -270,20 +254,26 @@ def _run_steps(
                 built.parts, optimizer, [t for mb in microbatches for t in mb],
                 fsdp=dims.fsdp_enabled, n_layers=args.n_layers, period=period,
             )
+            if built.pipeline is not None:
+                from titanctl.tools.memory.pipeline import label_actions
+
+                label_actions(built.pipeline, tracker)
         else:
             tracker = NullTracker()
         pipeline_microbatches = built.pipeline.n_microbatches if built.pipeline else 0
         run = _Run({}, {}, {}, {}, pipeline_microbatches, steps)
-        with tracker:
+        with tracker, _collector_paused():
             run.start = tracker.current()
             for step in range(1, steps + 1):
                 tracker.step = step
                 if step > 1:
                     microbatches = batch()
                     tracker.track_step_inputs([t for mb in microbatches for t in mb])
-                # Collect reference cycles left by the previous step (the trainer's gc_freq does this
-                # every N steps), so that real runs do not depend on when Python's collector runs.
-                gc.collect()
+                # Collect reference cycles left by the previous step, as the trainer does every
+                # training.gc_freq steps: a young-generation collection, which reaches everything made
+                # since the last one (nothing is promoted while collection is paused), without
+                # walking the whole heap (a second or so with torch's modules loaded).
+                gc.collect(1)
                 with marker(step) if marker else contextlib.nullcontext():
                     # The trainer's step (Trainer.train_step), less data loading and logging.
                     tracker.phase = "forward"
@@ -308,29 +298,76 @@ def _run_steps(
     return run
 
 
-def _extrapolate(shallow: _Run, deep: _Run, l1: int, l2: int, depth: int) -> _Run:
-    """Each quantity at ``depth`` layers from its values at ``l1`` and ``l2`` (it is affine in depth)."""
+@contextlib.contextmanager
+def _collector_paused():
+    """No automatic garbage collection during the steps, as in the trainer (``train.trainer``).
+
+    Tensors held by reference cycles stay alive until a collection: when the collector ran in the
+    middle of a step (whenever enough Python objects had been made) decided whether they counted
+    at the peak, so the estimate moved by a few buffers from one microbatch count to the next.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _extrapolate(small: _Run, large: _Run, x1: int, x2: int, x: int) -> _Run:
+    """Each quantity at size ``x`` from its values at sizes ``x1`` and ``x2`` (it is affine in size).
+
+    Sizes are model depths or pipeline microbatch counts; ``x = x1 (mod x2 - x1)`` by the plans'
+    choice, so everything stays in whole bytes.
+    """
     from titanctl.tools.memory.tracker import Peak
 
-    k = (depth - l1) // (l2 - l1)  # depth = l1 (mod l2 - l1) by depth_plan's choice
+    k = (x - x1) // (x2 - x1)
 
     def line(a: dict, b: dict) -> dict:
         return {key: a[key] + (b.get(key, 0) - a[key]) * k for key in a}
 
     peaks = {}
-    for key, pa in shallow.peaks.items():
-        pb = deep.peaks.get(key)
-        if pb is not None:  # places present at both depths; see depth_plan
+    for key, pa in small.peaks.items():
+        pb = large.peaks.get(key)
+        if pb is not None:  # places present at both sizes; see shortcuts.depth_plan
             categories = line(pa.categories, pb.categories)
             peaks[key] = Peak(sum(categories.values()), categories, pb.module)
     return _Run(
         peaks,
-        line(shallow.start, deep.start),
-        line(shallow.after_backward, deep.after_backward),
-        line(shallow.optimizer_state, deep.optimizer_state),
-        deep.pipeline_microbatches,
-        deep.steps,
+        line(small.start, large.start),
+        line(small.after_backward, large.after_backward),
+        line(small.optimizer_state, large.optimizer_state),
+        large.pipeline_microbatches,
+        large.steps,
     )
+
+
+def _combine(runs: dict[tuple[int, int], _Run], plan: Plan, counts: list[int]) -> _Run:
+    """The full step from runs at each (depth, pipeline microbatch count) of the plan.
+
+    Memory is affine in depth at a fixed count and in the count at a fixed depth, with a term in
+    their product (GPipe keeps every microbatch's activations of every block): extrapolating in
+    depth at both counts, then in the count, is exact for such a function.
+    """
+    depths, n_layers, n_microbatches = plan.depths, plan.args.n_layers, plan.pipeline_microbatches
+    at_depth = []
+    for count in counts:
+        if len(depths) == 2:
+            small, large = runs[depths[0], count], runs[depths[1], count]
+            run = _extrapolate(small, large, *depths, n_layers)
+            if plan.layer_names is not None:
+                for key, peak in run.peaks.items():
+                    peak.module = plan.layer_names(small.peaks[key].module, large.peaks[key].module)
+            at_depth.append(run)
+        else:
+            at_depth.append(runs[depths[0], count])
+    if len(counts) == 1:
+        return at_depth[0]
+    run = _extrapolate(at_depth[0], at_depth[1], *counts, n_microbatches)
+    run.pipeline_microbatches = n_microbatches
+    return run
 
 
 def _steady_state(run: _Run) -> None:
@@ -382,7 +419,10 @@ class Plan:
     args: object  # ModelArgs
     accum: int
     period: int
-    depths: list[int]
+    depths: list[int]  # model depths to run (two: extrapolated)
+    microbatches: list[int]  # pipeline microbatch counts to run ([] without a pipeline; two: extrapolated)
+    pipeline_microbatches: int
+    layer_names: object = None  # pipelines run shallower: see shortcuts.stage_layer_names
 
 
 def plan_estimate(
@@ -393,6 +433,7 @@ def plan_estimate(
     device: str = "auto",
     recipe: str = "",
     all_layers: bool = False,
+    all_microbatches: bool = False,
 ) -> Plan:
     """Check everything that can be wrong with the request, without starting anything."""
     if world_size < 1:
@@ -436,14 +477,13 @@ def plan_estimate(
     if accum > _MAX_MICROBATCHES:
         notes.append(f"gradient accumulation: {_MAX_MICROBATCHES} of {accum} microbatches run "
                      "(later ones repeat the second)")
-    period = ac_period(cfg)
-    depths = depth_plan(args.n_layers, period, dims.pp, all_layers)
-    if len(depths) == 2:
-        notes.append(
-            f"{args.n_layers} layers extrapolated from models of {depths[0]} and {depths[1]} layers "
-            "(exact: every block adds the same; --all-layers runs them all)"
-        )
-    return Plan(cfg, recipe, world_size, rank, target, notes, vocab, dims, args, accum, period, depths)
+    pp_rank = rank // (world_size // dims.pp)  # pp is the outermost mesh dimension
+    runs = plan_runs(cfg, args.n_layers, dims.pp, pp_rank, all_layers=all_layers, all_microbatches=all_microbatches)
+    notes.extend(runs.notes)
+    return Plan(
+        cfg, recipe, world_size, rank, target, notes, vocab, dims, args, accum, ac_period(cfg), runs.depths,
+        runs.microbatches, runs.pipeline_microbatches, runs.layer_names,
+    )
 
 
 def estimate_memory(cfg: JobConfig, world_size: int, **kwargs) -> MemoryEstimate:
@@ -484,23 +524,22 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
         mixed_precision=cfg.training.mixed_precision_param,
         notes=list(plan.notes),
         layers_run=list(plan.depths),
+        microbatches_run=list(plan.microbatches),
     )
     cpu = torch.device("cpu")
-    runs = []
+    counts = plan.microbatches or [0]
+    runs = {}
     with fake_process_group(plan.world_size, plan.rank):
         run_dims.mesh  # noqa: B018 (built from real index tensors, before fake mode)
         with untracked_sharding_propagation():
-            for n_layers in plan.depths:
-                runs.append(
-                    _run_steps(
-                        cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
+            for count in counts:
+                run_cfg = _with_pipeline_microbatches(cfg, count) if count else cfg
+                for n_layers in plan.depths:
+                    runs[n_layers, count] = _run_steps(
+                        run_cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
                         period=plan.period, fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
                     )
-                )
-    if len(runs) == 1:
-        run = runs[0]
-    else:
-        run = _extrapolate(runs[0], runs[1], plan.depths[0], plan.depths[1], args.n_layers)
+    run = _combine(runs, plan, counts)
     if run.steps == 1:
         _steady_state(run)
     if dims.ddp_enabled:
@@ -508,9 +547,17 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
         for peak in run.peaks.values():
             peak.categories[DDP_BUCKETS] += result.ddp_bucket_bytes
             peak.total += result.ddp_bucket_bytes
-    _fill(result, run, args.n_layers, plan.period, extrapolated=len(runs) == 2)
+    # Pipelines' shallow models name their peaks' modules at full depth already (plan.layer_names).
+    _fill(result, run, args.n_layers, plan.period, extrapolated=len(plan.depths) == 2 and plan.layer_names is None)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _with_pipeline_microbatches(cfg: JobConfig, count: int) -> JobConfig:
+    """``cfg`` with a local batch of ``count`` pipeline microbatches of the same size."""
+    cfg = copy.deepcopy(cfg)
+    cfg.training.local_batch_size = count * cfg.parallelism.pipeline_parallel_microbatch_size
+    return cfg
 
 
 def _fill(result: MemoryEstimate, run: _Run, n_layers: int, period: int, extrapolated: bool) -> None:

@@ -6,7 +6,9 @@ activations, ...). They keep the peak of the total; we add what the report needs
 
 - the phase the peak happened in (forward, backward, clip_grad_norm, optimizer step) and the
   innermost module that was running, for each step and each phase, keyed by the module's place in
-  the model (its "anchor") so that runs of different depths can be extrapolated;
+  the model (its "anchor") so that runs of different depths can be extrapolated, and under a
+  pipeline by the schedule's action running (``action``: forward or backward of which stage, for
+  which place among the microbatches) so that runs of different microbatch counts can be too;
 - several FSDP roots at once (pipeline stages are separate FSDP roots on one rank), and several
   top-level calls per step (a pipeline schedule calls each stage once per microbatch);
 - no accounting for DTensor's shape propagation, which runs on our fake tensors (see below);
@@ -153,13 +155,16 @@ class _LeafSafeModTracker(ModTracker):
 
 
 _LAYER = re.compile(r"^layers\.(\d+)(\.|$)")
+# Asks a tensor for its device: allocates nothing, and is half of all the ops the trackers see
+# (the autograd engine and DTensor ask for every tensor they touch).
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class _StepPeaks:
     """Mixin over MemTracker / FSDPMemTracker: peaks per (step, phase, place in the model)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _propagating:
+        if _propagating or func is _DEVICE_QUERY:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -173,6 +178,9 @@ class _StepPeaks:
         # any module. Peak.module keeps the innermost module's real name.
         self.peaks: dict[tuple[int, str, str], Peak] = {}
         self._anchors: dict[str, tuple[str, str]] = {}
+        # The pipeline action running (set by tools.memory.pipeline.label_actions), appended to
+        # anchors as "@action": "" outside any.
+        self.action = ""
 
     def _current_phase(self) -> str:
         if self._in_opt:
@@ -210,6 +218,8 @@ class _StepPeaks:
             if parent != "Global" and parent.count(".") > depth:
                 innermost, depth = parent, parent.count(".")
         name, anchor = self._anchor(innermost) if innermost else ("", "")
+        if self.action:
+            anchor = f"{anchor}@{self.action}"
         key = (self.step, self._current_phase(), anchor)
         peak = self.peaks.get(key)
         if peak is None or total > peak.total:
@@ -236,6 +246,7 @@ class _StepPeaks:
     def next_step(self) -> None:
         self.reset_mod_stats()
         self.step += 1
+        self.action = ""
 
     def _forget_if_called_again(self, module) -> None:
         # A pipeline schedule calls each stage once per microbatch; torch's trackers take a second
@@ -284,7 +295,7 @@ class NullTracker(contextlib.nullcontext):
 
     def __init__(self) -> None:
         super().__init__()
-        self.step, self.phase, self.peaks = 0, "forward", {}
+        self.step, self.phase, self.peaks, self.action = 0, "forward", {}, ""
 
     def current(self) -> dict[str, int]:
         return {}
