@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,13 @@ def test_debug_recipe_writes_20_metric_rows(debug_run, repo):
     assert {"tps", "tflops", "mfu", "step_time", "memory_gib", "tokens_seen"} <= documented
     for r in data:
         assert set(r) == {"step"} | documented
-        assert r["tps"] > 0 and 0 < r["mfu"] < 100 and r["memory_gib"] > 0
+        assert r["tps"] > 0 and r["mfu"] > 0 and r["memory_gib"] > 0
+    # MFU is tflops over the CPU peak this session measured once (a matmul probe, cached). On a loaded
+    # machine the probe and the steps see different loads, so MFU has no fixed bound; what is exact is
+    # that every row divides by the same cached peak.
+    cached = json.loads((Path(OFFLINE_ENV["TITANCTL_CACHE_DIR"]) / "cpu_peak_tflops.json").read_text())
+    implied = [100 * r["tflops"] / r["mfu"] for r in data]
+    assert any(all(p == pytest.approx(peak, rel=0.02) for p in implied) for peak in cached.values()), (implied, cached)
     assert data[-1]["loss"] < data[0]["loss"] - 0.5, [r["loss"] for r in data]
     assert "step     20" in proc.stdout
 
