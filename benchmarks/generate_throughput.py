@@ -34,6 +34,7 @@ from titanctl.checkpoint.convert import save_state_dict
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.models.llama.shapes import num_params
 from titanctl.parallel import inference_tp
 from titanctl.parallel.init import initialize_weights
 from titanctl.tools.generate import GREEDY, Decoder, find_checkpoint, load_model
@@ -139,7 +140,7 @@ def one_process(opts) -> None:
             contenders["titanctl (eager)"] = Ours(Path(tmp), length, compile=False)
         contenders["transformers generate()"] = Theirs(Path(tmp))
     rates = alternating(contenders, prompt, opts.new_tokens, opts.rounds)
-    print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
+    print(f"model {opts.flavor} ({num_params(args) / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
           f"{opts.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads, "
           f"median of {opts.rounds} alternating rounds")
     print_rates(rates)
@@ -191,7 +192,7 @@ def tensor_parallel(opts) -> None:
     exchange = exchange_seconds(mesh, sharded.decoder.model.args.dim)
     if env.rank == 0:
         mode = "compiled" if opts.compile else "eager"
-        print(f"model {opts.flavor} ({args.num_params() / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
+        print(f"model {opts.flavor} ({num_params(args) / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
               f"{opts.new_tokens} new tokens, greedy, fp32, {mode} decode step, median of {opts.rounds} "
               f"alternating rounds; TP: gloo, {tp_threads} thread(s) per rank; 1 process: {solo_threads} thread(s)")
         print_rates(rates)

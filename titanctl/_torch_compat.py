@@ -18,7 +18,7 @@ import importlib
 import inspect
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -337,6 +337,20 @@ STAGE_HANDSHAKE = {
     name: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM)
     for name in ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta")
 }
+# The first step's set-up of a stage, which the estimator labels so that its memory is kept apart
+# from the schedule's actions (titanctl.tools.memory.pipeline.label_actions): shape inference (a
+# forward, then a backward, on the first microbatch), each followed by the buffers for every
+# microbatch's messages. PipelineStage calls these private methods itself and offers no hook
+# around them.
+STAGE_SET_UP = {
+    step: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM)
+    for step, name in (
+        ("forward shapes", "_forward_metadata_inference"),
+        ("forward buffers", "_setup_forward_recv_info"),
+        ("backward shapes", "_backward_metadata_inference"),
+        ("backward buffers", "_setup_backward_recv_info"),
+    )
+}
 
 
 # --- helpers for private methods and attributes of objects ---------------------------------------
@@ -381,6 +395,13 @@ def replace_stage_handshake(stage: Any, **methods: Any) -> None:
     for name, method in methods.items():
         STAGE_HANDSHAKE[name].of(stage)  # it has the method being replaced
         setattr(stage, name, method)
+
+
+def wrap_stage_set_up(stage: Any, wrap: Callable[[str, Any], Any]) -> None:
+    """Replace each of a PipelineStage's set-up methods on this object only by ``wrap(step, method)``,
+    where ``step`` is its key in STAGE_SET_UP and ``method`` the bound original."""
+    for step, entry in STAGE_SET_UP.items():
+        setattr(stage, entry.path.rsplit(".", 1)[1], wrap(step, entry.of(stage)))
 
 
 @contextlib.contextmanager

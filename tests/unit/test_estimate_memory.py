@@ -12,6 +12,7 @@ from tests.conftest import REPO, TITANCTL
 from titanctl.config.loader import load_config
 from titanctl.models.llama import LLAMA3_FLAVORS
 from titanctl.models.llama.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from titanctl.models.llama.shapes import num_params
 from titanctl.tools.memory import estimate as memory
 from titanctl.tools.memory import shortcuts
 
@@ -51,7 +52,7 @@ def test_405b_on_512_ranks_is_plausible():
 
 def test_8b_fsdp_parameters_gradients_and_adam_state_are_analytic():
     e = estimate("recipes/llama3_8b.toml", 8, ["--training.seq_len", "256"])
-    n = LLAMA3_FLAVORS["8B"].replace(vocab_size=128_256).num_params()
+    n = num_params(LLAMA3_FLAVORS["8B"].replace(vocab_size=128_256))
     assert e.layout == "dp_shard 8"
     assert e.parameter_bytes == n * 4 // 8  # every dim of the 8B model divides by 8: no padding
     assert e.gradient_bytes == n * 4 // 8

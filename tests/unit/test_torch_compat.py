@@ -25,16 +25,6 @@ from titanctl.parallel.float8 import torchao_float8
 
 PACKAGE = REPO / "titanctl"
 COMPAT = PACKAGE / "_torch_compat.py"
-# Being rewritten on another branch while the compat module was introduced: they still name their
-# private torch symbols themselves, and the test below holds them to names the compat module
-# registers, so that switching each over is a one-line change. Remove a file from here once it is.
-NOT_YET_SWITCHED = {
-    "titanctl/tools/memory/estimate.py",
-    "titanctl/tools/memory/pipeline.py",
-    "titanctl/tools/memory/tracker.py",
-}
-# Private names that have a public replacement instead of an entry (see the test of each).
-PUBLIC_INSTEAD = {"torch.testing._internal.distributed.fake_pg.FakeStore"}
 TORCH_PACKAGES = ("torch", "torchao")
 
 
@@ -93,15 +83,18 @@ def test_importing_the_compat_module_imports_no_torch() -> None:
 
 
 def test_the_fake_process_group_needs_no_private_store() -> None:
-    """The public replacement for torch.testing._internal's FakeStore (PUBLIC_INSTEAD): torch 2.13
-    creates the fake backend's store itself."""
+    """estimate-memory's fake process group passes no store (torch 2.13 makes the fake backend's
+    FakeStore itself), so titanctl needs no entry for torch.testing._internal's FakeStore."""
     code = (
         "import torch.distributed as dist\n"
-        "dist.init_process_group('fake', rank=3, world_size=8)\n"
-        "assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (3, 8, 'fake')\n"
-        "dist.destroy_process_group()\n"
+        "from titanctl.tools.memory import fake_process_group\n"
+        "with fake_process_group(8, 3):\n"
+        "    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (3, 8, 'fake')\n"
+        "    dist.all_reduce(__import__('torch').ones(2))\n"
+        "assert not dist.is_initialized()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -276,17 +269,12 @@ def _findings() -> dict[str, list[tuple[int, str]]]:
     return found
 
 
-@pytest.fixture(scope="module")
-def findings() -> dict[str, list[tuple[int, str]]]:
-    return _findings()
-
-
-def test_no_module_reaches_a_private_torch_name_itself(findings) -> None:
+def test_no_module_reaches_a_private_torch_name_itself() -> None:
     """Except that a subclass of a torch class may override and read its base's private hooks and state
     (``self._x``), which no function can stand in for, if the compat module registers them (so that the
     lookup test above checks them)."""
     offenders = [
-        f"{path}:{line}: {name}" for path, hits in findings.items() if path not in NOT_YET_SWITCHED
+        f"{path}:{line}: {name}" for path, hits in _findings().items()
         for line, name in hits if not (name.startswith("self.") and _registered(name))
     ]
     assert not offenders, (
@@ -296,23 +284,9 @@ def test_no_module_reaches_a_private_torch_name_itself(findings) -> None:
 
 
 def _registered(name: str) -> bool:
-    if name in PUBLIC_INSTEAD:
-        return True
-    names = [entry.name for entry in _torch_compat.ENTRIES]
-    if name.startswith(("*.", "self.")):
-        attr = name.split(".", 1)[1]
-        return any(n.endswith(f".{attr}") for n in names)
-    return any(n == name or n.startswith(f"{name}.") or name.startswith(f"{n}.") for n in names)
-
-
-def test_files_not_yet_switched_use_only_registered_names(findings) -> None:
-    unregistered = [
-        f"{path}:{line}: {name}" for path, hits in findings.items() if path in NOT_YET_SWITCHED
-        for line, name in hits if not _registered(name)
-    ]
-    assert not unregistered, "private torch names without an entry in titanctl/_torch_compat.py:\n" + "\n".join(
-        unregistered
-    )
+    """Whether ``self.<attr>`` is an entry's attribute (its last part or its ``instance_attr``)."""
+    attr = name.split(".", 1)[1]
+    return any(entry.name.endswith(f".{attr}") for entry in _torch_compat.ENTRIES)
 
 
 def test_the_scanner_sees_each_way_of_reaching_a_private_name(tmp_path: Path, monkeypatch) -> None:

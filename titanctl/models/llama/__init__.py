@@ -2,11 +2,6 @@ from titanctl.config.job_config import Model as ModelConfig
 from titanctl.errors import ConfigError
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 from titanctl.models.llama.model import Transformer
-from titanctl.models.llama.shapes import num_params
-
-# Transitional: titanctl/tools/memory/estimate.py and tests/unit/test_estimate_memory.py (rewritten on
-# another branch) still call args.num_params(). Once they call shapes.num_params(args), delete this line.
-ModelArgs.num_params = num_params
 
 # Model family (config model.name) -> its flavors.
 MODEL_FAMILIES = {"llama3": LLAMA3_FLAVORS}

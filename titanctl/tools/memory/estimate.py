@@ -1,8 +1,8 @@
 """Peak memory of one training step on one rank, estimated in one process without the hardware.
 
-How: a fake process group (torch's ``FakeStore`` + backend "fake") stands in for the N-rank job as
-seen from rank 0, so the real ``ParallelDims`` mesh and the real ``build_model_parts`` build rank 0's
-sharded model parts (FSDP/HSDP, TP, CP, AC, pipeline stages), materialized inside a
+How: a fake process group (torch's backend "fake", whose collectives move no data) stands in for the
+N-rank job as seen from rank 0, so the real ``ParallelDims`` mesh and the real ``build_model_parts``
+build rank 0's sharded model parts (FSDP/HSDP, TP, CP, AC, pipeline stages), materialized inside a
 ``FakeTensorMode``: every tensor has its shape, dtype and device but no storage. Then the trainer's
 own step code (``ForwardBackward``, ``clip_grad_norm``, the optimizer and LR schedule) runs under
 torch's memory tracker (``FSDPMemTracker`` for FSDP layouts, ``MemTracker`` otherwise), which sees
@@ -42,8 +42,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.models.llama.shapes import num_params
 from titanctl.tools.memory.shortcuts import ac_period, plan_runs
 
 # Llama 3's tokenizer: 128,000 BPE ranks + 256 special tokens.
@@ -393,11 +395,11 @@ def _steady_state(run: _Run) -> None:
 def fake_process_group(world_size: int, rank: int):
     """The default process group is a fake one of ``world_size`` ranks, seen from ``rank``."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
     if dist.is_initialized():
         raise RuntimeError("a process group already exists: estimate before starting the real one")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # No store: for backend "fake" torch makes its own (a FakeStore) when none is given.
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -494,11 +496,11 @@ def estimate_memory(cfg: JobConfig, world_size: int, **kwargs) -> MemoryEstimate
 def run_estimate(plan: Plan) -> MemoryEstimate:
     started = time.perf_counter()
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titanctl.parallel.dims import ParallelDims
     from titanctl.tools.memory.tracker import DDP_BUCKETS, untracked_sharding_propagation
 
+    fake_tensor_mode = _torch_compat.FAKE_TENSOR_MODE.get()
     dims, args, cfg = plan.dims, plan.args, plan.cfg
     run_dims = dataclasses.replace(dims)  # its own mesh, on the fake process group
     if dims.ddp_enabled:
@@ -516,7 +518,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
         target_device=plan.target,
         modelled_on="fake CPU tensors on a fake process group",
         vocab_size=plan.vocab_size,
-        num_params=args.num_params(),
+        num_params=num_params(args),
         seq_len=cfg.training.seq_len,
         local_batch_size=cfg.training.local_batch_size,
         grad_accum_steps=plan.accum,
@@ -537,7 +539,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
                 for n_layers in plan.depths:
                     runs[n_layers, count] = _run_steps(
                         run_cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
-                        period=plan.period, fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
+                        period=plan.period, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True),
                     )
     run = _combine(runs, plan, counts)
     if run.steps == 1:
@@ -663,9 +665,7 @@ def _allocator_peaks(prof) -> tuple[dict[int, int], dict[int, int]]:
     worker threads allocate for the collectives they are running (CPU backend scratch space that
     NCCL does not take from PyTorch's allocator, and whose amount depends on thread timing).
     """
-    import torch
-
-    allocation = torch._C._profiler._EventType.Allocation
+    allocation = _torch_compat.PROFILER_ALLOCATION_EVENT.get()
     windows: dict[int, tuple[int, int]] = {}
     events: list[tuple[int, int, int, int]] = []  # (time, size (+/-), ptr, process total)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

@@ -23,10 +23,20 @@ from __future__ import annotations
 
 import torch
 
+from titanctl._torch_compat import (
+    DERIVE_GRAD_METAS,
+    STAGE_BACKWARD_META,
+    STAGE_FORWARD_META,
+    replace_stage_handshake,
+    stage_output_metas,
+    wrap_stage_set_up,
+)
+
 
 def answer_for_fake_peers(pipeline) -> None:
-    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta
-
+    # Looked up here, before the step: the answers are given inside it.
+    forward_meta, backward_meta = STAGE_FORWARD_META.get(), STAGE_BACKWARD_META.get()
+    derive_grad_metas = DERIVE_GRAD_METAS.get()
     stages = pipeline.stages
     first = stages[0]
 
@@ -37,34 +47,31 @@ def answer_for_fake_peers(pipeline) -> None:
 
         def recv_meta(src_stage: int, stage=stage):
             if src_stage < stage.stage_index:  # forward: the previous stage's outputs
-                outputs = first._stage_meta.outputs
+                outputs = stage_output_metas(first)
                 if outputs is None:
                     raise RuntimeError(f"stage {stage.stage_index} runs before stage {first.stage_index}")
-                return _StageForwardMeta(forward_metas=outputs)
+                return forward_meta(forward_metas=outputs)
             # backward: gradients of this stage's outputs
-            return _StageBackwardMeta(backward_metas=_grad_metas(stage._stage_meta.outputs))
+            return backward_meta(backward_metas=derive_grad_metas(stage_output_metas(stage)))
 
-        stage._warmup_forward_vote = vote
-        stage._warmup_backward_result = vote
-        stage._recv_meta = recv_meta
-        stage._send_meta = lambda meta, dst_stage: None
-
-
-def _grad_metas(outputs):
-    from torch.distributed.pipelining._utils import _derive_grad_metas
-
-    return _derive_grad_metas(outputs)
+        replace_stage_handshake(
+            stage,
+            _warmup_forward_vote=vote,
+            _warmup_backward_result=vote,
+            _recv_meta=recv_meta,
+            _send_meta=lambda meta, dst_stage: None,
+        )
 
 
 _ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
-# The first step's set-up of each stage, in torch's private PipelineStage methods: shape inference
-# (a forward, then a backward, on the first microbatch), each followed by the buffers for every
-# microbatch's messages (received activations, received gradients).
+# The first step's set-up of each stage (_torch_compat.STAGE_SET_UP): shape inference (a forward,
+# then a backward, on the first microbatch), each followed by the buffers for every microbatch's
+# messages (received activations, received gradients).
 _SET_UP = {
-    "_forward_metadata_inference": "shapes F",
-    "_setup_forward_recv_info": "buffers F",
-    "_backward_metadata_inference": "shapes B",
-    "_setup_backward_recv_info": "buffers B",
+    "forward shapes": "shapes F",
+    "forward buffers": "buffers F",
+    "backward shapes": "shapes B",
+    "backward buffers": "buffers B",
 }
 
 
@@ -79,9 +86,9 @@ def label_actions(pipeline, tracker) -> None:
     count (the first backward of GPipe holds every microbatch's activations, the last one only its
     own), while the first and last actions do what no other does (all-gather the weights, create
     the gradients, reduce them). The first step's set-up is labelled too: its shape inference needs
-    the same memory whatever the count, the message buffers it then makes grow with it. (Should a
-    torch release rename a set-up method, it goes unlabelled: the tests comparing shortcuts with
-    full runs then say so.)
+    the same memory whatever the count, the message buffers it then makes grow with it. (Its
+    methods are private: should a torch release rename one, estimating a pipeline fails with a
+    TorchInternalsError that names it.)
     """
     n = pipeline.n_microbatches
 
@@ -99,13 +106,19 @@ def label_actions(pipeline, tracker) -> None:
                 return _original(chunk_id, *args, **kwargs)
 
             setattr(stage, method, action)
-        for method, kind in _SET_UP.items():
-            original = getattr(stage, method, None)
-            if original is None:
-                continue
+        wrap_stage_set_up(stage, _labelling_set_up(tracker, stage.stage_index))
 
-            def set_up(*args, _original=original, _label=f"{kind}{stage.stage_index}", **kwargs):
-                tracker.action = _label
-                return _original(*args, **kwargs)
 
-            setattr(stage, method, set_up)
+def _labelling_set_up(tracker, stage_index: int):
+    """Wraps a stage's set-up method (``wrap_stage_set_up``) to set its label on ``tracker``."""
+
+    def wrap(step: str, original):
+        label = f"{_SET_UP[step]}{stage_index}"
+
+        def set_up(*args, **kwargs):
+            tracker.action = label
+            return original(*args, **kwargs)
+
+        return set_up
+
+    return wrap

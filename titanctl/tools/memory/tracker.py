@@ -23,12 +23,21 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._pytree import tree_flatten
 
+from titanctl._torch_compat import (
+    FSDP_MEM_TRACKER,
+    MEM_TRACKER,
+    MOD_TRACKER,
+    SHARDING_PROPAGATION,
+    TREE_FLATTEN,
+    patched,
+)
 from titanctl.parallel.init import canonical_name
+
+FSDPMemTracker = FSDP_MEM_TRACKER.get()
+MemTracker = MEM_TRACKER.get()
+ModTracker = MOD_TRACKER.get()
+tree_flatten = TREE_FLATTEN.get()
 
 TOTAL = "Total"
 
@@ -93,9 +102,7 @@ def untracked_sharding_propagation():
     global-sized outputs as if the step allocated them (only on the first step: the results are
     cached). We mark those calls and the trackers skip their ops.
     """
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    original = SHARDING_PROPAGATION.get()
 
     def marked(self, op_schema):
         global _propagating
@@ -105,11 +112,8 @@ def untracked_sharding_propagation():
         finally:
             _propagating -= 1
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = marked
-    try:
+    with patched(SHARDING_PROPAGATION, marked):
         yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 def layer_anchor(layer: int, n_layers: int, period: int) -> str:
