@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titanctl.checkpoint.weights import CheckpointSource, find_checkpoint, load_weights
@@ -370,8 +371,6 @@ def run(
     env = init_process(cfg.comm.init_timeout_seconds)
     mesh = None
     if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
     seed = _agreed_seed(seed, env.device)
     model = load_model(source, args, env.device, mesh)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -82,3 +83,18 @@ class ForwardBackward:
         if self.pipeline is not None and loss_sum is not None:
             loss_sum = loss_sum * scale  # the pipeline returns the unscaled mean of its microbatches
         return loss_sum
+
+
+@contextlib.contextmanager
+def automatic_gc_paused():
+    """No automatic garbage collection inside the block: the Trainer collects every
+    training.gc_freq steps instead, never in the middle of a step (a collection pause on one rank
+    stalls every rank at the next collective); estimate-memory likewise, because whether a
+    collection ran mid-step decided which tensors held by reference cycles counted at the peak."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -36,7 +36,7 @@ from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MemoryMonitor, MetricSinks
 from titanctl.train.optim import build_optimizer
 from titanctl.train.profiler import maybe_profile
-from titanctl.train.step import ForwardBackward
+from titanctl.train.step import ForwardBackward, automatic_gc_paused
 
 
 class Trainer:
@@ -301,7 +301,7 @@ class Trainer:
         )
         start_step = self.step
         profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
-        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, _scheduled_gc():
+        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, automatic_gc_paused():
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             # The first window starts at the first step: setting up the context managers above is not step time.
             window_start, window_steps = time.perf_counter(), 0
@@ -391,19 +391,6 @@ class Trainer:
             f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}  {memory_text}",
             soft_wrap=True,
         )
-
-
-@contextlib.contextmanager
-def _scheduled_gc():
-    """Collect garbage every training.gc_freq steps, never in the middle of one: a collection
-    pause on one rank stalls every rank waiting for it at the next collective."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class _NoWatchdog:

@@ -38,15 +38,41 @@ import dataclasses
 import gc
 import os
 import re
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
+from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.models.llama import model_args_from_config
 from titanctl.models.llama.shapes import num_params
+from titanctl.parallel.build import build_model_parts, check_layout
+from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.env import init_process
+from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
+from titanctl.tools.memory.pipeline import answer_for_fake_peers, label_actions
 from titanctl.tools.memory.shortcuts import ac_period, plan_runs
+from titanctl.tools.memory.tracker import (
+    DDP_BUCKETS,
+    PHASES,
+    NullTracker,
+    Peak,
+    anchor_layer,
+    make_tracker,
+    untracked_sharding_propagation,
+)
+from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.lr_schedule import build_lr_scheduler
+from titanctl.train.optim import build_optimizer
+from titanctl.train.step import ForwardBackward, automatic_gc_paused
 
 # Llama 3's tokenizer: 128,000 BPE ranks + 256 special tokens.
 LLAMA3_VOCAB_SIZE = 128_256
@@ -67,7 +93,6 @@ class PhasePeak:
 @dataclass
 class MemoryEstimate:
     """What one rank holds at the peak of a training step (bytes)."""
-
     recipe: str
     flavor: str
     world_size: int
@@ -106,7 +131,6 @@ class MemoryEstimate:
 @dataclass
 class Validation:
     """A real step on the current processes, measured on rank 0."""
-
     world_size: int
     device: str
     tracked: dict[int, int]  # step -> peak seen by the tracker on real tensors
@@ -153,8 +177,6 @@ def estimation_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
 
 def resolve_vocab_size(cfg: JobConfig) -> tuple[int, str | None]:
     """The tokenizer's vocabulary, or Llama 3's for the flagship flavors when their file is absent."""
-    from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-
     path = Path(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
     if not path.is_file() and cfg.model.flavor in _FLAGSHIP_FLAVORS:
         return LLAMA3_VOCAB_SIZE, (
@@ -200,7 +222,6 @@ class _Run:
 
 
 def _local_bytes(t) -> int:
-    from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
         t = t.to_local()
@@ -217,22 +238,11 @@ def _run_steps(
     returns a context wrapped around each step (profiler ranges for validation). ``track=False``
     runs the same steps untracked (the ranks of a validation that measure nothing).
     """
-    import torch
-
-    from titanctl.parallel.build import build_model_parts
-    from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
-    from titanctl.tools.memory.tracker import NullTracker, make_tracker
-    from titanctl.train.loss import cross_entropy_loss
-    from titanctl.train.lr_schedule import build_lr_scheduler
-    from titanctl.train.optim import build_optimizer
-    from titanctl.train.step import ForwardBackward
-
     fake = fake_mode is not None
     built = build_model_parts(
         cfg, dims, args, device, loss_fn=cross_entropy_loss, init=not fake, fake_mode=fake_mode
     )
     if built.pipeline is not None and fake:
-        from titanctl.tools.memory.pipeline import answer_for_fake_peers
 
         answer_for_fake_peers(built.pipeline)
     with fake_mode if fake else contextlib.nullcontext():
@@ -257,14 +267,13 @@ def _run_steps(
                 fsdp=dims.fsdp_enabled, n_layers=args.n_layers, period=period,
             )
             if built.pipeline is not None:
-                from titanctl.tools.memory.pipeline import label_actions
 
                 label_actions(built.pipeline, tracker)
         else:
             tracker = NullTracker()
         pipeline_microbatches = built.pipeline.n_microbatches if built.pipeline else 0
         run = _Run({}, {}, {}, {}, pipeline_microbatches, steps)
-        with tracker, _collector_paused():
+        with tracker, automatic_gc_paused():
             run.start = tracker.current()
             for step in range(1, steps + 1):
                 tracker.step = step
@@ -300,31 +309,12 @@ def _run_steps(
     return run
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """No automatic garbage collection during the steps, as in the trainer (``train.trainer``).
-
-    Tensors held by reference cycles stay alive until a collection: when the collector ran in the
-    middle of a step (whenever enough Python objects had been made) decided whether they counted
-    at the peak, so the estimate moved by a few buffers from one microbatch count to the next.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _extrapolate(small: _Run, large: _Run, x1: int, x2: int, x: int) -> _Run:
     """Each quantity at size ``x`` from its values at sizes ``x1`` and ``x2`` (it is affine in size).
 
     Sizes are model depths or pipeline microbatch counts; ``x = x1 (mod x2 - x1)`` by the plans'
     choice, so everything stays in whole bytes.
     """
-    from titanctl.tools.memory.tracker import Peak
-
     k = (x - x1) // (x2 - x1)
 
     def line(a: dict, b: dict) -> dict:
@@ -378,8 +368,6 @@ def _steady_state(run: _Run) -> None:
     Step 2 differs from step 1 only by the optimizer state, created during step 1's optimizer step
     and alive from then on (checked against a second step run for real, in the tests).
     """
-    from titanctl.tools.memory.tracker import Peak
-
     extra = sum(run.optimizer_state.values())
     for (step, phase, anchor), peak in list(run.peaks.items()):
         if step != 1:
@@ -394,8 +382,6 @@ def _steady_state(run: _Run) -> None:
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int):
     """The default process group is a fake one of ``world_size`` ranks, seen from ``rank``."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         raise RuntimeError("a process group already exists: estimate before starting the real one")
     # No store: for backend "fake" torch makes its own (a FakeStore) when none is given.
@@ -409,7 +395,6 @@ def fake_process_group(world_size: int, rank: int):
 @dataclass
 class Plan:
     """A checked request: the recipe as estimated, its layout and model, and what to run."""
-
     cfg: JobConfig  # without compile / async TP (see estimation_config)
     recipe: str
     world_size: int
@@ -444,15 +429,12 @@ def plan_estimate(
         raise ParallelError(f"rank {rank} is out of range for world size {world_size}")
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"--device {device!r} is not one of auto, cuda, cpu")
-    from titanctl.parallel.dims import ParallelDims
 
     target = target_device(cfg, device)
     cfg, notes = estimation_config(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     accum = grad_accum_steps(cfg, dims.dp)
 
-    from titanctl.models.llama import model_args_from_config
-    from titanctl.parallel.build import check_layout
 
     vocab, vocab_note = resolve_vocab_size(cfg)
     if vocab_note:
@@ -495,10 +477,7 @@ def estimate_memory(cfg: JobConfig, world_size: int, **kwargs) -> MemoryEstimate
 
 def run_estimate(plan: Plan) -> MemoryEstimate:
     started = time.perf_counter()
-    import torch
 
-    from titanctl.parallel.dims import ParallelDims
-    from titanctl.tools.memory.tracker import DDP_BUCKETS, untracked_sharding_propagation
 
     fake_tensor_mode = _torch_compat.FAKE_TENSOR_MODE.get()
     dims, args, cfg = plan.dims, plan.args, plan.cfg
@@ -563,7 +542,6 @@ def _with_pipeline_microbatches(cfg: JobConfig, count: int) -> JobConfig:
 
 
 def _fill(result: MemoryEstimate, run: _Run, n_layers: int, period: int, extrapolated: bool) -> None:
-    from titanctl.tools.memory.tracker import PHASES, anchor_layer
 
     def module(anchor: str, name: str) -> str:
         if not extrapolated:
@@ -610,11 +588,6 @@ def validate(plan: Plan, estimate: MemoryEstimate | None) -> Validation | None:
 
     Every rank runs the step; rank 0 returns the measurement, the others None.
     """
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from titanctl.parallel.env import init_process
-
     check_validation_world(plan.world_size)
     cfg, args = plan.cfg, plan.args
     dims = dataclasses.replace(plan.dims)  # its own mesh, on the real process group
@@ -706,6 +679,5 @@ def rss_peak_bytes() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
