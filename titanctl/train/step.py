@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from titanctl.config.job_config import JobConfig
 from titanctl.parallel.dims import ParallelDims
-from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.loss import build_loss_fn
 
 
 @dataclasses.dataclass
@@ -27,8 +28,11 @@ class ForwardBackward:
     model_parts: list[torch.nn.Module]
     pipeline: object | None  # titanctl.parallel.pipeline.Pipeline when pp > 1
     device: torch.device
+    loss_fn: Callable | None = None  # default: build_loss_fn(cfg, tp)
 
     def __post_init__(self):
+        if self.loss_fn is None:
+            self.loss_fn = build_loss_fn(self.cfg, self.dims.tp)
         compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
         # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
         self.autocast = (
@@ -69,7 +73,7 @@ class ForwardBackward:
                 with self.autocast:
                     logits = self.model_parts[0](inputs)
                 # Equal-length microbatches: the mean of their means is the global-batch mean.
-                loss = cross_entropy_loss(logits, labels) * scale
+                loss = self.loss_fn(logits, labels) * scale
                 loss.backward()
             return loss.detach()
 

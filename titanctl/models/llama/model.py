@@ -117,11 +117,34 @@ class KVCache:
         return self.k[:, :end], self.v[:, :end]  # (B, end, H_kv, head_dim)
 
 
+# Below this head size, torch's (2.13) bf16/fp16 flash-attention kernel on CPU is slower than its
+# fp32 one (about 2x at head_dim 16 forward + backward; benchmarks/attention_kernels.py).
+CPU_FP32_ATTENTION_BELOW_HEAD_DIM = 64
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, head_dim) over k, v (B, H_kv, S, head_dim).
+
+    Grouped-query attention happens inside the kernel (no repeated copies of K and V). On CPU,
+    bf16/fp16 attention with small heads runs in fp32 (faster there, and more precise); its output
+    returns to q's dtype.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] < CPU_FP32_ATTENTION_BELOW_HEAD_DIM:
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.kv_repeats = args.n_heads // args.kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -144,11 +167,7 @@ class Attention(nn.Module):
                 causal = False
                 if seqlen > 1:
                     mask = torch.ones(seqlen, k.shape[1], dtype=torch.bool, device=x.device).tril(start_pos)
-        k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, S, H, head_dim)
-        v = v.repeat_interleave(self.kv_repeats, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal
-        )  # (B, H, T, head_dim)
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)  # (B, H, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
 
 
