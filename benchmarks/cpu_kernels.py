@@ -5,7 +5,7 @@
    the model (debug model, batch 8 x 256 by default).
 2. Causal grouped-query flash attention, forward + backward, in fp32 and bf16, for head sizes 16 to
    128 at the same model width: below model.CPU_FP32_ATTENTION_BELOW_HEAD_DIM titanctl runs bf16
-   attention in fp32 on CPU.
+   attention in fp32 on CPU; and K/V repeated to every head (as titanctl did) vs SDPA's enable_gqa.
 
 Each figure is the best of several repeats (the least disturbed by other processes).
 
@@ -70,6 +70,9 @@ def main() -> None:
         fp32, bf16 = attention_ms(head_dim, torch.float32), attention_ms(head_dim, torch.bfloat16)
         print(f"  head_dim {head_dim:>3} ({256 // head_dim:>2} heads): {fp32:6.1f} / {bf16:6.1f}   "
               f"bf16/fp32 time {bf16 / fp32:.2f}")
+    repeated = attention_ms(16, torch.float32, repeat_kv=True)
+    gqa = attention_ms(16, torch.float32)
+    print(f"  head_dim 16, fp32: K/V repeated to every head first {repeated:.1f} ms, enable_gqa {gqa:.1f} ms")
 
 
 def linear_gflops(t: int, k: int, n: int) -> list[tuple[str, tuple[float, float]]]:
@@ -91,8 +94,9 @@ def linear_gflops(t: int, k: int, n: int) -> list[tuple[str, tuple[float, float]
             for name, (aten, onednn) in products.items()]
 
 
-def attention_ms(head_dim: int, dtype: torch.dtype) -> float:
-    """Milliseconds of causal GQA flash attention forward + backward at model width 256."""
+def attention_ms(head_dim: int, dtype: torch.dtype, repeat_kv: bool = False) -> float:
+    """Milliseconds of causal GQA flash attention forward + backward at model width 256
+    (``repeat_kv``: K and V copied to every query head first, instead of enable_gqa)."""
     heads = 256 // head_dim
     kv_heads = max(1, heads // 4)
     q = torch.randn(8, heads, 256, head_dim, dtype=dtype, requires_grad=True)
@@ -101,7 +105,11 @@ def attention_ms(head_dim: int, dtype: torch.dtype) -> float:
     grad = torch.randn_like(q)
 
     def step():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads).backward(grad)
+        keys, values = k, v
+        if repeat_kv:
+            keys, values = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=keys.shape[1] != heads)
+        out.backward(grad)
 
     return 1e3 * best_seconds(step, repeats=4, calls=2)
 

@@ -2,8 +2,7 @@
 
 Model converters (float8 linears, then oneDNN fp32 linears on CPU) run first, on the whole model
 on the meta device, so that their names are canonical and every later step wraps the converted
-modules. Then, inside every
-model part (a whole model, or each pipeline stage):
+modules. Then, inside every model part (a whole model, or each pipeline stage):
 TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 """
 

@@ -1,10 +1,9 @@
 """fp32 linear layers on CPU through oneDNN instead of torch's BLAS (MKL).
 
 torch 2.13 multiplies fp32 matrices on CPU with MKL's sgemm, which on AMD CPUs avoids AVX-512:
-measured on this project's AMD EPYC (AVX-512, 1 thread), the debug model's linear shapes ran at
-30-45 GFLOP/s in MKL and 55-230 GFLOP/s in oneDNN (``benchmarks/train_throughput.py --linear aten``
-shows the effect on a whole step). bf16/fp16 matmuls already go to oneDNN inside torch, so only
-fp32 is rerouted here.
+on the debug model's linear shapes oneDNN was about twice as fast on an AMD EPYC with AVX-512
+(``benchmarks/cpu_kernels.py``; ``benchmarks/train_throughput.py --linear aten`` shows the effect
+on a whole step). bf16/fp16 matmuls already go to oneDNN inside torch, so only fp32 is rerouted.
 
 The swap is a model converter, like float8's: it changes the class of plain ``nn.Linear``
 modules in place (same ``weight`` parameter and name, same math: y = x W^T in fp32; results
