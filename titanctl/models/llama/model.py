@@ -118,7 +118,7 @@ class KVCache:
 
 
 # Below this head size, torch's (2.13) bf16/fp16 flash-attention kernel on CPU is slower than its
-# fp32 one (about 2x at head_dim 16 forward + backward; benchmarks/attention_kernels.py).
+# fp32 one (1.5-1.8x the time at head_dim 16, forward + backward; benchmarks/cpu_kernels.py).
 CPU_FP32_ATTENTION_BELOW_HEAD_DIM = 64
 
 
