@@ -1,39 +1,80 @@
 """Tokens/s of titanctl's training step vs. a plain transformers LlamaForCausalLM step.
 
-Same model shape, batch, optimizer and machine; both in fp32 eager unless --dtype bfloat16
-(autocast for both). Prints both rates and their ratio. ``--float8`` and ``--norm fused_rmsnorm``
-add titanctl variants (float8 linears; the fused norm), each printed as a ratio to plain titanctl.
-On a CPU float8 is emulated: its ratio shows the emulation's overhead, not a speed-up.
+titanctl's step is built as ``titanctl train`` builds it from a recipe (default the debug recipe:
+its compile and linear-kernel settings, model converters, loss and optimizer); the peer is
+``LlamaForCausalLM`` in eager mode with torch's AdamW. Same model shape, same weights (titanctl's
+initialization copied into transformers), same batch, same optimizer settings, same machine and
+threads. ``--dtype float32`` (default) runs both in fp32; ``--dtype bfloat16`` both under bf16
+autocast, and only on a CPU with bf16 units (``avx512_bf16`` or ``amx_bf16``, read from
+/proc/cpuinfo at run time). The contenders run in alternating rounds, so that load from other
+processes hits both alike; the ratio printed is the median of the rounds' ratios.
 
-    .venv/bin/python benchmarks/train_throughput.py [--rounds 5] [--flavor debugmodel] [--seq-len 256]
-        [--float8] [--norm fused_rmsnorm]
+The first step of each contender is timed apart (for titanctl with compile on, it includes
+torch.compile) and left out of tokens/s, as ``titanctl train`` leaves it out of its tps.
+
+``--float8`` and ``--norm fused_rmsnorm`` add titanctl variants (float8 linears; the fused norm),
+each printed as a ratio to plain titanctl. On a CPU float8 is emulated: its ratio shows the
+emulation's overhead, not a speed-up.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/train_throughput.py [--rounds 5] [--dtype bfloat16]
+        [--compile | --no-compile] [--linear onednn|aten] [--threads N] [--seq-len 256] [--batch 8]
+        [--recipe recipes/llama3_debug.toml] [--float8] [--norm fused_rmsnorm]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
-from titanctl.config.job_config import Float8, LRScheduler
-from titanctl.config.job_config import Optimizer as OptimizerConfig
+from titanctl.config.loader import load_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.models.llama import model_args_from_config
 from titanctl.models.llama.shapes import num_params
-from titanctl.parallel.init import initialize_weights
-from titanctl.train.loss import cross_entropy_loss
+from titanctl.parallel.build import build_model_parts
+from titanctl.parallel.dims import ParallelDims
+from titanctl.train.loss import build_loss_fn, cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.optim import build_optimizer
 
+REPO = Path(__file__).resolve().parents[1]
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
-def alternating_rates(steps: dict, batch_tokens: int, rounds: int, steps_per_round: int) -> dict[str, float]:
-    """Median tokens/s of each step function, measured in alternating rounds so that load from
-    other processes on the machine affects both alike."""
-    for step in steps.values():  # warm up
+
+def cpu_description() -> tuple[str, list[str]]:
+    """The CPU's model name and which bf16 units its flags list (empty: none)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name") or platform.processor() or "unknown CPU", [f for f in BF16_FLAGS if f in flags]
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def alternating_rates(steps: dict, batch_tokens: int, rounds: int, steps_per_round: int):
+    """First-step seconds of each step function, then tokens/s per round measured in alternating
+    rounds (after one more warm-up step each)."""
+    first = {}
+    for name, step in steps.items():
+        start = time.perf_counter()
         step()
+        first[name] = time.perf_counter() - start
         step()
     rates: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
@@ -42,50 +83,80 @@ def alternating_rates(steps: dict, batch_tokens: int, rounds: int, steps_per_rou
             for _ in range(steps_per_round):
                 step()
             rates[name].append(steps_per_round * batch_tokens / (time.perf_counter() - start))
-    return {name: statistics.median(r) for name, r in rates.items()}
+    return first, rates
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--recipe", default=str(REPO / "recipes/llama3_debug.toml"))
+    parser.add_argument("--flavor", default=None, help="override the recipe's model.flavor")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="titanctl with compile.enable on/off (default: the recipe's)")
+    parser.add_argument("--linear", choices=["onednn", "aten"], default=None,
+                        help="titanctl's training.cpu_linear (default: the recipe's)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--float8", action="store_true", help="also time titanctl with float8 linears")
     parser.add_argument("--norm", default="rmsnorm", choices=["rmsnorm", "fused_rmsnorm"],
                         help="fused_rmsnorm: also time titanctl with the fused norm")
     opts = parser.parse_args()
 
+    cpu, bf16_units = cpu_description()
+    if opts.dtype == "bfloat16" and not bf16_units:
+        parser.exit(2, f"{cpu} has no bf16 units ({' / '.join(BF16_FLAGS)} not in /proc/cpuinfo): "
+                       "bf16 would be emulated, not measured\n")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     if opts.float8:
         from titanctl.parallel.float8 import torchao_float8
 
         torchao_float8()  # before transformers imports torchao with its import-time warnings
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    vocab = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
-    args = LLAMA3_FLAVORS[opts.flavor].replace(vocab_size=vocab, max_seq_len=opts.seq_len)
-    ours = Transformer(args)
-    initialize_weights(ours, seed=0)
+    overrides = ["--training.local_batch_size", str(opts.batch), "--training.seq_len", str(opts.seq_len),
+                 "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
+                 "--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "none"]
+    if opts.flavor:
+        overrides += ["--model.flavor", opts.flavor]
+    if opts.compile is not None:
+        overrides += ["--compile.enable", str(opts.compile).lower()]
+    if opts.linear:
+        overrides += ["--training.cpu_linear", opts.linear]
+    cfg = load_config(opts.recipe, overrides)
+    dims = ParallelDims.from_config(cfg.parallelism, 1)
+    vocab = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH).vocab_size
+    args = model_args_from_config(cfg.model, vocab, opts.seq_len)
+    cpu_device = torch.device("cpu")
+
+    def titanctl_model(extra: list[str] | None = None):
+        variant_cfg = load_config(opts.recipe, overrides + (extra or []))
+        variant_args = model_args_from_config(variant_cfg.model, vocab, opts.seq_len)
+        model = build_model_parts(variant_cfg, dims, variant_args, cpu_device).parts[0]
+        return model, build_loss_fn(variant_cfg, tp=1)
+
+    ours, ours_loss = titanctl_model()
     theirs = LlamaForCausalLM(LlamaConfig(**hf_config(args)))
     theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args))
 
+    torch.manual_seed(0)
     tokens = torch.randint(0, vocab, (opts.batch, opts.seq_len + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     dtype = getattr(torch, opts.dtype)
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
 
-    def make_step(model, forward):
-        optimizer = build_optimizer([model], OptimizerConfig())
-        scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=2), total_steps=1000)
+    def make_step(model, forward, loss_fn):
+        optimizer = build_optimizer([model], cfg.optimizer)
+        scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, total_steps=1000)
 
         def step():
             with autocast:
-                loss = cross_entropy_loss(forward(model), labels)
+                loss = loss_fn(forward(model), labels)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -93,37 +164,35 @@ def main() -> None:
         return step
 
     steps = {
-        "titanctl": make_step(ours, lambda m: m(inputs)),
-        "transformers": make_step(theirs, lambda m: m(input_ids=inputs).logits),
+        "titanctl": make_step(ours, lambda m: m(inputs), ours_loss),
+        "transformers": make_step(theirs, lambda m: m(input_ids=inputs).logits, cross_entropy_loss),
     }
     if opts.float8:
-        from titanctl.parallel.float8 import convert_to_float8
-
-        float8 = variant(ours, args)
-        convert_to_float8(float8, Float8(), tp=1, device=torch.device("cpu"))
-        steps["titanctl+float8"] = make_step(float8, lambda m: m(inputs))
+        float8, float8_loss = titanctl_model(["--float8.enable_float8_linear", "true"])
+        steps["titanctl+float8"] = make_step(float8, lambda m: m(inputs), float8_loss)
     if opts.norm == "fused_rmsnorm":
-        steps["titanctl+fused_rmsnorm"] = make_step(variant(ours, args.replace(norm_type="fused_rmsnorm")),
-                                                    lambda m: m(inputs))
+        fused, fused_loss = titanctl_model(["--model.norm_type", "fused_rmsnorm"])
+        steps["titanctl+fused_rmsnorm"] = make_step(fused, lambda m: m(inputs), fused_loss)
 
-    batch_tokens = opts.batch * opts.seq_len
-    rates = alternating_rates(steps, batch_tokens, opts.rounds, opts.steps_per_round)
-    ours_tps, theirs_tps = rates["titanctl"], rates["transformers"]
-    print(f"model {opts.flavor} ({num_params(args) / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
-          f"{opts.dtype}, {torch.get_num_threads()} threads")
-    for name, rate in rates.items():
-        print(f"{name:24s}{rate:10,.0f} tokens/s")
-    print(f"ratio titanctl/transformers = {ours_tps / theirs_tps:.3f}")
-    for name in rates:
+    load_before = load_average()
+    first, rates = alternating_rates(steps, opts.batch * opts.seq_len, opts.rounds, opts.steps_per_round)
+    units = ", ".join(bf16_units) if bf16_units else "none"
+    print(f"CPU {cpu}, {os.cpu_count()} cores, bf16 units: {units}; load average {load_before} -> {load_average()}")
+    print(f"model {cfg.model.flavor} ({num_params(args) / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
+          f"{opts.dtype}{' autocast' if dtype != torch.float32 else ''}, {torch.get_num_threads()} threads; "
+          f"titanctl: compile {'on' if cfg.compile.enable else 'off'}, linear kernel {cfg.training.cpu_linear}")
+    for name in steps:
+        rate = statistics.median(rates[name])
+        print(f"{name:24s}{rate:10,.0f} tokens/s   first step {first[name]:6.2f} s "
+              f"(rounds: {', '.join(f'{r:,.0f}' for r in rates[name])})")
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    print(f"ratio titanctl/transformers = {ratio('titanctl', 'transformers'):.3f}")
+    for name in steps:
         if name.startswith("titanctl+"):
-            print(f"ratio {name}/titanctl = {rates[name] / ours_tps:.3f}")
-
-
-def variant(model: Transformer, args) -> Transformer:
-    """A copy of ``model`` (same weights) built from ``args``."""
-    copy = Transformer(args)
-    copy.load_state_dict(model.state_dict())
-    return copy
+            print(f"ratio {name}/titanctl = {ratio(name, 'titanctl'):.3f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
 
 TINY = ["--config", "recipes/llama3_debug.toml", "--model.n_layers", "1", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
-        "--checkpoint.enable_checkpoint", "false"]
+        "--checkpoint.enable_checkpoint", "false", "--compile.enable", "false"]  # eager: no compile time to pay
 
 
 def titanctl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

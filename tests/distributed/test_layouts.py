@@ -42,6 +42,9 @@ LAYOUTS = [
     ("fsdp2_selective_ac_every_2", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]),
     ("tp2_selective_op_ac", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
     ("fsdp2_compile", 2, 4, ["--compile.enable"]),
+    # Compiled blocks under TP + SP (the debug recipe compiles): the embedding's local output is copied
+    # before the first compiled block, whose input gradient torch 2.13 drops otherwise.
+    ("tp2_compile", 2, 8, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
     ("fsdp2_grad_accumulation", 2, 2, []),
     ("hsdp2x2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     ("fsdp2_tp2", 4, 4, ["--parallelism.tensor_parallel_degree", "2"]),

@@ -132,6 +132,14 @@ class Training:
         "float32", "Dtype of FSDP's gradient reduction.", choices=("float32", "bfloat16")
     )
     gc_freq: int = opt(50, "Run Python's garbage collector every N steps.", min=1)
+    cpu_linear: str = opt(
+        "onednn",
+        "Kernel of fp32 linear layers on CPU: onednn (oneDNN, AVX-512 wherever the CPU has it) or aten "
+        "(torch's default, MKL, which on AMD CPUs runs without AVX-512 at about half the speed). Same "
+        "math; results differ only in the last bits. Tensor-parallel (DTensor) weights and bf16/fp16 compute "
+        "always use torch's own kernels (oneDNN already, where the CPU has bf16 units).",
+        choices=("onednn", "aten"),
+    )
 
 
 @dataclass
@@ -205,7 +213,12 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile each transformer block.")
+    enable: bool = opt(
+        False,
+        "torch.compile each transformer block and the final norm, and the loss (except under TP's loss "
+        "parallel, whose loss is computed on sharded logits). The first step of a process pays the "
+        "compile time; the console and metrics.jsonl show that step apart.",
+    )
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """How a recipe becomes (sharded) model parts: the one place `train` and `estimate-memory` share.
 
-Model converters (float8 linears) run first, on the whole model on the meta device, so that
-their names are canonical and every later step wraps the converted modules. Then, inside every
-model part (a whole model, or each pipeline stage):
+Model converters (float8 linears, then oneDNN fp32 linears on CPU) run first, on the whole model
+on the meta device, so that their names are canonical and every later step wraps the converted
+modules. Then, inside every model part (a whole model, or each pipeline stage):
 TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 """
 
@@ -25,6 +25,7 @@ from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
 from titanctl.parallel.init import initialize_weights
 from titanctl.parallel.pipeline import build_pipeline
+from titanctl.parallel.onednn_linear import use_onednn_linears
 from titanctl.parallel.tensor_parallel import apply_tp, check_tp
 
 
@@ -108,6 +109,8 @@ def build_model_parts(
     float8 = None
     if cfg.float8.enable_float8_linear:
         float8 = convert_to_float8(model, cfg.float8, tp=dims.tp, device=torch.device(device))
+    if cfg.training.cpu_linear == "onednn" and torch.device(device).type == "cpu":
+        use_onednn_linears(model)  # the linears float8 left plain
     if dims.pp > 1:
         pipeline = build_pipeline(
             model,

@@ -49,7 +49,10 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block in place: blocks are identical, so one graph serves them all, and
-    parameter names stay canonical (no _orig_mod)."""
+    """Compile each block, and the final norm where this part has it, in place: blocks are
+    identical, so one graph serves them all, and parameter names stay canonical (no _orig_mod).
+    (The loss is compiled by ``titanctl.train.loss.build_loss_fn``.)"""
     for block in model.layers.values():
         block.compile(fullgraph=True)
+    if getattr(model, "norm", None) is not None:
+        model.norm.compile(fullgraph=True)

@@ -36,6 +36,11 @@ def apply_tp(
     """
     root = {name: style for name, style in root_plan(loss_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
+    if compiled and model.tok_embeddings is not None:
+        # torch 2.13: a compiled block whose input is the view that DTensor.to_local() returns (the
+        # embedding's local output) gives that input no gradient, and the backward fails in the
+        # embedding's redistribute. A copy (B x T/tp x dim per step) makes it a plain tensor.
+        model.tok_embeddings.register_forward_hook(lambda module, inputs, output: output.clone())
     styles = None
     if float8:
         if sends_float8(tp_mesh):

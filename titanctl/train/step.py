@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
@@ -15,7 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titanctl.config.job_config import JobConfig
 from titanctl.parallel.context_parallel import context_parallel_ctx
 from titanctl.parallel.dims import ParallelDims
-from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.loss import build_loss_fn
 
 
 @dataclasses.dataclass
@@ -30,8 +31,11 @@ class ForwardBackward:
     model_parts: list[torch.nn.Module]
     pipeline: object | None  # titanctl.parallel.pipeline.Pipeline when pp > 1
     device: torch.device
+    loss_fn: Callable | None = None  # default: build_loss_fn(cfg, tp)
 
     def __post_init__(self):
+        if self.loss_fn is None:
+            self.loss_fn = build_loss_fn(self.cfg, self.dims.tp)
         compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
         # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
         self.autocast = (
@@ -68,7 +72,7 @@ class ForwardBackward:
                 with self.autocast:
                     logits = self.model_parts[0](inputs)
                 # Equal-length microbatches: the mean of their means is the global-batch mean.
-                loss = cross_entropy_loss(logits, labels) * scale
+                loss = self.loss_fn(logits, labels) * scale
                 loss.backward()
             return loss.detach()
 

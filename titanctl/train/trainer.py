@@ -31,7 +31,7 @@ from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.utils import StepLosses, clip_grad_norm
 from titanctl.train import run_folder
 from titanctl.train.flops import device_peak_tflops, flops_per_token, throughput
-from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.loss import build_loss_fn
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MemoryMonitor, MetricSinks
 from titanctl.train.optim import build_optimizer
@@ -122,8 +122,9 @@ class Trainer:
         self.global_batch = global_batch
 
         restores_weights = load_plan is not None and load_plan.restores_model
+        loss_fn = build_loss_fn(cfg, self.dims.tp)
         built = build_model_parts(
-            cfg, self.dims, self.model_args, self.env.device, loss_fn=cross_entropy_loss, init=not restores_weights
+            cfg, self.dims, self.model_args, self.env.device, loss_fn=loss_fn, init=not restores_weights
         )
         if restores_weights:
             for part in built.parts:
@@ -131,7 +132,9 @@ class Trainer:
         self.model_parts, self.pipeline = built.parts, built.pipeline
         self.float8 = built.float8
         self.precompute_float8 = cfg.float8.precompute_float8_dynamic_scale_for_fsdp
-        self.forward_backward = ForwardBackward(cfg, self.dims, self.model_parts, self.pipeline, self.env.device)
+        self.forward_backward = ForwardBackward(
+            cfg, self.dims, self.model_parts, self.pipeline, self.env.device, loss_fn
+        )
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -303,8 +306,8 @@ class Trainer:
         profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
         with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, automatic_gc_paused():
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
-            # The first window starts at the first step: setting up the context managers above is not step time.
-            window_start, window_steps = time.perf_counter(), 0
+            # The process's first step (torch.compile, warm-up) is timed apart and left out of tps.
+            window_start, window_steps, first_step_time = time.perf_counter(), 0, None
             while self.step < cfg.training.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 # The first step of a process also compiles and warms up: it gets the init timeout.
@@ -314,15 +317,20 @@ class Trainer:
                     grad_norm = self.train_step()
                 self.step += 1
                 self.tokens_seen += tokens_per_dp_rank
-                window_steps += 1
                 last = self.step == cfg.training.steps
                 log_step = self.step % cfg.metrics.log_freq == 0 or last
+                if first:
+                    first_step_time = self._first_step_done(window_start, log_step)
+                    window_start = time.perf_counter()
+                else:
+                    window_steps += 1
                 if log_step or self.checkpoint.should_save(self.step, last):
                     # The loop's only host syncs; a checkpoint never holds weights a NaN reached.
                     with watchdog.watch(f"step {self.step} (metrics)"):
                         loss = self.read_losses()
                         if log_step:
-                            self._log(loss, grad_norm, lr, time.perf_counter() - window_start, window_steps)
+                            self._log(loss, grad_norm, lr, time.perf_counter() - window_start, window_steps,
+                                      first_step_time)
                             window_start, window_steps = time.perf_counter(), 0
                             progress.update(task, loss=f"{loss:.4f}")  # the bar shows the last logged loss
                 progress.update(task, advance=1)
@@ -354,23 +362,44 @@ class Trainer:
         finally:
             watchdog.close()
 
-    def _log(self, loss: float, grad_norm: torch.Tensor, lr: float, seconds: float, steps: int) -> None:
-        """One metrics row for the ``steps`` steps that took ``seconds`` (wall time up to a host sync)."""
+    def _first_step_done(self, started: float, log_step: bool) -> float:
+        """Seconds of the process's first step (compile, warm-up), begun at ``started``: said once
+        (by its log row, if it has one), kept out of tps."""
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()  # once: the step's queued kernels belong to it, not to the next window
+        seconds = time.perf_counter() - started
+        what = "torch.compile and warm-up" if self.cfg.compile.enable else "warm-up"
+        if not log_step:  # a log row would say it
+            self.console.print(f"first step {seconds:.2f} s ({what}; not counted in tps)", soft_wrap=True)
+        return seconds
+
+    def _log(
+        self, loss: float, grad_norm: torch.Tensor, lr: float, seconds: float, steps: int,
+        first_step_time: float | None = None,
+    ) -> None:
+        """One metrics row for the ``steps`` steps that took ``seconds`` (wall time up to a host sync).
+
+        ``steps`` = 0: the window held only the process's first step, which took ``first_step_time``:
+        the row gives that time as step_time and no rates (they would count compile and warm-up).
+        """
         grad_norm = grad_norm.item()
-        rate = throughput(
-            self.global_batch * self.cfg.training.seq_len, steps, seconds, self.dims.world_size,
-            self.flops_per_token, self.peak_tflops,
-        )
+        rate = None
+        if steps:
+            rate = throughput(
+                self.global_batch * self.cfg.training.seq_len, steps, seconds, self.dims.world_size,
+                self.flops_per_token, self.peak_tflops,
+            )
         memory = self.memory.read()
         row = {
             "step": self.step,
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": lr,
-            "tps": round(rate.tps, 1),
-            "tflops": float(f"{rate.tflops:.4g}"),  # 4 significant digits: CPU runs are far below 1
-            "mfu": None if rate.mfu is None else round(rate.mfu, 3),
-            "step_time": round(rate.step_time, 6),
+            "tps": None if rate is None else round(rate.tps, 1),
+            # 4 significant digits: CPU runs are far below 1
+            "tflops": None if rate is None else float(f"{rate.tflops:.4g}"),
+            "mfu": None if rate is None or rate.mfu is None else round(rate.mfu, 3),
+            "step_time": round(first_step_time if rate is None else rate.step_time, 6),
             **memory,
             "tokens_seen": self.tokens_seen,
             **self._first_row,  # where this attempt started, on its first row only
@@ -378,7 +407,6 @@ class Trainer:
         self._first_row = {}
         if self.sinks is not None:
             self.sinks.log(row)
-        mfu_text = "n/a" if rate.mfu is None else f"{rate.mfu:.2f}%"
         memory_text = f"memory {memory['memory_gib']:6.2f} GiB"
         if "memory_reserved_pct" in memory:
             memory_text += f" ({memory['memory_reserved_pct']:.0f}%)"
@@ -386,9 +414,15 @@ class Trainer:
                 memory_text += (
                     f" [yellow]{memory['num_alloc_retries']} alloc retries, {memory['num_ooms']} OOMs[/yellow]"
                 )
+        if rate is None:
+            what = "torch.compile and warm-up" if self.cfg.compile.enable else "warm-up"
+            rate_text = f"first step {first_step_time:.2f} s ({what}; not counted in tps)"
+        else:
+            mfu_text = "n/a" if rate.mfu is None else f"{rate.mfu:.2f}%"
+            rate_text = f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}"
         self.console.print(
             f"step {self.step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
-            f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}  {memory_text}",
+            f"{rate_text}  {memory_text}",
             soft_wrap=True,
         )
 

@@ -8,8 +8,9 @@ Writes metrics.jsonl as usual (rank 0) and on every rank r:
 - OUT/host_syncs_rank{r}.json: {"allowed": calls made by the log-step functions,
   "first_step": [calls in the first step], "violations": [other calls, with call sites]};
 - OUT/log_windows_rank{r}.json: [{"step": the logged step, "seconds": wall time of its window}], a
-  window running from the start of the first step, or from the end of the previous log row, to the
-  start of this one (after the log step's host sync: the moment the Trainer reads its own clock);
+  window running from the end of the process's first step (which the Trainer times apart: compile,
+  warm-up), or from the end of the previous log row, to the start of this one (after the log step's
+  host sync: the moment the Trainer reads its own clock);
 - OUT/float8_rank{r}.json with float8.enable_float8_linear: Float8Probe.report().
 """
 
@@ -32,9 +33,10 @@ def time_log_windows(trainer: Trainer) -> list[dict]:
     train_step, log = trainer.train_step, trainer._log
 
     def timed_step():
+        result = train_step()
         if not started:
-            started.append(time.perf_counter())
-        return train_step()
+            started.append(time.perf_counter())  # the first step is not in any window
+        return result
 
     def timed_log(*args, **kwargs):
         windows.append({"step": trainer.step, "seconds": time.perf_counter() - started[-1]})

@@ -120,11 +120,34 @@ class KVCache(nn.Module):
         return self.positions[None, :] <= input_pos[:, None]
 
 
+# Below this head size, torch's (2.13) bf16/fp16 flash-attention kernel on CPU is slower than its
+# fp32 one (1.5-1.8x the time at head_dim 16, forward + backward; benchmarks/cpu_kernels.py).
+CPU_FP32_ATTENTION_BELOW_HEAD_DIM = 64
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, head_dim) over k, v (B, H_kv, S, head_dim).
+
+    Grouped-query attention happens inside the kernel (no repeated copies of K and V). On CPU,
+    bf16/fp16 attention with small heads runs in fp32 (faster there, and more precise); its output
+    returns to q's dtype.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] < CPU_FP32_ATTENTION_BELOW_HEAD_DIM:
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.kv_repeats = args.n_heads // args.kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -140,22 +163,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
         rope = rope[:seqlen]  # the table may be longer than this sequence
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if input_pos is not None:
-            out = self._attend_cached(q, k, v, input_pos)
+        if input_pos is not None:  # decoding: the new positions attend to every cached one, masked by position
+            keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
+            out = attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos), causal=False)
         else:
-            k = k.repeat_interleave(self.kv_repeats, dim=2)  # (B, T, H, head_dim)
-            v = v.repeat_interleave(self.kv_repeats, dim=2)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-            )  # (B, H, T, head_dim)
+            out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal=True)
+        # out: (B, H, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)
-
-    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor):
-        """Attention of the new positions over every cached one, masked by position."""
-        keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
-        return F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=self.cache.mask(input_pos), enable_gqa=self.kv_repeats > 1
-        )  # (B, H, T, head_dim)
 
 
 class FeedForward(nn.Module):

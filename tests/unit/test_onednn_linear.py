@@ -1,0 +1,109 @@
+"""fp32 linears through oneDNN: the same products and gradients as torch's linear, the fallbacks
+where oneDNN is not the kernel to use, and the converter's place in the model build."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from titanctl.config.loader import load_config
+from titanctl.data.tokenizer import Tokenizer
+from titanctl.models.llama import model_args_from_config
+from titanctl.parallel.build import build_model_parts
+from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.onednn_linear import OneDNNLinear, onednn_available, onednn_mm_t, use_onednn_linears
+
+
+def test_this_torch_has_onednn():
+    assert onednn_available()  # the project's CPU wheel: every test below runs the real kernel
+
+
+def pair(in_features=48, out_features=40):
+    torch.manual_seed(0)
+    plain = nn.Linear(in_features, out_features, bias=False)
+    converted = nn.Linear(in_features, out_features, bias=False)
+    converted.load_state_dict(plain.state_dict())
+    assert use_onednn_linears(converted) == 1
+    return plain, converted
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("shape", [(6, 48), (2, 5, 48), (2, 3, 4, 48)])
+def test_forward_and_gradients_equal_torch_linear(shape):
+    plain, converted = pair()
+    assert type(converted) is OneDNNLinear
+    x = torch.randn(shape)
+    grad_out = torch.randn(*shape[:-1], 40)
+    outs, grads = [], []
+    for layer in (plain, converted):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(grad_out)
+        outs.append(y.detach())
+        grads.append((xi.grad, layer.weight.grad))
+    assert rel(outs[1], outs[0]) < 1e-6
+    assert rel(grads[1][0], grads[0][0]) < 1e-6
+    assert rel(grads[1][1], grads[0][1]) < 1e-6
+
+
+def test_the_output_is_not_a_view():
+    """Like torch's linear (FSDP warns when a module returns a view)."""
+    _, converted = pair()
+    assert not converted(torch.randn(2, 3, 48))._is_view()
+
+
+def test_non_contiguous_gradient():
+    """A transposed upstream gradient (as attention's output projection receives) is fine."""
+    plain, converted = pair()
+    x = torch.randn(5, 2, 48).transpose(0, 1)  # non-contiguous input
+    g = torch.randn(5, 2, 40).transpose(0, 1)
+    for layer in (plain, converted):
+        layer(x.requires_grad_()).backward(g)
+    assert rel(converted.weight.grad, plain.weight.grad) < 1e-6
+
+
+def test_the_custom_op_is_the_kernel_in_fp32(monkeypatch):
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    _, converted = pair()
+    converted(torch.randn(3, 48, requires_grad=True)).sum().backward()
+    assert len(calls) == 3  # forward, input gradient, weight gradient
+
+
+def test_falls_back_to_torch_under_autocast_and_for_bf16():
+    _, converted = pair()
+    x = torch.randn(3, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert converted(x).dtype == torch.bfloat16  # autocast's linear, not the fp32 op
+    converted.to(torch.bfloat16)
+    assert torch.equal(converted(x.bfloat16()), F.linear(x.bfloat16(), converted.weight))
+
+
+def test_compiles_and_runs_on_fake_tensors():
+    plain, converted = pair()
+    compiled = torch.compile(converted, fullgraph=True)
+    x = torch.randn(4, 48, requires_grad=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert rel(y.detach(), plain(x).detach()) < 1e-6
+    mode = FakeTensorMode()
+    fake_x, fake_w = mode.from_tensor(torch.randn(2, 7, 48)), mode.from_tensor(converted.weight.detach())
+    with mode:
+        assert onednn_mm_t(fake_x, fake_w).shape == (2, 7, 40)
+
+
+@pytest.mark.parametrize("kernel, expected", [("onednn", OneDNNLinear), ("aten", nn.Linear)])
+def test_the_build_converts_cpu_linears_by_config(kernel, expected):
+    cfg = load_config(None, ["--model.n_layers", "1", "--training.seq_len", "16",
+                             "--training.cpu_linear", kernel])
+    args = model_args_from_config(cfg.model, Tokenizer().vocab_size, cfg.training.seq_len)
+    dims = ParallelDims.from_config(cfg.parallelism, 1)
+    model = build_model_parts(cfg, dims, args, torch.device("cpu")).parts[0]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 8  # 7 per block + the output layer
+    assert {type(m) for m in linears} == {expected}
