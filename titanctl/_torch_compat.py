@@ -162,6 +162,16 @@ def require(condition: bool, feature: str, what: str) -> None:
         )
 
 
+# --- oneDNN linears on CPU ------------------------------------------------------------------------
+_ONEDNN = "training.cpu_linear = 'onednn'"
+# oneDNN's matmul with nn.Linear's weight layout (x @ W^T). torch calls it only from its inference
+# fusion passes (frozen weights); no public API runs an fp32 training matmul on CPU through oneDNN.
+ONEDNN_LINEAR = _private("torch.ops.mkldnn._linear_pointwise.default", _ONEDNN)
+# The same result as a tensor that is not a view of oneDNN's 2-D output (what torch's own linear
+# returns for 3-D inputs): FSDP warns about modules that return views.
+UNSAFE_VIEW = _private("torch.ops.aten._unsafe_view.default", _ONEDNN)
+
+
 # --- activation checkpointing -------------------------------------------------------------------
 _AC = "activation_checkpoint.mode"
 _SAC = "activation_checkpoint.selective_ac_option = 'op'"

@@ -24,8 +24,8 @@ from titanctl.parallel.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
 from titanctl.parallel.init import initialize_weights
-from titanctl.parallel.pipeline import build_pipeline
 from titanctl.parallel.onednn_linear import use_onednn_linears
+from titanctl.parallel.pipeline import build_pipeline
 from titanctl.parallel.tensor_parallel import apply_tp, check_tp
 
 

@@ -18,23 +18,34 @@ lowering of ``mkldnn._linear_pointwise`` expects frozen inference weights) and f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanctl._torch_compat import ONEDNN_LINEAR, UNSAFE_VIEW
+
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return torch.backends.mkldnn.is_available() and ONEDNN_LINEAR.problem() is None
+
+
+@functools.cache
+def _kernels():
+    """oneDNN's linear and aten's non-view reshape, looked up once (not per call)."""
+    return ONEDNN_LINEAR.get(), UNSAFE_VIEW.get()
 
 
 @torch.library.custom_op("titanctl::onednn_mm_t", mutates_args=())
 def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b.T over a's last dim: a (..., K), b (N, K) -> (..., N), by oneDNN (any strides)."""
-    out = torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    linear, unsafe_view = _kernels()
+    out = linear(a, b, None, "none", [], "")
     # For a 3-D+ ``a`` oneDNN returns a view of its 2-D result; like torch's linear, return a plain
     # tensor (FSDP warns about modules that return views).
-    return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
+    return unsafe_view(out, out.shape)
 
 
 @onednn_mm_t.register_fake
