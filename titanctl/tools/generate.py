@@ -5,7 +5,7 @@ titanctl DCP step folder (``titanctl.json`` gives the model; full training or we
 DCP folder (the model comes from a recipe), a folder of step folders (the newest is taken), or a
 Hugging Face folder (``config.json`` + ``*.safetensors``). :func:`load_model` builds the model,
 sharded for tensor parallel when given a mesh (``titanctl.parallel.inference_tp``: plain local
-tensors, one all-reduce after ``wo`` and ``w2``, the logits gathered), and fills it.
+tensors, the partial outputs of ``wo`` and ``w2`` summed over the ranks, the logits gathered), and fills it.
 
 Decoding (:class:`Decoder`): the prompt in one forward (prefill), then one token per step. The KV
 cache is allocated once for prompt + new tokens and written at a position tensor, so the decode
@@ -374,14 +374,11 @@ def run(
         mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
     seed = _agreed_seed(seed, env.device)
     model = load_model(source, args, env.device, mesh)
-    sampling = Sampling(temperature, top_k)
-    decoder = Decoder(model, args.max_seq_len, compile=compile)
-    try:
-        result = decoder.generate(prompt_ids, max_new_tokens, sampling, seed=seed, stop_tokens=tokenizer.stop_tokens)
-    finally:
-        decoder.close()
+    result = generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                      stop_tokens=tokenizer.stop_tokens, compile=compile)
     text = tokenizer.decode([t for t in result.tokens if t not in tokenizer.stop_tokens])
-    return RunReport(result, text, prompt, env.rank, tp, sampling, seed, Path(checkpoint), source)
+    return RunReport(result, text, prompt, env.rank, tp, Sampling(temperature, top_k), seed, Path(checkpoint),
+                     source)
 
 
 def _agreed_seed(seed: int | None, device: torch.device) -> int:

@@ -368,10 +368,13 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()  # once: the step's queued kernels belong to it, not to the next window
         seconds = time.perf_counter() - started
-        what = "torch.compile and warm-up" if self.cfg.compile.enable else "warm-up"
         if not log_step:  # a log row would say it
-            self.console.print(f"first step {seconds:.2f} s ({what}; not counted in tps)", soft_wrap=True)
+            self.console.print(self._first_step_text(seconds), soft_wrap=True)
         return seconds
+
+    def _first_step_text(self, seconds: float) -> str:
+        what = "torch.compile and warm-up" if self.cfg.compile.enable else "warm-up"
+        return f"first step {seconds:.2f} s ({what}; not counted in tps)"
 
     def _log(
         self, loss: float, grad_norm: torch.Tensor, lr: float, seconds: float, steps: int,
@@ -415,8 +418,7 @@ class Trainer:
                     f" [yellow]{memory['num_alloc_retries']} alloc retries, {memory['num_ooms']} OOMs[/yellow]"
                 )
         if rate is None:
-            what = "torch.compile and warm-up" if self.cfg.compile.enable else "warm-up"
-            rate_text = f"first step {first_step_time:.2f} s ({what}; not counted in tps)"
+            rate_text = self._first_step_text(first_step_time)
         else:
             mfu_text = "n/a" if rate.mfu is None else f"{rate.mfu:.2f}%"
             rate_text = f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}"
