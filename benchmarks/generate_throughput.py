@@ -10,9 +10,10 @@ Compiling titanctl's decode step happens once, before the rounds, and is reporte
     .venv/bin/python benchmarks/generate_throughput.py [--rounds 5] [--prompt-len 64] [--new-tokens 160]
         [--flavor debugmodel] [--threads N] [--no-compile]
 
-``--tp 2`` compares tensor-parallel decoding over 2 processes (gloo on CPU; the script launches
-torchrun itself) with one process, in alternating rounds inside one job: while rank 0 decodes
-alone with ``--threads`` threads, the other ranks wait at a barrier.
+``--tp 2`` compares tensor-parallel decoding over 2 processes (the script launches torchrun itself)
+with one process, in alternating rounds inside one job: while rank 0 decodes alone with ``--threads``
+threads, the other ranks wait at a barrier. The ranks exchange through shared memory, as infer-tp's
+do on one host, or with ``--no-shared-memory`` through gloo, as ranks on different hosts do.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
 from titanctl.models.llama.shapes import num_params
-from titanctl.parallel import inference_tp
+from titanctl.parallel import inference_tp, shm_exchange
 from titanctl.parallel.init import initialize_weights
 from titanctl.tools.generate import GREEDY, Decoder, find_checkpoint, load_model
 
@@ -162,6 +163,8 @@ def tensor_parallel(opts) -> None:
     from titanctl.parallel.env import init_process
 
     env = init_process(120)
+    if not opts.shared_memory:
+        shm_exchange.create = lambda group: None
     tp_threads = torch.get_num_threads()
     solo_threads = opts.threads or os.cpu_count() or 1
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("tp",))
@@ -189,19 +192,22 @@ def tensor_parallel(opts) -> None:
 
     rates = alternating({f"tensor parallel {env.world_size}": tp_run, "1 process": solo_run}, prompt,
                         opts.new_tokens, opts.rounds, between=dist.barrier)
-    exchange = exchange_seconds(mesh, sharded.decoder.model.args.dim)
+    model = sharded.decoder.model
+    hook = next(iter(model.layers["0"].attention.wo._forward_hooks.values()))
+    exchange = exchange_seconds(hook, model.args.dim)
+    transport = "shared memory" if hook.exchange is not None else "gloo"
     if env.rank == 0:
         mode = "compiled" if opts.compile else "eager"
         print(f"model {opts.flavor} ({num_params(args) / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
               f"{opts.new_tokens} new tokens, greedy, fp32, {mode} decode step, median of {opts.rounds} "
-              f"alternating rounds; TP: gloo, {tp_threads} thread(s) per rank; 1 process: {solo_threads} thread(s)")
+              f"alternating rounds; TP: {transport}, {tp_threads} thread(s) per rank; "
+              f"1 process: {solo_threads} thread(s)")
         print_rates(rates)
         tp, one = rates[f"tensor parallel {env.world_size}"], rates["1 process"]
         print(f"ratio tensor parallel {env.world_size}/1 process: decode {tp['decode'] / one['decode']:.2f}, "
               f"prefill {tp['prefill'] / one['prefill']:.2f}; tokens identical: {tp['tokens'] == one['tokens']}")
-        model = sharded.decoder.model
         collectives = 2 * model.args.n_layers + ("output" in inference_tp.sharded_linears(model, env.world_size))
-        print(f"one collective of a decoded token (gloo, tight loop): {exchange * 1e6:.0f} us; a token needs "
+        print(f"one collective of a decoded token ({transport}, tight loop): {exchange * 1e6:.0f} us; a token needs "
               f"{collectives}: {collectives * exchange * 1e3:.2f} ms of the {1e3 / tp['decode']:.2f} ms it takes")
         if opts.compile:
             print(f"compile time of the decode step: TP {sharded.compile_seconds:.1f} s, "
@@ -212,9 +218,8 @@ def tensor_parallel(opts) -> None:
     finish(0)
 
 
-def exchange_seconds(mesh, dim: int, repeats: int = 300) -> float:
+def exchange_seconds(hook, dim: int, repeats: int = 300) -> float:
     """Median seconds of the sum-over-ranks a decoded token waits for after wo and w2, in a tight loop."""
-    hook = inference_tp._SumOverRanks(mesh.get_group(), mesh.size())
     partial = torch.randn(1, 1, dim)
     times = []
     for _ in range(5):
@@ -236,6 +241,9 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="compile titanctl's decode step (default); --no-compile: eager only")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree: > 1 compares with 1 process")
+    parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="TP ranks exchange through shared memory (default; what infer-tp does on one host) "
+                             "or, with --no-shared-memory, through gloo (what ranks on different hosts do)")
     opts = parser.parse_args()
     if opts.tp == 1:
         one_process(opts)

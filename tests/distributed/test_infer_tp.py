@@ -84,8 +84,19 @@ def test_tp2_sampling_and_hf_checkpoint(checkpoints, reference, tmp_path):
     got = ranks[0]
     assert got["sample_7"] == got["sample_7_again"] == reference["sample_7"]  # across runs and TP degrees
     assert got["sample_8"] != got["sample_7"]
-    assert got["hf_greedy"] == reference["greedy"]  # the same weights through safetensors
-    assert got["greedy_compiled"] == reference["greedy"]  # collectives inside the compiled decode step
+    assert got["hf_greedy"] == reference["greedy"]  # the same weights through safetensors, exchanged over gloo
+    # collectives inside the compiled decode step: the shared memory op, or gloo's traced ones
+    assert got["greedy_compiled"] == got["hf_greedy_compiled"] == reference["greedy"]
+    assert got["dcp_over_shared_memory"] and not got["dcp_decode_uses_process_group"]
+    assert not got["hf_over_shared_memory"] and got["hf_decode_uses_process_group"]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_shared_memory_gather_equals_gloo(nproc, tmp_path):
+    torchrun(nproc, [str(WORKERS / "shm_exchange_worker.py")], [str(tmp_path)], timeout=300)
+    for rank in range(nproc):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"rounds": 300, "large_via_gloo": True, "leftover_segments": [], "fallback": "None"}
 
 
 def test_one_process_cli_hf_sampling_is_reproducible(checkpoints, reference, tmp_path):

@@ -157,7 +157,8 @@ def test_pipeline_microbatch_shortcut_equals_running_every_microbatch(schedule):
     cfg = load_config(REPO / "recipes/llama3_debug.toml", pipeline_overrides(schedule, stages, n))
     full = memory.plan_estimate(cfg, 2, all_microbatches=True)
     assert full.microbatches == [n] and full.depths == [stages]
-    fast = dataclasses.replace(full, microbatches=[first, first + step])
+    fast = dataclasses.replace(full, microbatches=[first, first + step],
+                               count_slope_at_one_depth=shortcuts.count_slope_at_one_depth(schedule))
     assert_same_estimate(memory.run_estimate(fast), memory.run_estimate(full))
 
 
@@ -177,9 +178,9 @@ def test_pipeline_depth_shortcut_equals_running_every_block(schedule, world_size
     One schedule per stage placement: one stage per rank (1F1B under FSDP with full AC, as the 405B
     recipe; GPipe), round robin (Interleaved1F1B) and V (the first and the last stage on rank 0).
     The shallow stages are those the plan picks for deep models (this rank's stages keep three
-    blocks). 1F1B and GPipe also take the microbatch shortcut, at the counts of the test above: four
-    runs, two depths by two counts (GPipe's memory has a term in depth x count, its activations);
-    the others run ``microbatches``.
+    blocks). 1F1B and GPipe also take the microbatch shortcut, at the counts of the test above: GPipe
+    four runs, two depths by two counts (its memory has a term in depth x count, its activations),
+    1F1B three (the larger count at the shallower depth only); the others run ``microbatches``.
     """
     stages, first, step = shortcut_sizes(schedule)
     n = microbatches or first + 2 * step
@@ -189,13 +190,14 @@ def test_pipeline_depth_shortcut_equals_running_every_block(schedule, world_size
     fast = dataclasses.replace(
         full, depths=depths, microbatches=full.microbatches if microbatches else [first, first + step],
         layer_names=shortcuts.stage_layer_names(depths, 5 * stages, stages),
+        count_slope_at_one_depth=not microbatches and shortcuts.count_slope_at_one_depth(schedule),
     )
     assert_same_estimate(memory.run_estimate(fast), memory.run_estimate(full))
 
 
 @pytest.mark.parametrize("local_batch_size", [32, 64, 256])
 def test_405b_pipeline_runs_the_same_whatever_the_microbatch_count(local_batch_size):
-    """Past the warm-up of 1F1B over 8 stages, 32 microbatches or 256 run the same four short runs."""
+    """Past the warm-up of 1F1B over 8 stages, 32 microbatches or 256 run the same three short runs."""
     cfg = load_config(REPO / "recipes/llama3_405b.toml", [
         "--parallelism.pipeline_parallel_degree", "8", "--parallelism.pipeline_parallel_schedule", "1F1B",
         "--training.local_batch_size", str(local_batch_size),
@@ -203,6 +205,9 @@ def test_405b_pipeline_runs_the_same_whatever_the_microbatch_count(local_batch_s
     plan = memory.plan_estimate(cfg, 512)
     # 126 layers over 8 stages: rank 0's has 16; the shallow models' 3 and 4.
     assert plan.depths == [126 - 13 * 8, 126 - 12 * 8] and plan.microbatches == [10, 11]
+    # 1F1B adds per microbatch what no block changes: the larger count runs at the shallower depth only
+    assert shortcuts.runs_to_make(plan.depths, plan.microbatches, plan.count_slope_at_one_depth) == [
+        (22, 10, 2), (30, 10, 2), (22, 11, 2)]
     assert plan.pipeline_microbatches == local_batch_size
     assert any(f"{local_batch_size} pipeline microbatches extrapolated from runs of 10 and 11" in note
                for note in plan.notes)
@@ -228,6 +233,10 @@ def test_short_pipelines_run_every_microbatch():
     assert plan("Interleaved1F1B", 80, 8, 16, all_microbatches=False) == [32, 40]
     assert plan("Interleaved1F1B", 27, 8, 16, all_microbatches=False) == [27]
     assert plan("GPipe", 8, 8, 8, all_microbatches=False) == [3, 4]
+    # GPipe's memory has a term in depth x count: both counts run at both depths
+    assert shortcuts.runs_to_make([22, 30], [3, 4], shortcuts.count_slope_at_one_depth("GPipe")) == [
+        (22, 3, 2), (30, 3, 2), (22, 4, 2), (30, 4, 2)]
+    assert shortcuts.runs_to_make([4, 5], [], False) == [(4, 0, 1), (5, 0, 1)]  # no pipeline: one step
 
 
 @pytest.mark.parametrize(

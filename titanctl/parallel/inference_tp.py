@@ -16,8 +16,9 @@ Two steps, around loading:
 2. :func:`localize` (after loading) swaps every DTensor for its local tensor and installs the hooks.
 
 The model never learns it is sharded: its projections reshape with ``-1`` heads and its KV cache
-takes its head count from ``wk``. Collectives are plain ``torch.distributed`` calls, which
-``torch.compile`` traces into the compiled decode step.
+takes its head count from ``wk``. On CPU, ranks of one host exchange through shared memory
+(``shm_exchange``, an op ``torch.compile`` calls as is, even from Inductor's C++ wrapper); otherwise
+collectives are plain ``torch.distributed`` calls, which ``torch.compile`` traces into the step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titanctl.models.llama.model import Transformer
+from titanctl.parallel import shm_exchange
+from titanctl.parallel.shm_exchange import SharedMemoryExchange
 
 # Block linear -> the weight dim (out = 0, in = 1) this rank holds a slice of.
 BLOCK_SHARDS = {
@@ -59,7 +62,8 @@ def sharded_linears(model: Transformer, tp: int) -> dict[str, tuple[nn.Linear, i
     return found
 
 
-_LOCALIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward now holds collectives
+# Models whose forward now holds collectives -> their shared memory exchange (None: process group only).
+_LOCALIZED: weakref.WeakKeyDictionary[nn.Module, SharedMemoryExchange | None] = weakref.WeakKeyDictionary()
 
 
 def shard_weights(model: Transformer, mesh: DeviceMesh) -> None:
@@ -70,23 +74,35 @@ def shard_weights(model: Transformer, mesh: DeviceMesh) -> None:
 
 
 def localize(model: Transformer, mesh: DeviceMesh) -> None:
-    """Swap the DTensor weights for their local tensors and add the collectives as forward hooks."""
+    """Swap the DTensor weights for their local tensors and add the collectives as forward hooks.
+
+    On CPU the ranks exchange through a shared memory segment when they share a host
+    (``shm_exchange``); otherwise, and for tensors larger than its slots, through the process group.
+    """
     group, tp = mesh.get_group(), mesh.size()
+    exchange = shm_exchange.create(group) if mesh.device_type == "cpu" else None
     for name, (linear, dim) in sharded_linears(model, tp).items():
         weight = linear.weight
         if not isinstance(weight, DTensor):
             raise TypeError(f"{name}.weight is not sharded: call shard_weights before loading")
         linear.weight = nn.Parameter(weight.to_local(), requires_grad=False)
         if name == "output":
-            linear.register_forward_hook(_GatherLastDim(group, tp))
+            linear.register_forward_hook(_GatherLastDim(group, tp, exchange))
         elif dim == 1:  # row-wise: each rank computed a partial sum of the whole output
-            linear.register_forward_hook(_SumOverRanks(group, tp))
-    _LOCALIZED.add(model)
+            linear.register_forward_hook(_SumOverRanks(group, tp, exchange))
+    _LOCALIZED[model] = exchange
 
 
-def has_collectives(model: nn.Module) -> bool:
-    """Whether :func:`localize` put collectives into ``model``'s forward."""
-    return model in _LOCALIZED
+def decode_uses_process_group(model: Transformer) -> bool:
+    """Whether a decoded token of ``model`` (after :func:`localize`) calls the process group's
+    collectives, rather than none or only the shared memory exchange's op."""
+    if model not in _LOCALIZED:
+        return False
+    exchange = _LOCALIZED[model]
+    if exchange is None:
+        return True
+    largest = max(model.args.dim, model.output.out_features if model.output is not None else 0)
+    return not exchange.fits(largest * next(model.parameters()).element_size())
 
 
 class _SumOverRanks:
@@ -97,26 +113,28 @@ class _SumOverRanks:
     is what a decoded token waits for.
     """
 
-    def __init__(self, group, tp: int):
-        self.group, self.tp = group, tp
+    def __init__(self, group, tp: int, exchange: SharedMemoryExchange | None):
+        self.group, self.tp, self.exchange = group, tp, exchange
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        return _gather(out, self.group, self.tp).sum(0)
+        return _gather(out, self.group, self.tp, self.exchange).sum(0)
 
 
 class _GatherLastDim:
     """(B, T, V / tp) on each rank -> (B, T, V) in rank order on every rank."""
 
-    def __init__(self, group, tp: int):
-        self.group, self.tp = group, tp
+    def __init__(self, group, tp: int, exchange: SharedMemoryExchange | None):
+        self.group, self.tp, self.exchange = group, tp, exchange
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        pieces = _gather(out, self.group, self.tp)  # (tp, B, T, V / tp)
+        pieces = _gather(out, self.group, self.tp, self.exchange)  # (tp, B, T, V / tp)
         return pieces.permute(1, 2, 0, 3).flatten(2)  # (B, T, V)
 
 
-def _gather(x: torch.Tensor, group, tp: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, group, tp: int, exchange: SharedMemoryExchange | None) -> torch.Tensor:
     """(tp, *x.shape): every rank's x, in rank order."""
+    if exchange is not None and exchange.fits(x.numel() * x.element_size()):
+        return shm_exchange.shm_all_gather(x, exchange.key)
     pieces = x.new_empty(tp * x.shape[0], *x.shape[1:])
     dist.all_gather_single(pieces, x.contiguous(), group=group)
     return pieces.unflatten(0, (tp, x.shape[0]))

@@ -231,14 +231,15 @@ class Decoder:
 def _compile_options(model: nn.Module) -> dict[str, Any]:
     """Inductor settings for the decode step, each measured on the debug model (CPU, 2 cores):
 
-    - the C++ wrapper calls the kernels without a line of Python per op; it cannot call
-      collectives (torch 2.13), so a tensor-parallel model keeps the Python wrapper;
+    - the C++ wrapper calls the kernels without a line of Python per op; it cannot call the
+      process group's collectives (torch 2.13), so a tensor-parallel model whose ranks do not
+      share memory keeps the Python wrapper (the shared memory exchange is an op it can call);
     - one thread in the generated kernels: they work on one token's vectors, too small to split,
       and an OpenMP team per kernel made 2-thread decoding collapse on a loaded machine, where the
       second thread is often not running (``benchmarks/generate_throughput.py --threads 2``).
       Matrix products keep torch's thread count.
     """
-    return {"cpp_wrapper": not inference_tp.has_collectives(model), "cpp.threads": 1}
+    return {"cpp_wrapper": not inference_tp.decode_uses_process_group(model), "cpp.threads": 1}
 
 
 def _has_stop(tokens: list[torch.Tensor], stops: torch.Tensor) -> bool:

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node N gen_worker.py DCP_FOLDER HF_FOLDER PROMPT MAX_NEW OUT
 
-OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy", "greedy_compiled"} -> token lists.
+OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy", "greedy_compiled", "hf_greedy_compiled"} ->
+token lists; "{dcp,hf}_over_shared_memory", "{dcp,hf}_decode_uses_process_group" -> how ranks exchanged.
 """
 
 import json
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from titanctl.cli.console import finish
 from titanctl.data.tokenizer import Tokenizer
+from titanctl.parallel import inference_tp, shm_exchange
 from titanctl.parallel.env import init_process
 from titanctl.tools.generate import check_tp_degree, find_checkpoint, generate, load_model
 
@@ -27,6 +29,11 @@ def load(folder, prompt_len, max_new, env, mesh):
     return load_model(source, args, env.device, mesh)
 
 
+def sum_hook(model):
+    """The hook that sums the first block's attention output over the ranks."""
+    return next(iter(model.layers["0"].attention.wo._forward_hooks.values()))
+
+
 def main() -> None:
     dcp_folder, hf_folder, prompt, max_new, out = sys.argv[1:6]
     max_new = int(max_new)
@@ -35,12 +42,20 @@ def main() -> None:
     ids = Tokenizer().encode(prompt, bos=True, eos=False)
     results = {}
     model = load(dcp_folder, len(ids), max_new, env, mesh)
+    results["dcp_over_shared_memory"] = sum_hook(model).exchange is not None
+    results["dcp_decode_uses_process_group"] = inference_tp.decode_uses_process_group(model)
     for name, seed in (("sample_7", 7), ("sample_7_again", 7), ("sample_8", 8)):
         results[name] = generate(model, ids, max_new, seed=seed, **SAMPLING).tokens
-    # The compiled decode step traces the collectives of the sharded linears into its graph.
+    # The compiled decode step calls the shared memory exchange from Inductor's C++ wrapper.
     results["greedy_compiled"] = generate(model, ids, max_new, temperature=0, compile=True).tokens
+    # Ranks on different hosts (or not on x86-64) exchange over the process group instead of shared memory.
+    shm_exchange.create = lambda group: None
     model = load(hf_folder, len(ids), max_new, env, mesh)
     results["hf_greedy"] = generate(model, ids, max_new, temperature=0).tokens
+    results["hf_over_shared_memory"] = sum_hook(model).exchange is not None
+    results["hf_decode_uses_process_group"] = inference_tp.decode_uses_process_group(model)
+    # Traced process-group collectives in the compiled step (Inductor's Python wrapper).
+    results["hf_greedy_compiled"] = generate(model, ids, max_new, temperature=0, compile=True).tokens
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank{env.rank}.json").write_text(json.dumps(results))
 

@@ -17,7 +17,8 @@ checked against the unshortened computation in the tests (``shortcuts`` says whi
   3 and 4 blocks give it at 16 per stage (``shortcuts.depth_plan``, ``pipeline_depth_plan``);
 - pipeline microbatches: past the schedule's warm-up, each further microbatch adds the same
   memory, so two counts give it at any count (``shortcuts.microbatch_plan``); with the depth
-  shortcut, the four runs of two depths by two counts give it at both;
+  shortcut, two depths by two counts give it at both, or for 1F1B (no term in depth x count)
+  three runs, the larger count at the shallower depth only (``shortcuts.runs_to_make``);
 - steps: the second step is the first with Adam's state alive from its start (``_steady_state``);
   pipelines, whose first step also infers shapes, run both;
 - gradient accumulation: at most two microbatches per step (the second already accumulates into
@@ -59,7 +60,7 @@ from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.env import init_process
 from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
 from titanctl.tools.memory.pipeline import answer_for_fake_peers, label_actions
-from titanctl.tools.memory.shortcuts import ac_period, plan_runs
+from titanctl.tools.memory.shortcuts import ac_period, plan_runs, runs_to_make
 from titanctl.tools.memory.tracker import (
     DDP_BUCKETS,
     PHASES,
@@ -309,55 +310,65 @@ def _run_steps(
     return run
 
 
-def _extrapolate(small: _Run, large: _Run, x1: int, x2: int, x: int) -> _Run:
+def _extrapolate(small: _Run, large: _Run, x1: int, x2: int, x: int, onto: _Run | None = None) -> _Run:
     """Each quantity at size ``x`` from its values at sizes ``x1`` and ``x2`` (it is affine in size).
 
     Sizes are model depths or pipeline microbatch counts; ``x = x1 (mod x2 - x1)`` by the plans'
-    choice, so everything stays in whole bytes.
+    choice, so everything stays in whole bytes. ``onto``: a run at size ``x1`` of another model, to
+    which the growth measured between ``small`` and ``large`` is added (the same in both models).
     """
     k = (x - x1) // (x2 - x1)
+    base = onto or small
 
-    def line(a: dict, b: dict) -> dict:
-        return {key: a[key] + (b.get(key, 0) - a[key]) * k for key in a}
+    def line(start: dict, a: dict, b: dict) -> dict:
+        return {key: start[key] + (b.get(key, 0) - a[key]) * k for key in start}
 
     peaks = {}
-    for key, pa in small.peaks.items():
-        pb = large.peaks.get(key)
-        if pb is not None:  # places present at both sizes; see shortcuts.depth_plan
-            categories = line(pa.categories, pb.categories)
-            peaks[key] = Peak(sum(categories.values()), categories, pb.module)
+    for key, peak in base.peaks.items():
+        pa, pb = small.peaks.get(key), large.peaks.get(key)
+        if pa is not None and pb is not None:  # places present at both sizes; see shortcuts.depth_plan
+            categories = line(peak.categories, pa.categories, pb.categories)
+            peaks[key] = Peak(sum(categories.values()), categories, peak.module if onto else pb.module)
     return _Run(
         peaks,
-        line(small.start, large.start),
-        line(small.after_backward, large.after_backward),
-        line(small.optimizer_state, large.optimizer_state),
+        line(base.start, small.start, large.start),
+        line(base.after_backward, small.after_backward, large.after_backward),
+        line(base.optimizer_state, small.optimizer_state, large.optimizer_state),
         large.pipeline_microbatches,
-        large.steps,
+        base.steps,
     )
 
 
-def _combine(runs: dict[tuple[int, int], _Run], plan: Plan, counts: list[int]) -> _Run:
-    """The full step from runs at each (depth, pipeline microbatch count) of the plan.
+def _combine(runs: dict[tuple[int, int], _Run], plan: Plan) -> _Run:
+    """The full step from the runs of the plan (``shortcuts.runs_to_make``).
 
     Memory is affine in depth at a fixed count and in the count at a fixed depth, with a term in
-    their product (GPipe keeps every microbatch's activations of every block): extrapolating in
-    depth at both counts, then in the count, is exact for such a function.
+    their product for some schedules (GPipe keeps every microbatch's activations of every block):
+    extrapolating in depth at both counts, then in the count, is exact for such a function. Without
+    the product term, the growth per microbatch measured on the shallower model is added to the
+    full depth at the smaller count.
     """
     depths, n_layers, n_microbatches = plan.depths, plan.args.n_layers, plan.pipeline_microbatches
-    at_depth = []
-    for count in counts:
-        if len(depths) == 2:
-            small, large = runs[depths[0], count], runs[depths[1], count]
-            run = _extrapolate(small, large, *depths, n_layers)
-            if plan.layer_names is not None:
-                for key, peak in run.peaks.items():
-                    peak.module = plan.layer_names(small.peaks[key].module, large.peaks[key].module)
-            at_depth.append(run)
-        else:
-            at_depth.append(runs[depths[0], count])
+    counts = plan.microbatches or [0]
+
+    def full_depth(count: int) -> _Run:
+        if len(depths) == 1:
+            return runs[depths[0], count]
+        small, large = runs[depths[0], count], runs[depths[1], count]
+        run = _extrapolate(small, large, *depths, n_layers)
+        if plan.layer_names is not None:
+            for key, peak in run.peaks.items():
+                peak.module = plan.layer_names(small.peaks[key].module, large.peaks[key].module)
+        return run
+
     if len(counts) == 1:
-        return at_depth[0]
-    run = _extrapolate(at_depth[0], at_depth[1], *counts, n_microbatches)
+        return full_depth(counts[0])
+    if plan.count_slope_at_one_depth:
+        shallow = depths[0]
+        run = _extrapolate(runs[shallow, counts[0]], runs[shallow, counts[1]], *counts, n_microbatches,
+                           onto=full_depth(counts[0]))
+    else:
+        run = _extrapolate(full_depth(counts[0]), full_depth(counts[1]), *counts, n_microbatches)
     run.pipeline_microbatches = n_microbatches
     return run
 
@@ -410,6 +421,7 @@ class Plan:
     microbatches: list[int]  # pipeline microbatch counts to run ([] without a pipeline; two: extrapolated)
     pipeline_microbatches: int
     layer_names: object = None  # pipelines run shallower: see shortcuts.stage_layer_names
+    count_slope_at_one_depth: bool = False  # see shortcuts.count_slope_at_one_depth
 
 
 def plan_estimate(
@@ -466,7 +478,7 @@ def plan_estimate(
     notes.extend(runs.notes)
     return Plan(
         cfg, recipe, world_size, rank, target, notes, vocab, dims, args, accum, ac_period(cfg), runs.depths,
-        runs.microbatches, runs.pipeline_microbatches, runs.layer_names,
+        runs.microbatches, runs.pipeline_microbatches, runs.layer_names, runs.count_slope_at_one_depth,
     )
 
 
@@ -486,7 +498,6 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
         # DDP's C++ reducer reads tensor data, which fake tensors have not: estimate one replica
         # (the whole model on one rank) and add DDP's gradient buckets.
         run_dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    steps = 2 if dims.pp > 1 else 1
     result = MemoryEstimate(
         recipe=plan.recipe,
         flavor=cfg.model.flavor,
@@ -508,19 +519,17 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
         microbatches_run=list(plan.microbatches),
     )
     cpu = torch.device("cpu")
-    counts = plan.microbatches or [0]
     runs = {}
     with fake_process_group(plan.world_size, plan.rank):
         run_dims.mesh  # noqa: B018 (built from real index tensors, before fake mode)
         with untracked_sharding_propagation():
-            for count in counts:
+            for n_layers, count, steps in runs_to_make(plan.depths, plan.microbatches, plan.count_slope_at_one_depth):
                 run_cfg = _with_pipeline_microbatches(cfg, count) if count else cfg
-                for n_layers in plan.depths:
-                    runs[n_layers, count] = _run_steps(
-                        run_cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
-                        period=plan.period, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True),
-                    )
-    run = _combine(runs, plan, counts)
+                runs[n_layers, count] = _run_steps(
+                    run_cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
+                    period=plan.period, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True),
+                )
+    run = _combine(runs, plan)
     if run.steps == 1:
         _steady_state(run)
     if dims.ddp_enabled:

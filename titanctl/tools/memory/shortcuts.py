@@ -20,8 +20,11 @@ cool-down) for that line to be exact; the tests compare it with the full run byt
   (``pipeline.label_actions``), so that each grows in its own way; ``microbatch_plan`` picks two
   counts past the warm-up.
 
-Memory is affine in depth and in the microbatch count, with a term in their product (GPipe holds
-every microbatch's activations of every block): with both shortcuts, two depths by two counts.
+Memory is affine in depth and in the microbatch count. Where a schedule keeps every microbatch's
+activations of every block (GPipe, LoopedBFS, the zero-bubble ones), it has a term in their
+product: with both shortcuts, two depths by two counts. 1F1B adds per microbatch only buffers
+that no block changes, so what one more microbatch adds is measured on the
+shallower model alone: three runs (``count_slope_at_one_depth``).
 """
 
 from __future__ import annotations
@@ -152,6 +155,15 @@ def affine_from(schedule: str, pp: int, num_stages: int) -> tuple[int, int]:
     raise ValueError(f"no microbatch plan for schedule {schedule!r}")
 
 
+def count_slope_at_one_depth(schedule: str) -> bool:
+    """Whether what a microbatch adds is the same at every depth (no term in depth x count).
+
+    1F1B bounds the microbatches in flight by the stage count and defers no weight gradient, so one
+    more microbatch adds only its buffers (tested against the full run with both shortcuts).
+    """
+    return schedule == "1F1B"
+
+
 def microbatch_plan(schedule: str, n: int, pp: int, num_stages: int, all_microbatches: bool) -> list[int]:
     """Pipeline microbatch counts to run: ``n``, or two smaller counts to extrapolate from.
 
@@ -176,6 +188,8 @@ class RunPlan:
     depths: list[int]  # model depths: [n_layers], or two to extrapolate from
     microbatches: list[int]  # pipeline microbatch counts: [] without a pipeline, [n], or two
     pipeline_microbatches: int  # the step's own count (0 without a pipeline)
+    # The larger count runs one step of the shallower model only (see count_slope_at_one_depth).
+    count_slope_at_one_depth: bool = False
     notes: list[str] = field(default_factory=list)
     # Names a peak's module in the full model from its names in the two shallow pipeline models.
     layer_names: Callable[[str, str], str] | None = None
@@ -223,9 +237,26 @@ def plan_runs(
                 "runs them all)"
             )
     if len(plan.microbatches) == 2:
+        plan.count_slope_at_one_depth = count_slope_at_one_depth(schedule)
         plan.notes.append(
             f"{n} pipeline microbatches extrapolated from runs of {plan.microbatches[0]} and "
             f"{plan.microbatches[1]} (exact: past {schedule}'s warm-up every further microbatch adds the "
             "same; --all-microbatches runs them all)"
         )
     return plan
+
+
+def runs_to_make(depths: list[int], microbatches: list[int], slope_at_one_depth: bool) -> list[tuple[int, int, int]]:
+    """(depth, pipeline microbatch count, steps) of each run; count 0 without a pipeline.
+
+    A pipeline's runs take two steps (its first also sets the stages up), others one. With two
+    counts, the larger runs at both depths, or at the shallower only (``count_slope_at_one_depth``).
+    """
+    steps = 2 if microbatches else 1
+    small, *large = microbatches or [0]
+    runs = [(depth, small, steps) for depth in depths]
+    if large and slope_at_one_depth:
+        runs.append((depths[0], large[0], steps))
+    elif large:
+        runs += [(depth, large[0], steps) for depth in depths]
+    return runs
