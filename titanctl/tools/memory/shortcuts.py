@@ -22,9 +22,9 @@ cool-down) for that line to be exact; the tests compare it with the full run byt
 
 Memory is affine in depth and in the microbatch count. Where a schedule keeps every microbatch's
 activations of every block (GPipe, LoopedBFS, the zero-bubble ones), it has a term in their
-product: with both shortcuts, two depths by two counts. 1F1B adds per microbatch only buffers
-that no block changes, so what one more microbatch adds is measured on the
-shallower model alone: three runs (``count_slope_at_one_depth``).
+product: with both shortcuts, two depths by two counts. 1F1B adds per microbatch only buffers that
+no block changes, so what one more microbatch adds is measured on the shallower model alone: three
+runs (``count_slope_at_one_depth``).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class RunPlan:
     depths: list[int]  # model depths: [n_layers], or two to extrapolate from
     microbatches: list[int]  # pipeline microbatch counts: [] without a pipeline, [n], or two
     pipeline_microbatches: int  # the step's own count (0 without a pipeline)
-    # The larger count runs one step of the shallower model only (see count_slope_at_one_depth).
+    # The larger count runs at the shallower depth only (see count_slope_at_one_depth).
     count_slope_at_one_depth: bool = False
     notes: list[str] = field(default_factory=list)
     # Names a peak's module in the full model from its names in the two shallow pipeline models.
