@@ -193,9 +193,9 @@ def tensor_parallel(opts) -> None:
     rates = alternating({f"tensor parallel {env.world_size}": tp_run, "1 process": solo_run}, prompt,
                         opts.new_tokens, opts.rounds, between=dist.barrier)
     model = sharded.decoder.model
-    hook = next(iter(model.layers["0"].attention.wo._forward_hooks.values()))
-    exchange = exchange_seconds(hook, model.args.dim)
-    transport = "shared memory" if hook.exchange is not None else "gloo"
+    gather = inference_tp.rank_gather(model)
+    exchange = exchange_seconds(gather, model.args.dim)
+    transport = "shared memory" if gather.exchange is not None else "gloo"
     if env.rank == 0:
         mode = "compiled" if opts.compile else "eager"
         print(f"model {opts.flavor} ({num_params(args) / 1e6:.1f}M params), prompt {len(prompt)} tokens, "
@@ -218,7 +218,7 @@ def tensor_parallel(opts) -> None:
     finish(0)
 
 
-def exchange_seconds(hook, dim: int, repeats: int = 300) -> float:
+def exchange_seconds(gather, dim: int, repeats: int = 300) -> float:
     """Median seconds of the sum-over-ranks a decoded token waits for after wo and w2, in a tight loop."""
     partial = torch.randn(1, 1, dim)
     times = []
@@ -226,7 +226,7 @@ def exchange_seconds(hook, dim: int, repeats: int = 300) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(repeats):
-            hook(None, (), partial)
+            gather(partial).sum(0)
         times.append((time.perf_counter() - start) / repeats)
     return statistics.median(times)
 

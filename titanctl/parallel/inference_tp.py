@@ -62,8 +62,8 @@ def sharded_linears(model: Transformer, tp: int) -> dict[str, tuple[nn.Linear, i
     return found
 
 
-# Models whose forward now holds collectives -> their shared memory exchange (None: process group only).
-_LOCALIZED: weakref.WeakKeyDictionary[nn.Module, SharedMemoryExchange | None] = weakref.WeakKeyDictionary()
+# Models whose forward now holds collectives -> how their ranks exchange.
+_LOCALIZED: weakref.WeakKeyDictionary[nn.Module, RankGather] = weakref.WeakKeyDictionary()
 
 
 def shard_weights(model: Transformer, mesh: DeviceMesh) -> None:
@@ -79,30 +79,50 @@ def localize(model: Transformer, mesh: DeviceMesh) -> None:
     On CPU the ranks exchange through a shared memory segment when they share a host
     (``shm_exchange``); otherwise, and for tensors larger than its slots, through the process group.
     """
-    group, tp = mesh.get_group(), mesh.size()
-    exchange = shm_exchange.create(group) if mesh.device_type == "cpu" else None
-    for name, (linear, dim) in sharded_linears(model, tp).items():
+    group = mesh.get_group()
+    gather = RankGather(group, mesh.size(), shm_exchange.create(group) if mesh.device_type == "cpu" else None)
+    for name, (linear, dim) in sharded_linears(model, gather.tp).items():
         weight = linear.weight
         if not isinstance(weight, DTensor):
             raise TypeError(f"{name}.weight is not sharded: call shard_weights before loading")
         linear.weight = nn.Parameter(weight.to_local(), requires_grad=False)
         if name == "output":
-            linear.register_forward_hook(_GatherLastDim(group, tp, exchange))
+            linear.register_forward_hook(_GatherLastDim(gather))
         elif dim == 1:  # row-wise: each rank computed a partial sum of the whole output
-            linear.register_forward_hook(_SumOverRanks(group, tp, exchange))
-    _LOCALIZED[model] = exchange
+            linear.register_forward_hook(_SumOverRanks(gather))
+    _LOCALIZED[model] = gather
+
+
+def rank_gather(model: Transformer) -> RankGather | None:
+    """How ``model``'s ranks exchange, after :func:`localize` (None before, or without TP)."""
+    return _LOCALIZED.get(model)
 
 
 def decode_uses_process_group(model: Transformer) -> bool:
     """Whether a decoded token of ``model`` (after :func:`localize`) calls the process group's
     collectives, rather than none or only the shared memory exchange's op."""
-    if model not in _LOCALIZED:
+    gather = rank_gather(model)
+    if gather is None:
         return False
-    exchange = _LOCALIZED[model]
-    if exchange is None:
+    if gather.exchange is None:
         return True
     largest = max(model.args.dim, model.output.out_features if model.output is not None else 0)
-    return not exchange.fits(largest * next(model.parameters()).element_size())
+    return not gather.exchange.fits(largest * next(model.parameters()).element_size())
+
+
+class RankGather:
+    """Every rank's tensor, in rank order: through shared memory where it fits, else the process group."""
+
+    def __init__(self, group, tp: int, exchange: SharedMemoryExchange | None):
+        self.group, self.tp, self.exchange = group, tp, exchange
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(tp, *x.shape): every rank's x, in rank order."""
+        if self.exchange is not None and self.exchange.fits(x.numel() * x.element_size()):
+            return shm_exchange.shm_all_gather(x, self.exchange.key)
+        pieces = x.new_empty(self.tp * x.shape[0], *x.shape[1:])
+        dist.all_gather_single(pieces, x.contiguous(), group=self.group)
+        return pieces.unflatten(0, (self.tp, x.shape[0]))
 
 
 class _SumOverRanks:
@@ -113,28 +133,18 @@ class _SumOverRanks:
     is what a decoded token waits for.
     """
 
-    def __init__(self, group, tp: int, exchange: SharedMemoryExchange | None):
-        self.group, self.tp, self.exchange = group, tp, exchange
+    def __init__(self, gather: RankGather):
+        self.gather = gather
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        return _gather(out, self.group, self.tp, self.exchange).sum(0)
+        return self.gather(out).sum(0)
 
 
 class _GatherLastDim:
     """(B, T, V / tp) on each rank -> (B, T, V) in rank order on every rank."""
 
-    def __init__(self, group, tp: int, exchange: SharedMemoryExchange | None):
-        self.group, self.tp, self.exchange = group, tp, exchange
+    def __init__(self, gather: RankGather):
+        self.gather = gather
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        pieces = _gather(out, self.group, self.tp, self.exchange)  # (tp, B, T, V / tp)
-        return pieces.permute(1, 2, 0, 3).flatten(2)  # (B, T, V)
-
-
-def _gather(x: torch.Tensor, group, tp: int, exchange: SharedMemoryExchange | None) -> torch.Tensor:
-    """(tp, *x.shape): every rank's x, in rank order."""
-    if exchange is not None and exchange.fits(x.numel() * x.element_size()):
-        return shm_exchange.shm_all_gather(x, exchange.key)
-    pieces = x.new_empty(tp * x.shape[0], *x.shape[1:])
-    dist.all_gather_single(pieces, x.contiguous(), group=group)
-    return pieces.unflatten(0, (tp, x.shape[0]))
+        return self.gather(out).permute(1, 2, 0, 3).flatten(2)  # (tp, B, T, V / tp) -> (B, T, V)

@@ -95,9 +95,9 @@ def create(group: dist.ProcessGroup) -> SharedMemoryExchange | None:
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     size = _header_bytes(tp) + 2 * tp * SLOT_BYTES
     supported = platform.machine().lower() in ("x86_64", "amd64")
-    nonce = secrets.token_bytes(_NONCE)
-    path, buffer = None, None
+    path, buffer, nonce = None, None, None
     if rank == 0 and supported:
+        nonce = secrets.token_bytes(_NONCE)
         path, buffer = _make_segment(size, tp, nonce)
     shared = [str(path) if path else None, nonce]
     dist.broadcast_object_list(shared, group_src=0, group=group)

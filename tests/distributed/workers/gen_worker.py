@@ -29,11 +29,6 @@ def load(folder, prompt_len, max_new, env, mesh):
     return load_model(source, args, env.device, mesh)
 
 
-def sum_hook(model):
-    """The hook that sums the first block's attention output over the ranks."""
-    return next(iter(model.layers["0"].attention.wo._forward_hooks.values()))
-
-
 def main() -> None:
     dcp_folder, hf_folder, prompt, max_new, out = sys.argv[1:6]
     max_new = int(max_new)
@@ -42,7 +37,7 @@ def main() -> None:
     ids = Tokenizer().encode(prompt, bos=True, eos=False)
     results = {}
     model = load(dcp_folder, len(ids), max_new, env, mesh)
-    results["dcp_over_shared_memory"] = sum_hook(model).exchange is not None
+    results["dcp_over_shared_memory"] = inference_tp.rank_gather(model).exchange is not None
     results["dcp_decode_uses_process_group"] = inference_tp.decode_uses_process_group(model)
     for name, seed in (("sample_7", 7), ("sample_7_again", 7), ("sample_8", 8)):
         results[name] = generate(model, ids, max_new, seed=seed, **SAMPLING).tokens
@@ -52,7 +47,7 @@ def main() -> None:
     shm_exchange.create = lambda group: None
     model = load(hf_folder, len(ids), max_new, env, mesh)
     results["hf_greedy"] = generate(model, ids, max_new, temperature=0).tokens
-    results["hf_over_shared_memory"] = sum_hook(model).exchange is not None
+    results["hf_over_shared_memory"] = inference_tp.rank_gather(model).exchange is not None
     results["hf_decode_uses_process_group"] = inference_tp.decode_uses_process_group(model)
     # Traced process-group collectives in the compiled step (Inductor's Python wrapper).
     results["hf_greedy_compiled"] = generate(model, ids, max_new, temperature=0, compile=True).tokens

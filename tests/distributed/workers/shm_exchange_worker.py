@@ -34,6 +34,7 @@ def main() -> None:
     group = dist.group.WORLD
     exchange = shm_exchange.create(group)
     assert exchange is not None, "ranks of one host must share a segment"
+    gather = inference_tp.RankGather(group, env.world_size, exchange)
     maker = [os.getpid()]
     dist.broadcast_object_list(maker, src=0)  # rank 0 made the segment and names it after its pid
     dist.barrier()  # rank 0 removes the file after every rank said it mapped it
@@ -43,12 +44,12 @@ def main() -> None:
         x = piece(env.rank, round_)
         expected = [torch.empty_like(x) for _ in range(env.world_size)]
         dist.all_gather(expected, x)
-        got = inference_tp._gather(x, group, env.world_size, exchange)
+        got = gather(x)
         assert torch.equal(got, torch.stack(expected)), round_
         rounds += 1
     large = torch.full((1, 1, shm_exchange.SLOT_BYTES // 4 + 1), float(env.rank))
     assert not exchange.fits(large.numel() * large.element_size())
-    gathered = inference_tp._gather(large, group, env.world_size, exchange)
+    gathered = gather(large)
     large_via_gloo = torch.equal(gathered[:, 0, 0, 0], torch.arange(env.world_size, dtype=torch.float32))
 
     # A rank that cannot map the segment (another host, a full /dev/shm): every rank falls back.
