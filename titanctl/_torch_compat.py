@@ -171,6 +171,12 @@ ONEDNN_LINEAR = _private("torch.ops.mkldnn._linear_pointwise.default", _ONEDNN)
 # returns for 3-D inputs): FSDP warns about modules that return views.
 UNSAFE_VIEW = _private("torch.ops.aten._unsafe_view.default", _ONEDNN)
 
+# Whether torch sends bf16 / fp16 matmuls on this CPU to oneDNN (AVX-512 and up, honouring
+# ONEDNN_MAX_CPU_ISA) rather than its generic loop, which is ~100x slower: no public API says.
+_SLOW_16BIT = "the note that 16-bit compute is slow on this CPU"
+MKLDNN_BF16_SUPPORTED = _private("torch.ops.mkldnn._is_mkldnn_bf16_supported", _SLOW_16BIT)
+MKLDNN_FP16_SUPPORTED = _private("torch.ops.mkldnn._is_mkldnn_fp16_supported", _SLOW_16BIT)
+
 
 # --- activation checkpointing -------------------------------------------------------------------
 _AC = "activation_checkpoint.mode"
@@ -425,3 +431,9 @@ def patched(entry: Private, replacement: Any) -> Iterator[Any]:
         yield original
     finally:
         setattr(owner, attr, original)
+
+
+def cpu_matmul_is_fast(dtype: Any) -> bool:
+    """False where torch multiplies ``dtype`` (bf16 or fp16) on the CPU with its generic loop."""
+    entry = MKLDNN_FP16_SUPPORTED if str(dtype) == "torch.float16" else MKLDNN_BF16_SUPPORTED
+    return bool(entry.get()())

@@ -1,21 +1,22 @@
 """`titanctl train` run as a user runs it: a subprocess, offline."""
 
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
+import time
 
 import pytest
+import torch
 
 from tests.conftest import OFFLINE_ENV, TITANCTL
+from titanctl.train.peak import cpu_peak
 
 TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4"]
 
 
-def run(args, tmp_path=None, check=True):
-    import os
-
-    env = {**os.environ, **OFFLINE_ENV}
+def run(args, tmp_path=None, check=True, env=None):
+    env = {**os.environ, **OFFLINE_ENV, **(env or {})}
     proc = subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -60,14 +61,16 @@ def test_debug_recipe_writes_20_metric_rows(debug_run, repo):
     # The recipe compiles: step 1 (compile + warm-up) is timed apart, without rates, and said so.
     assert data[0]["tps"] is data[0]["tflops"] is data[0]["mfu"] is None and data[0]["step_time"] > 0
     assert "first step" in proc.stdout and "torch.compile and warm-up; not counted in tps" in proc.stdout
+    # MFU divides by the hardware's fp32 peak (cores x clock x FLOPs per cycle; the recipe is fp32),
+    # the same in every row, and is never above 100%: a window faster than that peak (a clock the
+    # OS under-reports) shows no MFU and says why.
+    hardware = cpu_peak(torch.float32, threads=os.cpu_count()).tflops
     for r in data[1:]:
-        assert r["tps"] > 0 and r["mfu"] > 0
-    # MFU is tflops over the CPU peak this session measured once (a matmul probe, cached). On a loaded
-    # machine the probe and the steps see different loads, so MFU has no fixed bound; what is exact is
-    # that every row divides by the same cached peak.
-    cached = json.loads((Path(OFFLINE_ENV["TITANCTL_CACHE_DIR"]) / "cpu_peak_tflops.json").read_text())
-    implied = [100 * r["tflops"] / r["mfu"] for r in data[1:]]
-    assert any(all(p == pytest.approx(peak, rel=0.02) for p in implied) for peak in cached.values()), (implied, cached)
+        assert r["tps"] > 0 and r["tflops"] > 0
+        if r["mfu"] is None:
+            assert r["tflops"] > hardware and "mfu not shown" in proc.stdout
+        else:
+            assert 0 < r["mfu"] <= 100 and r["mfu"] == pytest.approx(100 * r["tflops"] / hardware, rel=2e-3)
     assert data[-1]["loss"] < data[0]["loss"] - 0.5, [r["loss"] for r in data]
     assert "step     20" in proc.stdout
 
@@ -100,6 +103,34 @@ def test_same_seed_same_losses_and_other_seed_differs(tmp_path):
     a, b, c = ([r["loss"] for r in rows(tmp_path / n)] for n in "abc")
     assert a == b
     assert a != c
+
+
+# torch's and oneDNN's AVX2 code paths on any x86 CPU: bf16 matmuls then take torch's generic loop,
+# as on an AVX2-only EPYC (no bf16 units), where a bf16 matmul probe for the MFU peak ran for minutes.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+SLOW_BF16 = "bfloat16 is slow on this CPU"
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_a_default_precision_run_starts_at_once_and_times_no_matmul(tmp_path, isa):
+    """One bf16 step (the default precision) on a fresh cache: no probe runs, no peak is cached,
+    and where bf16 takes torch's slow path the run says so once, with the way out."""
+    from titanctl import _torch_compat
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {"TITANCTL_CACHE_DIR": str(cache), **(AVX2_ONLY if isa == "avx2" else {})}
+    start = time.monotonic()
+    proc = run(["train", "--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                "--training.steps", "1", "--job.dump_folder", str(tmp_path / "out")], env=env)
+    assert time.monotonic() - start < 120  # the probe alone took over 600 s on an AVX2-only CPU
+    assert {p.name for p in cache.iterdir()} <= {"tokens"}  # the tokenized corpus, no peak figure
+    slow = isa == "avx2" or not _torch_compat.cpu_matmul_is_fast(torch.bfloat16)
+    assert proc.stdout.count(SLOW_BF16) == (1 if slow else 0), proc.stdout
+    if slow:
+        line = next(line for line in proc.stdout.splitlines() if SLOW_BF16 in line)
+        assert "--training.mixed_precision_param float32" in line
+    assert rows(tmp_path / "out")[0]["step"] == 1
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):

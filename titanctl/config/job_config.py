@@ -250,7 +250,10 @@ class Metrics:
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder.", in_dump_folder=True)
     enable_wandb: bool = opt(False, "Log to Weights & Biases (WANDB_MODE=offline works without network).")
     peak_tflops: float = opt(
-        0.0, "Peak device TFLOP/s for MFU; 0 looks it up (GPU) or measures it once (CPU).", min=0
+        0.0,
+        "Peak device TFLOP/s for MFU; 0 takes the GPU's datasheet figure, or on CPU cores x clock x "
+        "FLOPs per cycle of its vector units (nothing is timed).",
+        min=0,
     )
     disable_color_printing: bool = opt(False, "Plain console output.")
 

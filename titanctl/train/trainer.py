@@ -30,11 +30,12 @@ from titanctl.parallel.env import init_process
 from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.utils import StepLosses, clip_grad_norm
 from titanctl.train import run_folder
-from titanctl.train.flops import device_peak_tflops, flops_per_token, throughput
+from titanctl.train.flops import flops_per_token, throughput
 from titanctl.train.loss import build_loss_fn
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MemoryMonitor, MetricSinks
 from titanctl.train.optim import build_optimizer
+from titanctl.train.peak import device_peak_tflops, slow_compute_note
 from titanctl.train.profiler import maybe_profile
 from titanctl.train.step import ForwardBackward, automatic_gc_paused
 
@@ -149,6 +150,7 @@ class Trainer:
         compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_tflops = device_peak_tflops(self.env.device, compute_dtype, cfg.metrics.peak_tflops)
+        self._said_peak_exceeded = False
         self.memory = MemoryMonitor(self.env.device)
         self.losses = StepLosses()
         if self.env.rank == 0:
@@ -287,6 +289,9 @@ class Trainer:
             f"{self.loader.grad_accum_steps} microbatch(es)/step",
             soft_wrap=True,
         )
+        slow = slow_compute_note(self.env.device, getattr(torch, cfg.training.mixed_precision_param))
+        if slow:
+            self.console.print(f"[yellow]{slow}[/yellow]", soft_wrap=True)
         if self.float8 is not None:
             self.console.print(self.float8.describe(), soft_wrap=True)
             note = emulation_note(self.env.device)
@@ -417,6 +422,14 @@ class Trainer:
                 memory_text += (
                     f" [yellow]{memory['num_alloc_retries']} alloc retries, {memory['num_ooms']} OOMs[/yellow]"
                 )
+        if rate is not None and rate.mfu is None and self.peak_tflops and not self._said_peak_exceeded:
+            self._said_peak_exceeded = True
+            self.console.print(
+                f"[yellow]mfu not shown: {rate.tflops:.4g} TFLOP/s per device exceeds the peak of "
+                f"{self.peak_tflops:.4g} (a clock the OS reports below the real one?); set "
+                "metrics.peak_tflops to the device's peak[/yellow]",
+                soft_wrap=True,
+            )
         if rate is None:
             rate_text = self._first_step_text(first_step_time)
         else:
