@@ -27,19 +27,21 @@ _NON_BLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def shown(value: object) -> str:
-    """``value`` as text safe to print: control characters (escape sequences, carriage returns,
-    bidi overrides) made visible as ``\\x1b``-style escapes, and rich markup escaped."""
+def shown(value: object, keep_newlines: bool = False) -> str:
+    """``value`` as text safe to print with rich: control characters (escape sequences, carriage
+    returns, bidi overrides) made visible as ``\\x1b``-style escapes, and rich markup escaped."""
     from rich.markup import escape
 
-    return escape(visible(str(value)))
+    return escape(visible(str(value), keep_newlines))
 
 
-def visible(text: str) -> str:
-    """``text`` with control and format characters written as Python escapes."""
+def visible(text: str, keep_newlines: bool = False) -> str:
+    """``text`` with control and format characters written as Python escapes (newlines and tabs
+    kept with ``keep_newlines``, for multi-line text such as generated tokens)."""
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() or ch == " " else _escape_char(ch) for ch in text)
+    kept = " \n\t" if keep_newlines else " "
+    return "".join(ch if ch.isprintable() or ch in kept else _escape_char(ch) for ch in text)
 
 
 def _escape_char(ch: str) -> str:

@@ -101,11 +101,12 @@ TRAIN = ["train", "--model.n_layers", "1", "--training.seq_len", "32", "--traini
         (["--lr_scheduler.decay_ratio", "nan"], "'lr_scheduler.decay_ratio' = nan must be a finite number in [0, 1]"),
         (["--lr_scheduler.lr_min", "1.5"], "'lr_scheduler.lr_min' = 1.5 must be in [0, 1]"),
         (["--training.seed", str(2**64)], f"'training.seed' = {2**64} must be in [0, 2^64)"),
-        (["--training.steps", str(2**63)], "does not fit in 64 bits"),
+        (["--training.local_batch_size", str(2**63)], "does not fit in 64 bits"),
+        (["--training.steps", str(10**26)], "must be in [1, 1000000000]"),
         (["--job.dump_folder="], "'job.dump_folder' is empty"),
     ],
     ids=["lr-nan", "lr-inf", "lr-0", "eps-inf", "beta1-5", "beta2-nan", "max_norm-nan", "decay_ratio-nan",
-         "lr_min-above-1", "seed-65-bits", "steps-64-bits", "dump_folder-empty"],
+         "lr_min-above-1", "seed-65-bits", "batch-64-bits", "steps-never-end", "dump_folder-empty"],
 )
 def test_impossible_values_are_refused_before_anything_is_written(tmp_path, override, expected):
     line = refused([*TRAIN, "--job.dump_folder", str(tmp_path / "out"), *override], tmp_path)

@@ -33,6 +33,7 @@ def test_lists_bools_and_optionals_from_text():
     cfg = load_config(
         None,
         [
+            "--parallelism.pipeline_parallel_degree", "2",
             "--parallelism.pipeline_parallel_split_points", "layers.1,layers.3",
             "--checkpoint.enable_checkpoint",
             "--metrics.enable_tensorboard", "false",
@@ -62,7 +63,7 @@ def test_print_config_round_trips(tmp_path):
         (["--training.steps", "2.5"], "expects int"),
         (["--training.deterministic", "maybe"], "expects bool"),
         (["--optimizer.name", "adamw"], "is not one of AdamW, Adam; did you mean 'AdamW'?"),
-        (["--training.steps", "0"], "'training.steps' = 0 must be >= 1"),
+        (["--training.steps", "0"], "'training.steps' = 0 must be in [1, 1000000000]"),
         (["--optimizer.lr", "-1"], "'optimizer.lr' = -1.0 must be > 0"),
         (["--parallelism.data_parallel_shard_degree", "0"], "must be -1 or >= 1"),
         (["--training.global_batch_size", "2", "--training.local_batch_size", "4"], "global_batch_size"),

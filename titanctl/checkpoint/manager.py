@@ -347,7 +347,7 @@ class CheckpointManager:
             try:
                 self.close()
             except BaseException as e:
-                self.log(f"[red]the outstanding checkpoint save failed too: {_reason(e)}[/red]")
+                self.log(f"the outstanding checkpoint save failed too: {_reason(e)}")
         return False
 
     def _finalize(self, step: int, tmp: Path, meta: dict[str, Any], checksums: dict[str, str]) -> None:

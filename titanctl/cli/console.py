@@ -8,10 +8,10 @@ import sys
 import time
 
 from rich.console import Console
-from rich.markup import escape
 
 from titanctl.errors import ConfigError, ParallelError, TitanError
 from titanctl.parallel import elastic
+from titanctl.safe_io import shown
 
 err = Console(stderr=True, highlight=False)
 
@@ -56,7 +56,7 @@ class ByteProgress:
         self.task = self.progress.add_task(description, total=total_bytes, tensor="")
 
     def advance(self, name: str, nbytes: int) -> None:
-        self.progress.update(self.task, advance=nbytes, tensor=name)
+        self.progress.update(self.task, advance=nbytes, tensor=shown(name))  # a name from the checkpoint
 
     def stop(self) -> None:
         self.progress.stop()
@@ -65,7 +65,7 @@ class ByteProgress:
 def error(message: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-    err.print(f"[bold red]error:[/bold red] {escape(prefix + message)}", soft_wrap=True)
+    err.print(f"[bold red]error:[/bold red] {shown(prefix + message)}", soft_wrap=True)
 
 
 def report(e: TitanError) -> None:

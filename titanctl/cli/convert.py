@@ -44,6 +44,7 @@ def convert(
 ) -> None:
     """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats."""
     from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
+    from titanctl.safe_io import visible
 
     bar = console.ByteProgress()
     try:
@@ -66,7 +67,7 @@ def convert(
     typer.echo(
         f"{report.src_format} → {report.dst_format}: {report.tensors} tensors, {_size(report.nbytes)} "
         f"in {report.seconds:.1f} s ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}, "
-        f"model from {report.origin}) → {report.dst}"
+        f"model from {visible(str(report.origin))}) → {visible(str(report.dst))}"
     )
     for note in report.notes:
-        typer.echo(f"  note: {note}")
+        typer.echo(f"  note: {visible(note)}")

@@ -80,11 +80,13 @@ def print_report(estimate, validation, rss: int) -> None:
     from rich.table import Table
 
     from titanctl.cli.console import wide_console
+    from titanctl.safe_io import shown
 
     e = estimate
     out = wide_console(120)
     out.print(
-        f"[bold]titanctl estimate-memory[/bold] {e.recipe}: Llama 3.1 {e.flavor} ({_count(e.num_params)} params, "
+        f"[bold]titanctl estimate-memory[/bold] {shown(e.recipe)}: Llama 3.1 {e.flavor} "
+        f"({_count(e.num_params)} params, "
         f"vocab {e.vocab_size:,}) on {e.world_size} ranks, layout {e.layout}",
         soft_wrap=True,
     )

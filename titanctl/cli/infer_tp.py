@@ -48,11 +48,13 @@ def infer_tp(
 
 def _print(report) -> None:
     from rich.console import Console
-    from rich.markup import escape
+
+    from titanctl.safe_io import shown
 
     result, sampling = report.generation, report.sampling
     console = Console(highlight=False)
-    console.print(f"[dim]{escape(report.prompt)}[/dim]{escape(report.text)}", soft_wrap=True)
+    # Prompt and generated text as they are, but an escape sequence a token decodes to is not obeyed.
+    console.print(f"[dim]{shown(report.prompt, True)}[/dim]{shown(report.text, True)}", soft_wrap=True)
     decode_tps = result.decode_tokens_per_second
     how = "greedy" if sampling.greedy else (
         f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'off'}, seed {report.seed}")

@@ -101,7 +101,8 @@ def _ranks(ranks: list[int]) -> str:
     return format_ranks(ranks)
 
 
-def _esc(text: str) -> str:
-    from rich.markup import escape
+def _esc(text) -> str:
+    """Op names, messages and paths come from the traces: shown, never obeyed."""
+    from titanctl.safe_io import shown
 
-    return escape(text)
+    return shown(text)

@@ -11,7 +11,8 @@ def profile(
     ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
     steps: int = typer.Option(
-        5, "--steps", min=1, help="Training steps to run; the last is recorded, after up to 3 warmup steps."
+        5, "--steps", min=1, max=1000,
+        help="Training steps to run; the last is recorded, after up to 3 warmup steps.",
     ),
     top: int = typer.Option(15, "--top", min=0, help="How many operators to list, by self time."),
 ) -> None:
@@ -28,16 +29,17 @@ def profile(
 
 
 def _print_summary(summary, top: int) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     from titanctl.cli.console import wide_console
+    from titanctl.safe_io import shown
     from titanctl.tools.trace_analysis import format_us
 
     out = wide_console(160)
     report = summary.report
     n = len(report.ranks)
-    out.print(f"\n[bold]Where the time went[/bold]: step {summary.step}, {n} rank(s), traces in {summary.folder}")
+    out.print(f"\n[bold]Where the time went[/bold]: step {summary.step}, {n} rank(s), "
+              f"traces in {shown(summary.folder)}")
     table = Table(title="time per rank (CPU timeline)" if report.ranks[0].timeline == "cpu" else "time per rank",
                   title_justify="left")
     for col in ("rank", "step time", "compute", "communication", "exposed comm", "peak memory (profiled)"):
@@ -56,26 +58,26 @@ def _print_summary(summary, top: int) -> None:
         )
     out.print(table)
     for line in report.summary:  # the cross-rank verdict: stragglers, or none
-        out.print(f"[{'bold red' if report.stragglers else 'green'}]{escape(line)}[/]", soft_wrap=True)
+        out.print(f"[{'bold red' if report.stragglers else 'green'}]{shown(line)}[/]", soft_wrap=True)
     if top and summary.top_ops:
         ops = Table(title=f"top {len(summary.top_ops)} operators by self time"
                     + (" (mean over ranks)" if n > 1 else ""), title_justify="left")
         ops.add_column("operator")
         ops.add_column("kind")
         ranks = [p.rank for p in report.ranks]
-        shown = ranks if n <= 4 else []
-        for r in shown:
+        listed = ranks if n <= 4 else []
+        for r in listed:
             ops.add_column(f"rank {r}" if n > 1 else "self", justify="right")
-        if not shown:
+        if not listed:
             for col in ("min", "mean", "max"):
                 ops.add_column(col, justify="right")
         ops.add_column("calls" if n == 1 else "calls (rank 0)", justify="right")
         for o in summary.top_ops:
             values = [o.self_us[r] for r in ranks]
-            cells = [format_us(o.self_us[r]) for r in shown] or [
+            cells = [format_us(o.self_us[r]) for r in listed] or [
                 format_us(min(values)), format_us(o.mean_self_us), format_us(max(values))]
-            ops.add_row(escape(o.name), "communication" if o.communication else "", *cells,
+            ops.add_row(shown(o.name), "communication" if o.communication else "", *cells,
                         str(o.calls[ranks[0]]))
         out.print(ops)
-    out.print(f"open the traces at https://ui.perfetto.dev, or: titanctl inspect-trace {summary.folder}",
+    out.print(f"open the traces at https://ui.perfetto.dev, or: titanctl inspect-trace {shown(summary.folder)}",
               soft_wrap=True)

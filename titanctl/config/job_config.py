@@ -54,7 +54,10 @@ class Model:
     flavor: str = opt(
         "debugmodel", "Model size.", choices=("debugmodel", "8B", "70B", "405B")
     )
-    n_layers: int = opt(0, "Override the flavor's number of layers (0 keeps the flavor's).", min=0)
+    n_layers: int = opt(
+        0, "Override the flavor's number of layers (0 keeps the flavor's; published models have at most 126).",
+        min=0, max=1024,
+    )
     n_kv_heads: int = opt(
         0,
         "Override the flavor's number of key/value heads (0 keeps the flavor's); must divide its n_heads. "
@@ -119,7 +122,7 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per sequence.", min=1)
     max_norm: float = opt(1.0, "Gradient clipping max norm (0 disables clipping).", min=0)
-    steps: int = opt(10000, "Optimizer steps to train.", min=1)
+    steps: int = opt(10000, "Optimizer steps to train (a run of 10^9 steps would never end).", min=1, max=10**9)
     seed: int = opt(0, "Seed for weight init, data order and dropout-free RNG state.", min=0, below=2**64)
     deterministic: bool = opt(False, "Use deterministic algorithms (slower, bitwise reproducible).")
     mixed_precision_param: str = opt(

@@ -17,12 +17,10 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from titanctl.config.job_config import JobConfig
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python < 3.11
-    import tomli as tomllib
 from titanctl.errors import ConfigError
+from titanctl.safe_io import parse_toml, read_bytes, regular_file_size
+
+MAX_RECIPE_BYTES = 1 << 20  # recipes are a few KiB
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -126,10 +124,7 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] | No
     cfg = JobConfig()
     if config_path:
         path = Path(config_path)
-        try:
-            data = tomllib.loads(_read_text(path))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        data = parse_toml(_read_text(path), what=str(path), error=ConfigError)
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise _unknown_key(section, f" in {path}")
@@ -143,12 +138,9 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] | No
 
 def _read_text(path: Path) -> str:
     """The recipe's text; a missing, unreadable or non-UTF-8 file is a ConfigError naming it."""
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    raw = read_bytes(path, what="config file", max_bytes=MAX_RECIPE_BYTES, error=ConfigError)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -201,6 +193,16 @@ def _check_number(key: str, value: float, meta: dict) -> None:
         raise ConfigError(f"config key '{key}' = {value!r} does not fit in 64 bits; valid: [-2^63, 2^63)")
 
 
+def _check_utf8(key: str, value: str) -> None:
+    """Command-line bytes that are not UTF-8 arrive as lone surrogates: no file, TensorBoard event or
+    checkpoint name can carry them, so they are refused here rather than as a traceback later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = value.encode("utf-8", "surrogateescape")
+        raise ConfigError(f"config key '{key}' = {raw!r} is not UTF-8 text; use a UTF-8 name") from None
+
+
 def _check_in_dump_folder(key: str, value: str, default: str) -> None:
     """A folder documented as relative to job.dump_folder must name a folder inside it: an absolute
     path or one climbing out with '..' would write (and prune checkpoints) anywhere."""
@@ -213,9 +215,14 @@ def _check_in_dump_folder(key: str, value: str, default: str) -> None:
         problem = "leads out of the dump folder"
     else:
         return
+    hint = (
+        "; to start from another run's checkpoint, set checkpoint.initial_load_path to its step folder "
+        "(with checkpoint.initial_load_model_weights_only = false to take its optimizer and data position too)"
+        if key == "checkpoint.folder" else ""
+    )
     raise ConfigError(
         f"config key '{key}' = {value!r} {problem}: it must be a relative path to a folder inside "
-        f"job.dump_folder, e.g. {default!r}"
+        f"job.dump_folder, e.g. {default!r}{hint}"
     )
 
 
@@ -234,6 +241,9 @@ def validate(cfg: JobConfig) -> None:
             )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             _check_number(key, value, f.metadata)
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                _check_utf8(key, text)
         if f.metadata.get("in_dump_folder"):
             _check_in_dump_folder(key, value, f.default)
     if not cfg.job.dump_folder.strip():
@@ -247,6 +257,24 @@ def validate(cfg: JobConfig) -> None:
     shard = cfg.parallelism.data_parallel_shard_degree
     if shard == 0 or shard < -1:
         raise ConfigError(f"config key 'parallelism.data_parallel_shard_degree' = {shard} must be -1 or >= 1")
+    _check_pipeline_keys(cfg.parallelism)
+
+
+def _check_pipeline_keys(p) -> None:
+    """Pipeline keys act only with a pipeline (set without one they would be ignored), and a
+    schedule file must exist before anything starts."""
+    if p.pipeline_parallel_degree == 1:
+        for name in ("pipeline_parallel_split_points", "pipeline_parallel_layers_per_stage",
+                     "pipeline_parallel_schedule_csv"):
+            value = getattr(p, name)
+            if value:
+                raise ConfigError(
+                    f"config key 'parallelism.{name}' = {value!r} takes effect only with a pipeline: set "
+                    "parallelism.pipeline_parallel_degree > 1, or leave the key unset"
+                )
+    if p.pipeline_parallel_schedule_csv:
+        regular_file_size(Path(p.pipeline_parallel_schedule_csv), what="pipeline_parallel_schedule_csv",
+                          error=ConfigError)
 
 
 def _toml_value(value: Any) -> str:

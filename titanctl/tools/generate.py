@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from titanctl.checkpoint.weights import CheckpointSource, find_checkpoint, load_weights
 from titanctl.config.loader import load_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.errors import CheckpointError, DataError, ParallelError
+from titanctl.errors import CheckpointError, ConfigError, DataError, ParallelError
 from titanctl.models.llama import model_args_from_config
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
@@ -365,9 +365,10 @@ def run(
         args = model_args_from_config(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
     check_vocab(args, tokenizer.vocab_size, tokenizer.path)
     prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
-    args = args.replace(max_seq_len=len(prompt_ids) + max_new_tokens)  # the RoPE table and KV cache length
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     check_tp_degree(args, tp)
+    check_context(len(prompt_ids), max_new_tokens, args.max_seq_len)
+    args = args.replace(max_seq_len=len(prompt_ids) + max_new_tokens)  # the RoPE table and KV cache length
 
     env = init_process(cfg.comm.init_timeout_seconds)
     mesh = None
@@ -380,6 +381,16 @@ def run(
     text = tokenizer.decode([t for t in result.tokens if t not in tokenizer.stop_tokens])
     return RunReport(result, text, prompt, env.rank, tp, Sampling(temperature, top_k), seed, Path(checkpoint),
                      source)
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Refuse a generation longer than the model's context (the sequence length it was trained on,
+    or a Hugging Face config's max_position_embeddings) before a KV cache is sized for it."""
+    if prompt_tokens + max_new_tokens > context:
+        raise ConfigError(
+            f"--max-new-tokens {max_new_tokens}: the {prompt_tokens}-token prompt and the new tokens exceed the "
+            f"model's context of {context} positions; at most {max(context - prompt_tokens, 0)} new tokens"
+        )
 
 
 def _agreed_seed(seed: int | None, device: torch.device) -> int:

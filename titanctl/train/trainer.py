@@ -29,6 +29,7 @@ from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.env import init_process
 from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.utils import StepLosses, clip_grad_norm
+from titanctl.safe_io import shown
 from titanctl.train import run_folder
 from titanctl.train.flops import flops_per_token, throughput
 from titanctl.train.loss import build_loss_fn
@@ -82,7 +83,7 @@ class Trainer:
         if outcome[0] == "refused":
             raise ConfigError(outcome[1])
         if outcome[1]:
-            self.console.print(f"[yellow]{outcome[1]}[/yellow]", soft_wrap=True)
+            self.console.print(f"[yellow]{shown(outcome[1])}[/yellow]", soft_wrap=True)
         if self.env.device.type == "cuda" and self.env.distributed and self.cfg.comm.trace_buf_size:
             hang_watchdog.create_nccl_dump_folder(self.flight_recorder_folder)
         return lock
@@ -156,7 +157,7 @@ class Trainer:
         if self.env.rank == 0:
             note = run_folder.supersede_metrics(self.dump_folder, self.step)
             if note:
-                self.console.print(note, soft_wrap=True)
+                self.say(note)
             self.sinks = MetricSinks(
                 self.dump_folder,
                 tensorboard_folder=(
@@ -191,6 +192,11 @@ class Trainer:
             return {"restart": restart}
         self.console.print(f"[yellow]resumed from step-{resumed_step} after restart {restart}[/yellow]", soft_wrap=True)
         return {"resumed_from_step": resumed_step, "restart": restart}
+
+    def say(self, text: str) -> None:
+        """Print plain text that may hold input (paths, the job description, lock contents): rich
+        markup in it is shown, not applied, and control characters are made visible."""
+        self.console.print(shown(text), soft_wrap=True)
 
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
@@ -236,7 +242,7 @@ class Trainer:
             world_size=self.env.world_size,
             dp_degree=self.dims.dp,
             device=self.env.device,
-            log=lambda text: self.console.print(text, soft_wrap=True),
+            log=self.say,
         )
 
     def train(self) -> None:
@@ -277,11 +283,11 @@ class Trainer:
         if cfg.checkpoint.create_seed_checkpoint:
             with self.checkpoint:
                 folder = self.checkpoint.save_seed()
-            self.console.print(f"seed checkpoint written to {folder}; not training (create_seed_checkpoint)")
+            self.say(f"seed checkpoint written to {folder}; not training (create_seed_checkpoint)")
             return
         n_params = num_params(self.model_args)
         if cfg.job.description:
-            self.console.print(cfg.job.description, soft_wrap=True)
+            self.say(cfg.job.description)
         self.console.print(
             f"[bold]titanctl[/bold] {cfg.model.name} {cfg.model.flavor}: {n_params / 1e6:.1f}M params, "
             f"vocab {self.model_args.vocab_size}, layout {self.dims.describe()}, device {self.env.device}, "
@@ -308,7 +314,7 @@ class Trainer:
             disable=not self.is_logging_rank or not self.console.is_terminal,
         )
         start_step = self.step
-        profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.console.print)
+        profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.say)
         with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, automatic_gc_paused():
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             # The process's first step (torch.compile, warm-up) is timed apart and left out of tps.

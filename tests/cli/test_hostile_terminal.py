@@ -1,0 +1,86 @@
+"""What comes from input reaches the terminal as text: escape sequences are shown, never obeyed, and
+rich markup in it is printed, not applied (it crashed with MarkupError)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import OFFLINE_ENV, TITANCTL
+
+ESC = "\x1b]0;PWNED\x07"  # sets the terminal's title where obeyed
+MARKUP = "[/red] [/]"
+HOSTILE = f"{ESC}{MARKUP}\x1b[2J"
+TINY = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.mixed_precision_param", "float32", "--compile.enable", "false", "--training.steps", "1"]
+
+
+def titanctl(*args, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **OFFLINE_ENV}
+    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
+
+
+def assert_nothing_obeyed(proc):
+    text = proc.stdout + proc.stderr
+    assert "\x1b" not in text and "\x07" not in text, text
+    assert "MarkupError" not in text and "Traceback" not in text, text
+
+
+def test_description_and_dump_folder_are_shown_as_text(tmp_path):
+    proc = titanctl("train", *TINY, "--job.description", f"run {HOSTILE}",
+                    "--job.dump_folder", str(tmp_path / f"out{HOSTILE}"))
+    assert proc.returncode == 0, proc.stderr
+    assert_nothing_obeyed(proc)
+    assert "run \\x1b]0;PWNED\\x07[/red] [/]\\x1b[2J" in proc.stdout  # visible, markup printed as is
+
+
+def test_an_error_naming_hostile_input_is_one_visible_line(tmp_path):
+    proc = titanctl("train", *TINY, "--model.tokenizer_path", f"/no/{HOSTILE}",
+                    "--job.dump_folder", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert_nothing_obeyed(proc)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "\\x1b]0;PWNED\\x07[/red]" in proc.stderr
+
+
+def test_trace_op_names_are_shown_as_text(tmp_path):
+    def op(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": {}}
+
+    trace = {"traceEvents": [op("ProfilerStep#1", 0, 100), op(f"aten::mm{HOSTILE}", 0, 60)]}
+    (tmp_path / f"rank0_trace{ESC}.json").write_text(json.dumps(trace))
+    proc = titanctl("inspect-trace", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert_nothing_obeyed(proc)
+    assert "aten::mm\\x1b]0;PWNED" in proc.stdout
+
+
+def test_convert_shows_names_from_the_command_and_the_checkpoint_as_text(trained_run, tmp_path):
+    src = tmp_path / f"step{ESC}"
+    shutil.copytree(trained_run / "checkpoint" / "step-2", src)
+    proc = titanctl("convert", str(src), str(tmp_path / f"hf{MARKUP}\x1b[2J"), "--to", "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert_nothing_obeyed(proc)
+    assert "\\x1b[2J" in proc.stdout
+
+
+def test_a_dump_folder_that_is_not_utf8_is_one_line(tmp_path):
+    folder = os.fsencode(tmp_path) + b"/out\xff"
+    env = {**os.environ, **OFFLINE_ENV}
+    proc = subprocess.run([*map(os.fsencode, TITANCTL), b"train", *map(os.fsencode, TINY), b"--job.dump_folder", folder],
+                          capture_output=True, env=env, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not UTF-8" in err and "\\xff" in err and not os.path.exists(folder)
+
+
+@pytest.mark.parametrize("folder", ["/elsewhere/checkpoint", "../other_run/checkpoint"])
+def test_a_checkpoint_folder_outside_says_how_to_start_from_another_run(tmp_path, folder):
+    proc = titanctl("train", *TINY, "--checkpoint.folder", folder, "--job.dump_folder", str(tmp_path / "out"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "checkpoint.initial_load_path" in proc.stderr
+    assert "initial_load_model_weights_only = false" in proc.stderr
+    assert not (tmp_path / "out").exists()
