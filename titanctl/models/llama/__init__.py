@@ -2,9 +2,11 @@ from titanctl.config.job_config import Model as ModelConfig
 from titanctl.errors import ConfigError
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 from titanctl.models.llama.model import Transformer
+from titanctl.models.qwen3.args import QWEN3_FLAVORS
 
-# Model family (config model.name) -> its flavors.
-MODEL_FAMILIES = {"llama3": LLAMA3_FLAVORS}
+# Model family (config model.name) -> its flavors. Every family builds the same Transformer
+# (titanctl.models.common.decoder); their flavors' ModelArgs switch what differs.
+MODEL_FAMILIES = {"llama3": LLAMA3_FLAVORS, "qwen3": QWEN3_FLAVORS}
 
 
 def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> ModelArgs:

@@ -50,15 +50,18 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def block_plan(float8: LinearStyles | None = None, float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
+def block_plan(
+    float8: LinearStyles | None = None, float8_linears: Collection[str] = (), qk_norm: bool = False
+) -> dict[str, ParallelStyle]:
     """The plan of one block. ``float8``: the styles for the linears named in ``float8_linears``
     (names inside the block, e.g. attention.wq); the others, and a gather feeding any of them,
-    keep the plain styles (a float8 input would reach a high-precision linear)."""
+    keep the plain styles (a float8 input would reach a high-precision linear).
+    ``qk_norm``: the block has per-head ``attention.q_norm`` / ``k_norm`` (ModelArgs.qk_norm)."""
 
     def styles(*linears: str) -> LinearStyles:
         return float8 if float8 is not None and all(n in float8_linears for n in linears) else PLAIN
 
-    return {
+    plan = {
         "attention_norm": SequenceParallel(),
         # The block passes (hidden, rope): gather the hidden states, leave the rope table alone.
         "attention": styles("attention.wq", "attention.wk", "attention.wv").prepare_input(
@@ -76,6 +79,13 @@ def block_plan(float8: LinearStyles | None = None, float8_linears: Collection[st
         "feed_forward.w2": styles("feed_forward.w2").rowwise(output_layouts=Shard(1)),
         "feed_forward.w3": styles("feed_forward.w3").colwise(),
     }
+    if qk_norm:
+        # The norm weight (head_dim) is shared by all heads while each rank holds only its heads:
+        # keep it whole (Replicate) and see the local (B, T, H/tp, head_dim) tensor as sharded on
+        # dim 2, so the weight's gradient is summed over every rank's heads. Local in, local out.
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 def sharded_linear_dims(name: str, tp: int) -> tuple[int, int]:

@@ -1,0 +1,77 @@
+"""Hyper-parameters of the decoder-only transformer that every dense family builds.
+
+One dataclass for all families: a family is a set of flavors (published dimensions plus the
+switches below), not a subclass. Every default is Llama 3.1's, so a ModelArgs written before a
+switch existed (a checkpoint's titanctl.json) still means the model it meant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# RoPE layouts: which channels of a head rotate together.
+#   "interleaved": pairs (2i, 2i+1), Meta's layout (Llama's original weights, torchtune).
+#   "halves": pairs (i, i + head_dim/2), Hugging Face's "rotate_half" (Qwen3's published weights).
+# The two give the same model once wq/wk rows are permuted within each head.
+ROPE_LAYOUTS = ("interleaved", "halves")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (long-context extension)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = -1  # set from the tokenizer
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = RopeScaling()
+    max_seq_len: int = 8192  # length of the RoPE table; the trainer sets it to training.seq_len
+    # Scale the std of each block's output projections by its depth (else by the model depth).
+    depth_init: bool = True
+    # "rmsnorm" (written out in PyTorch ops) or "fused_rmsnorm" (F.rms_norm): same weights and math.
+    norm_type: str = "rmsnorm"
+    # Width of one attention head; None derives it as dim // n_heads (Llama). Qwen3 publishes it
+    # separately (0.6B: dim 1024, 16 heads of 128). Read it through the `head_dim` property.
+    explicit_head_dim: int | None = None
+    # FFN hidden width; None derives it from dim, multiple_of and ffn_dim_multiplier (Meta's
+    # params.json). Families that publish `intermediate_size` set it. Read it through `ffn_hidden_dim`.
+    explicit_ffn_hidden_dim: int | None = None
+    # RMSNorm over head_dim of each query and key head, after the projections and before RoPE (Qwen3).
+    qk_norm: bool = False
+    rope_layout: str = "interleaved"  # one of ROPE_LAYOUTS
+    # The output layer reuses the embedding table (one Parameter): Llama 3.2 1B/3B, small Qwen3.
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        if self.explicit_ffn_hidden_dim is not None:
+            return self.explicit_ffn_hidden_dim
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def replace(self, **changes) -> ModelArgs:
+        return dataclasses.replace(self, **changes)

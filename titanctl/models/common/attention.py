@@ -1,0 +1,98 @@
+"""Grouped-query self-attention with RoPE, optional per-head QK norm, and a static KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.norms import build_norm
+from titanctl.models.common.rope import rope_function
+
+
+class KVCache(nn.Module):
+    """Keys and values of every position a generation may reach, allocated once:
+    (B, H_kv, max_seq_len, head_dim) each, the layout attention reads.
+
+    Written at a tensor of positions (``index_copy_``), never sliced by a Python number, so a
+    decode step is the same computation at every position and compiles once.
+    """
+
+    def __init__(self, batch: int, max_seq_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq_len, head_dim)
+        # Zeros, not empty: masked-out positions still enter the weighted sum (with weight 0).
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T, head_dim) at positions input_pos (T,); return the whole cache."""
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v  # (B, H_kv, S_max, head_dim)
+
+    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+        """(T, S_max): the query at position p sees the keys at positions <= p."""
+        return self.positions[None, :] <= input_pos[:, None]
+
+
+# Below this head size, torch's (2.13) bf16/fp16 flash-attention kernel on CPU is slower than its
+# fp32 one (1.5-1.8x the time at head_dim 16, forward + backward; benchmarks/cpu_kernels.py).
+CPU_FP32_ATTENTION_BELOW_HEAD_DIM = 64
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, head_dim) over k, v (B, H_kv, S, head_dim).
+
+    Grouped-query attention happens inside the kernel (no repeated copies of K and V). On CPU,
+    bf16/fp16 attention with small heads runs in fp32 (faster there, and more precise); its output
+    returns to q's dtype.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] < CPU_FP32_ATTENTION_BELOW_HEAD_DIM:
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3's QK norm: one weight of head_dim shared by all heads, so under tensor parallelism
+        # it stays whole (replicated) while the heads are split.
+        self.q_norm = build_norm(args, args.head_dim) if args.qk_norm else None
+        self.k_norm = build_norm(args, args.head_dim) if args.qk_norm else None
+        self.rotate = rope_function(args)
+        self.cache: KVCache | None = None  # set by Transformer.setup_kv_cache for decoding
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those positions and rope their rows."""
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of them.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
+        if self.q_norm is not None:  # normalizes each head over head_dim: shapes unchanged
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = rope[:seqlen]  # the table may be longer than this sequence
+        q, k = self.rotate(q, rope), self.rotate(k, rope)
+        if input_pos is not None:  # decoding: the new positions attend to every cached one, masked by position
+            keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
+            out = attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos), causal=False)
+        else:
+            out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal=True)
+        # out: (B, H, T, head_dim)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)

@@ -1,0 +1,168 @@
+"""The decoder-only transformer of the dense families (Llama 3.x, Qwen3), written once and
+sharded from outside.
+
+Nothing here knows about parallelism. Projections reshape with ``-1`` heads, so a
+tensor-parallel plan that shards them column-wise just works; ``layers`` is a
+ModuleDict keyed by layer id, so pipeline stages keep canonical names; and any of
+``tok_embeddings``, ``norm``, ``output`` may be set to None by a pipeline split.
+
+Inference adds an optional static KV cache (``setup_kv_cache``, then ``forward(tokens, input_pos)``
+with a tensor of positions); training never passes ``input_pos`` and runs exactly the cache-free code.
+
+With ``tie_embeddings`` the output layer's weight *is* the embedding table (one Parameter, two
+state-dict keys: ``tok_embeddings.weight`` and ``output.weight``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.attention import Attention, KVCache
+from titanctl.models.common.feed_forward import FeedForward
+from titanctl.models.common.norms import RMSNorm, build_norm
+from titanctl.models.common.rope import rope_table
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = build_norm(args)
+        self.ffn_norm = build_norm(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos=input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one parameter is initialized: ones, or a (truncated) normal draw."""
+
+    kind: str  # "ones" | "normal" | "trunc_normal"
+    std: float = 1.0
+    bound: float = 2.0  # absolute truncation bound of "trunc_normal"
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = build_norm(args)
+        # Tied: built on meta (no vocab x dim allocation) and given the embedding's Parameter below.
+        device = "meta" if args.tie_embeddings else None
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False, device=device)
+        self.tie_weights()
+        # Derived from args, so never saved: checkpoints hold weights only.
+        self.register_buffer("rope_cache", rope_table(args), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the embedding's Parameter again (when tied and both are here).
+
+        Anything that gives each module a new Parameter undoes a tie: ``to_empty`` (handled in
+        ``_apply`` below), ``load_state_dict(assign=True)``, tensor parallelism's distribution of
+        each module. Callers of the last two call this afterwards.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            if self.output.weight is not self.tok_embeddings.weight:
+                self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module._apply (to_empty, to, cuda, ...) may give each module its own new Parameter:
+        # torch 2.13's to_empty does, so a meta-built tied model would come back untied.
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
+
+        ``input_pos`` (T,) int64, after ``setup_kv_cache``: the positions of the tokens, which
+        attend to the cached positions before them. Returns logits (B, T, vocab), or hidden
+        states when this stage has no output layer.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The whole table: under sequence parallel h holds only this rank's part of the sequence.
+        rope = self.rope_cache
+        if input_pos is not None:
+            rope = rope[input_pos]  # (T, head_dim // 2, 2)
+        for layer in self.layers.values():
+            h = layer(h, rope, input_pos=input_pos)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def setup_kv_cache(self, max_seq_len: int | None = None, batch_size: int = 1) -> None:
+        """Give every attention a zeroed KV cache of ``max_seq_len`` positions (default: the RoPE table's).
+
+        Its heads are those the attention's ``wk`` produces, so a sharded ``wk`` gets a cache of
+        its own heads only.
+        """
+        length = max_seq_len or self.rope_cache.shape[0]
+        if length > self.rope_cache.shape[0]:
+            raise ValueError(f"a {length}-position cache needs ModelArgs.max_seq_len >= {length}")
+        for layer in self.layers.values():
+            attention = layer.attention
+            weight = attention.wk.weight
+            attention.cache = KVCache(batch_size, length, weight.shape[0] // attention.head_dim, attention.head_dim,
+                                      weight.dtype, weight.device)
+
+    def clear_kv_cache(self) -> None:
+        for layer in self.layers.values():
+            layer.attention.cache = None
+
+    def param_init(self, name: str) -> ParamInit:
+        """The init of a parameter, from its name (wrapper prefixes are ignored)."""
+        args = self.args
+        if name.endswith("norm.weight"):  # also attention.q_norm / k_norm
+            return ParamInit("ones")
+        if name.endswith("tok_embeddings.weight"):
+            if args.tie_embeddings:  # named_parameters lists the shared table once, under this name
+                # Small, as transformers and torchtitan draw tied Qwen3 (initializer_range 0.02). At
+                # init the residual stream is mostly the token's own embedding e, and the final norm
+                # scales it to unit RMS, so e's own logit is ~std * dim: as the output layer's
+                # dim^-1/2 it would be ~sqrt(dim) and the first loss ~10.7, not ln V = 8.4 (debugmodel).
+                return ParamInit("normal", std=0.02)
+            return ParamInit("normal", std=1.0)
+        if name.endswith("output.weight"):
+            std = args.dim**-0.5
+            return ParamInit("trunc_normal", std=std, bound=3 * std)
+        layer = re.search(r"layers\.(\d+)\.", name)
+        if layer is None:
+            raise ValueError(f"no init rule for parameter {name!r}")
+        depth = int(layer.group(1)) + 1 if args.depth_init else args.n_layers
+        if re.search(r"(attention\.w[qkv]|feed_forward\.w1)\.weight$", name):
+            return ParamInit("trunc_normal", std=0.02)
+        return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE table (after ``to_empty`` left it uninitialized)."""
+        device = device if device is not None else self.rope_cache.device
+        self.rope_cache = rope_table(self.args, torch.device(device))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize in place from the global RNG (standalone use; training uses
+        ``titanctl.parallel.init.initialize_weights`` so every layout draws the same numbers).
+        A tied table is one Parameter, listed and drawn once."""
+        self.init_buffers()
+        self.tie_weights()
+        for name, param in self.named_parameters():
+            spec = self.param_init(name)
+            if spec.kind == "ones":
+                nn.init.ones_(param)
+            elif spec.kind == "normal":
+                nn.init.normal_(param, std=spec.std)
+            else:
+                nn.init.trunc_normal_(param, std=spec.std, a=-spec.bound, b=spec.bound)

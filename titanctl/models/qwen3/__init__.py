@@ -1,0 +1,13 @@
+"""Qwen3 (dense): the shared decoder of ``titanctl.models.common`` with Qwen3's flavors.
+
+Nothing here subclasses the model: every Qwen3 difference from Llama is a ModelArgs switch
+(``qk_norm``, ``rope_layout``, ``explicit_head_dim``, ``explicit_ffn_hidden_dim``, ``tie_embeddings``),
+so the TP plan (``titanctl.models.llama.tp_plan.block_plan(qk_norm=True)``), weight init, shapes and
+parameter counts are the shared ones.
+"""
+
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.qwen3.args import QWEN3_FLAVORS, QWEN3_VOCAB_SIZE, qwen3_args
+
+__all__ = ["QWEN3_FLAVORS", "QWEN3_VOCAB_SIZE", "ModelArgs", "Transformer", "qwen3_args"]
