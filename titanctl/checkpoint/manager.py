@@ -240,8 +240,9 @@ class CheckpointManager:
         tmp = self.root / f"{TMP_PREFIX}{step}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a run that died mid-save
+            if os.path.lexists(tmp):  # left by a run that died mid-save (or planted as a link)
                 _discard(tmp)
+            tmp.mkdir()  # fresh: DCP's writer never follows a link someone left at this name
         self._barrier()  # nobody writes into tmp before rank 0 cleared it
         meta = {
             "step": step,
@@ -484,7 +485,10 @@ def _reason(e: BaseException) -> str:
 
 def _discard(path: Path) -> None:
     """Delete a folder so that no moment of the deletion leaves it looking like a checkpoint."""
-    if not path.exists():
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink():
+        path.unlink()  # the link only, never what it points to
         return
     if not path.name.startswith(TRASH_PREFIX):
         trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")

@@ -31,6 +31,7 @@ from typing import Any
 
 from titanctl import _torch_compat
 from titanctl.errors import TorchInternalsError
+from titanctl.safe_io import create_new
 
 BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
@@ -129,8 +130,8 @@ def dump(folder: Path, rank: int, reason: str = "") -> Path:
     tmp = folder / f".rank{rank}.json.{os.getpid()}.{threading.get_ident()}.tmp"
     payload = json.dumps(snapshot(rank, reason), indent=1)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(payload)
+        with create_new(tmp, what="Flight Recorder dump") as f:
+            f.write(payload.encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # readers see the old dump or the whole new one, never half of it

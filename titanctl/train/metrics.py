@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from titanctl.errors import ConfigError
+from titanctl.safe_io import open_for_append
 
 
 def cpu_peak_rss_gib() -> float:
@@ -70,7 +71,7 @@ class MemoryMonitor:
 class MetricSinks:
     def __init__(self, dump_folder: Path, *, tensorboard_folder: Path | None, wandb_config: dict | None):
         dump_folder.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(dump_folder / "metrics.jsonl", "a", buffering=1)
+        self._jsonl = open_for_append(dump_folder / "metrics.jsonl", what="metrics file", error=ConfigError)
         self._tb = None
         if tensorboard_folder is not None:
             from torch.utils.tensorboard import SummaryWriter  # tensorboard + protobuf: only runs that log there

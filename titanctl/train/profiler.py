@@ -37,6 +37,7 @@ from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig, Profiling
 from titanctl.errors import ProfilingError
 from titanctl.parallel.env import device_type
+from titanctl.safe_io import replace_atomically
 
 TRACE_FILE = "rank{rank}_trace.json"  # trace_analysis reads the rank from "rank{r}" in the name
 MEMORY_TIMELINE_FILE = "rank{rank}_memory_timeline.json"
@@ -213,9 +214,7 @@ def maybe_profile(
 
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    replace_atomically(path, json.dumps(data).encode(), what="profiler output")
 
 
 # ------------------------------------------------------------------------------ memory timeline

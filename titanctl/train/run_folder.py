@@ -21,14 +21,21 @@ import os
 import socket
 from pathlib import Path
 
-from titanctl.errors import ConfigError
+from titanctl.errors import ConfigError, TitanError
+from titanctl.safe_io import open_for_append, open_no_follow, parse_json, read_text, replace_atomically
 
+LOCK_BYTES = 4096  # host, PID and start time: a few dozen bytes
+METRICS_BYTES = 1 << 30  # ~3 M rows
 LOCK_FILE = ".titanctl.lock"
 METRICS_FILE = "metrics.jsonl"
 
 
-def prepare(folder: Path) -> None:
-    """Create the dump folder if needed, or say in one line why it cannot hold a run."""
+def prepare(folder: Path, subfolders: list[str] = ()) -> None:
+    """Create the dump folder if needed, or say in one line why it cannot hold a run.
+
+    ``subfolders`` (relative to it: checkpoints, TensorBoard, traces) must not lead through a
+    symbolic link: a folder that ships ``checkpoint`` as a link to ``~`` would have titanctl write
+    there and prune what it finds."""
     key = f"job.dump_folder {str(folder)!r}"
     for parent in [folder, *folder.parents]:
         if parent.exists() and not parent.is_dir():
@@ -40,6 +47,12 @@ def prepare(folder: Path) -> None:
         raise ConfigError(f"{key} cannot be created: {e.strerror or e}; choose a writable folder") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"{key} is not writable by this user; choose a writable folder")
+    for sub in subfolders:
+        path = folder
+        for part in Path(sub).parts:
+            path = path / part
+            if path.is_symlink():
+                raise ConfigError(f"{path} is a symbolic link; titanctl does not write through links: remove it")
 
 
 class RunLock:
@@ -80,10 +93,7 @@ class RunLock:
     def _lock_file(self) -> int:
         """An open, flocked descriptor of the lock file that is still at ``self.path``."""
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise ConfigError(f"cannot create the dump folder lock {self.path}: {e.strerror or e}") from None
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT, what="the dump folder lock", error=ConfigError)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -95,7 +105,7 @@ class RunLock:
                     f"({_describe(_read(self.path))}); wait for it to end or choose another job.dump_folder"
                 ) from None
             try:
-                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                if os.fstat(fd).st_ino == os.lstat(self.path).st_ino:
                     return fd
             except FileNotFoundError:
                 pass
@@ -117,9 +127,12 @@ class RunLock:
 
 
 def _read(path: Path) -> dict:
+    """The holder a lock file names; {} for anything else (a link, a FIFO, garbage, deep nesting)."""
+    if path.is_symlink():
+        return {}
     try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
+        holder = parse_json(read_text(path, what="the dump folder lock", max_bytes=LOCK_BYTES) or "{}", what="lock")
+    except TitanError:
         return {}
     return holder if isinstance(holder, dict) else {}
 
@@ -139,9 +152,11 @@ def supersede_metrics(folder: Path, start_step: int) -> str | None:
     Nothing is deleted. Returns what was done, for the console.
     """
     path = folder / METRICS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
-    lines = path.read_text().splitlines(keepends=True)
+    if path.is_symlink():
+        raise ConfigError(f"{path} is a symbolic link; titanctl does not write through links: remove it")
+    lines = read_text(path, what="metrics file", max_bytes=METRICS_BYTES, error=ConfigError).splitlines(keepends=True)
     if not lines:
         return None
     if start_step == 0:
@@ -154,16 +169,14 @@ def supersede_metrics(folder: Path, start_step: int) -> str | None:
         (drop if _step(line) > start_step else keep).append(line)
     if not drop:
         return None
-    with open(folder / "metrics.superseded.jsonl", "a") as f:
+    with open_for_append(folder / "metrics.superseded.jsonl", what="metrics file", error=ConfigError) as f:
         f.writelines(drop)
-    tmp = folder / f".{METRICS_FILE}.tmp"
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    replace_atomically(path, "".join(keep).encode(), what="metrics file", error=ConfigError)
     return f"{len(drop)} row(s) after step {start_step} of the interrupted attempt moved to metrics.superseded.jsonl"
 
 
 def _step(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return 0  # not a row of ours: keep it where it is

@@ -71,7 +71,11 @@ class Trainer:
         lock, outcome = None, ("ok", None)
         if self.env.rank == 0:
             try:
-                run_folder.prepare(self.dump_folder)
+                c = self.cfg
+                run_folder.prepare(self.dump_folder, [
+                    c.checkpoint.folder, c.metrics.save_tb_folder, c.profiling.save_traces_folder,
+                    c.profiling.save_memory_snapshot_folder, self.flight_recorder_folder.name,
+                ])
                 lock = run_folder.RunLock(self.dump_folder)
                 outcome = ("ok", lock.acquire())
             except TitanError as e:
