@@ -71,6 +71,7 @@ def torch_save_index(base, case):
     (folder / ".metadata").write_bytes(buffer.getvalue())
     meta = json.loads((folder / "titanctl.json").read_text())
     del meta["checksums"]  # as titanctl wrote it before it recorded checksums: the index itself is read
+    meta["version"] = 1
     (folder / "titanctl.json").write_text(json.dumps(meta))
     return []
 

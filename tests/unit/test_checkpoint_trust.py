@@ -9,6 +9,7 @@ marker is absent, one red line on stderr, exit code 2, and not a byte changed in
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import io
 import json
@@ -494,8 +495,12 @@ def test_partial_folders_of_a_killed_convert_are_removed(formats, tmp_path, caps
     proc = cli(["convert", formats["hf"], tmp_path / "out", "--to", "dcp"], capsys)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    # One whose process still runs is another conversion at work: refused, left alone.
+    # One whose lock is held is another conversion at work: refused, left alone (a live PID alone
+    # proves nothing: PIDs are reused; tests/cli/test_convert_interruptions.py).
     busy = tmp_path / f".again.partial-{os.getppid()}"
     busy.mkdir()
+    lock = os.open(tmp_path / f"{busy.name}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     line = error_line(cli(["convert", formats["hf"], tmp_path / "again", "--to", "dcp"], capsys))
+    os.close(lock)
     assert f"another conversion (process {os.getppid()}) is writing" in line and busy.is_dir()

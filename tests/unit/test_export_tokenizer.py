@@ -122,19 +122,24 @@ def test_torchtune_export_carries_its_tokenizer_files(trained_debug, tmp_path):
 
 
 def test_tokenizer_is_taken_from_the_option_the_checkpoint_or_nowhere(trained_debug, tmp_path):
-    # --tokenizer-path (here a tokenizer.json): recorded in a DCP output, then used from there.
+    # --tokenizer-path (here a tokenizer.json): a DCP output carries a copy and records it, then uses it.
     convert_checkpoint(trained_debug["folder"], tmp_path / "hf1")
     tok_json = tmp_path / "hf1" / "tokenizer.json"
     convert_checkpoint(trained_debug["folder"], tmp_path / "dcp", dst_format="dcp", tokenizer_path=tok_json)
-    assert json.loads((tmp_path / "dcp" / "titanctl.json").read_text())["tokenizer_path"] == str(tok_json)
+    assert json.loads((tmp_path / "dcp" / "titanctl.json").read_text())["tokenizer_path"] == "tokenizer.json"
+    assert (tmp_path / "dcp" / "tokenizer.json").read_bytes() == tok_json.read_bytes()
     report = convert_checkpoint(tmp_path / "dcp", tmp_path / "hf2")
-    assert f"tokenizer: the checkpoint's tokenizer {tok_json}" in report.notes
+    assert "tokenizer: the checkpoint's tokenizer tokenizer.json" in report.notes
     assert (tmp_path / "hf2" / "tokenizer.json").read_text() == tok_json.read_text()
-    # A training step folder says it in its config.toml; a recorded tokenizer that is gone is an error.
+    # A training step folder says it in its config.toml; a recorded tokenizer that is gone is an error, and
+    # one outside the checkpoint is not read (whether it exists or not).
     step = tmp_path / "step"
     convert_checkpoint(trained_debug["folder"], step, dst_format="dcp")
-    (step / "config.toml").write_text(f'[model]\ntokenizer_path = "{tmp_path / "gone.model"}"\n')
-    with pytest.raises(CheckpointError, match="trained with tokenizer .*gone.model, which does not exist here"):
+    (step / "config.toml").write_text('[model]\ntokenizer_path = "gone.model"\n')
+    with pytest.raises(CheckpointError, match="trained with tokenizer gone.model, which does not exist here"):
+        convert_checkpoint(step, tmp_path / "hf3")
+    (step / "config.toml").write_text(f'[model]\ntokenizer_path = "{tok_json}"\n')
+    with pytest.raises(CheckpointError, match="trained with tokenizer .*tokenizer.json, which is outside the checkpoint"):
         convert_checkpoint(step, tmp_path / "hf3")
     assert not (tmp_path / "hf3").exists()
     # A vocabulary that is not the tokenizer's: an error when asked for, a note when guessed.
@@ -169,10 +174,15 @@ def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_on
     meta = json.loads((step / "titanctl.json").read_text())
     assert meta["tokenizer_path"] == str(own.resolve())
     assert meta["model_args"]["vocab_size"] == 3256
-    proc = subprocess.run([*TITANCTL, "convert", str(step), str(tmp_path / "hf"), "--to", "hf"], capture_output=True,
-                          text=True, env={**os.environ, **OFFLINE_ENV}, timeout=300)
+    # The tokenizer lies outside the checkpoint: not read unless the user names it.
+    convert = [*TITANCTL, "convert", str(step), str(tmp_path / "hf"), "--to", "hf"]
+    env = {**os.environ, **OFFLINE_ENV}
+    proc = subprocess.run(convert, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "is outside the checkpoint folder" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([*convert, "--tokenizer-path", str(own)], capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"note: tokenizer: the checkpoint's tokenizer {own.resolve()}" in proc.stdout, proc.stdout
+    assert f"note: tokenizer: --tokenizer-path {own}" in proc.stdout, proc.stdout
     back = Tokenizer(tmp_path / "hf" / "tokenizer.json")
     assert back.ranks == tok.ranks and back.special_tokens == tok.special_tokens
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

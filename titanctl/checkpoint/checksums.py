@@ -31,6 +31,7 @@ from titanctl.checkpoint.paths import inside
 from titanctl.errors import CheckpointCorrupt, CheckpointError
 
 ALGORITHM = "sha256"
+MANIFEST_SINCE = 2  # titanctl.json version from which a checkpoint must record its checksums
 _CHUNK = 16 * 2**20
 
 
@@ -112,6 +113,28 @@ def recorded(meta: dict[str, Any] | None, where: Path) -> dict[str, str] | None:
             f"{where}: unknown checksum algorithm {entry.get('algorithm')!r} (titanctl uses {ALGORITHM!r})"
         )
     return files
+
+
+def require_manifest(meta: dict[str, Any] | None, where: Path) -> None:
+    """A titanctl.json of a version that always records checksums must still have them: deleting
+    the whole entry must not turn a damaged checkpoint into an unverified one."""
+    version = (meta or {}).get("version", 1)
+    if meta is not None and "checksums" not in meta and isinstance(version, int) and version >= MANIFEST_SINCE:
+        raise CheckpointCorrupt(
+            f"{where} records no checksums, but titanctl writes them with every checkpoint of version "
+            f"{version}: the manifest was removed or the file was altered"
+        )
+
+
+def require_listed(folder: Path, files: dict[str, str], needed: list[str]) -> None:
+    """Every file the checkpoint needs must have a recorded checksum: a damaged shard whose record
+    was deleted must not load unchecked."""
+    for name in sorted(needed):
+        if name not in files:
+            raise CheckpointCorrupt(
+                f"{Path(folder) / name} has no checksum in the checkpoint's titanctl.json, which records every "
+                "file titanctl wrote: the manifest was altered"
+            )
 
 
 def verify(folder: Path, files: dict[str, str], names: list[str] | None = None, group=None) -> None:

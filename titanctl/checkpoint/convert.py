@@ -12,6 +12,8 @@ of SRC and DST, so a mistyped path fails at once.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
 import os
 import re
@@ -23,11 +25,13 @@ from pathlib import Path
 import torch
 
 from titanctl.checkpoint.formats import WRITERS, DictSource, Source, detect, open_source
+from titanctl.checkpoint.reader import one_line
 from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
 from titanctl.config.loader import load_config
 from titanctl.errors import CheckpointError
 from titanctl.models.llama import model_args_from_config
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
+from titanctl.safe_io import open_no_follow
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")  # outputs that carry (or record) the tokenizer
@@ -196,26 +200,67 @@ def _prepare_destination(dst: Path, src: Path | None) -> Path:
         dst.parent.mkdir(parents=True, exist_ok=True)
         for leftover in dst.parent.glob(f".{glob.escape(dst.name)}.partial-*"):
             pid = leftover.name.rsplit("-", 1)[1]
-            if not pid.isdigit() or not leftover.is_dir():
+            if not pid.isdigit() or not leftover.is_dir() or leftover.is_symlink():
                 continue
-            if int(pid) != os.getpid() and _process_alive(int(pid)):
+            if _writing(leftover):
                 raise CheckpointError(f"another conversion (process {pid}) is writing {dst}: wait for it, or stop it")
             shutil.rmtree(leftover)
+            _owner_lock(leftover).unlink(missing_ok=True)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
         tmp.mkdir()
+        _hold(tmp)
     except OSError as e:
         raise CheckpointError(f"cannot write next to destination {dst}: {e.strerror or e}") from None
     return tmp
 
 
-def _process_alive(pid: int) -> bool:
+# A conversion holds an flock on ``.DST.partial-PID.lock`` while it writes: a leftover folder whose
+# lock nobody holds is a dead conversion's, whatever process now has that PID.
+_HELD: dict[Path, int] = {}
+
+
+def _owner_lock(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".lock")
+
+
+def _hold(partial: Path) -> None:
+    fd = open_no_follow(_owner_lock(partial), os.O_RDWR | os.O_CREAT, what="conversion lock", error=CheckpointError)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD[partial] = fd
+
+
+def _release(partial: Path) -> None:
+    fd = _HELD.pop(partial, None)
+    if fd is not None:
+        _owner_lock(partial).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _writing(partial: Path) -> bool:
+    """Whether a live conversion holds ``partial``'s lock (a folder without a lock file is a dead one's)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(_owner_lock(partial), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return False
-    except PermissionError:  # someone else's process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         return True
-    return True
+    finally:
+        os.close(fd)
+    return False
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# How torch's zip writer ("unexpected pos 704 vs 598") and safetensors ("os error 27") report them.
+_FULL_TEXT = re.compile(r"unexpected pos \d+ vs \d+|os error (" + "|".join(map(str, _FULL)) + r")\b")
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """A write cut short by a full disk, a quota or a file-size limit."""
+    if isinstance(e, OSError):
+        return e.errno in _FULL
+    return isinstance(e, Exception) and bool(_FULL_TEXT.search(str(e)))
 
 
 def write_checkpoint(
@@ -266,9 +311,15 @@ def write_checkpoint(
         if dst.exists():
             dst.rmdir()  # empty, checked above
         os.rename(tmp, dst)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(e):
+            raise CheckpointError(
+                f"writing {dst} failed: the disk or quota is full ({one_line(e)}); {dst} was left as it was"
+            ) from None
         raise
+    finally:
+        _release(tmp)
     return sorted(p.name for p in dst.iterdir())
 
 

@@ -16,27 +16,31 @@ from pathlib import Path
 from typing import Any
 
 from titanctl.checkpoint.model_args import args_from_fields
+from titanctl.checkpoint.paths import inside
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
+from titanctl.safe_io import load_json, replace_atomically
 
 METADATA_FILE = "titanctl.json"
 FORMAT = "titanctl-dcp"
-VERSION = 1
+VERSION = 2  # 2: every titanctl.json records the checksum of every file of its folder (checksums.MANIFEST_SINCE)
+# titanctl.json holds the model's arguments, a few counters and one checksum per file: kilobytes.
+MAX_METADATA_BYTES = 16 << 20
 
 
 def write_metadata(folder: Path, args: ModelArgs, *, step: int, weights_only: bool, dtype: str, **extra: Any) -> None:
     meta = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if "checksums" in extra else 1,  # 1: no manifest, as before checksums
         "step": step,
         "weights_only": weights_only,
         "dtype": dtype,
         "model_args": dataclasses.asdict(args),
         **extra,
     }
-    tmp = folder / f".{METADATA_FILE}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, folder / METADATA_FILE)
+    # Never through a link the folder holds: a fresh temporary file renamed over the name.
+    replace_atomically(folder / METADATA_FILE, json.dumps(meta, indent=1).encode(), what="checkpoint metadata",
+                       error=CheckpointError)
 
 
 # Fields every titanctl.json has, and the type each must have; optional ones are checked when present.
@@ -55,23 +59,16 @@ _KINDS = {
 
 def read_metadata(folder: Path) -> dict[str, Any]:
     """titanctl.json of a step folder, its fields checked for type: one-line CheckpointError otherwise."""
-    path = Path(folder) / METADATA_FILE
-    try:
-        if not path.is_file():
-            raise CheckpointError(f"{folder} is not a titanctl checkpoint: {METADATA_FILE} is missing")
-        text = path.read_text()
-    except PermissionError:
-        raise CheckpointError(f"cannot read {path}: permission denied") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        meta = json.loads(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path} is unreadable or corrupt: {e}") from None
+    folder = Path(folder)
+    if not os.path.lexists(folder / METADATA_FILE):
+        raise CheckpointError(f"{folder} is not a titanctl checkpoint: {METADATA_FILE} is missing")
+    # A link may point only inside the folder; the file must be small, UTF-8 and shallow JSON.
+    path = inside(folder, METADATA_FILE, f"checkpoint {folder}")
+    meta = load_json(path, what="checkpoint metadata", max_bytes=MAX_METADATA_BYTES, error=CheckpointError)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}, expected an object")
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{path} has format {_brief(meta.get('format'))}, expected {FORMAT!r}")
     for key, kind in (*_REQUIRED.items(), *_OPTIONAL.items()):
         if key not in meta:
             if key in _REQUIRED:
@@ -79,8 +76,14 @@ def read_metadata(folder: Path) -> dict[str, Any]:
             continue
         what, ok = _KINDS[kind]
         if not ok(meta[key]):
-            raise CheckpointError(f"{path}: {key!r} is {meta[key]!r}, expected {what}")
+            raise CheckpointError(f"{path}: {key!r} is {_brief(meta[key])}, expected {what}")
     return meta
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """A value from the file, cut so that a megabyte string makes no megabyte error line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__} of {len(text):,} characters)"
 
 
 def model_args_from_metadata(meta: dict[str, Any], where: str = METADATA_FILE) -> ModelArgs:

@@ -19,21 +19,45 @@ from collections.abc import Iterable
 from typing import Any
 
 from titanctl.errors import CheckpointError
+from titanctl.models.common.args import ROPE_LAYOUTS
+from titanctl.models.common.norms import NORMS
 from titanctl.models.llama.args import ModelArgs, RopeScaling
+from titanctl.models.llama.shapes import num_params
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # The final norm's weight, as each format names it: shape (dim,) in every format and every shard.
 FINAL_NORMS = ("norm.weight", "model.norm.weight", "norm.scale")
 
 
+# No size, count or length of a model is 2^31 or more (tensor dimensions are 32-bit in kernels).
+MAX_SIZE = 2**31 - 1
+
+
 def _int(value: Any, name: str, where: str, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise CheckpointError(f"{where}: {name} is {value!r}, expected an integer >= {minimum}")
+        raise CheckpointError(f"{where}: {name} is {_brief(value)}, expected an integer >= {minimum}")
+    if value > MAX_SIZE:
+        raise CheckpointError(f"{where}: {name} is {_brief(value)}, expected at most {MAX_SIZE:,}")
 
 
 def _positive(value: Any, name: str, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise CheckpointError(f"{where}: {name} is {value!r}, expected a finite number > 0")
+        raise CheckpointError(f"{where}: {name} is {_brief(value)}, expected a finite number > 0")
+
+
+def _one_of(value: Any, name: str, where: str, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    if isinstance(value, bool) != isinstance(choices[0], bool) or value not in choices:
+        valid = ", ".join(map(str, choices))
+        raise CheckpointError(f"{where}: {name} is {_brief(value)}, expected one of {valid}")
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """A value from a file, cut so that a 4,000-digit number makes no 4,000-character error line."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length():,} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def check_args(args: ModelArgs, where: str) -> ModelArgs:
@@ -47,8 +71,13 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
         _positive(getattr(args, name), name, where)
     if args.ffn_dim_multiplier is not None:
         _positive(args.ffn_dim_multiplier, "ffn_dim_multiplier", where)
-    if not isinstance(args.depth_init, bool):
-        raise CheckpointError(f"{where}: depth_init is {args.depth_init!r}, expected true or false")
+    for name in ("explicit_head_dim", "explicit_ffn_hidden_dim"):  # set by families that publish them (Qwen3)
+        if getattr(args, name) is not None:
+            _int(getattr(args, name), name, where)
+    for name in ("depth_init", "qk_norm", "tie_embeddings"):
+        _one_of(getattr(args, name), name, where, (True, False))
+    _one_of(args.norm_type, "norm_type", where, NORMS)
+    _one_of(args.rope_layout, "rope_layout", where, ROPE_LAYOUTS)
     if args.dim % args.n_heads:
         raise CheckpointError(f"{where}: dim {args.dim} is not divisible by n_heads {args.n_heads}")
     if args.n_heads % args.kv_heads:
@@ -95,11 +124,16 @@ def check_declared(
     args: ModelArgs, stored: Iterable[tuple[str, tuple[int, ...]]], vocab_size: int | None, where: str
 ) -> None:
     """The model `where` declares against the (name, shape) pairs the checkpoint stores, in any
-    format's names: no more layers than it has, the dim of its final norm, the vocabulary of its
-    embedding. Cheap and bounded by the files, so it runs before any table sized by `args`."""
+    format's names (every shard's, for a sharded format): no more layers than it has, the dim of its
+    final norm, the vocabulary of its embedding, and at most twice as many parameters as it stores
+    values (an ``intermediate_size`` of 10^9 over tensors 768 wide; a few missing tensors are left for
+    the format's completeness check to name). Cheap and bounded by the files, so it runs before
+    anything sized by `args` is allocated."""
     layers: set[int] = set()
     norm: tuple[int, ...] | None = None
+    values = 0
     for name, shape in stored:
+        values += math.prod(shape)
         match = _LAYER.search(name)
         if match:
             layers.add(int(match.group(1)))
@@ -114,4 +148,11 @@ def check_declared(
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise CheckpointError(
             f"{where} declares vocab_size {args.vocab_size}, but the checkpoint's embedding has {vocab_size} rows"
+        )
+    declared = num_params(args)  # a meta-device model, its depth now bounded by the files
+    if declared > 2 * values:
+        raise CheckpointError(
+            f"{where} declares a model of {declared:,} parameters (dim {args.dim}, ffn width "
+            f"{args.ffn_hidden_dim:,}, {args.n_layers} layers, vocab {args.vocab_size:,}), but the checkpoint "
+            f"stores {values:,} values"
         )

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from titanctl.checkpoint import checksums
 from titanctl.checkpoint.metadata import METADATA_FILE, read_metadata
 from titanctl.checkpoint.paths import inside
-from titanctl.checkpoint.unpickle import load_dcp_index, load_plain_item
+from titanctl.checkpoint.unpickle import check_index_size, load_dcp_index, load_plain_item
 from titanctl.errors import CheckpointCorrupt, CheckpointError, TitanError
 
 DCP_INDEX = ".metadata"
@@ -51,10 +51,13 @@ class DCPFolder:
         if require_titanctl or (folder / METADATA_FILE).is_file():
             self.meta = read_metadata(folder)
         self.checksums = checksums.recorded(self.meta, folder / METADATA_FILE)
+        checksums.require_manifest(self.meta, folder / METADATA_FILE)
         index_file = folder / DCP_INDEX
         if not index_file.is_file():
             raise CheckpointCorrupt(f"{index_file} is missing: {folder} is incomplete or not a DCP checkpoint")
+        check_index_size(index_file)  # before it is hashed or read
         if self.checksums is not None:
+            checksums.require_listed(folder, self.checksums, [DCP_INDEX])
             present = [name for name in _SMALL_FILES if name in self.checksums]
             checksums.verify(folder, self.checksums, present)  # before a byte of .metadata is unpickled
         self.index = load_dcp_index(index_file)
@@ -92,6 +95,8 @@ class DCPFolder:
                 raise CheckpointCorrupt(
                     f"{data} is truncated: {size} bytes, but the checkpoint's {DCP_INDEX} needs {end}"
                 )
+        if self.checksums is not None:
+            checksums.require_listed(self.folder, self.checksums, list(needed))
 
     def verify(self, group=None) -> None:
         """Before any tensor is used: hash the data files against the recorded checksums (when
@@ -141,7 +146,7 @@ class DCPFolder:
                 )
         except CheckpointException as e:  # a BaseException: DCP's wrapper of every rank's failure
             cause = first_failure(e)
-            if isinstance(cause, TitanError):
+            if isinstance(cause, (TitanError, KeyboardInterrupt)):  # Ctrl-C is an interruption, not a bad file
                 raise cause from None
             raise CheckpointError(f"{self.folder}: reading the checkpoint failed: {one_line(cause)}") from None
         except TitanError:

@@ -23,24 +23,25 @@ produces either.
 
 Which tokenizer: ``--tokenizer-path``, else the one the checkpoint records
 (``titanctl.json``'s ``tokenizer_path``, or a training step folder's ``config.toml``),
-else the bundled one when its vocabulary is the model's.
+else the bundled one when its vocabulary is the model's. A recorded tokenizer is read only
+if it is the bundled one or a file inside the checkpoint (relative paths are taken from the
+checkpoint folder); a dcp output carries a copy of its tokenizer, so that it stays usable.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from titanctl.checkpoint.formats.hf import special_token_ids
-from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, Tokenizer
+from titanctl.checkpoint.paths import boundary, inside
+from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, MAX_TOKENIZER_BYTES, Tokenizer
 from titanctl.errors import CheckpointError, DataError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from titanctl.safe_io import load_toml, read_bytes
 
 if TYPE_CHECKING:
     from titanctl.checkpoint.formats.base import Source
@@ -65,15 +66,13 @@ def recorded_tokenizer_path(source: Source) -> str | None:
     meta = getattr(source, "meta", None) or {}
     if isinstance(meta.get("tokenizer_path"), str):
         return meta["tokenizer_path"]
-    run_config = source.folder / RUN_CONFIG
-    if run_config.is_file():
-        try:
-            model = tomllib.loads(run_config.read_text()).get("model", {})
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise CheckpointError(f"{run_config} is unreadable: {e}") from None
-        path = model.get("tokenizer_path", "") if isinstance(model, dict) else ""
-        return path if isinstance(path, str) else None
-    return None
+    if not os.path.lexists(source.folder / RUN_CONFIG):
+        return None
+    run_config = inside(source.folder, RUN_CONFIG, f"checkpoint {source.folder}")
+    recipe = load_toml(run_config, what="the checkpoint's recipe", error=CheckpointError)
+    model = recipe.get("model", {})
+    path = model.get("tokenizer_path", "") if isinstance(model, dict) else ""
+    return path if isinstance(path, str) else None
 
 
 def resolve_tokenizer(
@@ -81,42 +80,83 @@ def resolve_tokenizer(
 ) -> tuple[Tokenizer | None, str | None, str]:
     """(tokenizer or None, the path to record for it or None, a note saying which or why none).
 
-    ``record_only`` (a dcp output): only the path matters; nothing is guessed, a recorded
-    path is carried as it is.
+    A tokenizer the checkpoint names is read only if it is the bundled one or lies inside the
+    checkpoint folder: a checkpoint someone shared must not make titanctl read (and maybe print)
+    ``/proc/self/environ`` or a file of the user's. One given with --tokenizer-path is the user's
+    choice. A dcp output carries a copy of a tokenizer that is not the bundled one and records it
+    by its name in the folder. ``record_only`` (a dcp output): a recorded path is carried as it is
+    unless it is a file of the checkpoint; nothing is guessed.
     """
-    recorded = None if tokenizer_path else recorded_tokenizer_path(source)
     if tokenizer_path:
-        chosen, origin = str(Path(tokenizer_path).resolve()), f"--tokenizer-path {tokenizer_path}"
-    elif recorded is not None:
-        if record_only:
-            return None, recorded, ""
-        chosen = recorded
-        origin = f"the checkpoint's tokenizer {recorded or '(the bundled one)'}"
-        if recorded and not Path(recorded).is_file():
-            raise CheckpointError(
-                f"the checkpoint was trained with tokenizer {recorded}, which does not exist here: "
-                "give --tokenizer-path"
-            )
-    elif record_only:
-        return None, None, ""
+        tokenizer = _load(tokenizer_path)
+        origin = f"--tokenizer-path {tokenizer_path}"
     else:
-        bundled = Tokenizer(DEFAULT_TOKENIZER_PATH)
-        if bundled.vocab_size == args.vocab_size:
-            return bundled, "", "tokenizer: the bundled one (the checkpoint names none; its vocabulary fits)"
-        return None, None, (
-            f"no tokenizer files written: the checkpoint names no tokenizer and the model's vocabulary "
-            f"({args.vocab_size}) is not the bundled tokenizer's ({bundled.vocab_size}); give --tokenizer-path"
-        )
-    try:
-        tokenizer = Tokenizer(chosen or DEFAULT_TOKENIZER_PATH)
-    except DataError as e:
-        raise CheckpointError(str(e)) from None
+        recorded = recorded_tokenizer_path(source)
+        if recorded is None:
+            return (None, None, "") if record_only else _bundled_if_it_fits(args)
+        bundled, in_folder = _bundled_or_inside(source.folder, recorded)
+        if record_only and not in_folder:
+            return None, recorded, ""
+        tokenizer = _load(DEFAULT_TOKENIZER_PATH if bundled else source.folder / recorded)
+        origin = f"the checkpoint's tokenizer {'(the bundled one)' if bundled else recorded}"
     if tokenizer.vocab_size != args.vocab_size:
         raise CheckpointError(
             f"tokenizer {tokenizer.path} ({origin}) has {tokenizer.vocab_size} tokens but the model's vocabulary "
             f"is {args.vocab_size}: give the tokenizer the model was trained with (--tokenizer-path)"
         )
-    return tokenizer, chosen, f"tokenizer: {origin}"
+    return tokenizer, _recorded_as(tokenizer), f"tokenizer: {origin}"
+
+
+def _load(path: str | Path) -> Tokenizer:
+    try:
+        return Tokenizer(path)
+    except DataError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _bundled_if_it_fits(args: ModelArgs) -> tuple[Tokenizer | None, str | None, str]:
+    bundled = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    if bundled.vocab_size == args.vocab_size:
+        return bundled, "", "tokenizer: the bundled one (the checkpoint names none; its vocabulary fits)"
+    return None, None, (
+        f"no tokenizer files written: the checkpoint names no tokenizer and the model's vocabulary "
+        f"({args.vocab_size}) is not the bundled tokenizer's ({bundled.vocab_size}); give --tokenizer-path"
+    )
+
+
+def _is_bundled(path: str | Path) -> bool:
+    return Path(os.path.realpath(path)) == DEFAULT_TOKENIZER_PATH.resolve()
+
+
+def _bundled_or_inside(folder: Path, recorded: str) -> tuple[bool, bool]:
+    """(whether `recorded` is the bundled tokenizer, whether it is a file of `folder`); a one-line
+    CheckpointError for anything else. A relative path is taken from the folder, not from where
+    titanctl runs; links are followed before deciding."""
+    if not recorded:
+        return True, False
+    if "\x00" in recorded:
+        raise CheckpointError(f"the checkpoint names tokenizer {recorded!r}, not a path: give --tokenizer-path")
+    real = Path(os.path.realpath(folder / recorded))
+    if real == DEFAULT_TOKENIZER_PATH.resolve():
+        return True, False
+    if not real.is_relative_to(boundary(folder)):
+        raise CheckpointError(
+            f"the checkpoint was trained with tokenizer {recorded}, which is outside the checkpoint folder "
+            f"{folder}: titanctl reads no file a checkpoint names outside itself; give --tokenizer-path"
+        )
+    if not real.exists():
+        raise CheckpointError(
+            f"the checkpoint was trained with tokenizer {recorded}, which does not exist here: give --tokenizer-path"
+        )
+    return False, True
+
+
+def _recorded_as(tokenizer: Tokenizer) -> str:
+    """How a dcp output records `tokenizer`: the bundled one by its path, as training does; any
+    other by the name of the copy it carries (``write_companion_files``)."""
+    if _is_bundled(tokenizer.path):
+        return str(DEFAULT_TOKENIZER_PATH.resolve())
+    return TOKENIZER_JSON if tokenizer.is_json else TIKTOKEN_FILE
 
 
 def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: Tokenizer | None) -> list[str]:
@@ -128,6 +168,8 @@ def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: To
     elif fmt == "torchtune" and tokenizer is not None:
         why_not = write_torchtune_tokenizer(folder, tokenizer)
         return [why_not] if why_not else []
+    elif fmt == "dcp" and tokenizer is not None and not _is_bundled(tokenizer.path):
+        (folder / _recorded_as(tokenizer)).write_bytes(tokenizer_bytes(tokenizer))
     return []
 
 
@@ -226,11 +268,18 @@ def write_hf_tokenizer(folder: Path, tokenizer: Tokenizer, max_len: int) -> None
 # ----------------------------------------------------------------------------- torchtune
 
 
+def tokenizer_bytes(tokenizer: Tokenizer) -> bytes:
+    """The tokenizer's own file, read again: refused if it is no longer the file that was loaded."""
+    data = read_bytes(tokenizer.path, what="tokenizer file", max_bytes=MAX_TOKENIZER_BYTES, error=CheckpointError)
+    if hashlib.sha256(data).hexdigest() != tokenizer.sha256:
+        raise CheckpointError(f"tokenizer file {tokenizer.path} changed while it was being converted")
+    return data
+
+
 def tiktoken_file_bytes(tokenizer: Tokenizer) -> bytes:
     """The tokenizer's ranks as a tiktoken ``tokenizer.model`` (its own file when it is one)."""
-    data = tokenizer.path.read_bytes()
-    if data.lstrip()[:1] != b"{":
-        return data
+    if not tokenizer.is_json:
+        return tokenizer_bytes(tokenizer)
     lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in sorted(
         tokenizer.ranks.items(), key=lambda item: item[1]))
     return "".join(lines).encode()

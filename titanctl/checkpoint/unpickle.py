@@ -16,6 +16,12 @@ anything else with one line naming the file and the global, e.g.
 - non-tensor items (:func:`load_plain_item`, e.g. ``train_state``, the LR schedule): a
   ``torch.save`` archive whose pickle may hold only plain data (dicts, lists, tuples,
   strings, numbers, None, and sets/OrderedDicts/bytes), never a tensor or an object.
+
+Sizes are checked before a byte is read (:data:`MAX_INDEX_BYTES`, :data:`MAX_PLAIN_ITEM_BYTES`,
+and a tensor chunk may store no more than its declared size needs), and every pickle's opcodes
+are scanned before it is unpickled (``titanctl.safe_io.check_pickle``: nesting at most
+``safe_io.MAX_NESTING`` levels, a bounded count of values): CPython's unpickler hashes a nested
+key recursively in C, and a 10^6-deep one kills the interpreter with SIGSEGV.
 """
 
 from __future__ import annotations
@@ -35,10 +41,15 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 
 from titanctl import _torch_compat
 from titanctl.errors import CheckpointCorrupt, CheckpointError
+from titanctl.safe_io import check_pickle, read_bytes, regular_file_size
 
 # A non-tensor item is a few KB (the streaming loader's token buffer is the largest); this
-# bounds what a crafted compressed archive member can grow into.
+# bounds the item as stored and what a crafted compressed archive member can grow into.
 MAX_PLAIN_ITEM_BYTES = 256 * 2**20
+# DCP's index of a 405B model sharded over 512 ranks is a few hundred MB; 1 GiB leaves room.
+MAX_INDEX_BYTES = 2**30
+# What torch.save adds around a tensor's bytes (zip headers, data.pkl, alignment): ~1.6 KB measured.
+ARCHIVE_OVERHEAD_BYTES = 64 * 2**10
 
 
 def _dcp_class(module, name: str) -> type:
@@ -127,6 +138,7 @@ def _short(value: Any) -> str:
 def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], refusal: str, where: str, what: str) -> Any:
     """Unpickle with `allowed` globals only: CheckpointError when refused, CheckpointCorrupt when
     the bytes are not a pickle at all."""
+    check_pickle(data, what=where, error=CheckpointError)  # before the C unpickler can recurse on it
     try:
         return _AllowListUnpickler(data, allowed, refusal).load()
     except Refused as e:
@@ -143,13 +155,17 @@ def _unpickle(data: bytes, allowed: dict[tuple[str, str], Any], refusal: str, wh
 
 def load_dcp_index(path: Path) -> dcp_metadata.Metadata:
     """DCP's ``.metadata`` of a folder, read through the allow-list and checked (:func:`check_index`)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    data = read_bytes(Path(path), what="DCP index", max_bytes=MAX_INDEX_BYTES, error=CheckpointError)
     index = _unpickle(data, _metadata_globals(), "not a DCP metadata class", str(path), "DCP index")
     check_index(index, path)
     return index
+
+
+def check_index_size(path: Path) -> None:
+    """A ``.metadata`` larger than MAX_INDEX_BYTES is refused before it is hashed or read."""
+    size = regular_file_size(Path(path), what="DCP index", error=CheckpointError)
+    if size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"DCP index {path} has {size:,} bytes; at most {MAX_INDEX_BYTES:,} are read")
 
 
 def check_index(index: Any, path: Path) -> None:
@@ -181,8 +197,14 @@ def check_index(index: Any, path: Path) -> None:
         if not isinstance(fqn, str):
             raise CheckpointError(f"{path}: item name {_short(fqn)} is not a string")
         if isinstance(entry, bytes_meta):
-            if metadata_index(fqn) not in storage:
+            info = storage.get(metadata_index(fqn))
+            if info is None:
                 raise CheckpointError(f"{path}: item {fqn!r} has no stored bytes")
+            if info.length > MAX_PLAIN_ITEM_BYTES + ARCHIVE_OVERHEAD_BYTES:  # refused before it is read
+                raise CheckpointError(
+                    f"{path}: non-tensor item {fqn!r} stores {info.length:,} bytes; at most "
+                    f"{MAX_PLAIN_ITEM_BYTES + ARCHIVE_OVERHEAD_BYTES:,} are read"
+                )
             continue
         if not isinstance(entry, tensor_meta):
             raise CheckpointError(f"{path}: item {fqn!r} is a {type(entry).__name__}, not a DCP tensor or bytes entry")
@@ -216,6 +238,11 @@ def _check_tensor_entry(path: Path, fqn: str, entry: Any, storage: dict, metadat
             raise CheckpointError(
                 f"{path}: the chunk of tensor {fqn!r} at {tuple(offsets)} has fewer stored bytes than its "
                 f"size {tuple(sizes)} needs"
+            )
+        if info.length > numel * itemsize + ARCHIVE_OVERHEAD_BYTES:  # DCP reads a chunk's bytes whole
+            raise CheckpointError(
+                f"{path}: the chunk of tensor {fqn!r} at {tuple(offsets)} stores {info.length:,} bytes, more than "
+                f"its size {tuple(sizes)} needs ({numel * itemsize:,} + {ARCHIVE_OVERHEAD_BYTES:,} of archive)"
             )
         covered += numel
     if covered != math.prod(entry.size):

@@ -61,6 +61,10 @@ def convert(
             progress=bar,
             tokenizer_path=tokenizer_path,
         )
+    except KeyboardInterrupt:
+        bar.stop()
+        console.error(f"interrupted; {dst} was left as it was (nothing was written there)")
+        raise typer.Exit(130) from None
     finally:
         bar.stop()
     args = report.args

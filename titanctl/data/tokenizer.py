@@ -17,15 +17,17 @@ trained by `tokenizers` (ids are given in merge order); that is checked. The
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import itertools
-import json
 import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from titanctl.errors import DataError
+from titanctl.safe_io import parse_json, read_bytes
 
 DEFAULT_TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "tokenizer.model"
 
@@ -100,31 +102,19 @@ class Tokenizer:
     def __init__(self, path: str | os.PathLike = DEFAULT_TOKENIZER_PATH) -> None:
         # tiktoken (Rust) loads when a tokenizer is built, not when titanctl.data is imported
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
         self.path = Path(path)
-        try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            raise DataError(
-                f"cannot read tokenizer file {self.path} ({e.strerror or e}); give a Llama 3 "
-                "tiktoken tokenizer.model, or leave model.tokenizer_path empty for the bundled one"
-            ) from None
+        data = _read_tokenizer_file(self.path)
         # The content hash identifies the tokenizer (the loader keys its caches and
-        # checkpoint fingerprints by it). Passing it to tiktoken also defeats its cache
-        # keyed by path, which would otherwise return stale ranks after the file changes.
+        # checkpoint fingerprints by it).
         self.sha256 = hashlib.sha256(data).hexdigest()
         specials: dict[str, int] | None = None
         pattern = LLAMA3_PATTERN
-        if data.lstrip()[:1] == b"{":  # a Hugging Face tokenizer.json
+        self.is_json = data.lstrip()[:1] in (b"{", b"[")  # a Hugging Face tokenizer.json (base64 has no brackets)
+        if self.is_json:
             ranks, specials, pattern = _read_tokenizer_json(data, self.path)
         else:
-            try:
-                ranks = load_tiktoken_bpe(str(self.path), expected_hash=self.sha256)
-            except ValueError as e:  # a line that is not 'base64 rank', or a hash mismatch
-                raise DataError(
-                    f"tokenizer file {self.path} is not a tiktoken ranks file: {_first_line(e)}"
-                ) from None
+            ranks = _read_tiktoken_ranks(data, self.path)
         _validate_ranks(ranks, self.path)
 
         self.n_base_tokens = len(ranks)
@@ -146,8 +136,8 @@ class Tokenizer:
                 special_tokens=self.special_tokens,
                 explicit_n_vocab=self.vocab_size,
             )
-        except ValueError as e:  # e.g. a tokenizer.json regex tiktoken's engine cannot compile
-            raise DataError(f"tokenizer file {self.path} cannot be used by tiktoken: {_first_line(e)}") from None
+        except ValueError:  # a tokenizer.json regex tiktoken's engine cannot compile (its message quotes it)
+            raise DataError(f"tokenizer file {self.path}: tiktoken cannot compile its pre-tokenizer regex") from None
         self.bos_id: int = self._special_id("<|begin_of_text|>")
         self.eos_id: int = self._special_id("<|end_of_text|>")
         self.pad_id: int = self._special_id("<|finetune_right_pad_id|>")
@@ -225,16 +215,27 @@ def _gpt2_byte_alphabet() -> dict[str, int]:
 
 def _pre_tokenizer_pattern(pre: object, path: Path) -> str:
     """The single split regex of a byte-level pre-tokenizer (what tiktoken calls pat_str)."""
-    if not isinstance(pre, dict):
+    if pre is None:
         raise DataError(f"tokenizer file {path} has no pre-tokenizer: not a byte-level BPE tokenizer")
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    pre = _typed(pre, dict, "pre_tokenizer", path)
+    if pre.get("type") == "Sequence":
+        listed = _typed(pre.get("pretokenizers", _MISSING), list, "pre_tokenizer.pretokenizers", path)
+        steps = [(f"pre_tokenizer.pretokenizers[{i}]", step) for i, step in enumerate(listed)]
+    else:
+        steps = [("pre_tokenizer", pre)]
     pattern, byte_level = None, False
-    for step in steps:
+    for where, step in steps:
+        step = _typed(step, dict, where, path)
         kind = step.get("type")
         if kind == "Split":
-            regex = (step.get("pattern") or {}).get("Regex")
+            regex = _typed(step.get("pattern", _MISSING), dict, f"{where}.pattern", path).get("Regex")
+            if regex is not None:
+                _typed(regex, str, f"{where}.pattern.Regex", path)
             if regex is None or step.get("invert") or step.get("behavior", "Isolated") != "Isolated" or pattern:
-                raise DataError(f"tokenizer file {path}: unsupported Split pre-tokenizer {json.dumps(step)[:120]}")
+                raise DataError(
+                    f"tokenizer file {path}: {where} is a Split tiktoken cannot do (it needs a single Split by "
+                    "a Regex, behavior Isolated, not inverted)"
+                )
             pattern = regex
         elif kind == "ByteLevel":
             if step.get("add_prefix_space"):
@@ -245,51 +246,56 @@ def _pre_tokenizer_pattern(pre: object, path: Path) -> str:
                     raise DataError(f"tokenizer file {path}: two pre-tokenizer regexes cannot be one tiktoken pattern")
                 pattern = GPT2_PATTERN
         else:
-            raise DataError(f"tokenizer file {path}: unsupported pre-tokenizer {kind!r}")
+            raise DataError(f"tokenizer file {path}: {where} is of a type titanctl does not read (Split, ByteLevel)")
     if not byte_level or pattern is None:
         raise DataError(f"tokenizer file {path}: pre-tokenizer is not byte-level BPE (no ByteLevel step)")
     return pattern
 
 
 def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dict[str, int] | None, str]:
-    """(tiktoken ranks, special tokens or None, split regex) of a HF byte-level BPE tokenizer.json."""
+    """(tiktoken ranks, special tokens or None, split regex) of a HF byte-level BPE tokenizer.json.
+
+    Every value is checked for type before use, and no message quotes one: a tokenizer path can
+    name any file, and what the file says must not reach the console."""
     try:
-        spec = json.loads(data)
-    except ValueError as e:
-        raise DataError(f"tokenizer file {path} is not valid JSON: {_first_line(e)}") from None
-    model = spec.get("model") if isinstance(spec, dict) else None
-    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE":
-        kind = model.get("type") if isinstance(model, dict) else None
-        raise DataError(f"tokenizer file {path}: model type {kind!r} is not byte-level BPE")
-    vocab, merges = model.get("vocab"), model.get("merges")
-    if not isinstance(vocab, dict) or not isinstance(merges, list):
-        raise DataError(f"tokenizer file {path}: model has no vocab/merges")
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"tokenizer file {path} is not UTF-8 text (byte {e.start})") from None
+    spec = _typed(parse_json(text, what=f"tokenizer file {path}", error=DataError), dict, "the file", path)
+    model = _typed(spec.get("model", _MISSING), dict, "model", path)
+    if model.get("type", "BPE") != "BPE":
+        raise DataError(f"tokenizer file {path}: model.type is not BPE, so this is not byte-level BPE")
+    vocab = _typed(model.get("vocab", _MISSING), dict, "model.vocab", path)
+    merges = _typed(model.get("merges", _MISSING), list, "model.merges", path)
     if model.get("byte_fallback") or spec.get("normalizer"):
         raise DataError(f"tokenizer file {path}: byte_fallback/normalizer (SentencePiece style) is not byte-level BPE")
     pattern = _pre_tokenizer_pattern(spec.get("pre_tokenizer"), path)
+    added = _added_tokens(spec.get("added_tokens") or [], path)
 
-    added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens") or []}
     alphabet = _gpt2_byte_alphabet()
     ranks: dict[bytes, int] = {}
-    for token, rank in vocab.items():
+    for i, (token, rank) in enumerate(vocab.items()):
+        _rank(rank, f"model.vocab entry {i}", path)
         if token in added and added[token] == rank:
             continue  # some files list the special tokens in the vocab too
         try:
-            ranks[bytes(alphabet[c] for c in token)] = int(rank)
+            ranks[bytes(alphabet[c] for c in token)] = rank
         except KeyError:
             raise DataError(
-                f"tokenizer file {path}: token {token!r} is not in the byte-level alphabet"
+                f"tokenizer file {path}: model.vocab entry {i} is not spelled in the byte-level alphabet"
             ) from None
     # tiktoken merges the pair whose result has the lowest rank: equal to the merge list
     # only if results come in rank order.
     last = -1
     for i, merge in enumerate(merges):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        left, right = _merge_pair(merge, i, path)
         made = vocab.get(left + right)
-        if made is None or made < last:
+        if made is None:
+            raise DataError(f"tokenizer file {path}: merge {i} makes a token that model.vocab lacks")
+        if made < last:
             raise DataError(
-                f"tokenizer file {path}: merge {i} ({left!r} + {right!r}) is out of token-id order; "
-                "its merges cannot be expressed as tiktoken ranks"
+                f"tokenizer file {path}: merge {i} is out of token-id order; its merges cannot be expressed as "
+                "tiktoken ranks"
             )
         last = made
 
@@ -310,5 +316,90 @@ def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dic
     return ranks, specials, pattern
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+def _added_tokens(listed: object, path: Path) -> dict[str, int]:
+    """{content: id} of a tokenizer.json's ``added_tokens``."""
+    added: dict[str, int] = {}
+    for i, token in enumerate(_typed(listed, list, "added_tokens", path)):
+        where = f"added_tokens[{i}]"
+        token = _typed(token, dict, where, path)
+        content = _typed(token.get("content", _MISSING), str, f"{where}.content", path)
+        added[content] = _rank(token.get("id", _MISSING), f"{where}.id", path)
+    return added
+
+
+def _merge_pair(merge: object, i: int, path: Path) -> tuple[str, str]:
+    """A merge as its two tokens: ``"left right"`` or ``["left", "right"]``."""
+    pair = merge.split(" ") if isinstance(merge, str) else merge
+    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) and t for t in pair)):
+        raise DataError(f"tokenizer file {path}: merge {i} is not two tokens ('left right' or [left, right])")
+    return pair[0], pair[1]
+
+
+MAX_RANK = 2**31 - 1  # tiktoken keeps ranks in 32 bits
+
+# What the JSON holds where something else belongs: said by kind, never by value.
+_MISSING = object()
+_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
+          (dict, "an object"))
+
+
+def _kind(value: object) -> str:
+    if value is _MISSING:
+        return "missing"
+    if value is None:
+        return "null"
+    return next(name for kind, name in _KINDS if isinstance(value, kind))
+
+
+def _typed(value: object, kind: type, where: str, path: Path):
+    """`value` if it is a `kind` (true and false are not integers); else a DataError saying what it is."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        expected = next(name for k, name in _KINDS if k is kind)
+        raise DataError(f"tokenizer file {path}: {where} is {_kind(value)}, expected {expected}")
+    return value
+
+
+def _rank(value: object, where: str, path: Path) -> int:
+    if not 0 <= _typed(value, int, where, path) <= MAX_RANK:
+        raise DataError(f"tokenizer file {path}: {where} is outside 0..{MAX_RANK}")
+    return value
+
+
+# One line of Meta's tiktoken file: `base64(token) rank`, the rank in ASCII digits.
+_TIKTOKEN_RANK = re.compile(rb"[0-9]{1,10}")
+# Meta's Llama 3 tokenizer.model is 2.2 MB, Llama 3's tokenizer.json 9 MB, Qwen's 11 MB.
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+def _read_tokenizer_file(path: Path) -> bytes:
+    """The bytes of a tokenizer file: a regular file (no FIFO, device or /proc file) of bounded size."""
+    try:
+        return read_bytes(path, what="tokenizer file", max_bytes=MAX_TOKENIZER_BYTES, error=DataError)
+    except DataError as e:
+        raise DataError(
+            f"{e}; give a Llama 3 tiktoken tokenizer.model or a byte-level BPE tokenizer.json, or leave "
+            "model.tokenizer_path empty for the bundled one"
+        ) from None
+
+
+def _read_tiktoken_ranks(data: bytes, path: Path) -> dict[bytes, int]:
+    """{token bytes: rank} of a tiktoken ranks file. tiktoken's own loader is not used: its errors
+    quote the offending line, which may be any file's secret."""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line:
+            continue
+        fields = line.split()
+        if len(fields) != 2 or not _TIKTOKEN_RANK.fullmatch(fields[1]):
+            raise DataError(
+                f"tokenizer file {path} is not a tiktoken ranks file: line {number} is not 'base64(token) rank' "
+                "with the rank a non-negative integer"
+            )
+        try:
+            token = base64.b64decode(fields[0], validate=True)
+        except binascii.Error:
+            raise DataError(
+                f"tokenizer file {path} is not a tiktoken ranks file: the token of line {number} is not base64"
+            ) from None
+        ranks[token] = int(fields[1])
+    return ranks

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -30,6 +31,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from titanctl.errors import TitanError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -46,9 +49,9 @@ class Attempt:
     @classmethod
     def from_env(cls) -> Attempt:
         return cls(
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            max_restarts=int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-            nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+            restart=int_from_env("TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
+            max_restarts=int_from_env("TORCHELASTIC_MAX_RESTARTS", 0, minimum=0),
+            nodes=int_from_env("GROUP_WORLD_SIZE", 1, minimum=1),
         )
 
     @property
@@ -68,6 +71,30 @@ class Attempt:
         return f"torchrun restarts the job ({used} restarts used so far), which resumes from it"
 
 
+# An integer as torchrun writes one: ASCII digits, at most 18 of them (int() would also take
+# "1_000", " 7 " and other scripts' digits).
+_INTEGER = re.compile(r"[+-]?[0-9]{1,18}")
+
+
+def int_from_env(name: str, default: int | None, *, minimum: int, maximum: int | None = None) -> int:
+    """The integer in environment variable `name` (`default` when unset; None: it must be set), or a
+    one-line TitanError naming the variable and what would be valid. A TitanError, not a
+    ConfigError: every rank prints its own (its variables may be the wrong ones)."""
+    raw = os.environ.get(name)
+    if raw is None and default is not None:
+        return default
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+    if raw is None:
+        raise TitanError(f"environment variable {name} is not set: expected an integer {bounds} (torchrun sets it)")
+    value = int(raw) if _INTEGER.fullmatch(raw) else None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        raise TitanError(
+            f"environment variable {name} is {raw!r}: expected an integer {bounds} (torchrun sets it; unset it "
+            "to run a single process)"
+        )
+    return value
+
+
 def uses_shared_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
@@ -84,7 +111,7 @@ def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | 
     attempt = Attempt.from_env()
     store = dist.TCPStore(
         host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
+        port=int_from_env("MASTER_PORT", None, minimum=1, maximum=65535),
         world_size=world_size,
         is_master=False,  # the agent hosts it
         timeout=timeout,

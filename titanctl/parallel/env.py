@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanctl.errors import TitanError
 from titanctl.parallel import elastic, hang_watchdog
 
 
@@ -29,6 +30,38 @@ class ProcessEnv:
         return self.world_size > 1
 
 
+def read_layout() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun's variables, each checked
+    before any rendezvous: a rank that cannot exist (``RANK`` >= ``WORLD_SIZE``) waited for peers
+    until the timeout, and ``WORLD_SIZE=abc`` ended in a traceback. One-line TitanErrors."""
+    world_size = elastic.int_from_env("WORLD_SIZE", 1, minimum=1)
+    rank = elastic.int_from_env("RANK", 0, minimum=0)
+    local_world_size = elastic.int_from_env("LOCAL_WORLD_SIZE", 1, minimum=1)
+    local_rank = elastic.int_from_env("LOCAL_RANK", 0, minimum=0)
+    for name, value, bound_name, bound in (
+        ("RANK", rank, "WORLD_SIZE", world_size),
+        ("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size),
+    ):
+        if value >= bound:
+            raise TitanError(
+                f"environment variable {name} is {value} but {bound_name} is {bound}: expected 0 <= {name} < "
+                f"{bound_name} (torchrun sets both)"
+            )
+    if local_world_size > world_size:
+        raise TitanError(
+            f"environment variable LOCAL_WORLD_SIZE is {local_world_size} but WORLD_SIZE is {world_size}: a host "
+            "cannot run more processes than the job has"
+        )
+    if world_size > 1:  # the env:// rendezvous needs both
+        if not os.environ.get("MASTER_ADDR"):
+            raise TitanError(
+                f"environment variable MASTER_ADDR is not set but WORLD_SIZE is {world_size}: launch with torchrun"
+            )
+        elastic.int_from_env("MASTER_PORT", None, minimum=1, maximum=65535)
+    elastic.Attempt.from_env()  # its counters too, before anything is written
+    return rank, local_rank, world_size, local_world_size
+
+
 def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_folder=None) -> ProcessEnv:
     """Read torchrun's environment, pick the device and backend, start the process group.
 
@@ -36,10 +69,7 @@ def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_
     ``torchrun --max-restarts`` every attempt rendezvouses under its own store prefix
     (``titanctl.parallel.elastic``), so a restart never reads the dead attempt's addresses.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank, local_rank, world_size, local_world_size = read_layout()
     if device_type() == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

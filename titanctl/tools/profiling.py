@@ -6,7 +6,6 @@ wrote.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ProfilingError
 from titanctl.parallel.env import device_type
+from titanctl.safe_io import load_json
 from titanctl.tools.trace_analysis import analyze_profiles, read_document
 from titanctl.train.profiler import MEMORY_TIMELINE_FILE, TRACE_FILE, check_profiling, iteration_folder
 from titanctl.train.trainer import Trainer
@@ -97,6 +97,10 @@ def summarize(traces_folder: Path, step: int | None = None, top: int = 15) -> Pr
     for rank in report.ranks:
         path = folder / MEMORY_TIMELINE_FILE.format(rank=rank.rank)
         if path.is_file():
-            devices = json.loads(path.read_text()).get("devices", {})
-            peaks[rank.rank] = {d: v["peak_allocated_bytes"] for d, v in devices.items()}
+            timeline = load_json(path, what="memory timeline", error=ProfilingError)
+            devices = timeline.get("devices") if isinstance(timeline, dict) else None
+            peaks[rank.rank] = {
+                d: v["peak_allocated_bytes"] for d, v in (devices if isinstance(devices, dict) else {}).items()
+                if isinstance(v, dict) and isinstance(v.get("peak_allocated_bytes"), int)
+            }
     return ProfileSummary(step, folder, report, top_ops, peaks, traces)

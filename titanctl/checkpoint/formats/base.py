@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import abc
 import ctypes
-import json
 import math
 import mmap
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.shapes import weight_shapes
+from titanctl.safe_io import load_json, read_head
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")
 # Derived RoPE tables that some tools save beside the weights: never weights, never written.
@@ -165,10 +166,8 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable or not JSON: {e}") from None
+    """A checkpoint's config or index: a regular file, at most 64 MiB, nested at most 64 levels."""
+    data = load_json(path, what="checkpoint file", error=CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     return data
@@ -272,15 +271,33 @@ class PageReleaser:
 # ----------------------------------------------------------------------------- torch.save files
 
 
+# How a torch.save file begins: a zip archive, or (before torch 1.6) a pickle of this magic number.
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _check_torch_save_file(path: Path) -> None:
+    """A bare pickle is refused before torch sees it (torch warns about its protocol on stderr)."""
+    head = read_head(path, 64, what="weights file", error=CheckpointError)
+    if not head.startswith(_ZIP_MAGIC) and _LEGACY_MAGIC not in head[:32]:
+        kind = "a bare pickle" if head[:1] == b"\x80" else "neither a zip archive nor a legacy torch file"
+        raise CheckpointError(
+            f"{path} is {kind}, not a torch.save file: only torch.save files of tensors are read"
+        )
+
+
 def torch_load(path: Path) -> dict[str, torch.Tensor]:
     """A flat ``{name: tensor}`` from a torch.save file, memory-mapped (nothing read yet)."""
+    _check_torch_save_file(path)
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:  # legacy (pre-zip) files cannot be mapped
-            if "mmap" not in str(e):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on odd files: the error below says what matters
+            warnings.simplefilter("ignore")
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:  # legacy (pre-zip) files cannot be mapped
+                if "mmap" not in str(e):
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         refused = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights_only unpickler names the global
         if refused:

@@ -39,6 +39,7 @@ from titanctl.checkpoint.paths import check_inside, inside
 from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs
+from titanctl.safe_io import regular_file_size
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,7 +78,7 @@ def special_token_ids(vocab_size: int) -> tuple[int | None, int | None]:
 
 def holds_hf_names(folder: Path) -> bool:
     """Whether the first safetensors file of `folder` holds Hugging Face Llama names (headers only)."""
-    files = sorted(Path(folder).glob("*.safetensors"))
+    files = sorted(p for p in Path(folder).glob("*.safetensors") if p.is_file())  # a FIFO would block
     try:
         with safe_open(str(files[0]), framework="pt") as f:
             return any(canonical_name_of(key) is not None for key in f.keys())
@@ -110,6 +111,7 @@ class HFSource(Source):
         # (HF name, file, shape, dtype) from the safetensors headers: no tensor is read here.
         self.raw: list[tuple[str, Path, tuple[int, ...], torch.dtype]] = []
         for path in files:
+            regular_file_size(path, what="safetensors file", error=CheckpointError)  # a FIFO would block
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for key in f.keys():

@@ -157,7 +157,7 @@ class MetaSource(Source):
         args = args_from_params(read_json(path), str(path))
         if args.vocab_size <= 0:  # Llama 2's params.json says -1
             args = args.replace(vocab_size=self.vocab_size(args.dim))
-        stored = ((name, tuple(t.shape)) for name, t in self.shards[0].items())
+        stored = ((name, tuple(t.shape)) for shard in self.shards for name, t in shard.items())
         check_declared(args, stored, self.embedding_rows(args.dim), str(path))
         return args, PARAMS_FILE
 

@@ -1,0 +1,61 @@
+"""Checksums cannot be bypassed by deleting them: a titanctl checkpoint records every file it has,
+so a damaged shard whose record (or the whole manifest) was removed is refused, and a resuming run
+falls back to the previous good step, as for a bad checksum."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TRUSTED_RUN
+from tests.unit.test_checkpoint_trust import STEP, cli, clone, error_line, flip_4k
+
+
+def edit_manifest(step: Path, change) -> None:
+    meta_path = step / "titanctl.json"
+    meta = json.loads(meta_path.read_text())
+    change(meta)
+    meta_path.unlink()  # a hard link of the clone's source: write a new file
+    meta_path.write_text(json.dumps(meta))
+
+
+def drop_record(name: str):
+    return lambda meta: meta["checksums"]["files"].pop(name)
+
+
+def drop_manifest(meta: dict) -> None:
+    del meta["checksums"]
+
+
+CASES = {
+    "shard-record": (drop_record("__0_0.distcp"), r"step-2/__0_0\.distcp has no checksum in the checkpoint's titanctl\.json"),
+    "index-record": (drop_record(".metadata"), r"step-2/\.metadata has no checksum in the checkpoint's titanctl\.json"),
+    "manifest": (drop_manifest, r"step-2/titanctl\.json records no checksums, but titanctl writes them"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_damaged_checkpoint_without_its_record_is_refused(trained_run, tmp_path, capsys, case):
+    change, message = CASES[case]
+    step = clone(trained_run, tmp_path / "run") / STEP
+    flip_4k(step)
+    edit_manifest(step, change)
+    assert re.search(message, error_line(cli(["convert", step, tmp_path / "out", "--to", "hf"], capsys)))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["shard-record", "manifest"])
+def test_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys, case):
+    change, message = CASES[case]
+    run_dir = clone(trained_run, tmp_path / "run")
+    flip_4k(run_dir / STEP)
+    edit_manifest(run_dir / STEP, change)
+    proc = cli(["train", *TRUSTED_RUN, "--job.dump_folder", run_dir], capsys)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    note = next(line for line in proc.stdout.splitlines() if "note:" in line)
+    assert re.search(message, note), note
+    assert note.rstrip().endswith(f"falling back to {run_dir / 'checkpoint' / 'step-1'}"), note
+    assert "training continues at step 1" in proc.stdout
