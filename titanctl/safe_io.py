@@ -88,27 +88,14 @@ def read_bytes(
     path: Path, *, what: str, max_bytes: int = MAX_SMALL_FILE_BYTES, error: type[TitanError] = TitanError
 ) -> bytes:
     """The bytes of a regular file of at most ``max_bytes``, opened so that a FIFO cannot block."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NON_BLOCK | _CLOEXEC)
-    except FileNotFoundError:
-        raise error(f"{what} {visible(str(path))} does not exist") from None
-    except OSError as e:
-        raise error(f"cannot read {what} {visible(str(path))}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or is_kernel_file(st):
-            raise error(f"{what} {visible(str(path))} is not a regular file")
-        if st.st_size > max_bytes:
-            raise error(f"{what} {visible(str(path))} has {st.st_size:,} bytes; at most {max_bytes:,} are read")
-        chunks, total = [], 0
-        while chunk := os.read(fd, min(1 << 20, max_bytes + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:  # grew while being read
-                raise error(f"{what} {visible(str(path))} has more than {max_bytes:,} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    with open_regular(path, what=what, error=error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise error(f"{what} {visible(str(path))} has {size:,} bytes; at most {max_bytes:,} are read")
+        data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # grew while being read
+            raise error(f"{what} {visible(str(path))} has more than {max_bytes:,} bytes")
+        return data
 
 
 def open_regular(path: Path, *, what: str, error: type[TitanError] = TitanError):

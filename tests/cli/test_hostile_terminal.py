@@ -84,3 +84,40 @@ def test_a_checkpoint_folder_outside_says_how_to_start_from_another_run(tmp_path
     assert "checkpoint.initial_load_path" in proc.stderr
     assert "initial_load_model_weights_only = false" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_flight_recorder_group_names_and_states_are_shown_as_text(tmp_path):
+    def dump(rank, seqs):
+        entries = [{"collective_seq_id": s, "profiling_name": "nccl:all_reduce", "process_group": ["0", HOSTILE],
+                    "input_sizes": [[4]], "input_dtypes": ["Float"], "state": f"scheduled{HOSTILE}"} for s in seqs]
+        return {"rank": rank, "entries": entries, "pg_config": {"0": {"name": "0", "desc": HOSTILE, "ranks": [0, 1]}}}
+
+    (tmp_path / "rank0.json").write_text(json.dumps(dump(0, [1, 2])))
+    (tmp_path / "rank1.json").write_text(json.dumps(dump(1, [1])))
+    proc = titanctl("inspect-trace", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert_nothing_obeyed(proc)
+    assert "scheduled\\x1b]0;PWNED" in proc.stdout
+
+
+def test_the_line_a_failing_rank_prints_under_torchrun_is_shown_as_text(capsys):
+    """That line is printed with plain print, not rich, so it is made visible by hand."""
+    from types import SimpleNamespace
+
+    from titanctl.train.trainer import Trainer
+
+    rank = SimpleNamespace(env=SimpleNamespace(rank=1), step=4,
+                           _where_the_run_stands=lambda: f"newest complete checkpoint: /out{HOSTILE}/step-4")
+    line = Trainer._say_where_the_run_stands(rank, f"RuntimeError: {HOSTILE}")
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and len(err.splitlines()) == 1
+    assert "/out\\x1b]0;PWNED\\x07[/red] [/]" in err and line.startswith("rank 1 stopped at step 5")
+
+
+def test_the_flight_recorder_dump_path_is_shown_as_text(tmp_path, capsys):
+    from titanctl.parallel.hang_watchdog import DumpOnce
+
+    path = DumpOnce(tmp_path / f"out{HOSTILE}", rank=0)("step 1")
+    err = capsys.readouterr().err
+    assert path.is_file() and "\x1b" not in err and "\x07" not in err and len(err.splitlines()) == 1
+    assert "out\\x1b]0;PWNED\\x07[/red]" in err

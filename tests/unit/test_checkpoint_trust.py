@@ -275,15 +275,21 @@ def test_bit_flip_is_refused_naming_the_file(trained_run, tmp_path, capsys, path
     assert tree_hash(step) == before
 
 
-def test_bit_flip_on_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys):
-    run_dir = clone(trained_run, tmp_path / "run")
-    flip_4k(run_dir / STEP)
+def resume_falls_back(run_dir: Path, message: str, capsys) -> subprocess.CompletedProcess:
+    """Resume the run in `run_dir`, whose step-2 is damaged: the note names `message` and step-1."""
     proc = cli(["train", *TRUSTED_RUN, "--job.dump_folder", run_dir], capsys)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     note = next(line for line in proc.stdout.splitlines() if "note:" in line)
-    assert re.search(FLIP_MESSAGE, note), note
+    assert re.search(message, note), note
     assert note.rstrip().endswith(f"falling back to {run_dir / 'checkpoint' / 'step-1'}"), note
     assert "training continues at step 1" in proc.stdout
+    return proc
+
+
+def test_bit_flip_on_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys):
+    run_dir = clone(trained_run, tmp_path / "run")
+    flip_4k(run_dir / STEP)
+    resume_falls_back(run_dir, FLIP_MESSAGE, capsys)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reference = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["loss"] == reference[-1]["loss"], "the redone step 2 differs"

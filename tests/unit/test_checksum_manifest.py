@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TRUSTED_RUN
-from tests.unit.test_checkpoint_trust import STEP, cli, clone, error_line, flip_4k
+from tests.unit.test_checkpoint_trust import STEP, cli, clone, error_line, flip_4k, resume_falls_back
 
 
 def edit_manifest(step: Path, change) -> None:
@@ -53,9 +52,4 @@ def test_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys, c
     run_dir = clone(trained_run, tmp_path / "run")
     flip_4k(run_dir / STEP)
     edit_manifest(run_dir / STEP, change)
-    proc = cli(["train", *TRUSTED_RUN, "--job.dump_folder", run_dir], capsys)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    note = next(line for line in proc.stdout.splitlines() if "note:" in line)
-    assert re.search(message, note), note
-    assert note.rstrip().endswith(f"falling back to {run_dir / 'checkpoint' / 'step-1'}"), note
-    assert "training continues at step 1" in proc.stdout
+    resume_falls_back(run_dir, message, capsys)

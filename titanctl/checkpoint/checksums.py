@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from titanctl.checkpoint.paths import inside
 from titanctl.errors import CheckpointCorrupt, CheckpointError
+from titanctl.parallel import elastic
 
 ALGORITHM = "sha256"
 MANIFEST_SINCE = 2  # titanctl.json version from which a checkpoint must record its checksums
@@ -46,7 +47,7 @@ def file_digest(path: Path) -> str:
 
 
 def _threads(count: int) -> int:
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_host = elastic.int_from_env("LOCAL_WORLD_SIZE", 1, minimum=1)
     return max(1, min(count, 8, (os.cpu_count() or 1) // max(1, per_host)))
 
 

@@ -33,13 +33,13 @@ def estimate_memory(
 
     Any config key can be overridden: --section.key VALUE.
     """
-    import os
 
     from titanctl.config.loader import load_config
+    from titanctl.parallel import elastic
     from titanctl.tools import memory
 
     cfg = load_config(config, ctx.args)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = elastic.int_from_env("RANK", 0, minimum=0)
     # Every rank checks the request, so that a bad one fails everywhere before any rendezvous.
     if validate:
         memory.check_validation_world(world_size)

@@ -51,7 +51,8 @@ def _print_flight_recorder(out, report) -> None:
         for s in group.ranks_state:
             culprit = group.mismatch is not None and s.rank in group.mismatch.culprits
             table.add_row(
-                f"{group.name} {group.desc}".strip(), str(s.rank), _esc(s.last or "-"), s.state or "-", _esc(s.note),
+                _esc(f"{group.name} {group.desc}".strip()), str(s.rank), _esc(s.last or "-"), _esc(s.state or "-"),
+                _esc(s.note),
                 style="red" if culprit else "",
             )
         table.add_section()

@@ -31,7 +31,7 @@ from typing import Any
 
 from titanctl import _torch_compat
 from titanctl.errors import TorchInternalsError
-from titanctl.safe_io import create_new
+from titanctl.safe_io import create_new, visible
 
 BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
@@ -160,7 +160,8 @@ class DumpOnce:
             reason = f"{label} exceeded watchdog after {elapsed_s:.1f}s" if elapsed_s else label
             if self.path is None:
                 self.path = dump(self.folder, self.rank, reason)
-                print(f"[rank {self.rank}] flight recorder dump: {self.path}", file=sys.stderr, flush=True)
+                shown_path = visible(str(self.path))  # the dump folder is input
+                print(f"[rank {self.rank}] flight recorder dump: {shown_path}", file=sys.stderr, flush=True)
             if self.exit_code is not None:
                 if self.before_exit is not None:
                     self.before_exit(f"{reason}; flight recorder dump {self.path}")

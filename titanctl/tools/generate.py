@@ -18,7 +18,6 @@ reads them only every ``stop_check_interval`` tokens, to see whether a stop toke
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections.abc import Iterable, Sequence
@@ -40,7 +39,7 @@ from titanctl.errors import CheckpointError, ConfigError, DataError, ParallelErr
 from titanctl.models.llama import model_args_from_config
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
-from titanctl.parallel import inference_tp
+from titanctl.parallel import elastic, inference_tp
 from titanctl.parallel.env import init_process
 from titanctl.tools.sampling import Sampling, sample, seed_key
 
@@ -365,7 +364,7 @@ def run(
         args = model_args_from_config(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
     check_vocab(args, tokenizer.vocab_size, tokenizer.path)
     prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
-    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = elastic.int_from_env("WORLD_SIZE", 1, minimum=1)
     check_tp_degree(args, tp)
     check_context(len(prompt_ids), max_new_tokens, args.max_seq_len)
     args = args.replace(max_seq_len=len(prompt_ids) + max_new_tokens)  # the RoPE table and KV cache length

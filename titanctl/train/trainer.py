@@ -29,7 +29,7 @@ from titanctl.parallel.dims import ParallelDims
 from titanctl.parallel.env import init_process
 from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.utils import StepLosses, clip_grad_norm
-from titanctl.safe_io import shown
+from titanctl.safe_io import shown, visible
 from titanctl.train import run_folder
 from titanctl.train.flops import flops_per_token, throughput
 from titanctl.train.loss import build_loss_fn
@@ -279,7 +279,7 @@ class Trainer:
 
     def _say_where_the_run_stands(self, cause: str) -> str:
         line = f"rank {self.env.rank} stopped at step {self.step + 1}: {cause}; {self._where_the_run_stands()}"
-        print(f"[titanctl] {line}", file=sys.stderr, flush=True)
+        print(f"[titanctl] {visible(line)}", file=sys.stderr, flush=True)  # the path and cause come from input
         return line
 
     def _train(self) -> None:

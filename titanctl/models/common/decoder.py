@@ -70,20 +70,13 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Make ``output.weight`` the embedding's Parameter again (when tied and both are here).
 
-        Anything that gives each module a new Parameter undoes a tie: ``to_empty`` (handled in
-        ``_apply`` below), ``load_state_dict(assign=True)``, tensor parallelism's distribution of
-        each module. Callers of the last two call this afterwards.
+        Anything that gives each module a new Parameter undoes a tie: ``to_empty`` (torch 2.13;
+        ``init_buffers``, which every caller runs after it, re-ties), ``load_state_dict(assign=True)``,
+        tensor parallelism's distribution of each module. Callers of the last two call this afterwards.
         """
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             if self.output.weight is not self.tok_embeddings.weight:
                 self.output.weight = self.tok_embeddings.weight
-
-    def _apply(self, fn, recurse=True):
-        # nn.Module._apply (to_empty, to, cuda, ...) may give each module its own new Parameter:
-        # torch 2.13's to_empty does, so a meta-built tied model would come back untied.
-        super()._apply(fn, recurse)
-        self.tie_weights()
-        return self
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
@@ -147,9 +140,11 @@ class Transformer(nn.Module):
         return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recompute the RoPE table (after ``to_empty`` left it uninitialized)."""
+        """Recompute the RoPE table (after ``to_empty`` left it uninitialized) and re-tie a tied
+        table (``to_empty`` gives each module its own new Parameter)."""
         device = device if device is not None else self.rope_cache.device
         self.rope_cache = rope_table(self.args, torch.device(device))
+        self.tie_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
