@@ -79,3 +79,15 @@ def test_a_fifo_in_the_dump_folder_does_not_hang(two_steps, tmp_path, name):
     assert time.monotonic() - start < 60
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "not a regular file" in proc.stderr
+
+
+def test_the_failure_report_for_torchrun_is_not_written_through_a_link(tmp_path, monkeypatch):
+    from titanctl.parallel.elastic import record_failure
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(OUTSIDE)
+    report = tmp_path / "error.json"
+    report.symlink_to(victim)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(report))
+    record_failure("boom")  # a courtesy to torchrun: skipped rather than written through the link
+    assert victim.read_bytes() == OUTSIDE and report.is_symlink()

@@ -30,9 +30,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titanctl.errors import TitanError
+from titanctl.safe_io import open_no_follow
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -180,8 +182,10 @@ def record_failure(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    report = json.dumps({"message": message, "timestamp": int(time.time()) + 1})
     try:
-        with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time()) + 1}, f)
-    except OSError:
-        pass  # the report is a courtesy; the exit code still tells torchrun
+        fd = open_no_follow(Path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, what="torchrun error file")
+        with os.fdopen(fd, "w") as f:
+            f.write(report)
+    except (OSError, TitanError):
+        pass  # the report is a courtesy (never written through a link); the exit code still tells torchrun
