@@ -59,3 +59,15 @@ def trained_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trusted_run")
     Trainer(load_config(None, [*TRUSTED_RUN, "--job.dump_folder", str(out)])).train()
     return out
+
+
+@pytest.fixture(scope="session")
+def foreign_formats(trained_run, tmp_path_factory) -> dict[str, Path]:
+    """The trained run's step-2 weights as a Hugging Face folder (with an index) and as a Meta folder.
+    Shared by the session: tests copy them, never change them."""
+    from titanctl.checkpoint.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("foreign")
+    for fmt in ("hf", "meta"):
+        convert_checkpoint(trained_run / "checkpoint" / "step-2", root / fmt, dst_format=fmt)
+    return {"hf": root / "hf", "meta": root / "meta"}

@@ -98,14 +98,9 @@ def titanctl_bounded(args: list, timeout: float) -> tuple[subprocess.CompletedPr
 
 
 @pytest.fixture(scope="module")
-def foreign(trained_run, tmp_path_factory) -> dict[str, Path]:
+def foreign(foreign_formats) -> dict[str, Path]:
     """The run's step-2 weights as a Hugging Face folder (with an index) and as a Meta folder."""
-    from titanctl.checkpoint.convert import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("foreign")
-    for fmt in ("hf", "meta"):
-        convert_checkpoint(trained_run / STEP, root / fmt, dst_format=fmt)
-    return {"hf": root / "hf", "meta": root / "meta"}
+    return foreign_formats
 
 
 # ----------------------------------------------------------------------------- deep pickles

@@ -208,14 +208,9 @@ def bomb_json(path: Path, **changes) -> None:
 
 
 @pytest.fixture(scope="module")
-def formats(trained_run, tmp_path_factory) -> dict[str, Path]:
-    """The run's step-2 weights as a Hugging Face folder and as a Meta folder (made in this process)."""
-    from titanctl.checkpoint.convert import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("formats")
-    for fmt in ("hf", "meta"):
-        convert_checkpoint(trained_run / STEP, root / fmt, dst_format=fmt)
-    return {"hf": root / "hf", "meta": root / "meta"}
+def formats(foreign_formats) -> dict[str, Path]:
+    """The run's step-2 weights as a Hugging Face folder and as a Meta folder (tests/conftest.py)."""
+    return foreign_formats
 
 
 def cli(args: list, capsys) -> subprocess.CompletedProcess:
