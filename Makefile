@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-unit test-distributed lint clean
+.PHONY: install train test test-unit test-fast test-distributed lint clean
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ lint: install
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit tests/cli -q
+
+# In-process tests only (no torchrun, no titanctl binary, no subprocess, no long training), ~1 min:
+# tests/conftest.py marks the rest `slow`, and with TITANCTL_FAST_TESTS=1 a test that starts a process fails.
+test-fast: install
+	TITANCTL_FAST_TESTS=1 $(BIN)/python -m pytest tests -q -m "not slow"
 
 test-distributed: install
 	$(BIN)/python -m pytest tests/distributed -q

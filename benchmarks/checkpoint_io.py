@@ -56,7 +56,7 @@ def folder_mib(folder: Path) -> float:
 def child(argv: list[str]) -> None:
     """One process: import, build the Trainer (loading a checkpoint if there is one), one step."""
     t_start = time.time()
-    from titanctl.config.loader import load_config
+    from titanctl.config.recipe import load_config
     from titanctl.train.trainer import Trainer
 
     t_imported = time.time()
@@ -105,8 +105,8 @@ def main() -> None:
 
 def io_costs(opts) -> None:
     from titanctl.checkpoint.manager import CheckpointManager
-    from titanctl.config.loader import load_config
-    from titanctl.models.llama.shapes import num_params
+    from titanctl.config.recipe import load_config
+    from titanctl.models.shapes import num_params
     from titanctl.train.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="titanctl-ckpt-bench-"))
@@ -249,7 +249,7 @@ def checksum_costs(opts) -> None:
     import torch
 
     from titanctl.checkpoint.manager import STATE_PARTS, CheckpointManager
-    from titanctl.config.loader import load_config
+    from titanctl.config.recipe import load_config
     from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
     from titanctl.train.trainer import Trainer
 

@@ -32,7 +32,7 @@ _CHILD = r"""
 import json, sys, time
 from titanctl.checkpoint.convert import convert_checkpoint
 import titanctl.checkpoint.formats  # noqa: F401  (torch, DCP, safetensors: the baseline imports)
-import titanctl.models.llama, titanctl.config.loader  # noqa: F401
+import titanctl.models.llama, titanctl.config.recipe  # noqa: F401
 
 def hwm_kib():
     for line in open("/proc/self/status"):
@@ -68,7 +68,7 @@ def build(folder: Path, fmt: str, args, dtype, **options) -> None:
 
     from titanctl.checkpoint.convert import write_checkpoint
     from titanctl.checkpoint.formats.base import Source, TensorInfo
-    from titanctl.models.llama.shapes import weight_shapes
+    from titanctl.models.shapes import weight_shapes
 
     class RandomSource(Source):
         format = "random"
@@ -101,7 +101,7 @@ def gb(nbytes: float) -> str:
 def run_suite(name: str, root: Path, args, dtype) -> list[tuple]:
     import torch
 
-    from titanctl.models.llama.shapes import weight_shapes
+    from titanctl.models.shapes import weight_shapes
 
     sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in weight_shapes(args).items()}
     total, largest = sum(sizes.values()), max(sizes.values())

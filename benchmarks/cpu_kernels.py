@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS
-from titanctl.parallel.onednn_linear import onednn_mm_t
+from titanctl.parallel.converters.onednn_linear import onednn_mm_t
 
 
 def best_seconds(fn, repeats: int = 5, calls: int = 4) -> float:

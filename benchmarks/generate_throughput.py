@@ -35,9 +35,10 @@ from titanctl.checkpoint.convert import save_state_dict
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
-from titanctl.models.llama.shapes import num_params
-from titanctl.parallel import inference_tp, shm_exchange
-from titanctl.parallel.init import initialize_weights
+from titanctl.models.shapes import num_params
+from titanctl.parallel.layouts import inference_tp
+from titanctl.parallel.layouts.weight_init import initialize_weights
+from titanctl.parallel.runtime import shm_exchange
 from titanctl.tools.generate import GREEDY, Decoder, find_checkpoint, load_model
 
 
@@ -160,7 +161,7 @@ def tensor_parallel(opts) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanctl.cli.console import finish
-    from titanctl.parallel.env import init_process
+    from titanctl.parallel.runtime.env import init_process
 
     env = init_process(120)
     if not opts.shared_memory:

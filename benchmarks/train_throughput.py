@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.models.llama import model_args_from_config
-from titanctl.models.llama.shapes import num_params
-from titanctl.parallel.build import build_model_parts
-from titanctl.parallel.dims import ParallelDims
+from titanctl.models.registry import model_args_from_config
+from titanctl.models.shapes import num_params
+from titanctl.parallel.layouts.build import build_model_parts
+from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.train.loss import build_loss_fn, cross_entropy_loss
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.optim import build_optimizer
@@ -112,7 +112,7 @@ def main() -> None:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.float8:
-        from titanctl.parallel.float8 import torchao_float8
+        from titanctl.parallel.converters.float8 import torchao_float8
 
         torchao_float8()  # before transformers imports torchao with its import-time warnings
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -6,7 +6,7 @@
 import sys
 from pathlib import Path
 
-from titanctl.config.loader import reference_table
+from titanctl.config.recipe import reference_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

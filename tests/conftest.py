@@ -1,8 +1,13 @@
 """Every test runs offline, with its own Hugging Face home and no tiktoken cache."""
 
+import _posixsubprocess
+import dis
+import functools
 import os
+import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -53,7 +58,7 @@ TRUSTED_RUN = [
 def trained_run(tmp_path_factory) -> Path:
     """Dump folder of one 2-step run of a 2-layer model, one process, full checkpoints at steps 1
     and 2 (with checksums). Shared by the session: tests copy it, never change it."""
-    from titanctl.config.loader import load_config
+    from titanctl.config.recipe import load_config
     from titanctl.train.trainer import Trainer
 
     out = tmp_path_factory.mktemp("trusted_run")
@@ -71,3 +76,154 @@ def foreign_formats(trained_run, tmp_path_factory) -> dict[str, Path]:
     for fmt in ("hf", "meta"):
         convert_checkpoint(trained_run / "checkpoint" / "step-2", root / fmt, dst_format=fmt)
     return {"hf": root / "hf", "meta": root / "meta"}
+
+
+# ----------------------------------------------------------------------------- slow and fast tests
+# `make test` runs every test; `make test-fast` (TITANCTL_FAST_TESTS=1 pytest -m "not slow") only the
+# in-process ones. A test is `slow` when
+#   1. it lives in tests/distributed (torchrun) or tests/cli (the titanctl binary), or
+#   2. its code, a fixture's, or that of a function or class under tests/ they call (followed through
+#      module globals, however deep) names a process starter: subprocess.run/Popen/..., os.system/fork/...,
+#      multiprocessing, ProcessPoolExecutor, or TITANCTL (the binary's command line), or
+#   3. it is marked @pytest.mark.slow: in-process but long, or spawning where 2. cannot see
+#      (a library call that starts g++, a pickle payload that runs os.system).
+# What 1-3 miss cannot pass unnoticed: in the fast run, starting a process fails the test.
+FAST_ENV = "TITANCTL_FAST_TESTS"
+TESTS = Path(__file__).resolve().parent
+_SLOW_DIRS = (TESTS / "distributed", TESTS / "cli")
+# What starts a process, by module: the names that do (a set), or everything but the names that don't.
+_SUBPROCESS = frozenset({"Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"})
+_OS = frozenset({
+    "system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "spawnl", "spawnle", "spawnlp",
+    "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe", "execl", "execle", "execlp", "execlpe", "execv",
+    "execve", "execvp", "execvpe",
+})
+_MP_HARMLESS = frozenset({"cpu_count", "current_process", "parent_process", "TimeoutError", "ProcessError"})
+_SPAWNERS = {
+    "subprocess": _SUBPROCESS.__contains__,
+    "os": _OS.__contains__,
+    "posix": _OS.__contains__,
+    "pty": {"fork", "spawn"}.__contains__,
+    "concurrent.futures": {"ProcessPoolExecutor"}.__contains__,
+    "concurrent.futures.process": {"ProcessPoolExecutor"}.__contains__,
+    "multiprocessing": lambda name: name not in _MP_HARMLESS,
+    "torch.multiprocessing": lambda name: name not in _MP_HARMLESS,
+}
+
+
+def _spawner(module: object, name: str) -> bool:
+    if not isinstance(module, str):
+        return False
+    for family in ("multiprocessing", "torch.multiprocessing"):
+        if module.startswith(family + "."):
+            module = family
+    test = _SPAWNERS.get(module)
+    return bool(test and test(name))
+
+
+def _defined_under_tests(obj: object) -> bool:
+    if isinstance(obj, type):
+        return obj.__module__.split(".")[0] == "tests"
+    code = getattr(obj, "__code__", None)
+    return code is not None and Path(code.co_filename).resolve().is_relative_to(TESTS)
+
+
+@functools.cache
+def _named(obj: object) -> tuple[bool, tuple]:
+    """(whether the code of `obj`, a function or class under tests/, itself names a process starter,
+    the functions and classes under tests/ it names). Read once per function."""
+    if isinstance(obj, type):  # its methods (a pickled payload's __reduce__, an HTTP handler...)
+        return False, tuple(f for f in vars(obj).values() if callable(f) and _defined_under_tests(f))
+    glb, todo, named = obj.__globals__, [obj.__code__], []
+    while todo:  # the function's own code and that of its nested functions, lambdas, comprehensions
+        code = todo.pop()
+        todo.extend(k for k in code.co_consts if isinstance(k, types.CodeType))
+        module = None  # the module that the previous instruction loaded from a global
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and _spawner(module, ins.argval):
+                return True, ()  # subprocess.run
+            module = None
+            if ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or ins.argval not in glb:
+                continue
+            value = glb[ins.argval]
+            if isinstance(value, types.ModuleType):
+                module = value.__name__
+            elif isinstance(value, list) and value == TITANCTL:
+                return True, ()
+            elif _spawner(getattr(value, "__module__", None), getattr(value, "__name__", "")):
+                return True, ()  # from subprocess import run
+            elif _defined_under_tests(value):
+                named.append(value)
+    return False, tuple(named)
+
+
+def _spawns(obj: object, seen: set) -> bool:
+    """Whether `obj` (a test, a fixture, or a function or class under tests/ that they name, however
+    deep) names a way to start a process: subprocess.run, os.system, multiprocessing's Process, TITANCTL..."""
+    obj = getattr(obj, "__func__", obj)
+    if not _defined_under_tests(obj) or obj in seen:
+        return False
+    seen.add(obj)
+    direct, named = _named(obj)
+    return direct or any(_spawns(value, seen) for value in named)
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    if item.get_closest_marker("slow") or any(item.path.is_relative_to(d) for d in _SLOW_DIRS):
+        return True
+    seen: set = set()
+    if _spawns(getattr(item, "obj", None), seen):
+        return True
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (fixtureinfo.name2fixturedefs.get(name, ()) if fixtureinfo else ()):
+            if _spawns(fixturedef.func, seen):
+                return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not item.get_closest_marker("slow") and _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+class ProcessInFastRun(BaseException):
+    """A BaseException, so that no `except Exception` in the test or the library swallows it."""
+
+
+def _forbid(what: str, nodeid: str):
+    def refuse(*args, **kwargs):
+        raise ProcessInFastRun(
+            f"{nodeid}: this test spawns a process ({what}): mark it slow (@pytest.mark.slow); "
+            f"the fast run ({FAST_ENV}=1) is in-process only")
+    return refuse
+
+
+def _forbid_os(name: str, nodeid: str):
+    """os.NAME refused, yet pickled as the real one (posix.NAME): the checkpoint-trust tests pickle
+    os.system payloads and match the name in the refusal."""
+    refuse = _forbid(f"os.{name}", nodeid)
+    refuse.__module__, refuse.__name__, refuse.__qualname__ = os.name, name, name
+    return refuse
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In the fast run a test not marked slow cannot start a process: not in its fixtures (of any
+    scope: this wraps setup too), not in library code (torch inductor's g++ and compile workers
+    included: a test that compiles is slow), not through multiprocessing."""
+    if os.environ.get(FAST_ENV) != "1" or item.get_closest_marker("slow"):
+        return (yield)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", _forbid("subprocess.Popen", item.nodeid))
+        # multiprocessing's spawn and forkserver start methods (and Popen's own child) go through here.
+        mp.setattr(_posixsubprocess, "fork_exec", _forbid("fork_exec", item.nodeid))
+        posix = sys.modules[os.name]
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                refuse = _forbid_os(name, item.nodeid)
+                mp.setattr(os, name, refuse)
+                mp.setattr(posix, name, refuse)
+        return (yield)

@@ -219,6 +219,11 @@ _DDP = "DDP (parallelism.data_parallel_replicate_degree > 1 without FSDP)"
 # them with "module." and is a wrapper FSDP/TP cannot compose with.
 REPLICATE = _private("torch.distributed._composable.replicate.replicate", _DDP)
 
+# --- mixture of experts --------------------------------------------------------------------------
+# One GEMM per expert over tokens sorted by expert (offsets = cumulative counts), forward and
+# backward, on CPU (fp32, bf16) and CUDA; torch 2.13 has no public name for it.
+GROUPED_MM = _private("torch._grouped_mm", "Mixture-of-Experts layers (routed experts)")
+
 # --- device mesh --------------------------------------------------------------------------------
 _MESH = "flattened mesh dims (FSDP over dp_shard x cp, the data-parallel mesh of HSDP)"
 # One mesh dim spanning several (e.g. dp_shard x cp); DeviceMesh has no public flatten in 2.13.
@@ -228,7 +233,7 @@ MESH_FLATTEN = _private("torch.distributed.device_mesh.DeviceMesh._flatten", _ME
 _CP = "context parallel on CPU"
 _CP_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
 # The table of SDPA ops that torch's CP dispatcher sends to ring attention: it names only CUDA
-# kernels, so the CPU kernel is added to it (see titanctl.parallel.context_parallel).
+# kernels, so the CPU kernel is added to it (see titanctl.parallel.layouts.context_parallel).
 CP_CUSTOM_OPS = _private(f"{_CP_ATTENTION}.custom_ops", _CP)
 # Merges CP_CUSTOM_OPS into DTensor's dispatcher while CP is on; checked (not called): without it
 # the table above would have no effect.
@@ -343,7 +348,7 @@ SHARDING_PROPAGATION = _private(
     "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached", _MEM
 )
 # A pipeline stage's shape handshake with its neighbours, which on a fake process group rank 0
-# answers itself (titanctl.tools.memory.pipeline): the metadata messages, the stage's inferred
+# answers itself (titanctl.tools.memory.pipeline_peers): the metadata messages, the stage's inferred
 # metadata, and the methods that exchange them.
 STAGE_FORWARD_META = _private("torch.distributed.pipelining._utils._StageForwardMeta", _MEM)
 STAGE_BACKWARD_META = _private("torch.distributed.pipelining._utils._StageBackwardMeta", _MEM)
@@ -354,7 +359,7 @@ STAGE_HANDSHAKE = {
     for name in ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta")
 }
 # The first step's set-up of a stage, which the estimator labels so that its memory is kept apart
-# from the schedule's actions (titanctl.tools.memory.pipeline.label_actions): shape inference (a
+# from the schedule's actions (titanctl.tools.memory.pipeline_peers.label_actions): shape inference (a
 # forward, then a backward, on the first microbatch), each followed by the buffers for every
 # microbatch's messages. PipelineStage calls these private methods itself and offers no hook
 # around them.

@@ -211,3 +211,14 @@ def test_download_tokenizer_default_repo_is_the_documented_one():
         text = (REPO / doc).read_text()
         assert f"--repo-id {DEFAULT_REPO_ID}" in text
         assert "Meta-Llama-3.1-8B" not in text
+
+
+def test_download_tokenizer_model_picks_the_familys_repository(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    proc = subprocess.run([*TITANCTL, "download-tokenizer", "--model", "qwen3", "--local-dir", str(tmp_path / "tok")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "tokenizer.json of Qwen/Qwen3-0.6B-Base" in proc.stderr, proc.stderr
+    proc = subprocess.run([*TITANCTL, "download-tokenizer", "--model", "gpt2"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: unknown model family 'gpt2'; choose one of llama3, qwen3"), proc.stderr

@@ -115,7 +115,7 @@ def test_the_line_a_failing_rank_prints_under_torchrun_is_shown_as_text(capsys):
 
 
 def test_the_flight_recorder_dump_path_is_shown_as_text(tmp_path, capsys):
-    from titanctl.parallel.hang_watchdog import DumpOnce
+    from titanctl.parallel.runtime.hang_watchdog import DumpOnce
 
     path = DumpOnce(tmp_path / f"out{HOSTILE}", rank=0)("step 1")
     err = capsys.readouterr().err

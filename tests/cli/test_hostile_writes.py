@@ -82,7 +82,7 @@ def test_a_fifo_in_the_dump_folder_does_not_hang(two_steps, tmp_path, name):
 
 
 def test_the_failure_report_for_torchrun_is_not_written_through_a_link(tmp_path, monkeypatch):
-    from titanctl.parallel.elastic import record_failure
+    from titanctl.parallel.runtime.elastic import record_failure
 
     victim = tmp_path / "victim"
     victim.write_bytes(OUTSIDE)

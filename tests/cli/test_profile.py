@@ -14,7 +14,7 @@ from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
 from tests.distributed.harness import torchrun
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ProfilingError
-from titanctl.train.profiler import maybe_profile, schedule_for
+from titanctl.train.step_profiler import maybe_profile, schedule_for
 
 TINY = ["--steps", "3", "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4"]
 # The linears' products: torch's (MKL), or oneDNN's under training.cpu_linear = "onednn" (the default).
@@ -58,7 +58,7 @@ def test_kineto_start_stop_markers_are_not_shown(single):
 def test_marker_filter_keeps_every_other_stderr_line(capfd):
     import sys
 
-    from titanctl.train.profiler import without_kineto_markers
+    from titanctl.train.step_profiler import without_kineto_markers
 
     with without_kineto_markers():
         os.write(2, b"USDT:2026-11-24 04:51:58 15753:15753 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

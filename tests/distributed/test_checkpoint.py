@@ -223,8 +223,8 @@ def test_resume_fsdp2_checkpoint_in_another_layout(reference, tmp_path, name, np
 def test_exact_resume_with_uneven_shards_and_compile(tmp_path):
     """Odd vocabulary (4351 rows: FSDP shards 2176 + 2175), 3 layers, per-block torch.compile:
     resuming from step-2 in the same process group reproduces steps 3-4 bit for bit."""
+    from titanctl.data.dataloader import tokenize_finite
     from titanctl.data.datasets import load_documents
-    from titanctl.data.loader import tokenize_finite
     from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
     odd = tmp_path / "odd_tokenizer.model"

@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import OFFLINE_ENV, REPO
 from titanctl.errors import ParallelError
-from titanctl.parallel.context_parallel import (
+from titanctl.parallel.layouts.context_parallel import (
     check_cp_divisibility,
     context_parallel_ctx,
     enable_cpu_ring_attention,

@@ -17,7 +17,7 @@ import pytest
 
 from titanctl.cli.app import main
 from titanctl.errors import TraceError
-from titanctl.parallel.hang_watchdog import CollectiveWatchdog
+from titanctl.parallel.runtime.hang_watchdog import CollectiveWatchdog
 from titanctl.tools.trace_analysis import inspect_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +177,7 @@ def test_watchdog_fires_once_and_only_when_late():
 
 
 def test_enable_and_dump_without_process_group(tmp_path, monkeypatch):
-    from titanctl.parallel import hang_watchdog as runtime
+    from titanctl.parallel.runtime import hang_watchdog as runtime
 
     for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)

@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from titanctl.errors import ParallelError
+from titanctl.models.common.decoder import split_into_stage
 from titanctl.models.llama import ModelArgs, Transformer
-from titanctl.models.llama.pipeline import (
+from titanctl.parallel.layouts.pipeline_parallel import microbatch_count, read_schedule_csv, stage_ids_for_rank
+from titanctl.parallel.layouts.pipeline_stages import (
     SCHEDULES,
     check_stage_count,
     default_stages_per_rank,
     pipeline_layer_ranges,
-    split_into_stage,
     stage_layer_ranges,
 )
-from titanctl.parallel.init import initialize_weights
-from titanctl.parallel.pipeline import microbatch_count, read_schedule_csv, stage_ids_for_rank
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "distributed" / "workers" / "pp_worker.py"
@@ -271,7 +271,7 @@ def test_build_pipeline_in_one_process(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanctl.config.job_config import Parallelism
-    from titanctl.parallel.pipeline import build_pipeline
+    from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, multiple_of=32, max_seq_len=32)
 

@@ -161,12 +161,43 @@ def test_cycle_finder_finds_cycles_of_any_length():
 def test_the_graph_sees_local_and_package_imports():
     graph = module_graph()
     # a module-level import, a from-package import of a submodule, and a function-local import
-    assert "titanctl.errors" in graph["titanctl.config.loader"]
-    assert "titanctl.parallel.elastic" in graph["titanctl.cli.console"]
-    assert "titanctl.tools.profiling" in graph["titanctl.cli.profile"]  # inside the command function
+    assert "titanctl.errors" in graph["titanctl.config.recipe"]
+    assert "titanctl.parallel.runtime.elastic" in graph["titanctl.cli.console"]
+    assert "titanctl.tools.profile_run" in graph["titanctl.cli.profile"]  # inside the command function
 
 
 def test_the_model_knows_nothing_of_parallelism_or_training():
-    below_model = {"errors", "config", "models"}
+    below_model = {"errors", "config", "models", "_torch_compat"}  # the last: private torch names, e.g. grouped GEMMs
     offenders = {b: m for b, m in import_graph().get("models", {}).items() if b not in below_model}
     assert not offenders, offenders
+
+
+def test_no_module_outside_models_imports_a_family():
+    """parallel/, checkpoint/, train/, tools/ (and everything else) reach a family through
+    titanctl.models.registry: adding a family edits no module outside titanctl/models/."""
+    from titanctl.models.registry import FAMILIES
+
+    family_packages = {spec_module.rpartition(".")[0] for spec_module in FAMILIES.values()}
+    assert family_packages >= {"titanctl.models.llama", "titanctl.models.qwen3"}
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in module_graph().items()
+        if not module.startswith("titanctl.models")
+        for target in sorted(targets)
+        if any(target == package or target.startswith(package + ".") for package in family_packages)
+    ]
+    assert not offenders, "modules outside titanctl/models import a family:\n" + "\n".join(offenders)
+
+
+def test_the_import_rule_has_teeth(tmp_path):
+    """The rule sees an import of a family from outside models/ (parsed the same way as the tree)."""
+    tree = ast.parse("from titanctl.models.qwen3.args import QWEN3_FLAVORS\nimport titanctl.models.llama.spec\n")
+    seen = {t for node in _runtime_imports(tree) for t in _imported_modules(node, "titanctl.train.trainer")}
+    assert seen == {"titanctl.models.qwen3.args", "titanctl.models.llama.spec"}
+
+
+def test_config_lists_every_family_and_flavor_of_the_registry():
+    from titanctl.config.job_config import MODEL_FLAVORS
+    from titanctl.models.registry import FAMILIES, get_spec
+
+    assert {name: tuple(get_spec(name).flavors) for name in FAMILIES} == MODEL_FLAVORS

@@ -15,7 +15,7 @@ import torch
 
 from titanctl.checkpoint.manager import complete_checkpoints
 from titanctl.checkpoint.metadata import model_args_from_metadata, read_metadata
-from titanctl.config.loader import load_config, to_toml
+from titanctl.config.recipe import load_config, to_toml
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.llama import Transformer
 from titanctl.train.trainer import Trainer
@@ -96,6 +96,7 @@ def trained(tmp_path_factory):
     return out, trainer, params(trainer)
 
 
+@pytest.mark.slow
 def test_step_folder_is_plain_dcp_with_the_metadata_contract(trained):
     out, trainer, final = trained
     assert sorted(complete_checkpoints(out / "checkpoint")) == [2, 4]
@@ -117,6 +118,7 @@ def test_step_folder_is_plain_dcp_with_the_metadata_contract(trained):
     assert "optimizer" in state and "state.layers.1.feed_forward.w2.weight.exp_avg" in state["optimizer"]
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_run_bit_for_bit(trained, tmp_path):
     out, _, final = trained
     copy_step(out, 2, tmp_path)
@@ -159,6 +161,7 @@ def gated_storage(monkeypatch, gates: dict[int, threading.Event], events: list[s
 GATE_TIMEOUT_S = 120.0  # only reached when the behaviour under test is broken
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_same_checkpoint_as_sync(trained, tmp_path, monkeypatch):
     out, _, _ = trained
     events: list[str] = []
@@ -206,6 +209,7 @@ def test_async_save_writes_the_same_checkpoint_as_sync(trained, tmp_path, monkey
     assert all(t.durable_s is not None for t in timings)
 
 
+@pytest.mark.slow
 def test_outstanding_async_save_completes_when_training_fails(tmp_path, monkeypatch):
     slow_storage(monkeypatch, 1.0)
     trainer = make(tmp_path, "--checkpoint.async_mode", "async", "--model.n_layers", "1")
@@ -223,6 +227,7 @@ def test_outstanding_async_save_completes_when_training_fails(tmp_path, monkeypa
     assert read_metadata(tmp_path / "checkpoint" / "step-2")["step"] == 2
 
 
+@pytest.mark.slow
 def test_incomplete_folders_are_ignored_and_cleaned_by_the_next_save(trained, tmp_path):
     out, _, _ = trained
     copy_step(out, 2, tmp_path)
@@ -237,6 +242,7 @@ def test_incomplete_folders_are_ignored_and_cleaned_by_the_next_save(trained, tm
     assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt", "step-2", "step-4"]
 
 
+@pytest.mark.slow
 def test_load_step_picks_an_older_checkpoint(trained, tmp_path):
     out, _, _ = trained
     copy_step(out, 2, tmp_path)
@@ -248,6 +254,7 @@ def test_load_step_picks_an_older_checkpoint(trained, tmp_path):
         make(tmp_path, "--checkpoint.load_step", "3")
 
 
+@pytest.mark.slow
 def test_exclude_from_loading_keeps_those_parts_fresh(trained, tmp_path):
     out, _, _ = trained
     copy_step(out, 2, tmp_path)
@@ -261,6 +268,7 @@ def test_exclude_from_loading_keeps_those_parts_fresh(trained, tmp_path):
         make(tmp_path, "--checkpoint.exclude_from_loading", "optimiser")
 
 
+@pytest.mark.slow
 def test_weights_only_last_save_in_export_dtype(trained, tmp_path):
     out, _, _ = trained
     trainer = train(tmp_path, "--checkpoint.last_save_model_weights_only", "--checkpoint.export_dtype", "bfloat16")
@@ -282,6 +290,7 @@ def test_weights_only_last_save_in_export_dtype(trained, tmp_path):
         make(tmp_path, "--training.steps", "6")
 
 
+@pytest.mark.slow
 def test_seed_checkpoint_then_training_equals_fresh_init(trained, tmp_path):
     out, _, _ = trained
     seed = make(tmp_path, "--checkpoint.create_seed_checkpoint")
@@ -296,6 +305,7 @@ def test_seed_checkpoint_then_training_equals_fresh_init(trained, tmp_path):
     assert losses(tmp_path) == losses(out)
 
 
+@pytest.mark.slow
 def test_initial_load_path(trained, tmp_path):
     out, _, final = trained
     # Weights only (the default): the step-4 weights, but a fresh run at step 0.
@@ -313,6 +323,7 @@ def test_initial_load_path(trained, tmp_path):
     assert own.step == 2
 
 
+@pytest.mark.slow
 def test_keep_latest_k(tmp_path):
     train(tmp_path, "--checkpoint.interval", "1", "--training.steps", "3", "--checkpoint.keep_latest_k", "2",
           "--model.n_layers", "1")

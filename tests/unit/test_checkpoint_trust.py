@@ -281,6 +281,7 @@ def resume_falls_back(run_dir: Path, message: str, capsys) -> subprocess.Complet
     return proc
 
 
+@pytest.mark.slow
 def test_bit_flip_on_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys):
     run_dir = clone(trained_run, tmp_path / "run")
     flip_4k(run_dir / STEP)

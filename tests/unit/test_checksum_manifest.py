@@ -47,6 +47,7 @@ def test_a_damaged_checkpoint_without_its_record_is_refused(trained_run, tmp_pat
 
 
 @pytest.mark.parametrize("case", ["shard-record", "manifest"])
+@pytest.mark.slow
 def test_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys, case):
     change, message = CASES[case]
     run_dir = clone(trained_run, tmp_path / "run")

@@ -1,7 +1,7 @@
 import pytest
 
 from titanctl.config.job_config import JobConfig
-from titanctl.config.loader import field_specs, load_config, parse_overrides, reference_table, to_toml
+from titanctl.config.recipe import field_specs, load_config, parse_overrides, reference_table, to_toml
 from titanctl.errors import ConfigError
 
 
@@ -200,7 +200,7 @@ def test_reference_table_states_the_ranges():
 
 
 def test_model_n_kv_heads_overrides_the_flavors():
-    from titanctl.models.llama import model_args_from_config
+    from titanctl.models.registry import model_args_from_config
 
     def kv_heads(*overrides):
         return model_args_from_config(load_config(None, list(overrides)).model, 300, 32).kv_heads

@@ -27,8 +27,8 @@ from titanctl.checkpoint.metadata import read_metadata, write_metadata
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer
-from titanctl.models.llama.shapes import weight_shapes
-from titanctl.parallel.init import initialize_weights
+from titanctl.models.shapes import weight_shapes
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 ARGS = ModelArgs(
     dim=64,
@@ -164,6 +164,7 @@ def test_parse_size():
 # ----------------------------------------------------------------------------- transformers
 
 
+@pytest.mark.slow
 def test_hf_export_loads_in_transformers_and_matches(model, sources, transformers, tmp_path):
     convert_checkpoint(sources["meta"], tmp_path / "hf", dst_format="hf", max_shard_size="100KB")
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
@@ -172,6 +173,7 @@ def test_hf_export_loads_in_transformers_and_matches(model, sources, transformer
     assert delta <= 1e-4, f"max |Δlogit| = {delta:.3g}"
 
 
+@pytest.mark.slow
 def test_export_without_the_qk_permutation_would_not_match(model, sources, transformers, tmp_path, monkeypatch):
     from titanctl.checkpoint.formats import hf as hf_format
 

@@ -34,6 +34,7 @@ def model_from(folder) -> Transformer:
 
 
 @pytest.mark.parametrize("fmt", ["meta", "hf", "torchtune"])
+@pytest.mark.slow
 def test_trained_weights_keep_their_loss_through_every_format(trained, tmp_path, fmt):
     convert_checkpoint(trained["folder"], tmp_path / fmt, dst_format=fmt)
     convert_checkpoint(tmp_path / fmt, tmp_path / "back", dst_format="dcp")
@@ -57,7 +58,7 @@ def test_transformers_computes_the_same_held_out_loss(trained, tmp_path, monkeyp
 
 def _first_batch_of_the_trainer(seq_len: int, batch: int) -> torch.Tensor:
     """The trainer's first (inputs, labels) batch of the debug recipe, from the same loader."""
-    from titanctl.data.loader import TokenWindowLoader
+    from titanctl.data.dataloader import TokenWindowLoader
 
     loader = TokenWindowLoader(
         load_documents("bundled", None), Tokenizer(), seq_len=seq_len, global_batch_size=batch,

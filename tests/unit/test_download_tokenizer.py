@@ -224,3 +224,26 @@ def test_unreachable_hub_with_the_file_already_there_uses_it(tmp_path):
     assert "is unreachable" in proc.stdout and f"using {target} as it is" in proc.stdout and "vocab 4352" in proc.stdout
     assert proc.stderr == ""
     assert sorted(p.name for p in (tmp_path / "tok").rglob("*")) == ["original", "tokenizer.model"]
+
+
+def test_a_hugging_face_tokenizer_comes_with_its_tokenizer_config(tmp_path):
+    """Qwen3's layout (`--repo-id Qwen/Qwen3-0.6B --tokenizer-path ""`): tokenizer.json and the
+    tokenizer_config.json naming its special tokens, saved side by side so that the folder loads."""
+    from tests.unit.test_hf_tokenizer import train_qwen_style
+    from titanctl.data.tokenizer import Tokenizer
+
+    source = train_qwen_style(tmp_path / "source").parent
+    files = {name: (source / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json")}
+    with FakeHub(files) as hub:
+        proc = run(["--tokenizer-path", "", "--local-dir", "qwen"], tmp_path, hub_url=hub.url)
+    assert proc.returncode == 0, proc.stderr
+    saved = tmp_path / "qwen"
+    assert {name: (saved / name).read_bytes() for name in files} == files
+    tok = Tokenizer(saved / "tokenizer.json")
+    assert tok.bos_id is None and tok.eos_id == tok.special_tokens["<|im_end|>"]
+    assert f"vocab {tok.vocab_size}," in proc.stdout and "qwen/tokenizer_config.json" in proc.stdout
+
+    # Offline, the files already there are used as they are.
+    proc = run(["--tokenizer-path", "", "--local-dir", "qwen"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"vocab {tok.vocab_size}," in proc.stdout

@@ -9,10 +9,10 @@ import pytest
 import torch.distributed as dist
 
 from tests.conftest import REPO, TITANCTL
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.models.llama import LLAMA3_FLAVORS
-from titanctl.models.llama.pipeline import SCHEDULES, SINGLE_STAGE_SCHEDULES
-from titanctl.models.llama.shapes import num_params
+from titanctl.models.shapes import num_params
+from titanctl.parallel.layouts.pipeline_stages import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from titanctl.tools.memory import estimate as memory
 from titanctl.tools.memory import shortcuts
 
@@ -30,6 +30,7 @@ def estimate(recipe: str, world_size: int, overrides: list[str], **kwargs) -> me
     return memory.estimate_memory(load_config(REPO / recipe, overrides), world_size, **kwargs)
 
 
+@pytest.mark.slow
 def test_405b_on_512_ranks_is_plausible():
     """The flagship estimate's numbers (its time is no test's business: a few seconds, see
     docs/estimate-memory.md; benchmarks/estimate_memory_time.py times the pipelined one)."""
@@ -50,6 +51,7 @@ def test_405b_on_512_ranks_is_plausible():
     assert e.categories["activations"] > 126 * 64 * 2**20
 
 
+@pytest.mark.slow
 def test_8b_fsdp_parameters_gradients_and_adam_state_are_analytic():
     e = estimate("recipes/llama3_8b.toml", 8, ["--training.seq_len", "256"])
     n = num_params(LLAMA3_FLAVORS["8B"].replace(vocab_size=128_256))
@@ -61,6 +63,7 @@ def test_8b_fsdp_parameters_gradients_and_adam_state_are_analytic():
     assert e.categories["optimizer state"] == 2 * n * 4 // 8 + e.optimizer_state["step"]
 
 
+@pytest.mark.slow
 def test_deep_models_extrapolate_exactly():
     """Ten blocks from runs of four and five equal running all ten, byte for byte (FSDP x TP, full AC, bf16)."""
     args = ["--model.n_layers", "10", "--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2",
@@ -77,6 +80,7 @@ def test_deep_models_extrapolate_exactly():
     )
 
 
+@pytest.mark.slow
 def test_second_step_equals_the_first_plus_adam_state():
     """The estimate runs one step and derives the second; running the second step agrees."""
     import torch
@@ -108,6 +112,7 @@ def test_ddp_is_one_replica_plus_gradient_buckets():
     assert any("DDP" in note for note in ddp.notes)
 
 
+@pytest.mark.slow
 def test_pipeline_rank0_estimate_runs_its_stages():
     e = estimate("recipes/llama3_debug.toml", 2, [
         *TINY, "--model.n_layers", "4", "--parallelism.pipeline_parallel_degree", "2",
@@ -146,6 +151,7 @@ def shortcut_sizes(schedule: str) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.slow
 def test_pipeline_microbatch_shortcut_equals_running_every_microbatch(schedule):
     """Two counts past the schedule's warm-up, extrapolated, equal running all the microbatches.
 
@@ -172,6 +178,7 @@ def test_pipeline_microbatch_shortcut_equals_running_every_microbatch(schedule):
     ],
     ids=["1F1B-fsdp-ac", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"],
 )
+@pytest.mark.slow
 def test_pipeline_depth_shortcut_equals_running_every_block(schedule, world_size, extra, microbatches):
     """Stages of 3 and 4 blocks, extrapolated, equal stages of 5 blocks (rank 0 of pp 2).
 

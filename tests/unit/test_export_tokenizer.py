@@ -54,6 +54,7 @@ def test_hf_export_is_a_complete_model_folder(export):
         "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
 
+@pytest.mark.slow
 def test_autotokenizer_gives_titanctl_ids_on_the_whole_bundled_corpus(export, transformers):
     theirs = transformers.AutoTokenizer.from_pretrained(export)
     ours = Tokenizer()
@@ -121,6 +122,7 @@ def test_torchtune_export_carries_its_tokenizer_files(trained_debug, tmp_path):
     assert enc.encode(text, allowed_special=set(), disallowed_special=()) == ours.encode(text, bos=False, eos=False)
 
 
+@pytest.mark.slow
 def test_tokenizer_is_taken_from_the_option_the_checkpoint_or_nowhere(trained_debug, tmp_path):
     # --tokenizer-path (here a tokenizer.json): a DCP output carries a copy and records it, then uses it.
     convert_checkpoint(trained_debug["folder"], tmp_path / "hf1")
@@ -157,7 +159,7 @@ def test_tokenizer_is_taken_from_the_option_the_checkpoint_or_nowhere(trained_de
 def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_one(tmp_path, transformers):
     """A run trained with its own tokenizer (here the bundled one cut to 3000 ranks: another vocabulary,
     so the bundled default could not pass for it) records its path; `convert --to hf` writes its files."""
-    from titanctl.config.loader import load_config
+    from titanctl.config.recipe import load_config
     from titanctl.train.trainer import Trainer
 
     own = tmp_path / "elsewhere" / "tokenizer.model"

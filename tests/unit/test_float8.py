@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from titanctl.config.job_config import Float8
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.errors import ConfigError, ParallelError
+from titanctl.models.common.tp_plan import DECODER_TP_PLAN, block_plan, sharded_linear_dims
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
-from titanctl.models.llama.tp_plan import block_plan, sharded_linear_dims
-from titanctl.parallel import float8
-from titanctl.parallel.build import check_layout
-from titanctl.parallel.dims import ParallelDims
-from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.converters import float8
+from titanctl.parallel.layouts.build import check_layout
+from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 CPU = torch.device("cpu")
 # head_dim 16, 2 kv heads: wk/wv are 64 -> 32 (multiples of 16); ffn hidden 192.
@@ -48,9 +48,10 @@ def test_linears_whose_dims_are_not_multiples_of_16_stay_high_precision():
 
 def test_dims_are_checked_per_tensor_parallel_shard():
     # wk: 64 -> 32 out features, split colwise over tp 4: 8 per shard. wo: in features 64 / 4 = 16.
-    assert sharded_linear_dims("layers.0.attention.wk", 4) == (4, 1)
-    assert sharded_linear_dims("layers.3.feed_forward.w2", 4) == (1, 4)
-    assert sharded_linear_dims("output", 4) == (4, 1)
+    plan, args = DECODER_TP_PLAN, meta_model().args
+    assert sharded_linear_dims("layers.0.attention.wk", 4, plan, args) == (4, 1)
+    assert sharded_linear_dims("layers.3.feed_forward.w2", 4, plan, args) == (1, 4)
+    assert sharded_linear_dims("output", 4, plan, args) == (4, 1)
     plan = float8.plan_conversion(meta_model(), Float8(), tp=4)
     assert plan.kept["layers.0.attention.wk"] == "dims 8x64 per tensor-parallel shard are not multiples of 16"
     assert "layers.0.attention.wo" in plan.converted
@@ -122,6 +123,7 @@ def test_float8_model_has_the_same_weights_under_the_same_names():
         assert type(state[key]) is torch.Tensor and state[key].dtype == tensor.dtype and torch.equal(state[key], tensor)
 
 
+@pytest.mark.slow
 def test_float8_numerics_are_float8s_on_cpu():
     """Not a no-op: a float8 linear's output moves by about float8's rounding (e4m3: 3 mantissa
     bits, a few %), ten times bf16's; the logits move too; gradients flow through every linear."""
@@ -170,9 +172,9 @@ def test_block_plan_uses_float8_styles_only_where_the_linears_are_float8():
 def test_torchao_is_imported_lazily_and_quietly():
     probe = (
         "import sys\n"
-        "import titanctl.parallel.build, titanctl.train.trainer\n"
+        "import titanctl.parallel.layouts.build, titanctl.train.trainer\n"
         "assert 'torchao' not in sys.modules, 'torchao imported without float8'\n"
-        "from titanctl.parallel.float8 import torchao_float8\n"
+        "from titanctl.parallel.converters.float8 import torchao_float8\n"
         "torchao_float8()\n"
         "assert 'torchao.float8' in sys.modules\n"
     )

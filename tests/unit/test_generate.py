@@ -9,7 +9,7 @@ import torch
 from titanctl.errors import CheckpointError, ParallelError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
-from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.layouts.weight_init import initialize_weights
 from titanctl.tools.generate import Decoder, check_tp_degree, find_checkpoint, generate
 from titanctl.tools.sampling import Sampling
 
@@ -114,6 +114,7 @@ def test_sampling_is_reproducible_per_seed(model):
     assert generate(model, PROMPT, 24, temperature=1.0, top_k=50, seed=7, kv_cache=False).tokens == a.tokens
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_equals_eager(model):
     """One compiled decoder, greedy and sampled (two graphs); compile time is reported apart."""
     decoder = Decoder(model, len(PROMPT) + 16, compile=True)

@@ -36,6 +36,7 @@ def theirs(hf_folder):
     return transformers.LlamaForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_generate(trained_debug, theirs):
     """titanctl reads the DCP checkpoint, transformers the HF export of it."""
     from transformers import GenerationConfig

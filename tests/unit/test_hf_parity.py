@@ -22,7 +22,7 @@ from titanctl.checkpoint.hf_names import (
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer, rope_frequencies
-from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 # original_max_position_embeddings=16 puts every frequency of head_dim 8 in a scaled regime.
 ARGS = ModelArgs(
@@ -242,8 +242,8 @@ def test_published_config_values():
     }
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 500000.0
     assert cfg["tie_word_embeddings"] is False and cfg["hidden_act"] == "silu"
-    with pytest.raises(CheckpointError, match="tie_word_embeddings"):
-        args_from_hf_config({**cfg, "tie_word_embeddings": True})
+    # Llama 3.2's small models tie the output layer to the embedding (issue 21: no longer refused).
+    assert args_from_hf_config({**cfg, "tie_word_embeddings": True}).tie_embeddings is True
     with pytest.raises(CheckpointError, match="RoPE type 'yarn'"):
         args_from_hf_config({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(CheckpointError, match="hidden_size"):

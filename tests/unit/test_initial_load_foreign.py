@@ -13,7 +13,7 @@ from tests.distributed.harness import losses, max_rel_diff, torchrun
 from tests.unit.test_torchtitan_format import write_torchtitan
 from tests.unit.trained_model import N_LAYERS, SEQ
 from titanctl.checkpoint.convert import convert_checkpoint
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.llama.args import LLAMA3_FLAVORS
@@ -52,6 +52,7 @@ def from_dcp(exports, tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", ["hf", "torchtitan"])
+@pytest.mark.slow
 def test_foreign_initial_checkpoint_trains_like_the_converted_one(exports, from_dcp, tmp_path, fmt, capsys):
     rows = train(tmp_path, exports[fmt])
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in from_dcp]
@@ -59,6 +60,7 @@ def test_foreign_initial_checkpoint_trains_like_the_converted_one(exports, from_
     assert not any(p.name.startswith("step-") for p in (tmp_path / "run").rglob("*")), "nothing converted on disk"
 
 
+@pytest.mark.slow
 def test_a_torchtitan_full_training_checkpoint_gives_its_weights_only(trained_debug, from_dcp, tmp_path, capsys):
     """Written as torchtitan 0.3 writes a training step (optimizer, lr_scheduler, dataloader, train_state
     beside the model, no titanctl.json or params.json): the model shape comes from the tensors, the
@@ -99,6 +101,7 @@ def test_fsdp_ranks_each_slice_the_hf_weights_they_hold(exports, from_dcp, tmp_p
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.slow
 def test_torchtitans_multi_head_debugmodel_trains_with_model_n_kv_heads(tmp_path):
     """torchtitan's debugmodel has 16 key/value heads, titanctl's flavor 4: `--model.n_kv_heads 16` makes
     the run's model torchtitan's, and its first steps equal those from the converted checkpoint."""

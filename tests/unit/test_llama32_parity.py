@@ -17,8 +17,8 @@ from titanctl.models.common.args import ModelArgs, RopeScaling
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.rope import rope_frequencies
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.llama.shapes import num_params
-from titanctl.parallel.init import initialize_weights
+from titanctl.models.shapes import num_params
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 TOL = 1e-4
 # Llama 3.2's scaling (factor 32, bands 1 and 4) with original_max_position_embeddings 16, so that

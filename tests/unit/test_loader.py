@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from titanctl.data import loader as loader_module
+from titanctl.data import dataloader as loader_module
+from titanctl.data.dataloader import TokenWindowLoader, tokenize_finite
 from titanctl.data.datasets import HFStreamingSource, load_documents
-from titanctl.data.loader import TokenWindowLoader, tokenize_finite
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import DataError
 

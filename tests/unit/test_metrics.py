@@ -97,11 +97,12 @@ def test_cuda_memory_columns_per_log_window(fake_cuda):
     assert row["num_alloc_retries"] == 0 and row["num_ooms"] == 1  # this window's only
 
 
+@pytest.mark.slow
 def test_training_logs_the_documented_columns(tmp_path):
     """A short in-process run: the row's throughput columns agree with its own step time."""
     import json
 
-    from titanctl.config.loader import load_config
+    from titanctl.config.recipe import load_config
     from titanctl.train.trainer import Trainer
 
     cfg = load_config(None, ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",

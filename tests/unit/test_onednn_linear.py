@@ -7,13 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama import model_args_from_config
-from titanctl.parallel import onednn_linear
-from titanctl.parallel.build import build_model_parts
-from titanctl.parallel.dims import ParallelDims
-from titanctl.parallel.onednn_linear import OneDNNLinear, onednn_available, onednn_mm_t, use_onednn_linears
+from titanctl.models.registry import model_args_from_config
+from titanctl.parallel.converters import onednn_linear
+from titanctl.parallel.converters.onednn_linear import OneDNNLinear, onednn_available, onednn_mm_t, use_onednn_linears
+from titanctl.parallel.layouts.build import build_model_parts
+from titanctl.parallel.layouts.dims import ParallelDims
 
 
 def test_this_torch_has_onednn():

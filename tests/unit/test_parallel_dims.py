@@ -10,7 +10,7 @@ import pytest
 
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
-from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.layouts.dims import ParallelDims
 
 
 def dims(world_size: int, **degrees) -> ParallelDims:
@@ -61,7 +61,7 @@ def test_fsdp_reshard_after_forward_always_means_every_module():
         from torch.distributed.tensor import DTensor
         from torch.distributed.device_mesh import init_device_mesh
         from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
-        from titanctl.parallel.data_parallel import apply_fsdp
+        from titanctl.parallel.layouts.data_parallel import apply_fsdp
 
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=64, n_layers=2, max_seq_len=16)

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titanctl.checkpoint.hf_names import from_hf_state_dict, to_hf_state_dict
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import Transformer
-from titanctl.models.llama.shapes import num_params, tied_weights, weight_shapes
-from titanctl.models.llama.tp_plan import block_plan
+from titanctl.models.common.tp_plan import block_plan
 from titanctl.models.qwen3 import QWEN3_FLAVORS, QWEN3_VOCAB_SIZE, qwen3_args
-from titanctl.models.qwen3.hf_names import from_hf_state_dict, to_hf_state_dict
-from titanctl.parallel.init import initialize_weights
+from titanctl.models.shapes import num_params, tied_weights, weight_shapes
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 TOL = 1e-4
 # head_dim 32 over dim 64 / 4 heads = 16: the explicit head width is what makes the shapes work.
@@ -70,9 +70,10 @@ def hf_qwen3(transformers, args: ModelArgs):
     return model.eval()
 
 
-def ours_from(hf_model, args: ModelArgs) -> Transformer:
-    model = Transformer(args)
-    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), args.tie_embeddings), strict=True)
+def ours_from(hf_model, args: ModelArgs, model_args: ModelArgs | None = None) -> Transformer:
+    """``hf_model``'s weights read as ``args`` say, in a model built with ``model_args`` (default: args)."""
+    model = Transformer(model_args or args)
+    model.load_state_dict(from_hf_state_dict(hf_model.state_dict(), args), strict=True)
     return model.eval()
 
 
@@ -95,20 +96,21 @@ def test_logits_match_transformers(transformers, tied):
     delta = max_delta(ours, theirs, tokens(args.vocab_size))
     assert delta <= TOL, f"max |Δlogit| = {delta:.3g}"
     # Back to Hugging Face names: the same tensors (a tied model writes no lm_head, as transformers).
-    back = to_hf_state_dict(ours.state_dict(), tied)
+    back = to_hf_state_dict(ours.state_dict(), args)
     theirs_sd = theirs.state_dict()
     assert set(back) == set(theirs_sd) - ({"lm_head.weight"} if tied else set())
     assert all(torch.equal(back[k], theirs_sd[k]) for k in back)
 
 
+@pytest.mark.slow
 def test_layout_and_qk_norm_matter(transformers):
     """The comparison has teeth: Meta's interleaved RoPE, or no QK norm, on the same weights differ."""
     theirs = hf_qwen3(transformers, ARGS)
     ids = tokens(ARGS.vocab_size)
-    interleaved = ours_from(theirs, ARGS.replace(rope_layout="interleaved"))
+    interleaved = ours_from(theirs, ARGS, ARGS.replace(rope_layout="interleaved"))
     assert max_delta(interleaved, theirs, ids) > 0.1
     no_qk_norm = Transformer(ARGS.replace(qk_norm=False)).eval()
-    sd = {k: v for k, v in from_hf_state_dict(theirs.state_dict(), False).items() if "q_norm" not in k and "k_norm" not in k}
+    sd = {k: v for k, v in from_hf_state_dict(theirs.state_dict(), ARGS).items() if "q_norm" not in k and "k_norm" not in k}
     no_qk_norm.load_state_dict(sd, strict=True)
     assert max_delta(no_qk_norm, theirs, ids) > 0.1
 
@@ -151,6 +153,7 @@ def test_tied_weight_is_counted_once():
 
 
 @pytest.mark.parametrize("init", ["init_weights", "initialize_weights"])
+@pytest.mark.slow
 def test_meta_build_keeps_the_tie(init):
     args = QWEN3_FLAVORS["debugmodel"].replace(vocab_size=4352, n_layers=2, max_seq_len=32)
     assert args.tie_embeddings

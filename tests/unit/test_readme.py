@@ -1,4 +1,4 @@
-from titanctl.config.loader import reference_table
+from titanctl.config.recipe import reference_table
 
 
 def test_readme_config_reference_is_current(repo):

@@ -47,6 +47,7 @@ def test_greedy_is_the_argmax():
     assert draws(LOGITS, Sampling(0.0), 5).tolist() == [2] * 5
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_softmax_of_logits_over_temperature():
     n = 4000
     for temperature in (1.0, 0.5):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.workers.host_syncs import record_host_syncs
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.errors import TrainingDiverged
 from titanctl.train.trainer import Trainer
 
@@ -28,6 +28,7 @@ def logged_steps(tmp_path) -> list[int]:
 @pytest.mark.parametrize("extra", [[], ["--float8.enable_float8_linear", "--model.norm_type", "fused_rmsnorm",
                                         "--training.mixed_precision_param", "bfloat16"]],
                          ids=["plain", "float8_fused_norm_bf16"])
+@pytest.mark.slow
 def test_only_log_steps_read_tensors_on_the_host(tmp_path, extra):
     t = trainer(tmp_path, "--training.steps", "7", "--metrics.log_freq", "3", *extra)
     with record_host_syncs() as syncs:
@@ -37,6 +38,7 @@ def test_only_log_steps_read_tensors_on_the_host(tmp_path, extra):
     assert syncs.allowed >= 3  # the recorder does see the log steps' reads
 
 
+@pytest.mark.slow
 def test_the_recorder_catches_a_sync_in_the_step(tmp_path):
     """The check above can fail: a .item() added to the step is reported."""
     t = trainer(tmp_path, "--training.steps", "2", "--metrics.log_freq", "2")
@@ -65,6 +67,7 @@ def poison(t: Trainer, at_step: int) -> None:
     t.forward_backward = nan_at_step
 
 
+@pytest.mark.slow
 def test_a_nan_between_log_steps_stops_the_run_at_the_next_log_step(tmp_path):
     t = trainer(tmp_path, "--training.steps", "9", "--metrics.log_freq", "3")
     poison(t, at_step=4)
@@ -77,6 +80,7 @@ def test_a_nan_between_log_steps_stops_the_run_at_the_next_log_step(tmp_path):
     assert logged_steps(tmp_path) == [3]
 
 
+@pytest.mark.slow
 def test_a_nan_never_reaches_a_checkpoint(tmp_path):
     t = trainer(tmp_path, "--training.steps", "9", "--metrics.log_freq", "5", "--checkpoint.enable_checkpoint",
                 "--checkpoint.interval", "2")
@@ -88,6 +92,7 @@ def test_a_nan_never_reaches_a_checkpoint(tmp_path):
     assert saved == ["step-2"]
 
 
+@pytest.mark.slow
 def test_an_infinite_loss_is_named_as_such(tmp_path):
     t = trainer(tmp_path, "--training.steps", "2", "--metrics.log_freq", "10")
     forward_backward = t.forward_backward
@@ -98,8 +103,8 @@ def test_an_infinite_loss_is_named_as_such(tmp_path):
 
 
 def test_step_losses_stay_on_the_device_until_read():
-    from titanctl.parallel.dims import ParallelDims
-    from titanctl.parallel.utils import StepLosses
+    from titanctl.parallel.layouts.dims import ParallelDims
+    from titanctl.parallel.layouts.reductions import StepLosses
 
     losses = StepLosses()
     for step, value in enumerate([2.0, 1.5, float("-inf"), float("nan"), 1.0], start=1):

@@ -21,7 +21,7 @@ import torch
 from tests.conftest import REPO
 from titanctl import _torch_compat
 from titanctl.errors import TorchInternalsError
-from titanctl.parallel.float8 import torchao_float8
+from titanctl.parallel.converters.float8 import torchao_float8
 
 PACKAGE = REPO / "titanctl"
 COMPAT = PACKAGE / "_torch_compat.py"
@@ -269,6 +269,7 @@ def _findings() -> dict[str, list[tuple[int, str]]]:
     return found
 
 
+@pytest.mark.slow
 def test_no_module_reaches_a_private_torch_name_itself() -> None:
     """Except that a subclass of a torch class may override and read its base's private hooks and state
     (``self._x``), which no function can stand in for, if the compat module registers them (so that the

@@ -75,6 +75,7 @@ def transformers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["weights-only", "full"])
+@pytest.mark.slow
 def test_torchtitan_03_checkpoint_converts_to_hf_and_matches_transformers(trained_debug, transformers, tmp_path, full):
     step = tmp_path / "step-7"
     write_torchtitan(step, trained_debug["state"], full=full)
@@ -146,6 +147,7 @@ def test_a_model_without_config_needs_flavor_when_shapes_cannot_say(tmp_path):
         load_checkpoint(tmp_path / "tt", config=recipe)
 
 
+@pytest.mark.slow
 def test_hf_folder_without_config_json(trained_debug, tmp_path):
     """torchtitan's own HF save writes only safetensors (+ index): --flavor says which model, or the shapes do."""
     convert_checkpoint(trained_debug["folder"], tmp_path / "hf", dst_format="hf")
@@ -209,6 +211,7 @@ def recipe_file(tmp_path, text: str):
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["weights-only", "full"])
+@pytest.mark.slow
 def test_torchtitans_own_debugmodel_converts_to_hf_and_matches_transformers(
     torchtitan_debugmodel, transformers, tmp_path, full
 ):
@@ -249,6 +252,7 @@ def test_the_flavor_of_other_kv_heads_is_refused_saying_what_to_set(torchtitan_d
 
 
 @pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
+@pytest.mark.slow
 def test_flavor_reads_a_folder_without_config(titanctl_debugmodel, tmp_path, fmt):
     write_configless(tmp_path / "in", titanctl_debugmodel, TITANCTL_DEBUGMODEL, fmt)
     report = convert_checkpoint(tmp_path / "in", tmp_path / "dcp", flavor="debugmodel", dst_format="dcp")
@@ -260,6 +264,7 @@ def test_flavor_reads_a_folder_without_config(titanctl_debugmodel, tmp_path, fmt
 
 
 @pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
+@pytest.mark.slow
 def test_config_reads_a_folder_without_config(torchtitan_debugmodel, tmp_path, fmt):
     write_configless(tmp_path / "in", torchtitan_debugmodel, TORCHTITAN_DEBUGMODEL, fmt)
     recipe = recipe_file(tmp_path, '[model]\nflavor = "debugmodel"\nn_kv_heads = 16\n[training]\nseq_len = 128\n')

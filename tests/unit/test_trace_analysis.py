@@ -189,7 +189,7 @@ def test_missing_path_and_empty_folder(tmp_path, capsys):
 
 def test_no_torch_at_import_time():
     code = ("import sys, titanctl.cli.app, titanctl.cli.inspect_trace, titanctl.tools.trace_analysis, "
-            "titanctl.parallel.hang_watchdog; assert 'torch' not in sys.modules, 'torch imported'")
+            "titanctl.parallel.runtime.hang_watchdog; assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=60)
     assert proc.returncode == 0, proc.stderr

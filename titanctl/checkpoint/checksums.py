@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from titanctl.checkpoint.paths import inside
 from titanctl.errors import CheckpointCorrupt, CheckpointError
-from titanctl.parallel import elastic
+from titanctl.parallel.runtime import elastic
 
 ALGORITHM = "sha256"
 MANIFEST_SINCE = 2  # titanctl.json version from which a checkpoint must record its checksums

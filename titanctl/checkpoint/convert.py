@@ -24,17 +24,21 @@ from pathlib import Path
 
 import torch
 
-from titanctl.checkpoint.formats import WRITERS, DictSource, Source, detect, open_source
+from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
+from titanctl.checkpoint.formats.base import UntiedView
+from titanctl.checkpoint.locate import Located, locate
 from titanctl.checkpoint.reader import one_line
 from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
-from titanctl.config.loader import load_config
-from titanctl.errors import CheckpointError
-from titanctl.models.llama import model_args_from_config
-from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
+from titanctl.config.recipe import load_config
+from titanctl.errors import CheckpointError, ConfigError
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import flavor_args, model_args_from_config, spec_of
 from titanctl.safe_io import open_no_follow
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
-TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")  # outputs that carry (or record) the tokenizer
+TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
+# Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
+UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
@@ -73,9 +77,10 @@ def resolve_args(
     if flavor and config:
         raise CheckpointError("give --flavor or --config, not both")
     if flavor:
-        if flavor not in LLAMA3_FLAVORS:
-            raise CheckpointError(f"unknown flavor {flavor!r}; valid: {', '.join(LLAMA3_FLAVORS)}")
-        base, origin = LLAMA3_FLAVORS[flavor], f"--flavor {flavor}"
+        try:
+            base, origin = flavor_args(flavor), f"--flavor {flavor}"
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
     elif config:
         cfg = load_config(config)
         base = model_args_from_config(cfg.model, 1, cfg.training.seq_len)
@@ -90,17 +95,11 @@ def resolve_args(
     return base.replace(vocab_size=source.vocab_size(base.dim)), origin
 
 
-def _check_source_folder(folder: Path) -> None:
-    try:
-        if not folder.exists():
-            raise CheckpointError(f"checkpoint folder {folder} does not exist")
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder} is not a folder (give the checkpoint's folder)")
-        next(folder.iterdir(), None)
-    except PermissionError:
-        raise CheckpointError(f"cannot read checkpoint folder {folder}: permission denied") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint folder {folder}: {e.strerror or e}") from None
+def _locate_source(folder: str | os.PathLike, fmt: str | None) -> Located:
+    """SRC resolved (a folder of step-N folders -> its newest complete one) and its format, or a
+    one-line CheckpointError (``titanctl.checkpoint.locate``)."""
+    _check_format(fmt, "--from")
+    return locate(folder, "checkpoint", fmt)
 
 
 def open_checkpoint(
@@ -110,12 +109,12 @@ def open_checkpoint(
     flavor: str | None = None,
     config: str | os.PathLike | None = None,
 ) -> Source:
-    """A checked, ready-to-read source: ``with open_checkpoint(path) as src: src.load(name)``."""
-    folder = Path(folder)
-    _check_format(fmt, "--from")
-    _check_source_folder(folder)
+    """A checked, ready-to-read source: ``with open_checkpoint(path) as src: src.load(name)``.
 
-    source = open_source(folder, fmt or detect(folder))
+    ``folder``: a checkpoint folder, or a folder of step-N folders (its newest complete one is read).
+    """
+    located = _locate_source(folder, fmt)
+    source = open_source(located.folder, located.format)
     try:
         args, origin = resolve_args(source, flavor, config)
         source.bind(args, origin)
@@ -283,6 +282,13 @@ def write_checkpoint(
     """
     _check_format(fmt, "--to")
     _check_options(fmt, shards, max_shard_size, tokenizer_path)
+    spec = spec_of(source.args)
+    if fmt not in ("dcp", "hf", *spec.formats):
+        raise CheckpointError(
+            f"{spec.name} has no {fmt} checkpoint format; write one of {', '.join(('dcp', 'hf', *spec.formats))}"
+        )
+    if source.args.tie_embeddings and fmt in UNTIED_FORMATS:
+        source = UntiedView(source)
     notes = [] if notes is None else notes
     tokenizer, recorded_path = None, None
     if fmt in TOKENIZER_FORMATS:  # before anything is written: a wrong tokenizer is an error
@@ -345,16 +351,18 @@ def convert_checkpoint(
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    _check_source_folder(Path(src))
-    _check_destination(Path(dst), Path(src))  # before reading anything
+    located = _locate_source(src, src_format)
+    _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None:
         _check_options(dst_format, shards, max_shard_size, tokenizer_path)
     dst = Path(dst)
 
     start = time.perf_counter()
-    with open_checkpoint(src, src_format, flavor=flavor, config=config) as source:
+    with open_checkpoint(located.folder, located.format, flavor=flavor, config=config) as source:
         fmt = dst_format or ("hf" if source.format == "dcp" else "dcp")
         notes = list(source.notes)
+        if located.folder != Path(src):
+            notes.insert(0, f"read {located.folder.name}, the newest complete checkpoint in {src}")
         files = write_checkpoint(
             source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
             tokenizer_path=tokenizer_path, notes=notes,

@@ -1,4 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM`` <-> titanctl (Meta names), weights and config.
+"""Hugging Face ``*ForCausalLM`` <-> titanctl names, weights and config, for every family
+(the names and config keys come from the family's spec).
 
 Pure functions, no ``transformers`` import. Conversion is one tensor at a time
 (``to_hf_tensor`` / ``from_hf_tensor``), so a converter can stream a 70B checkpoint
@@ -6,8 +7,9 @@ through it; ``iter_to_hf`` / ``iter_from_hf`` add the completeness checks over a
 stream, and the ``*_state_dict`` functions are the same over a dict.
 
 The one non-rename: Meta's RoPE rotates interleaved channel pairs ``(2i, 2i+1)`` of a
-head, Hugging Face's rotates halves ``(i, i + head_dim/2)``. So the output rows of
-``wq`` and ``wk`` are permuted within each head (``wk`` with the KV head count).
+head, Hugging Face's rotates halves ``(i, i + head_dim/2)``. So for a model in Meta's layout
+(Llama) the output rows of ``wq`` and ``wk`` are permuted within each head (``wk`` with the KV
+head count). A tied output layer is the embedding table: Hugging Face writes only the embedding.
 """
 
 from __future__ import annotations
@@ -21,31 +23,14 @@ import torch
 from titanctl.checkpoint.model_args import check_args
 from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs, RopeScaling
-from titanctl.models.llama.shapes import weight_shapes
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import all_specs, spec_for_hf_model_type, spec_of
+from titanctl.models.shapes import tied_weights, weight_shapes
+from titanctl.models.spec import HFFormat
 
 Pairs = Iterable[tuple[str, torch.Tensor]]  # (name, tensor), e.g. read one by one from safetensors
 
-# Per-layer suffixes: Meta name -> Hugging Face name.
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES_INV = {hf: meta for meta, hf in _LAYER_NAMES.items()}
-_TOP_NAMES_INV = {hf: meta for meta, hf in _TOP_NAMES.items()}
-_META_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Derived buffers that old transformers versions saved; they carry no weights.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -54,35 +39,46 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 # ----------------------------------------------------------------------------- names
 
 
+def _hf_of(name: str, hf: HFFormat) -> str | None:
+    if name in hf.top_names:
+        return hf.top_names[name]
+    m = _OURS_LAYER.fullmatch(name)
+    return f"model.layers.{m.group(1)}.{hf.layer_names[m.group(2)]}" if m and m.group(2) in hf.layer_names else None
+
+
+def _ours_of(hf_name: str, hf: HFFormat) -> str | None:
+    for ours, theirs in hf.top_names.items():
+        if theirs == hf_name:
+            return ours
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m:
+        for ours, theirs in hf.layer_names.items():
+            if theirs == m.group(2):
+                return f"layers.{m.group(1)}.{ours}"
+    return None
+
+
 def _hf_name(name: str, args: ModelArgs) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _META_LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES and int(m.group(1)) < args.n_layers:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise CheckpointError(f"unknown titanctl tensor {name!r} (not a Llama weight of this model)")
+    hf = _hf_of(name, spec_of(args).hf)
+    if hf is None or name not in weight_shapes(args):
+        raise CheckpointError(f"unknown titanctl tensor {name!r} (not a {args.family} weight of this model)")
+    return hf
 
 
 def _meta_name(name: str, args: ModelArgs) -> str:
-    if name in _TOP_NAMES_INV:
-        return _TOP_NAMES_INV[name]
-    m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES_INV and int(m.group(1)) < args.n_layers:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES_INV[m.group(2)]}"
-    raise CheckpointError(
-        f"unknown Hugging Face tensor {name!r} (not a LlamaForCausalLM weight of this model)"
-    )
+    hf = spec_of(args).hf
+    ours = _ours_of(name, hf)
+    if ours is None or ours not in weight_shapes(args):
+        raise CheckpointError(
+            f"unknown Hugging Face tensor {name!r} (not a {hf.architecture} weight of this model)"
+        )
+    return ours
 
 
 def canonical_name_of(hf_name: str) -> str | None:
-    """The titanctl (Meta) name of a Hugging Face Llama weight name, whatever the model's depth
-    (None: not a Llama weight name)."""
-    if hf_name in _TOP_NAMES_INV:
-        return _TOP_NAMES_INV[hf_name]
-    m = _HF_LAYER.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES_INV:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES_INV[m.group(2)]}"
-    return None
+    """The titanctl name of a Hugging Face weight name of any family, whatever the model's depth
+    (None: no family's weight name)."""
+    return next((ours for spec in all_specs() if (ours := _ours_of(hf_name, spec.hf)) is not None), None)
 
 
 def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
@@ -98,6 +94,9 @@ def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: Mo
 
 
 def _heads_of(meta_name: str, args: ModelArgs) -> int | None:
+    """Query or key heads whose rows to permute: only Meta's interleaved RoPE layout needs it."""
+    if args.rope_layout != "interleaved":
+        return None
     if meta_name.endswith("attention.wq.weight"):
         return args.n_heads
     if meta_name.endswith("attention.wk.weight"):
@@ -139,9 +138,12 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[st
 
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool) -> Iterator[tuple[str, torch.Tensor]]:
     convert = to_hf_tensor if to_hf else from_hf_tensor
-    missing = set(weight_shapes(args))  # Meta names still to come
+    aliases = tied_weights(args)  # a tied output layer is the embedding: Hugging Face stores it once
+    missing = set(weight_shapes(args)) - set(aliases)  # titanctl names still to come
     for name, tensor in pairs:
         if not to_hf and name.endswith(_IGNORED_HF_SUFFIXES):
+            continue
+        if (name if to_hf else _meta_name(name, args)) in aliases:
             continue
         new_name, new_tensor = convert(name, tensor, args)
         meta = name if to_hf else new_name
@@ -170,13 +172,14 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    return dict(iter_from_hf(sd.items(), args))
+    """Every key ``load_state_dict`` wants, a tied alias included (as the embedding's tensor)."""
+    out = dict(iter_from_hf(sd.items(), args))
+    for alias, of in tied_weights(args).items():
+        out[alias] = out[of]
+    return out
 
 
 # ----------------------------------------------------------------------------- config
-
-_DEFAULT_THETA = 10000.0  # what transformers assumes when a config names no theta
-_DEFAULT_EPS = 1e-6  # LlamaConfig's default rms_norm_eps
 
 
 def hf_config(
@@ -187,61 +190,10 @@ def hf_config(
     eos_token_id: int | list[int] | None = None,
     max_position_embeddings: int | None = None,
 ) -> dict[str, Any]:
-    """config.json for ``LlamaForCausalLM`` that transformers 4.x and 5.x both read.
-
-    RoPE is written twice: 4.x's ``rope_theta`` + ``rope_scaling`` (which 5.x still reads,
-    and prefers) and 5.x's ``rope_parameters`` (which 4.x ignores).
-    ``max_position_embeddings`` defaults to ``max_seq_len``, and with Llama 3.1 scaling to
-    at least 16 x the original context (Meta's published 131072 = 16 x 8192); it must
-    exceed ``original_max_position_embeddings``.
-    """
-    scaling = args.rope_scaling
-    if max_position_embeddings is None:
-        max_position_embeddings = args.max_seq_len
-        if scaling is not None:
-            published = 16 * scaling.original_max_position_embeddings
-            max_position_embeddings = max(max_position_embeddings, published)
-    if scaling is not None and max_position_embeddings <= scaling.original_max_position_embeddings:
-        raise CheckpointError(
-            f"max_position_embeddings {max_position_embeddings} must exceed the RoPE scaling's "
-            f"original_max_position_embeddings {scaling.original_max_position_embeddings}"
-        )
-    theta = float(args.rope_theta)
-    if scaling is None:
-        rope_scaling = None
-        rope_parameters = {"rope_type": "default", "rope_theta": theta}
-    else:
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": float(scaling.factor),
-            "low_freq_factor": float(scaling.low_freq_factor),
-            "high_freq_factor": float(scaling.high_freq_factor),
-            "original_max_position_embeddings": int(scaling.original_max_position_embeddings),
-        }
-        rope_parameters = {**rope_scaling, "rope_theta": theta}
+    """config.json of the family's ``*ForCausalLM`` that transformers 4.x and 5.x both read."""
+    config = spec_of(args).hf.config_from_args(args, max_position_embeddings)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": rope_parameters,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
+        **config,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "torch_dtype": torch_dtype,  # 4.x name
@@ -249,113 +201,25 @@ def hf_config(
     }
 
 
-def _require(cfg: dict[str, Any], key: str) -> Any:
-    if cfg.get(key) is None:
-        raise CheckpointError(f"Hugging Face config lacks {key!r}")
-    return cfg[key]
-
-
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    v5_theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
-    thetas = (params.get("rope_theta"), cfg.get("rope_theta"), v5_theta)
-    theta = next((t for t in thetas if t is not None), _DEFAULT_THETA)
-    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError("partial rotary embeddings (partial_rotary_factor != 1) are not Llama 3")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        raise CheckpointError(f"unsupported RoPE type {rope_type!r} (titanctl knows 'default' and 'llama3')")
-    try:
-        scaling = RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            # transformers falls back to max_position_embeddings, so do we.
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings") or _require(cfg, "max_position_embeddings")
-            ),
-        )
-    except KeyError as e:
-        raise CheckpointError(f"Hugging Face llama3 RoPE scaling lacks {e.args[0]!r}") from None
-    return float(theta), scaling
-
-
-def _ffn_args(dim: int, hidden: int) -> tuple[int, float | None]:
-    """(multiple_of, ffn_dim_multiplier) for which ModelArgs.ffn_hidden_dim == hidden."""
-    if hidden <= 0:
-        raise CheckpointError(f"intermediate_size must be positive, got {hidden}")
-    base = int(2 * 4 * dim / 3)
-    candidates: list[tuple[int, float | None]] = [
-        (256, None),  # Llama defaults
-        (1024, 1.3),  # 8B
-        (4096, 1.3),  # 70B
-        (4096, 1.2),  # 405B
-        # Fallback, always exact: round up to `hidden` itself, after shrinking if needed.
-        (hidden, None if base <= hidden else hidden / base),
-    ]
-    for multiple_of, multiplier in candidates:
-        probe = ModelArgs(dim=dim, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
-        if probe.ffn_hidden_dim == hidden:
-            return multiple_of, multiplier
-    raise CheckpointError(f"cannot express intermediate_size {hidden} for dim {dim} in ModelArgs")
-
-
 def args_from_hf_config(
     cfg: dict[str, Any], *, max_seq_len: int | None = None, where: str = "the Hugging Face config"
 ) -> ModelArgs:
-    """ModelArgs of a Hugging Face LlamaForCausalLM config (4.x or 5.x keys), checked
-    (``titanctl.checkpoint.model_args.check_args``) before any arithmetic on them.
+    """ModelArgs of a Hugging Face ``*ForCausalLM`` config (4.x or 5.x keys) of any family, whose
+    ``model_type`` picks the family, checked (``titanctl.checkpoint.model_args.check_args``).
 
     ``max_seq_len`` (the RoPE table length; the trainer sets its own) defaults to
     ``max_position_embeddings``.
     """
-    if cfg.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"not a Llama config: model_type {cfg.get('model_type')!r}")
+    model_type = cfg.get("model_type", "llama")
+    spec = spec_for_hf_model_type(model_type) if isinstance(model_type, str) else None
+    if spec is None:
+        known = ", ".join(s.hf.model_type for s in all_specs())
+        raise CheckpointError(f"{where}: model_type {model_type!r} is no family titanctl builds ({known})")
     try:
-        n_heads = _whole(_require(cfg, "num_attention_heads"))
-        declared = ModelArgs(
-            dim=_whole(_require(cfg, "hidden_size")),
-            n_layers=_whole(_require(cfg, "num_hidden_layers")),
-            n_heads=n_heads,
-            n_kv_heads=_whole(cfg.get("num_key_value_heads") or n_heads),
-            vocab_size=_whole(_require(cfg, "vocab_size")),
-            norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_EPS)),
-            max_seq_len=_whole(max_seq_len or cfg.get("max_position_embeddings") or ModelArgs.max_seq_len),
-        )
-        check_args(declared, where)
-        hidden = _whole(_require(cfg, "intermediate_size"))
-        theta, scaling = _rope_from_hf(cfg)
+        args = spec.hf.args_from_config(cfg, max_seq_len, where)
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
         raise CheckpointError(f"{where} has an invalid value: {e}") from None
-    dim = declared.dim
-    if cfg.get("head_dim") not in (None, declared.head_dim):
-        raise CheckpointError(
-            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {declared.head_dim}"
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {cfg['hidden_act']!r} is not Llama's 'silu'")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise CheckpointError(f"{flag}=true: Llama 3 has no biases")
-    if cfg.get("tie_word_embeddings"):
-        raise CheckpointError(
-            "tie_word_embeddings=true is not supported (Llama 3.1 has a separate output layer)"
-        )
-    multiple_of, multiplier = _ffn_args(dim, hidden)
-    args = declared.replace(
-        multiple_of=multiple_of, ffn_dim_multiplier=multiplier, rope_theta=theta, rope_scaling=scaling
-    )
     return check_args(args, where)
-
-
-def _whole(value: Any) -> int:
-    """An integer field: ints (and integral floats, as some exporters write them) only."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ValueError(f"{value!r} is not an integer")
-    return int(value)
 
 
 __all__ = [

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl.checkpoint.formats.base import Source
 from titanctl.errors import CheckpointError
-from titanctl.parallel.init import canonical_name
+from titanctl.parallel.layouts.weight_init import canonical_name
 
 
 @dataclass

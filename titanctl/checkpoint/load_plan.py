@@ -18,21 +18,21 @@ tensor by tensor at load, converted on the fly, with no converted copy on disk.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanctl.checkpoint.formats import detect, open_source
+from titanctl.checkpoint.locate import STEP_FOLDER as STEP_FOLDER  # re-exported (manager)
+from titanctl.checkpoint.locate import complete_checkpoints, locate
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
 from titanctl.checkpoint.reader import DCPFolder
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.shapes import weight_shapes
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.shapes import weight_shapes
 
-STEP_FOLDER = re.compile(r"step-(\d+)")
 # What a full checkpoint holds: the model's tensors at the top level, the other parts nested under their names.
 STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 # Model-args fields that decide tensor shapes (named in mismatch messages).
@@ -78,20 +78,6 @@ class ForeignPlan:
     step: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
     restores_model: bool = True
-
-
-def complete_checkpoints(root: Path) -> dict[int, Path]:
-    """{step: folder} of the complete checkpoints under ``root`` (temporary folders ignored)."""
-    found = {}
-    try:
-        if root.is_dir():
-            for child in root.iterdir():
-                match = STEP_FOLDER.fullmatch(child.name)
-                if match and child.is_dir():
-                    found[int(match.group(1))] = child
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint folder {root}: {e.strerror or e}") from None
-    return dict(sorted(found.items()))
 
 
 def plan_load(
@@ -237,23 +223,9 @@ def check_model(folder: Path, meta: dict[str, Any], entries: dict[str, Any], arg
 
 
 def resolve_checkpoint_path(path: Path, what: str) -> Path:
-    """A step folder, or a checkpoint root holding step-N folders (-> the newest complete one)."""
-    try:
-        if not path.exists():
-            raise CheckpointError(f"{what} {path} does not exist")
-        if path.is_file():
-            raise CheckpointError(
-                f"{what} {path} is a file, not a checkpoint folder (titanctl checkpoints are step-N folders "
-                f"holding DCP files and {METADATA_FILE})"
-            )
-        has_metadata = (path / METADATA_FILE).exists()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    if not has_metadata:
-        steps = complete_checkpoints(path)
-        if steps:
-            return steps[max(steps)]
-    return path
+    """A checkpoint folder, or a folder of step-N folders (-> the newest complete one): see
+    ``titanctl.checkpoint.locate``, which also refuses a path that holds no checkpoint."""
+    return locate(path, what).folder
 
 
 def _args_hint(meta: dict[str, Any], args: ModelArgs) -> str:

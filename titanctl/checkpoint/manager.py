@@ -79,10 +79,10 @@ from titanctl.checkpoint.state import (
     TrainState,
 )
 from titanctl.config.job_config import JobConfig
-from titanctl.config.loader import to_toml
+from titanctl.config.recipe import to_toml
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, TitanError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
 
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"

@@ -18,7 +18,7 @@ from typing import Any
 from titanctl.checkpoint.model_args import args_from_fields
 from titanctl.checkpoint.paths import inside
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
 from titanctl.safe_io import load_json, replace_atomically
 
 METADATA_FILE = "titanctl.json"

@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import ROPE_LAYOUTS
+from titanctl.models.common.args import ROPE_LAYOUTS, ModelArgs, RopeScaling
 from titanctl.models.common.norms import NORMS
-from titanctl.models.llama.args import ModelArgs, RopeScaling
-from titanctl.models.llama.shapes import num_params
+from titanctl.models.registry import FAMILIES
+from titanctl.models.shapes import num_params
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # The final norm's weight, as each format names it: shape (dim,) in every format and every shard.
@@ -76,9 +76,10 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
             _int(getattr(args, name), name, where)
     for name in ("depth_init", "qk_norm", "tie_embeddings"):
         _one_of(getattr(args, name), name, where, (True, False))
+    _one_of(args.family, "family", where, FAMILIES)
     _one_of(args.norm_type, "norm_type", where, NORMS)
     _one_of(args.rope_layout, "rope_layout", where, ROPE_LAYOUTS)
-    if args.dim % args.n_heads:
+    if args.explicit_head_dim is None and args.dim % args.n_heads:
         raise CheckpointError(f"{where}: dim {args.dim} is not divisible by n_heads {args.n_heads}")
     if args.n_heads % args.kv_heads:
         raise CheckpointError(f"{where}: n_heads {args.n_heads} is not divisible by n_kv_heads {args.kv_heads}")

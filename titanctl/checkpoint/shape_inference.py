@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import all_specs
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -64,7 +65,15 @@ def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[Mo
 
     q_dim, kv_dim, ffn = rows("attention.wq.weight"), rows("attention.wk.weight"), rows("feed_forward.w1.weight")
     seen = f"dim {dim}, {n_layers} layers, vocab {vocab}, query width {q_dim}, key/value width {kv_dim}, ffn {ffn}"
-    for flavor, args in LLAMA3_FLAVORS.items():
+    qk_norm = "layers.0.attention.q_norm.weight" in shapes
+    tied = "output.weight" not in shapes
+    flavors = [(spec.name, flavor, args) for spec in all_specs() for flavor, args in spec.flavors.items()]
+    for family, flavor, args in flavors:
+        if args.qk_norm != qk_norm or (tied and not args.tie_embeddings):
+            continue
+        # A tied flavor's checkpoint that stores its output layer (torchtitan's Llama 3.2) is read
+        # as the untied model with those weights.
+        args = args.replace(tie_embeddings=tied)
         if (args.dim, args.n_heads * args.head_dim, args.ffn_hidden_dim) != (dim, q_dim, ffn):
             continue
         kv_heads = kv_heads_of(kv_dim, args)
@@ -79,7 +88,8 @@ def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[Mo
                 f"n_heads {args.n_heads}, RoPE and norm eps taken from it; n_kv_heads {kv_heads} from the "
                 f"key/value width ({kind}, where the flavor has {args.kv_heads})"
             )
-        origin = f"tensor shapes ({seen}: flavor {flavor}'s{depth}; {heads})"
+        label = flavor if family == "llama3" else f"{family}:{flavor}"  # as --flavor takes it
+        origin = f"tensor shapes ({seen}: flavor {label}'s{depth}; {heads})"
         return args.replace(n_layers=n_layers, vocab_size=vocab, n_kv_heads=kv_heads), origin
     raise CheckpointError(
         f"{where} has no model config; its tensor shapes say {seen}, which is no published flavor, and "

@@ -13,6 +13,9 @@ Hugging Face (``AutoTokenizer``, ``pipeline``, torchtitan 0.3's ``HuggingFaceTok
 - pre-tokenizer: the tokenizer's split regex (Llama 3's), then bytes to the alphabet;
 - the 256 special tokens at their ids, and ``<|begin_of_text|>`` prepended on encode.
 
+A tokenizer read from a Hugging Face ``tokenizer.json`` with its own ``tokenizer_config.json``
+(Qwen's: no ``<|begin_of_text|>``) is not rebuilt: both files are copied as they are.
+
 torchtune (``llama3_tokenizer``): the tiktoken ranks file ``tokenizer.model`` and
 ``special_tokens.json``, a ``{"added_tokens": [...]}`` file as torchtune's
 ``special_tokens_path`` reads it. torchtune 0.6 insists on ``<|step_id|>`` and
@@ -41,12 +44,13 @@ from titanctl.checkpoint.formats.hf import special_token_ids
 from titanctl.checkpoint.paths import boundary, inside
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, MAX_TOKENIZER_BYTES, Tokenizer
 from titanctl.errors import CheckpointError, DataError
+from titanctl.models.registry import spec_of
 from titanctl.safe_io import load_toml, read_bytes
 
 if TYPE_CHECKING:
     from titanctl.checkpoint.formats.base import Source
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.models.llama.args import ModelArgs
+    from titanctl.models.common.args import ModelArgs
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -99,12 +103,19 @@ def resolve_tokenizer(
             return None, recorded, ""
         tokenizer = _load(DEFAULT_TOKENIZER_PATH if bundled else source.folder / recorded)
         origin = f"the checkpoint's tokenizer {'(the bundled one)' if bundled else recorded}"
-    if tokenizer.vocab_size != args.vocab_size:
+    if tokenizer.vocab_size != args.vocab_size and not _padded_vocab(args, tokenizer.vocab_size):
         raise CheckpointError(
             f"tokenizer {tokenizer.path} ({origin}) has {tokenizer.vocab_size} tokens but the model's vocabulary "
             f"is {args.vocab_size}: give the tokenizer the model was trained with (--tokenizer-path)"
         )
     return tokenizer, _recorded_as(tokenizer), f"tokenizer: {origin}"
+
+
+def _padded_vocab(args: ModelArgs, tokenizer_ids: int) -> bool:
+    """A model whose embedding has the rows its family publishes, beyond its tokenizer's ids (Qwen3's
+    151,936 for 151,669): the extra rows are never produced by the tokenizer."""
+    published = {flavor.vocab_size for flavor in spec_of(args).flavors.values()}
+    return tokenizer_ids < args.vocab_size and args.vocab_size in published
 
 
 def _load(path: str | Path) -> Tokenizer:
@@ -165,11 +176,14 @@ def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: To
         write_generation_config(folder, args, tokenizer)
         if tokenizer is not None:
             write_hf_tokenizer(folder, tokenizer, args.max_seq_len)
+            _config_token_ids(folder, tokenizer)
     elif fmt == "torchtune" and tokenizer is not None:
         why_not = write_torchtune_tokenizer(folder, tokenizer)
         return [why_not] if why_not else []
     elif fmt == "dcp" and tokenizer is not None and not _is_bundled(tokenizer.path):
         (folder / _recorded_as(tokenizer)).write_bytes(tokenizer_bytes(tokenizer))
+        if tokenizer.config_bytes is not None:  # it names the special tokens of the copy beside it
+            (folder / TOKENIZER_CONFIG).write_bytes(tokenizer.config_bytes)
     return []
 
 
@@ -241,17 +255,33 @@ def generation_config(bos_id: int | None, eos_ids: list[int] | int | None) -> di
     return {"bos_token_id": bos_id, "eos_token_id": eos_ids}
 
 
+def _config_token_ids(folder: Path, tokenizer: Tokenizer) -> None:
+    """config.json's bos/eos as the exported tokenizer has them (a family may have no convention)."""
+    path = folder / "config.json"
+    if not path.is_file():  # the weights' writer made none (a caller writing the tokenizer alone)
+        return
+    config = json.loads(path.read_text())
+    config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def write_generation_config(folder: Path, args: ModelArgs, tokenizer: Tokenizer | None) -> None:
     """bos and the stop ids (end of text, of message, of turn: where titanctl's generation stops)."""
     if tokenizer is not None:
         config = generation_config(tokenizer.bos_id, sorted(tokenizer.stop_tokens))
     else:
-        bos, eos = special_token_ids(args.vocab_size)
+        bos, eos = special_token_ids(args)
         config = generation_config(bos, eos)
     (folder / GENERATION_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_hf_tokenizer(folder: Path, tokenizer: Tokenizer, max_len: int) -> None:
+    if tokenizer.config_bytes is not None:
+        # A Hugging Face tokenizer with its own config (Qwen's) goes out as it came in: rebuilding it
+        # would lose its chat template and added tokens' flags, and it has no <|begin_of_text|>.
+        (folder / TOKENIZER_JSON).write_bytes(tokenizer_bytes(tokenizer))
+        (folder / TOKENIZER_CONFIG).write_bytes(tokenizer.config_bytes)
+        return
     (folder / TOKENIZER_JSON).write_text(hf_tokenizer_json(tokenizer))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -271,7 +301,7 @@ def write_hf_tokenizer(folder: Path, tokenizer: Tokenizer, max_len: int) -> None
 def tokenizer_bytes(tokenizer: Tokenizer) -> bytes:
     """The tokenizer's own file, read again: refused if it is no longer the file that was loaded."""
     data = read_bytes(tokenizer.path, what="tokenizer file", max_bytes=MAX_TOKENIZER_BYTES, error=CheckpointError)
-    if hashlib.sha256(data).hexdigest() != tokenizer.sha256:
+    if hashlib.sha256(data).hexdigest() != tokenizer.file_sha256:
         raise CheckpointError(f"tokenizer file {tokenizer.path} changed while it was being converted")
     return data
 

@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 
 from titanctl.errors import ConfigError, ParallelError, TitanError
-from titanctl.parallel import elastic
+from titanctl.parallel.runtime import elastic
 from titanctl.safe_io import shown
 
 err = Console(stderr=True, highlight=False)

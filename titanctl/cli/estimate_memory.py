@@ -31,14 +31,17 @@ def estimate_memory(
 ) -> None:
     """Per-rank peak memory of a recipe at a world size, without materializing the model.
 
-    Any config key can be overridden: --section.key VALUE.
+    Any config key the estimate reads can be overridden: --section.key VALUE (one it does not read,
+    e.g. --checkpoint.interval, is an error).
     """
 
-    from titanctl.config.loader import load_config
-    from titanctl.parallel import elastic
+    from titanctl.config.recipe import load_config
+
+    # --validate also runs the real step, which reads a few more keys.
+    cfg = load_config(config, ctx.args, command="estimate-memory --validate" if validate else "estimate-memory")
+    from titanctl.parallel.runtime import elastic
     from titanctl.tools import memory
 
-    cfg = load_config(config, ctx.args)
     rank = elastic.int_from_env("RANK", 0, minimum=0)
     # Every rank checks the request, so that a bad one fails everywhere before any rendezvous.
     if validate:

@@ -11,7 +11,9 @@ import typer
 def infer_tp(
     ctx: typer.Context,
     checkpoint: Path = typer.Option(
-        ..., "--checkpoint", help="DCP step folder, folder of step-N folders, or Hugging Face folder."
+        ..., "--checkpoint",
+        help="Checkpoint folder of any format convert reads (titanctl DCP, Hugging Face, Meta, torchtune, "
+        "torchtitan), or a folder of step-N folders (the newest complete one is read).",
     ),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate at most."),
@@ -24,14 +26,20 @@ def infer_tp(
         False, "--compile/--no-compile", help="torch.compile the decode step (pays off for long generations)."
     ),
     config: Path | None = typer.Option(
-        None, "--config", help="Recipe giving the tokenizer, and the model when the checkpoint does not say."
+        None, "--config",
+        help="Recipe giving the tokenizer (default: the checkpoint folder's tokenizer.json or tokenizer.model, "
+        "else the bundled one), and the model when the checkpoint does not say.",
     ),
     out: Path | None = typer.Option(None, "--out", help="Also write tokens, text and speed as JSON."),
 ) -> None:
     """Generate text with a static KV cache, Tensor Parallel over every rank (alone or under torchrun).
 
-    Extra --section.key VALUE options override the recipe (e.g. --model.tokenizer_path).
+    Extra --section.key VALUE options override the recipe (e.g. --model.tokenizer_path); one that
+    infer-tp does not read (e.g. --parallelism.tensor_parallel_degree: the degree is the world size) is an error.
     """
+    from titanctl.config.recipe import check_overrides
+
+    check_overrides("infer-tp", ctx.args)  # before torch is imported and any checkpoint is looked at
     from titanctl.tools.generate import run
 
     report = run(

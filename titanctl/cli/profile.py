@@ -18,12 +18,16 @@ def profile(
 ) -> None:
     """Record one training step's trace and memory timeline per rank, then summarize them.
 
-    Any config key can be overridden: --section.key VALUE. Checkpointing is off while profiling.
+    Any config key can be overridden: --section.key VALUE, except training.steps (--steps sets it),
+    profiling.enable_profiling and profile_freq, and the checkpoint keys other than initial_load_path,
+    initial_load_model_weights_only and exclude_from_loading: checkpointing is off while profiling.
     """
-    from titanctl.config.loader import load_config
-    from titanctl.tools import profiling
+    from titanctl.config.recipe import load_config
 
-    summary = profiling.run(load_config(config, ctx.args), steps=steps, top=top)
+    cfg = load_config(config, ctx.args, command="profile")  # before torch is imported: mistakes fail fast
+    from titanctl.tools import profile_run as profiling
+
+    summary = profiling.run(cfg, steps=steps, top=top)
     if summary is not None:  # rank 0
         _print_summary(summary, top)
 

@@ -13,9 +13,9 @@ def train(
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
 ) -> None:
     """Pre-train Llama 3.1. Any config key can be overridden: --section.key VALUE."""
-    from titanctl.config.loader import load_config, to_toml
+    from titanctl.config.recipe import load_config, to_toml
 
-    cfg = load_config(config, ctx.args)
+    cfg = load_config(config, ctx.args, command="train")
     if print_config:
         typer.echo(to_toml(cfg))
         return

@@ -48,11 +48,21 @@ class Job:
     log_ranks: list[int] = opt([0], "Ranks whose console output is shown (others stay quiet).")
 
 
+# model.name -> its flavors, as titanctl.models.registry declares them (a test keeps the two equal;
+# the config layer sits below the models and cannot ask the registry).
+MODEL_FLAVORS = {
+    "llama3": ("debugmodel", "8B", "70B", "405B", "1B", "3B"),
+    "qwen3": ("debugmodel", "debugmodel_untied", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
+}
+
+
 @dataclass
 class Model:
-    name: str = opt("llama3", "Model family.", choices=("llama3",))
+    name: str = opt("llama3", "Model family.", choices=tuple(MODEL_FLAVORS))
     flavor: str = opt(
-        "debugmodel", "Model size.", choices=("debugmodel", "8B", "70B", "405B")
+        "debugmodel",
+        "Model size, one of the family's: "
+        + "; ".join(f"{name}: {', '.join(flavors)}" for name, flavors in MODEL_FLAVORS.items()) + ".",
     )
     n_layers: int = opt(
         0, "Override the flavor's number of layers (0 keeps the flavor's; published models have at most 126).",

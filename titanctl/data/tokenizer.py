@@ -6,13 +6,18 @@ usual ids (128000 = <|begin_of_text|>) and the bundled 4096-rank tokenizer gives
 4096 = <|begin_of_text|>. This module does not import torch.
 
 A Hugging Face `tokenizer.json` of a byte-level BPE (what Llama 3 repositories ship
-beside `original/tokenizer.model`) is read too: its vocab, written in GPT-2's
+beside `original/tokenizer.model`, and Qwen's) is read too: its vocab, written in GPT-2's
 printable-byte alphabet, maps back to raw bytes and token ids become tiktoken ranks;
-its pre-tokenizer regex and added special tokens are used as they are. tiktoken merges
-the lowest-ranked pair first and `tokenizers` the earliest merge, so the merges must
-come in token-id order, as in tokenizers converted from tiktoken (Llama 3's) and those
-trained by `tokenizers` (ids are given in merge order); that is checked. The
-`tokenizers` library itself is not needed.
+its pre-tokenizer regex, NFC normalizer (Qwen's) and added special tokens are used as
+they are. tiktoken merges the lowest-ranked pair first and `tokenizers` the earliest
+merge, so the merges must come in token-id order, as in tokenizers converted from
+tiktoken (Llama 3's, Qwen's) and those trained by `tokenizers` (ids are given in merge
+order); that is checked. The `tokenizers` library itself is not needed.
+
+Special tokens: a tokenizer.json whose added tokens are Llama 3's gets Llama 3's (and so
+does one without added tokens); any other needs the `tokenizer_config.json` that Hugging
+Face repositories keep beside it, which names its bos, eos and pad tokens. Qwen's has no
+BOS: `bos_id` is None and `encode(..., bos=True)` adds nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import hashlib
 import itertools
 import os
 import re
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,6 +66,14 @@ SPECIAL_TOKENS: tuple[str, ...] = _NAMED_SPECIAL_TOKENS + tuple(
 )
 
 
+LLAMA_BOS = SPECIAL_TOKENS[0]  # a tokenizer.json that adds it has Llama 3's special tokens
+# Qwen's chat tokens: the end of a document and of a turn, where generation stops.
+CHAT_END_OF_TEXT, CHAT_END_OF_TURN = "<|endoftext|>", "<|im_end|>"
+
+# What Hugging Face repositories keep beside tokenizer.json; it names the bos/eos/pad tokens.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_TOKENIZER_CONFIG_BYTES = 4 << 20  # Qwen3's is 10 kB, Llama 3's 50 kB
+
 # GPT-2's pre-tokenizer split, what a `ByteLevel(use_regex=true)` pre-tokenizer applies.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -92,11 +106,11 @@ def _encode_threads() -> int:
 
 
 class Tokenizer:
-    """Encode text to Llama 3 token ids and back.
+    """Encode text to token ids (Llama 3's, or a Hugging Face byte-level BPE's) and back.
 
-    Special-token text inside the input ("<|eot_id|>") is always encoded as ordinary
-    text: only `bos`/`eos` put special ids into the output, so data can never inject
-    control tokens.
+    Special-token text inside the input ("<|eot_id|>", "<|im_start|>") is always encoded
+    as ordinary text: only `bos`/`eos` put special ids into the output, so data can never
+    inject control tokens. (`tokenizers` would match added tokens in the text instead.)
     """
 
     def __init__(self, path: str | os.PathLike = DEFAULT_TOKENIZER_PATH) -> None:
@@ -105,14 +119,23 @@ class Tokenizer:
 
         self.path = Path(path)
         data = _read_tokenizer_file(self.path)
-        # The content hash identifies the tokenizer (the loader keys its caches and
-        # checkpoint fingerprints by it).
-        self.sha256 = hashlib.sha256(data).hexdigest()
         specials: dict[str, int] | None = None
         pattern = LLAMA3_PATTERN
+        self.nfc = False  # Qwen's tokenizer.json normalizes text to NFC first
+        self.config_bytes: bytes | None = None  # the tokenizer_config.json that named the special tokens
         self.is_json = data.lstrip()[:1] in (b"{", b"[")  # a Hugging Face tokenizer.json (base64 has no brackets)
+        config = None
         if self.is_json:
-            ranks, specials, pattern = _read_tokenizer_json(data, self.path)
+            ranks, added, pattern, self.nfc = _read_tokenizer_json(data, self.path)
+            config_path = self.path.parent / TOKENIZER_CONFIG
+            if added and LLAMA_BOS not in added and os.path.lexists(config_path):
+                self.config_bytes = read_bytes(
+                    config_path, what="tokenizer config", max_bytes=MAX_TOKENIZER_CONFIG_BYTES, error=DataError
+                )
+                config = _read_tokenizer_config(self.config_bytes, config_path)
+                specials = _following_specials(added, len(ranks), self.path)
+            elif added:
+                specials = _llama_specials(added, len(ranks), self.path)
         else:
             ranks = _read_tiktoken_ranks(data, self.path)
         _validate_ranks(ranks, self.path)
@@ -127,7 +150,16 @@ class Tokenizer:
         # would silently decode to the wrong bytes.
         if set(self.special_tokens.values()) & set(ranks.values()):
             raise DataError(f"tokenizer file {self.path}: special-token ids collide with ordinary ranks")
-        self.vocab_size: int = self.n_base_tokens + len(SPECIAL_TOKENS)
+        if config is None:
+            self._take_llama_specials()
+        else:
+            self._take_config_specials(config, config_path)
+        # The content hash identifies the tokenizer (the loader keys its caches and checkpoint
+        # fingerprints by it): the ids a tokenizer_config.json chose change every encoding.
+        self.file_sha256 = hashlib.sha256(data).hexdigest()
+        self.sha256 = self.file_sha256 if config is None else hashlib.sha256(
+            data + f"\0bos={self.bos_id},eos={self.eos_id}".encode()
+        ).hexdigest()
         try:
             self._model = tiktoken.Encoding(
                 name=f"titanctl-{self.sha256[:12]}",
@@ -138,13 +170,34 @@ class Tokenizer:
             )
         except ValueError:  # a tokenizer.json regex tiktoken's engine cannot compile (its message quotes it)
             raise DataError(f"tokenizer file {self.path}: tiktoken cannot compile its pre-tokenizer regex") from None
-        self.bos_id: int = self._special_id("<|begin_of_text|>")
+
+    def _take_llama_specials(self) -> None:
+        self.vocab_size: int = self.n_base_tokens + len(SPECIAL_TOKENS)
+        self.bos_id: int | None = self._special_id("<|begin_of_text|>")
         self.eos_id: int = self._special_id("<|end_of_text|>")
-        self.pad_id: int = self._special_id("<|finetune_right_pad_id|>")
-        self.eot_id: int = self._special_id("<|eot_id|>")
-        self.eom_id: int = self._special_id("<|eom_id|>")
+        self.pad_id: int | None = self._special_id("<|finetune_right_pad_id|>")
+        self.eot_id: int | None = self._special_id("<|eot_id|>")
+        self.eom_id: int | None = self._special_id("<|eom_id|>")
         # Generation stops at any of these: end of text, end of turn, end of message.
         self.stop_tokens: set[int] = {self.eos_id, self.eot_id, self.eom_id}
+
+    def _take_config_specials(self, config: dict, config_path: Path) -> None:
+        # The added tokens follow the base ranks without gaps (checked), so this is the highest id + 1.
+        self.vocab_size = self.n_base_tokens + len(self.special_tokens)
+        self.bos_id, self.eos_id, self.pad_id = (
+            _config_token(config, field, self.special_tokens, config_path, self.path)
+            for field in ("bos_token", "eos_token", "pad_token")
+        )
+        if self.eos_id is None:
+            raise DataError(
+                f"tokenizer config {config_path}: eos_token is null or missing; titanctl ends every document with it"
+            )
+        self.eot_id = self.special_tokens.get(CHAT_END_OF_TURN)
+        self.eom_id = None
+        # A chat model's config names its end of turn as eos: generation stops at the end of text too.
+        self.stop_tokens = {self.eos_id} | {
+            self.special_tokens[t] for t in (CHAT_END_OF_TEXT, CHAT_END_OF_TURN) if t in self.special_tokens
+        }
 
     def _special_id(self, name: str) -> int:
         # A Llama 3.0 tokenizer.json names some ids differently (no <|finetune_right_pad_id|>):
@@ -154,11 +207,15 @@ class Tokenizer:
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
         ids = [i for piece in _split_long_runs(text) for i in self._model.encode_ordinary(piece)]
         return self._wrap(ids, bos, eos)
 
     def encode_batch(self, texts: Sequence[str], *, bos: bool, eos: bool) -> list[list[int]]:
         """Encode many texts on tiktoken's thread pool (its Rust core releases the GIL)."""
+        if self.nfc:
+            texts = [unicodedata.normalize("NFC", t) for t in texts]
         split = [_split_long_runs(t) for t in texts]
         pieces = [piece for parts in split for piece in parts]
         encoded = iter(self._model.encode_ordinary_batch(pieces, num_threads=_encode_threads()))
@@ -173,7 +230,7 @@ class Tokenizer:
         return self._model.decode(list(ids))
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
-        if bos:
+        if bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if eos:
             ids.append(self.eos_id)
@@ -252,8 +309,9 @@ def _pre_tokenizer_pattern(pre: object, path: Path) -> str:
     return pattern
 
 
-def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dict[str, int] | None, str]:
-    """(tiktoken ranks, special tokens or None, split regex) of a HF byte-level BPE tokenizer.json.
+def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dict[str, int], str, bool]:
+    """(tiktoken ranks, added tokens, split regex, whether text is NFC-normalized first) of a HF
+    byte-level BPE tokenizer.json.
 
     Every value is checked for type before use, and no message quotes one: a tokenizer path can
     name any file, and what the file says must not reach the console."""
@@ -267,8 +325,13 @@ def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dic
         raise DataError(f"tokenizer file {path}: model.type is not BPE, so this is not byte-level BPE")
     vocab = _typed(model.get("vocab", _MISSING), dict, "model.vocab", path)
     merges = _typed(model.get("merges", _MISSING), list, "model.merges", path)
-    if model.get("byte_fallback") or spec.get("normalizer"):
-        raise DataError(f"tokenizer file {path}: byte_fallback/normalizer (SentencePiece style) is not byte-level BPE")
+    normalizer = spec.get("normalizer")
+    nfc = normalizer == {"type": "NFC"}  # Qwen's
+    if model.get("byte_fallback") or (normalizer and not nfc):
+        raise DataError(
+            f"tokenizer file {path}: byte_fallback/a normalizer other than NFC (SentencePiece style) is not "
+            "byte-level BPE"
+        )
     pattern = _pre_tokenizer_pattern(spec.get("pre_tokenizer"), path)
     added = _added_tokens(spec.get("added_tokens") or [], path)
 
@@ -298,22 +361,57 @@ def _read_tokenizer_json(data: bytes, path: Path) -> tuple[dict[bytes, int], dic
                 "tiktoken ranks"
             )
         last = made
+    return ranks, added, pattern, nfc
 
-    specials = None
-    if added:
-        n_base = len(ranks)
-        ids = sorted(added.values())
-        if ids != list(range(n_base, n_base + NUM_SPECIAL_TOKENS)):
-            raise DataError(
-                f"tokenizer file {path}: expected Llama 3's {NUM_SPECIAL_TOKENS} special tokens at ids "
-                f"{n_base}..{n_base + NUM_SPECIAL_TOKENS - 1}, found {len(ids)} added tokens at {ids[0]}..{ids[-1]}"
-            )
-        if added.get("<|begin_of_text|>") != n_base or added.get("<|end_of_text|>") != n_base + 1:
-            raise DataError(
-                f"tokenizer file {path}: <|begin_of_text|>/<|end_of_text|> are not the first special tokens"
-            )
-        specials = added
-    return ranks, specials, pattern
+
+def _llama_specials(added: dict[str, int], n_base: int, path: Path) -> dict[str, int]:
+    """A tokenizer.json's added tokens, checked to be Llama 3's 256 right after the base ranks."""
+    ids = sorted(added.values())
+    if ids != list(range(n_base, n_base + NUM_SPECIAL_TOKENS)):
+        hint = "" if LLAMA_BOS in added else f"; other tokenizers need their {TOKENIZER_CONFIG} beside it"
+        raise DataError(
+            f"tokenizer file {path}: expected Llama 3's {NUM_SPECIAL_TOKENS} special tokens at ids "
+            f"{n_base}..{n_base + NUM_SPECIAL_TOKENS - 1}, found {len(ids)} added tokens at {ids[0]}..{ids[-1]}{hint}"
+        )
+    if added.get("<|begin_of_text|>") != n_base or added.get("<|end_of_text|>") != n_base + 1:
+        raise DataError(
+            f"tokenizer file {path}: <|begin_of_text|>/<|end_of_text|> are not the first special tokens"
+        )
+    return added
+
+
+def _following_specials(added: dict[str, int], n_base: int, path: Path) -> dict[str, int]:
+    """A tokenizer.json's added tokens, checked to take the ids right after the base ranks: every id
+    below the vocabulary size then decodes."""
+    ids = sorted(added.values())
+    if ids != list(range(n_base, n_base + len(ids))):
+        raise DataError(
+            f"tokenizer file {path}: its {len(ids)} added tokens must take ids {n_base}..{n_base + len(ids) - 1} "
+            f"right after the base vocabulary, but take {ids[0]}..{ids[-1]}"
+            + (" with repeats" if len(set(ids)) < len(ids) else "")
+        )
+    return added
+
+
+def _read_tokenizer_config(data: bytes, path: Path) -> dict:
+    """The fields of a tokenizer_config.json, as an object (see _config_token for the ones read)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"tokenizer config {path} is not UTF-8 text (byte {e.start})") from None
+    return _typed(parse_json(text, what=f"tokenizer config {path}", error=DataError), dict, "the file", path)
+
+
+def _config_token(config: dict, field: str, specials: dict[str, int], path: Path, json_path: Path) -> int | None:
+    """The id of the token a tokenizer_config.json names in `field` (None when null or missing)."""
+    value = config.get(field)
+    if isinstance(value, dict):  # older files write an AddedToken object
+        value = _typed(value.get("content", _MISSING), str, f"{field}.content", path)
+    if value is None:
+        return None
+    if _typed(value, str, field, path) not in specials:
+        raise DataError(f"tokenizer config {path}: {field} is not one of the added tokens of {json_path}")
+    return specials[value]
 
 
 def _added_tokens(listed: object, path: Path) -> dict[str, int]:

@@ -2,7 +2,10 @@
 
 Meta's repositories keep the tiktoken ``tokenizer.model`` in ``original/`` and a
 ``tokenizer.json`` (the same BPE for ``tokenizers``) at the top: both load in
-``titanctl.data.tokenizer.Tokenizer``. Gated repositories (all of meta-llama) need a
+``titanctl.data.tokenizer.Tokenizer``. Other Hugging Face repositories (Qwen's) have only
+the ``tokenizer.json``, whose special tokens their ``tokenizer_config.json`` names: a
+``tokenizer.json`` is fetched with the ``tokenizer_config.json`` beside it, when the repo
+has one. Gated repositories (all of meta-llama) need a
 token of an account that accepted the licence: ``--hf-token`` or ``HF_TOKEN``. The token
 is handed to huggingface_hub only; it is never printed, and it is scrubbed from any
 error message before that message is shown.
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from titanctl.data.tokenizer import Tokenizer
+from titanctl.data.tokenizer import TOKENIZER_CONFIG, Tokenizer
 from titanctl.errors import DataError
 
 DEFAULT_LOCAL_DIR = Path("assets/tokenizer")
@@ -31,6 +34,7 @@ class Downloaded:
     path: Path
     vocab_size: int
     sha256: str
+    config: Path | None = None  # the tokenizer_config.json fetched beside a tokenizer.json
 
 
 def repo_file(tokenizer_path: str, filename: str | None) -> str:
@@ -74,8 +78,19 @@ def _scrub(text: str, token: str | None) -> str:
     return text.replace(token, "***") if token else text
 
 
-def _hub_download(repo_id: str, target: str, local_dir, hf_token: str | None, tokenizer_path: str) -> Path:
-    """huggingface_hub's download, its refusals turned into one-line DataErrors without the token."""
+def config_file(target: str) -> str | None:
+    """The repo's `tokenizer_config.json` beside `target` when that is a `tokenizer.json`, else None."""
+    folder, _, name = target.rpartition("/")
+    if name != "tokenizer.json":
+        return None
+    return f"{folder}/{TOKENIZER_CONFIG}" if folder else TOKENIZER_CONFIG
+
+
+def _hub_download(
+    repo_id: str, target: str, local_dir, hf_token: str | None, tokenizer_path: str, optional: bool = False
+) -> Path | None:
+    """huggingface_hub's download, its refusals turned into one-line DataErrors without the token.
+    An `optional` file the repo lacks (or that offline mode does not find in `local_dir`) is None."""
     # huggingface_hub (and its HTTP stack) loads only when the hub is asked
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import (
@@ -104,6 +119,8 @@ def _hub_download(repo_id: str, target: str, local_dir, hf_token: str | None, to
     except RevisionNotFoundError as e:
         raise DataError(f"cannot download {where}: {_scrub(e, token)}") from None
     except LocalEntryNotFoundError:
+        if optional:
+            return None
         if constants.is_offline_mode():
             raise DataError(
                 f"cannot download {where}: HF_HUB_OFFLINE is set (offline mode) and the file is not in "
@@ -114,6 +131,8 @@ def _hub_download(repo_id: str, target: str, local_dir, hf_token: str | None, to
             f"is not in {local_dir}"
         ) from None
     except EntryNotFoundError:
+        if optional:
+            return None
         hint = "; Meta's repos keep tokenizer.model in 'original'" if not tokenizer_path else ""
         raise DataError(f"{repo_id} has no file {target}{hint}") from None
     except HfHubHTTPError as e:
@@ -131,7 +150,8 @@ def download_tokenizer(
     hf_token: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Downloaded:
-    """Download one tokenizer file into `local_dir` (keeping the repo's sub-folders) and check it loads.
+    """Download one tokenizer file into `local_dir` (keeping the repo's sub-folders), with the
+    `tokenizer_config.json` beside a `tokenizer.json`, and check that it loads.
 
     Online, ``log`` first hears which endpoint is contacted for which file. A Hub that cannot be
     reached fails at once, without touching `local_dir`, unless the file is already there (used as
@@ -141,25 +161,30 @@ def download_tokenizer(
 
     target = repo_file(tokenizer_path, filename)
     where = f"{target} of {repo_id}"
-    if constants.is_offline_mode():
-        path = _hub_download(repo_id, target, local_dir, hf_token, tokenizer_path)
-    else:
+    unreachable = None
+    if not constants.is_offline_mode():
         if log is not None:
             log(f"contacting {constants.ENDPOINT} for {where}")
         unreachable = probe(constants.ENDPOINT)
-        if unreachable is None:
-            path = _hub_download(repo_id, target, local_dir, hf_token, tokenizer_path)
-        elif (Path(local_dir) / target).is_file():
-            path = Path(local_dir) / target
+
+    def fetch(name: str, optional: bool = False) -> Path | None:
+        if unreachable is None:  # online, or offline mode (which looks in local_dir)
+            return _hub_download(repo_id, name, local_dir, hf_token, tokenizer_path, optional)
+        local = Path(local_dir) / name
+        if local.is_file():
             if log is not None:
-                log(f"the Hub is unreachable ({unreachable}); using {path} as it is")
-        else:
-            raise DataError(
-                f"cannot download {where}: the Hugging Face Hub ({constants.ENDPOINT}) is unreachable "
-                f"({unreachable}) and the file is not in {local_dir}; check the network, HF_ENDPOINT or "
-                "HTTPS_PROXY, or copy the file there"
-            )
+                log(f"the Hub is unreachable ({unreachable}); using {local} as it is")
+            return local
+        if optional:
+            return None
+        raise DataError(
+            f"cannot download {where}: the Hugging Face Hub ({constants.ENDPOINT}) is unreachable "
+            f"({unreachable}) and the file is not in {local_dir}; check the network, HF_ENDPOINT or "
+            "HTTPS_PROXY, or copy the file there"
+        )
 
-
+    path = fetch(target)
+    config = config_file(target)
+    config_path = fetch(config, optional=True) if config else None
     tokenizer = Tokenizer(path)  # a DataError names the file if it is not a usable tokenizer
-    return Downloaded(path=path, vocab_size=tokenizer.vocab_size, sha256=tokenizer.sha256)
+    return Downloaded(path=path, vocab_size=tokenizer.vocab_size, sha256=tokenizer.sha256, config=config_path)

@@ -16,7 +16,7 @@ gloo never marks entries completed, so "waiting in #N" means "#N is the last thi
 with NCCL, entries that reached ``completed`` are reported as such.
 
 Input: the dicts of ``torch._C._distributed_c10d._dump_fr_trace_json()`` (as written by
-``titanctl.parallel.hang_watchdog.dump``) or torch's own pickled dumps, decoded safely by the caller.
+``titanctl.parallel.runtime.hang_watchdog.dump``) or torch's own pickled dumps, decoded safely by the caller.
 """
 
 from __future__ import annotations

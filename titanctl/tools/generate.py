@@ -1,10 +1,15 @@
 """Text generation with a static KV cache, in one process or tensor parallel over all ranks.
 
-Checkpoints (:func:`find_checkpoint`, :func:`load_weights`, from ``titanctl.checkpoint.weights``): a
-titanctl DCP step folder (``titanctl.json`` gives the model; full training or weights-only), a plain
-DCP folder (the model comes from a recipe), a folder of step folders (the newest is taken), or a
-Hugging Face folder (``config.json`` + ``*.safetensors``). :func:`load_model` builds the model,
-sharded for tensor parallel when given a mesh (``titanctl.parallel.inference_tp``: plain local
+Checkpoints (:func:`find_checkpoint`, :func:`load_weights`, from ``titanctl.checkpoint.weights``):
+every format ``titanctl convert`` reads (titanctl DCP, Hugging Face, Meta, torchtune, torchtitan),
+a checkpoint folder or a folder of step-N folders (the newest complete one is taken); the model,
+its family included, comes from the checkpoint (``titanctl.json``, ``config.json``, ``params.json``),
+else from ``--config`` or the tensor shapes. The tokenizer is the recipe's when it names one
+(``--config``, ``--model.tokenizer_path``), else the one in the checkpoint folder (``tokenizer.json``
+with its ``tokenizer_config.json``, or ``tokenizer.model``), else the bundled one. A model may have
+more embedding rows than the tokenizer has ids (Qwen3 pads 151669 ids to 151936 rows): those ids
+are never sampled. :func:`load_model` builds the model,
+sharded for tensor parallel when given a mesh (``titanctl.parallel.layouts.inference_tp``: plain local
 tensors, the partial outputs of ``wo`` and ``w2`` summed over the ranks, the logits gathered), and fills it.
 
 Decoding (:class:`Decoder`): the prompt in one forward (prefill), then one token per step. The KV
@@ -32,15 +37,22 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titanctl.checkpoint.weights import CheckpointSource, find_checkpoint, load_weights
-from titanctl.config.loader import load_config
+from titanctl.checkpoint.weights import (
+    CheckpointSource,
+    checkpoint_tokenizer,
+    find_checkpoint,
+    load_weights,
+    with_model,
+)
+from titanctl.config.recipe import load_config, parse_overrides
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.errors import CheckpointError, ConfigError, DataError, ParallelError
-from titanctl.models.llama import model_args_from_config
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
-from titanctl.parallel import elastic, inference_tp
-from titanctl.parallel.env import init_process
+from titanctl.errors import ConfigError, DataError, ParallelError
+from titanctl.models import registry
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import model_args_from_config
+from titanctl.parallel.layouts import inference_tp
+from titanctl.parallel.runtime import elastic
+from titanctl.parallel.runtime.env import init_process
 from titanctl.tools.sampling import Sampling, sample, seed_key
 
 GREEDY = Sampling()
@@ -64,19 +76,35 @@ def check_tp_degree(args: ModelArgs, tp: int) -> None:
             )
 
 
-def check_vocab(args: ModelArgs, vocab_size: int, tokenizer_path: Path) -> None:
-    if args.vocab_size != vocab_size:
+def check_vocab(args: ModelArgs, vocab_size: int, tokenizer_path: Path, *, exact: bool = False) -> None:
+    """The tokenizer's ids must all have an embedding row; the model may have more rows (padding,
+    as Qwen3's), never sampled. ``exact``: the tokenizer is a guess (the bundled one, which nobody
+    named), so it must fit the model exactly."""
+    if vocab_size > args.vocab_size or (exact and vocab_size != args.vocab_size):
         raise DataError(
             f"the model has a vocabulary of {args.vocab_size} tokens but tokenizer {tokenizer_path} has "
             f"{vocab_size}: give the checkpoint's tokenizer with --config (model.tokenizer_path)"
         )
 
 
-def build_model(args: ModelArgs, device: torch.device, tp_mesh=None) -> Transformer:
+def check_model_overrides(overrides: Sequence[str], source: CheckpointSource) -> None:
+    """The model of a checkpoint that declares one is that model: an override of it is refused
+    rather than ignored (only model.tokenizer_path, which the checkpoint does not decide, is read)."""
+    if source.args is None:
+        return
+    for key, _ in parse_overrides(list(overrides)):
+        if (key.startswith("model.") and key != "model.tokenizer_path") or key == "training.seq_len":
+            raise ConfigError(
+                f"--{key} is not read by infer-tp for {source.folder}: its model comes from {source.origin} "
+                "(the cache length is the prompt plus --max-new-tokens)"
+            )
+
+
+def build_model(args: ModelArgs, device: torch.device, tp_mesh=None) -> nn.Module:
     """An uninitialized model on ``device``; over ``tp_mesh`` its split weights are DTensors for
-    the checkpoint reader to fill (then :func:`titanctl.parallel.inference_tp.localize`)."""
+    the checkpoint reader to fill (then :func:`titanctl.parallel.layouts.inference_tp.localize`)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = registry.build_model(args)
     if tp_mesh is not None:
         inference_tp.shard_weights(model, tp_mesh)
     model.to_empty(device=device)
@@ -84,7 +112,7 @@ def build_model(args: ModelArgs, device: torch.device, tp_mesh=None) -> Transfor
     return model.eval().requires_grad_(False)
 
 
-def load_model(source: CheckpointSource, args: ModelArgs, device: torch.device, tp_mesh=None) -> Transformer:
+def load_model(source: CheckpointSource, args: ModelArgs, device: torch.device, tp_mesh=None) -> nn.Module:
     """The checkpoint's model, ready to decode: one process, or this rank's part of it under TP."""
     model = build_model(args, device, tp_mesh)
     load_weights(model, source)
@@ -136,7 +164,7 @@ class Decoder:
     and attends only to positions up to its own, all written by the current generation.
     """
 
-    def __init__(self, model: Transformer, max_seq_len: int, *, compile: bool = False, stop_check_interval: int = 8):
+    def __init__(self, model: nn.Module, max_seq_len: int, *, compile: bool = False, stop_check_interval: int = 8):
         if stop_check_interval < 1:
             raise ValueError("stop_check_interval must be at least 1")
         self.model = model
@@ -255,7 +283,7 @@ def _cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], str]:
 
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: nn.Module,
     prompt: Sequence[int],
     max_new_tokens: int,
     *,
@@ -265,14 +293,16 @@ def generate(
     stop_tokens: Iterable[int] = (),
     kv_cache: bool = True,
     compile: bool = False,
+    vocab: int = 0,
 ) -> Generation:
     """Continue ``prompt`` by up to ``max_new_tokens`` tokens, with a KV cache sized for this call.
 
+    ``vocab``: choose only ids below it (the tokenizer's vocabulary); 0: any id the model has.
     ``kv_cache=False`` recomputes the whole sequence for every token (a reference for tests).
     Under tensor parallel (a model from :func:`load_model` with a mesh) every rank calls this
     and every rank gets the same tokens.
     """
-    sampling = Sampling(temperature, top_k)
+    sampling = Sampling(temperature, top_k, vocab)
     if not kv_cache:
         return _generate_without_cache(model, prompt, max_new_tokens, sampling, seed, stop_tokens)
     decoder = Decoder(model, len(prompt) + max_new_tokens, compile=compile)
@@ -334,6 +364,7 @@ class RunReport:
             "seed": self.seed,
             "tensor_parallel_degree": self.tensor_parallel_degree,
             "checkpoint": str(self.checkpoint),
+            "checkpoint_folder": str(self.source.folder),  # the step read, when given a folder of steps
             "checkpoint_format": self.source.describe(),
         }
 
@@ -352,18 +383,23 @@ def run(
 ) -> RunReport:
     """Generate from ``checkpoint`` with tensor parallel over every rank of the job (WORLD_SIZE;
     one process works too). Everything a user can get wrong is checked before any collective."""
-    cfg = load_config(config, list(overrides))
-    tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    cfg = load_config(config, list(overrides), command="infer-tp")
     source = find_checkpoint(checkpoint)
+    check_model_overrides(overrides, source)
+    if source.args is None:
+        recipe = model_args_from_config(cfg.model, 1, cfg.training.seq_len) if config is not None else None
+        source = with_model(source, recipe, f"--config {config}")
     args = source.args
-    if args is None:
-        if config is None:
-            raise CheckpointError(
-                f"{source.folder} has no titanctl.json: pass --config RECIPE to say which model it holds"
-            )
-        args = model_args_from_config(cfg.model, tokenizer.vocab_size, cfg.training.seq_len)
-    check_vocab(args, tokenizer.vocab_size, tokenizer.path)
+    named = cfg.model.tokenizer_path  # the recipe's or --model.tokenizer_path: the user's choice
+    tokenizer = Tokenizer(named or checkpoint_tokenizer(source.folder) or DEFAULT_TOKENIZER_PATH)
+    guessed = not named and tokenizer.path == DEFAULT_TOKENIZER_PATH
+    check_vocab(args, tokenizer.vocab_size, tokenizer.path, exact=guessed)
     prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
+    if not prompt_ids:
+        raise ConfigError(
+            f"--prompt is empty and tokenizer {tokenizer.path} has no BOS token to start from: "
+            "give a prompt of at least one token"
+        )
     tp = elastic.int_from_env("WORLD_SIZE", 1, minimum=1)
     check_tp_degree(args, tp)
     check_context(len(prompt_ids), max_new_tokens, args.max_seq_len)
@@ -375,11 +411,12 @@ def run(
         mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
     seed = _agreed_seed(seed, env.device)
     model = load_model(source, args, env.device, mesh)
+    vocab = tokenizer.vocab_size if tokenizer.vocab_size < args.vocab_size else 0  # ids it can decode
     result = generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                      stop_tokens=tokenizer.stop_tokens, compile=compile)
+                      stop_tokens=tokenizer.stop_tokens, compile=compile, vocab=vocab)
     text = tokenizer.decode([t for t in result.tokens if t not in tokenizer.stop_tokens])
-    return RunReport(result, text, prompt, env.rank, tp, Sampling(temperature, top_k), seed, Path(checkpoint),
-                     source)
+    return RunReport(result, text, prompt, env.rank, tp, Sampling(temperature, top_k, vocab), seed,
+                     Path(checkpoint), source)
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:

@@ -6,6 +6,8 @@ entry ``j`` for the token at position ``p`` is a hash of (seed, p, j) computed w
 no generator state, no host round trip, the same numbers on any device, under ``torch.compile``
 and on every rank of a tensor-parallel job (each holds the whole vocabulary's logits), so ranks
 agree on every token without a broadcast and a seed gives the same text at every TP degree.
+An id the tokenizer cannot decode (an embedding row past its vocabulary, ``Sampling.vocab``) is
+never chosen.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def uniform(key: torch.Tensor, position: torch.Tensor, n: int) -> torch.Tensor:
 class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: the whole vocabulary
+    # Choose among ids below this: the tokenizer's vocabulary, when the model has more embedding rows
+    # than the tokenizer has ids (Qwen3: 151936 rows, 151669 ids). 0: every logit.
+    vocab: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +69,11 @@ def sample(logits: torch.Tensor, sampling: Sampling, key: torch.Tensor, position
     """The chosen token id of logits (..., vocab), shaped (..., 1), int64.
 
     ``position``: where the chosen token will sit in the sequence (the noise's counter).
+    Logits from ``sampling.vocab`` on are left out, as if they were -inf (a view, nothing written);
+    the noise of the ids kept does not change, so a seed draws the same tokens either way.
     """
+    if 0 < sampling.vocab < logits.shape[-1]:
+        logits = logits[..., : sampling.vocab]
     if sampling.greedy:
         return logits.argmax(-1, keepdim=True)
     scores = logits.float() / sampling.temperature

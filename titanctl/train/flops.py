@@ -4,24 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.shapes import num_params
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import spec_of
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token of the whole model: 6N for the matmuls of its N parameters
-    outside the embedding table (forward 2N, backward 4N; the output layer counts), plus
-    12·L·H·Q·T for attention scores and values (4·T·Q per head and layer forward, 3x with
-    backward; causal masking halves the work actually done, which this formula, like
-    torchtitan's, does not credit).
+    """Training FLOPs per token of the whole model (the family's count, e.g. 6N + attention).
 
     N is the whole model's, also under TP and PP, where each device holds a part of it: the
     throughput it multiplies is per device too (tokens of the global batch / world size), and
     a device that holds 1/(tp·pp) of the model and sees 1/cp of a sequence does that share of
     the work of its data-parallel rank's tokens.
     """
-    n = num_params(args, include_embedding=False)
-    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return spec_of(args).flops_per_token(args, seq_len)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanctl.config.job_config import JobConfig
-from titanctl.parallel.context_parallel import context_parallel_ctx
-from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.layouts.context_parallel import context_parallel_ctx
+from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.train.loss import build_loss_fn
 
 
@@ -29,7 +29,7 @@ class ForwardBackward:
     cfg: JobConfig
     dims: ParallelDims
     model_parts: list[torch.nn.Module]
-    pipeline: object | None  # titanctl.parallel.pipeline.Pipeline when pp > 1
+    pipeline: object | None  # titanctl.parallel.layouts.pipeline_parallel.Pipeline when pp > 1
     device: torch.device
     loss_fn: Callable | None = None  # default: build_loss_fn(cfg, tp)
 

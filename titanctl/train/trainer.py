@@ -17,18 +17,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from titanctl.checkpoint.manager import CheckpointManager, LoadPlan, complete_checkpoints, plan_load
 from titanctl.config.job_config import JobConfig
+from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.data.datasets import load_documents
-from titanctl.data.loader import TokenWindowLoader
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, TitanError, TrainingDiverged
-from titanctl.models.llama import model_args_from_config
-from titanctl.models.llama.shapes import num_params
-from titanctl.parallel import elastic, hang_watchdog
-from titanctl.parallel.build import build_model_parts
-from titanctl.parallel.dims import ParallelDims
-from titanctl.parallel.env import init_process
-from titanctl.parallel.float8 import emulation_note, precompute_float8_scales
-from titanctl.parallel.utils import StepLosses, clip_grad_norm
+from titanctl.models.registry import model_args_from_config
+from titanctl.models.shapes import num_params
+from titanctl.parallel.converters.float8 import emulation_note, precompute_float8_scales
+from titanctl.parallel.layouts.build import build_model_parts
+from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm
+from titanctl.parallel.runtime import elastic, hang_watchdog
+from titanctl.parallel.runtime.env import init_process
 from titanctl.safe_io import shown, visible
 from titanctl.train import run_folder
 from titanctl.train.flops import flops_per_token, throughput
@@ -37,8 +37,8 @@ from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MemoryMonitor, MetricSinks
 from titanctl.train.optim import build_optimizer
 from titanctl.train.peak import device_peak_tflops, slow_compute_note
-from titanctl.train.profiler import maybe_profile
 from titanctl.train.step import ForwardBackward, automatic_gc_paused
+from titanctl.train.step_profiler import maybe_profile
 
 
 class Trainer:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titanctl.cli.console import finish
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.train.trainer import Trainer
 
 

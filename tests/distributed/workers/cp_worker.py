@@ -25,8 +25,8 @@ from torch.distributed.tensor.experimental._context_parallel import _attention
 from titanctl.cli.console import finish
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer
-from titanctl.parallel.context_parallel import context_parallel_ctx
-from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.layouts.context_parallel import context_parallel_ctx
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 SEED, STEPS, BATCH, SEQ_LEN, LR = 0, 4, 2, 32, 3e-3

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanctl.parallel.float8 import is_float8_linear, torchao_float8
+from titanctl.parallel.converters.float8 import is_float8_linear, torchao_float8
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

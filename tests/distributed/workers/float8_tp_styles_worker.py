@@ -20,11 +20,11 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from titanctl.cli.console import finish
 from titanctl.config.job_config import Float8
+from titanctl.models.common.tp_plan import block_plan, root_plan
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
-from titanctl.models.llama.tp_plan import block_plan, root_plan
-from titanctl.parallel.float8 import convert_to_float8, float8_tp_styles, is_float8_linear
-from titanctl.parallel.init import initialize_weights
+from titanctl.parallel.converters.float8 import convert_to_float8, float8_tp_styles, is_float8_linear
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
 

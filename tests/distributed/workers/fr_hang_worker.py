@@ -17,7 +17,7 @@ WATCHDOG_S = 1.0
 
 
 def main(folder: Path) -> None:
-    from titanctl.parallel import hang_watchdog
+    from titanctl.parallel.runtime import hang_watchdog
 
     hang_watchdog.enable(buffer_size=64)  # before the process group exists
 

@@ -14,8 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from titanctl.cli.console import finish
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.parallel import inference_tp, shm_exchange
-from titanctl.parallel.env import init_process
+from titanctl.parallel.layouts import inference_tp
+from titanctl.parallel.runtime import shm_exchange
+from titanctl.parallel.runtime.env import init_process
 from titanctl.tools.generate import check_tp_degree, find_checkpoint, generate, load_model
 
 # Hot enough that the tiny model, which knows its one sentence by heart, draws different tokens per seed.

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from titanctl.cli.console import finish
 from titanctl.config.job_config import Parallelism
 from titanctl.models.llama import ModelArgs, Transformer
-from titanctl.parallel.init import initialize_weights
-from titanctl.parallel.pipeline import build_pipeline
+from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 SEED = 7
 STEPS = 3

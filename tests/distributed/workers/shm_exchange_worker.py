@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from titanctl.cli.console import finish
-from titanctl.parallel import inference_tp, shm_exchange
-from titanctl.parallel.env import init_process
+from titanctl.parallel.layouts import inference_tp
+from titanctl.parallel.runtime import shm_exchange
+from titanctl.parallel.runtime.env import init_process
 
 
 def piece(rank: int, round_: int) -> torch.Tensor:

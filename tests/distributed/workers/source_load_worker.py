@@ -20,9 +20,9 @@ from titanctl.checkpoint.convert import open_checkpoint
 from titanctl.checkpoint.load_into_model import load_source_into
 from titanctl.cli.console import finish
 from titanctl.models.llama.model import Transformer
-from titanctl.parallel.data_parallel import apply_fsdp
-from titanctl.parallel.env import init_process
-from titanctl.parallel.tensor_parallel import apply_tp
+from titanctl.parallel.layouts.data_parallel import apply_fsdp
+from titanctl.parallel.layouts.tensor_parallel import apply_tp
+from titanctl.parallel.runtime.env import init_process
 
 
 def sharded_model(args, layout, mesh) -> Transformer:

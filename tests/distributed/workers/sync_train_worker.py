@@ -22,7 +22,7 @@ from pathlib import Path
 from tests.distributed.workers.float8_probe import Float8Probe
 from tests.distributed.workers.host_syncs import record_host_syncs
 from titanctl.cli.console import finish
-from titanctl.config.loader import load_config
+from titanctl.config.recipe import load_config
 from titanctl.train.trainer import Trainer
 
 

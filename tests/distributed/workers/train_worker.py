@@ -13,8 +13,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titanctl.cli.console import finish
-from titanctl.config.loader import load_config
-from titanctl.parallel.init import canonical_name
+from titanctl.config.recipe import load_config
+from titanctl.parallel.layouts.weight_init import canonical_name
 from titanctl.train.trainer import Trainer
 
 

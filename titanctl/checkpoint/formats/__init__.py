@@ -16,6 +16,9 @@ from pathlib import Path
 
 from titanctl.checkpoint.formats import dcp, hf, meta, torchtitan, torchtune
 from titanctl.checkpoint.formats.base import FORMATS, DictSource, Source, TensorInfo, peek_keys, torch_weight_files
+from titanctl.checkpoint.formats.meta import PARAMS_FILE
+from titanctl.checkpoint.metadata import METADATA_FILE
+from titanctl.checkpoint.reader import DCP_INDEX
 from titanctl.errors import CheckpointError
 
 SOURCES: dict[str, type[Source]] = {
@@ -50,14 +53,14 @@ def detect(folder: Path) -> str:
     """The format of a checkpoint folder, from the files in it."""
     folder = Path(folder)
     names = {p.name for p in folder.iterdir()}
-    if "titanctl.json" in names:
+    if METADATA_FILE in names:
         return "dcp"
-    if ".metadata" in names:  # DCP without titanctl's metadata: torchtitan's (any version's names)
+    if DCP_INDEX in names:  # DCP without titanctl's metadata: torchtitan's (any version's names)
         return "torchtitan"
-    if "params.json" in names and any(_CONSOLIDATED.fullmatch(n) for n in names):
+    if PARAMS_FILE in names and any(_CONSOLIDATED.fullmatch(n) for n in names):
         return "meta"
     if any(n.endswith(".safetensors") for n in names):
-        if "config.json" in names or hf.holds_hf_names(folder):
+        if hf.CONFIG_FILE in names or hf.holds_hf_names(folder):
             return "hf"
     weight_files = torch_weight_files(folder)
     if weight_files:

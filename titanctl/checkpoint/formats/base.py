@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import dataclasses
 import math
 import mmap
 import os
@@ -28,8 +29,8 @@ import torch
 from titanctl.checkpoint.paths import check_inside
 from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.shapes import weight_shapes
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.shapes import tied_weights, weight_shapes
 from titanctl.safe_io import load_json, read_head
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")
@@ -134,9 +135,12 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
     """Every weight of the model exactly once, with its shape; one-line errors otherwise.
 
     Names must already be canonical: unknown source names are rejected by each format's
-    name mapping (which knows how the source spells them).
+    name mapping (which knows how the source spells them). The tied alias of a weight is dropped
+    from ``infos`` (a titanctl DCP checkpoint holds both keys; Hugging Face only the embedding).
     """
-    expected = weight_shapes(args)
+    aliases = tied_weights(args)  # a tied output layer is the embedding: stored once, if at all
+    infos[:] = [info for info in infos if info.name not in aliases]
+    expected = {name: shape for name, shape in weight_shapes(args).items() if name not in aliases}
     seen: dict[str, TensorInfo] = {}
     for info in infos:
         if info.name not in expected:
@@ -377,3 +381,33 @@ class DictSource(Source):
 
     def load(self, name: str) -> torch.Tensor:
         return self.state_dict[name].detach()
+
+
+class UntiedView(Source):
+    """A bound source of a tied model seen as the untied model with the same weights: the output
+    layer a copy of the embedding, for formats whose loaders expect both (Meta's, torchtune's,
+    torchtitan's)."""
+
+    def __init__(self, source: Source) -> None:
+        super().__init__(source.folder)
+        self.source, self.format, self.origin, self.notes = source, source.format, source.origin, source.notes
+        self.aliases = tied_weights(source.args)  # {alias: the weight it is}
+        self.args = source.args.replace(tie_embeddings=False)
+        by_name = {info.name: info for info in source.infos}
+        copies = [dataclasses.replace(by_name[of], name=alias) for alias, of in self.aliases.items()]
+        self.infos = [*source.infos, *copies]
+
+    def own_args(self) -> tuple[ModelArgs | None, str]:
+        return self.args, self.origin
+
+    def vocab_size(self, dim: int) -> int:
+        return self.source.vocab_size(dim)
+
+    def bind(self, args: ModelArgs, origin: str) -> None:
+        raise TypeError("an UntiedView is made of a bound source")
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.source.load(self.aliases.get(name, name))
+
+    def extra_metadata(self) -> dict[str, Any]:
+        return self.source.extra_metadata()

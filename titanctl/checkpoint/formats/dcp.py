@@ -42,7 +42,7 @@ from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.checkpoint.reader import DCP_INDEX, DCPFolder
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
 
 DCP_METADATA_FILE = ".metadata"
 # Top-level entries of a full training checkpoint besides the model (metadata.py's contract).

@@ -38,7 +38,8 @@ from titanctl.checkpoint.model_args import check_declared
 from titanctl.checkpoint.paths import check_inside, inside
 from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import spec_of
 from titanctl.safe_io import regular_file_size
 
 CONFIG_FILE = "config.json"
@@ -65,15 +66,10 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def special_token_ids(vocab_size: int) -> tuple[int | None, int | None]:
-    """bos/eos ids of a Llama 3 tokenizer with this vocab: the 256 specials come last.
-
-    True for Meta's tokenizer (128256 -> 128000, 128001) and titanctl's bundled one
-    (4352 -> 4096, 4097).
-    """
-    if vocab_size <= 256:
-        return None, None
-    return vocab_size - 256, vocab_size - 255
+def special_token_ids(args: ModelArgs) -> tuple[int | None, int | None]:
+    """bos/eos ids that the family's convention derives from the vocabulary (Llama 3's: the 256
+    specials come last); (None, None) for a family without one (the tokenizer, when exported, says)."""
+    return spec_of(args).hf.special_ids(args.vocab_size)
 
 
 def holds_hf_names(folder: Path) -> bool:
@@ -225,7 +221,7 @@ def write(
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         del tensors
     out_dtypes = sorted({dtype_name(dtype or i.dtype) for i in source.infos})
-    bos, eos = special_token_ids(args.vocab_size)
+    bos, eos = special_token_ids(args)
     config = hf_config(
         args, torch_dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", bos_token_id=bos, eos_token_id=eos
     )

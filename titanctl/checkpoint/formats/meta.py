@@ -35,7 +35,7 @@ from titanctl.checkpoint.formats.base import (
 from titanctl.checkpoint.model_args import check_args, check_declared
 from titanctl.checkpoint.paths import check_inside
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs, RopeScaling
+from titanctl.models.common.args import ModelArgs, RopeScaling
 
 PARAMS_FILE = "params.json"
 _SHARD_FILE = re.compile(r"consolidated\.(\d+)\.pth")

@@ -17,8 +17,14 @@ Two naming generations, told apart by the names themselves:
 0.3 computes q/k/v with one fused ``wqkv`` matrix but saves and loads it split into
 ``qkv_linear.{wq,wk,wv}`` (state-dict hooks), so those are the names on disk. Everything
 else is titanctl's canonical (Meta) naming, and both keep Meta's interleaved RoPE rows:
-reading and writing is renaming only. Written output uses the 0.3 names, plus a
+reading and writing is renaming only. Written Llama output uses the 0.3 names, plus a
 ``params.json`` (Meta's keys) that torchtitan ignores and titanctl reads back.
+
+Other families (Qwen3) are saved by torchtitan under titanctl's canonical names, with the
+published weights' "rotate half" RoPE rows: written as they are, plus the Hugging Face
+``config.json`` (Meta's keys cannot say QK norm, head width, FFN width or the tie), which
+titanctl reads back. A tied model's output layer is written as the embedding's copy (torchtitan's
+loader wants both keys) while config.json says tied, so reading drops the copy again.
 
 Reading goes through :class:`DCPSource` (the same DCP reader as titanctl's own format);
 the training state is skipped without being read.
@@ -33,13 +39,24 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titanctl.checkpoint.formats.base import DERIVED_BUFFERS, Progress, Source, TensorInfo, check_complete, read_json
+from titanctl.checkpoint.formats.base import (
+    DERIVED_BUFFERS,
+    Progress,
+    Source,
+    TensorInfo,
+    UntiedView,
+    check_complete,
+    dtype_name,
+    read_json,
+)
 from titanctl.checkpoint.formats.dcp import TRAINING_STATE, DCPSource, save_streaming
+from titanctl.checkpoint.formats.hf import CONFIG_FILE
 from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, params_from_args
+from titanctl.checkpoint.hf_names import args_from_hf_config, hf_config
 from titanctl.checkpoint.metadata import METADATA_FILE
 from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
 
 _QKV_03 = re.compile(r"layers\.(\d+)\.attention\.qkv_linear\.(wq|wk|wv)\.weight")
 _QKV = re.compile(r"layers\.(\d+)\.attention\.(wq|wk|wv)\.weight")
@@ -92,6 +109,9 @@ class TorchtitanSource(DCPSource):
             self.notes.append(f"full training checkpoint: model weights taken; {', '.join(ignored)} ignored")
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
+        config = self.folder / CONFIG_FILE
+        if config.is_file():  # written by titanctl beside the DCP files of a family other than Llama
+            return args_from_hf_config(read_json(config), where=str(config)), CONFIG_FILE
         path = self.folder / PARAMS_FILE
         if path.is_file():  # written by titanctl beside the DCP files
             args = args_from_params(read_json(path), str(path))
@@ -129,6 +149,14 @@ def is_torchtitan(folder: Path) -> bool:
 
 
 def write(folder: Path, args: ModelArgs, source: Source, *, dtype: torch.dtype | None, progress: Progress) -> None:
-    """torchtitan 0.3's layout: model weights flat at the top level, under 0.3's names."""
-    save_streaming(folder, source, dtype=dtype, progress=progress, stored_name=to_torchtitan_name)
-    (folder / PARAMS_FILE).write_text(json.dumps(params_from_args(args), indent=2) + "\n")
+    """torchtitan's layout: model weights flat at the top level; Llama under 0.3's names with a
+    params.json, another family under canonical names with a Hugging Face config.json."""
+    if args.family == "llama3":
+        save_streaming(folder, source, dtype=dtype, progress=progress, stored_name=to_torchtitan_name)
+        (folder / PARAMS_FILE).write_text(json.dumps(params_from_args(args), indent=2) + "\n")
+        return
+    save_streaming(folder, source, dtype=dtype, progress=progress)
+    described = source.source.args if isinstance(source, UntiedView) else args  # a tied model says so
+    dtypes = sorted({dtype_name(dtype or info.dtype) for info in source.infos})
+    config = hf_config(described, torch_dtype=dtypes[0] if len(dtypes) == 1 else "float32")
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

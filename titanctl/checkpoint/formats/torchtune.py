@@ -31,7 +31,7 @@ from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, para
 from titanctl.checkpoint.hf_names import args_from_hf_config
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
 
 WEIGHTS_FILE = "model-00001-of-00001.bin"
 _LAYER_NAMES = {

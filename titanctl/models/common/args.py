@@ -27,8 +27,27 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int
+    top_k: int
+    hidden_dim: int  # FFN width of each routed expert
+    score_func: str = "softmax"  # one of SCORE_FUNCS
+    norm_topk_prob: bool = True  # renormalize the k chosen weights to sum to 1
+    route_scale: float = 1.0  # routed scaling factor (DeepSeek-V3: 2.5)
+    num_shared_experts: int = 0  # a dense SwiGLU of num_shared_experts * hidden_dim beside the routed ones
+    first_dense_layers: int = 0  # the first layers keep a dense FFN of ModelArgs.ffn_hidden_dim (DeepSeek-V3: 3)
+
+
 @dataclass(frozen=True)
 class ModelArgs:
+    # The family these args build (a name of titanctl.models.registry): a checkpoint's titanctl.json
+    # records it, and every tool finds the family's spec from the args alone. Older titanctl.json
+    # files have no such field: they were all Llama.
+    family: str = "llama3"
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -55,6 +74,11 @@ class ModelArgs:
     rope_layout: str = "interleaved"  # one of ROPE_LAYOUTS
     # The output layer reuses the embedding table (one Parameter): Llama 3.2 1B/3B, small Qwen3.
     tie_embeddings: bool = False
+    # Mixture-of-Experts feed-forward in (some) blocks; None: every block is dense.
+    moe: MoEArgs | None = None
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id >= self.moe.first_dense_layers
 
     @property
     def head_dim(self) -> int:

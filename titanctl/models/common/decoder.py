@@ -15,8 +15,10 @@ state-dict keys: ``tok_embeddings.weight`` and ``output.weight``).
 
 from __future__ import annotations
 
+import copy
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,21 +27,27 @@ from torch import nn
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import Attention, KVCache
 from titanctl.models.common.feed_forward import FeedForward
+from titanctl.models.common.moe import MoE
 from titanctl.models.common.norms import RMSNorm, build_norm
 from titanctl.models.common.rope import rope_table
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention, then a dense SwiGLU (``feed_forward``) or a Mixture of Experts (``moe``)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        moe = args.is_moe_layer(layer_id)
+        self.feed_forward = None if moe else FeedForward(args.dim, args.ffn_hidden_dim)
+        self.moe = MoE(args.dim, args.moe) if moe else None
         self.attention_norm = build_norm(args)
         self.ffn_norm = build_norm(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, input_pos=input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ class Transformer(nn.Module):
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = build_norm(args)
         # Tied: built on meta (no vocab x dim allocation) and given the embedding's Parameter below.
         device = "meta" if args.tie_embeddings else None
@@ -135,21 +143,25 @@ class Transformer(nn.Module):
         if layer is None:
             raise ValueError(f"no init rule for parameter {name!r}")
         depth = int(layer.group(1)) + 1 if args.depth_init else args.n_layers
-        if re.search(r"(attention\.w[qkv]|feed_forward\.w1)\.weight$", name):
+        # Inputs of a block's branches (q/k/v, the FFN's and the experts' gate, the router) at 0.02.
+        if re.search(r"(attention\.w[qkv]|\.w1|router\.gate)(\.weight)?$", name):
             return ParamInit("trunc_normal", std=0.02)
-        return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3
+        return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3 (experts' too)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE table (after ``to_empty`` left it uninitialized) and re-tie a tied
         table (``to_empty`` gives each module its own new Parameter)."""
         device = device if device is not None else self.rope_cache.device
         self.rope_cache = rope_table(self.args, torch.device(device))
+        for block in self.layers.values():
+            if block.moe is not None:  # a state buffer (saved with the weights): zero until balancing moves it
+                block.moe.expert_bias.zero_()
         self.tie_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialize in place from the global RNG (standalone use; training uses
-        ``titanctl.parallel.init.initialize_weights`` so every layout draws the same numbers).
+        ``titanctl.parallel.layouts.weight_init.initialize_weights`` so every layout draws the same numbers).
         A tied table is one Parameter, listed and drawn once."""
         self.init_buffers()
         self.tie_weights()
@@ -161,3 +173,24 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=spec.std)
             else:
                 nn.init.trunc_normal_(param, std=spec.std, a=-spec.bound, b=spec.bound)
+
+
+def split_into_stage(model: Transformer, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> Transformer:
+    """A copy of ``model`` holding only ``layer_ids`` (plus embeddings if first, norm and output if last).
+
+    Meant for a model on the meta device: the deep copy then costs no memory.
+    """
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    missing = keep - set(stage.layers.keys())
+    if missing:
+        raise ValueError(f"the model has no layers {sorted(int(i) for i in missing)}")
+    for key in list(stage.layers.keys()):
+        if key not in keep:
+            del stage.layers[key]
+    if not is_first:
+        stage.tok_embeddings = None
+    if not is_last:
+        stage.norm = None
+        stage.output = None
+    return stage

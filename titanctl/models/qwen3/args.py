@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from titanctl.models.common.args import ModelArgs
 
-QWEN3_VOCAB_SIZE = 151936  # the published checkpoints' embedding rows (the tokenizer sets vocab_size)
+# The published checkpoints' embedding rows, more than the tokenizer's 151669 ids: a recipe of a
+# published size keeps them, so its checkpoints load into transformers and back (debugmodel: the tokenizer's).
+QWEN3_VOCAB_SIZE = 151936
 
 
 def qwen3_args(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int, tied: bool,
-               head_dim: int = 128) -> ModelArgs:
+               head_dim: int = 128, vocab_size: int = QWEN3_VOCAB_SIZE) -> ModelArgs:
     return ModelArgs(
-        dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        family="qwen3", vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
         explicit_head_dim=head_dim, explicit_ffn_hidden_dim=ffn, tie_embeddings=tied,
         qk_norm=True, rope_layout="halves", rope_theta=1_000_000.0, rope_scaling=None, norm_eps=1e-6,
     )
@@ -30,7 +32,11 @@ QWEN3_FLAVORS: dict[str, ModelArgs] = {
     # CPU-sized, tied like the small Qwen3s, with queries twice as wide as dim (as 0.6B's 16 x 128
     # over 1024), so CPU tests exercise the tie and the explicit head width. ~6.6M parameters
     # with the bundled 4352-token tokenizer.
-    "debugmodel": qwen3_args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn=768, tied=True, head_dim=32),
+    "debugmodel": qwen3_args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn=768, tied=True, head_dim=32,
+                             vocab_size=-1),
+    # The same with its own output layer: pipeline stages cannot share the embedding (see README).
+    "debugmodel_untied": qwen3_args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn=768, tied=False,
+                                    head_dim=32, vocab_size=-1),
     "0.6B": qwen3_args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn=3072, tied=True),
     "1.7B": qwen3_args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn=6144, tied=True),
     "4B": qwen3_args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn=9728, tied=True),

@@ -53,13 +53,13 @@ from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError, TitanError
-from titanctl.models.llama import model_args_from_config
-from titanctl.models.llama.shapes import num_params
-from titanctl.parallel.build import build_model_parts, check_layout
-from titanctl.parallel.dims import ParallelDims
-from titanctl.parallel.env import init_process
-from titanctl.parallel.utils import clip_grad_norm, global_mean_loss
-from titanctl.tools.memory.pipeline import answer_for_fake_peers, label_actions
+from titanctl.models.registry import get_spec, model_args_from_config
+from titanctl.models.shapes import num_params
+from titanctl.parallel.layouts.build import build_model_parts, check_layout
+from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.reductions import clip_grad_norm, global_mean_loss
+from titanctl.parallel.runtime.env import init_process
+from titanctl.tools.memory.pipeline_peers import answer_for_fake_peers, label_actions
 from titanctl.tools.memory.shortcuts import ac_period, plan_runs, runs_to_make
 from titanctl.tools.memory.tracker import (
     DDP_BUCKETS,
@@ -77,7 +77,6 @@ from titanctl.train.step import ForwardBackward, automatic_gc_paused
 
 # Llama 3's tokenizer: 128,000 BPE ranks + 256 special tokens.
 LLAMA3_VOCAB_SIZE = 128_256
-_FLAGSHIP_FLAVORS = ("8B", "70B", "405B")
 # Microbatches run per step: the second one already has gradients from the first, so a third
 # would repeat it.
 _MAX_MICROBATCHES = 2
@@ -176,13 +175,20 @@ def estimation_config(cfg: JobConfig) -> tuple[JobConfig, list[str]]:
     return cfg, notes
 
 
+def _published(cfg: JobConfig) -> bool:
+    """A published size (run on GPUs), not a CPU-sized debug model."""
+    return not cfg.model.flavor.startswith("debugmodel")
+
+
 def resolve_vocab_size(cfg: JobConfig) -> tuple[int, str | None]:
-    """The tokenizer's vocabulary, or Llama 3's for the flagship flavors when their file is absent."""
+    """The tokenizer's vocabulary, or, for the published flavors when their file is absent, the
+    flavor's published one (Llama 3's tokenizer for Llama)."""
     path = Path(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    if not path.is_file() and cfg.model.flavor in _FLAGSHIP_FLAVORS:
-        return LLAMA3_VOCAB_SIZE, (
-            f"tokenizer {path} not found: using Llama 3's vocabulary of {LLAMA3_VOCAB_SIZE:,} tokens"
-        )
+    if not path.is_file() and _published(cfg):
+        published = get_spec(cfg.model.name).flavors[cfg.model.flavor].vocab_size
+        vocab, whose = (published, f"{cfg.model.name} {cfg.model.flavor}'s") if published > 0 else (
+            LLAMA3_VOCAB_SIZE, "Llama 3's")
+        return vocab, f"tokenizer {path} not found: using {whose} vocabulary of {vocab:,} tokens"
     return Tokenizer(path).vocab_size, None
 
 
@@ -191,7 +197,7 @@ def target_device(cfg: JobConfig, requested: str) -> str:
     if requested != "auto":
         return requested
     p, f8 = cfg.parallelism, cfg.float8
-    if cfg.model.flavor in _FLAGSHIP_FLAVORS or p.enable_async_tensor_parallel or f8.enable_float8_linear:
+    if _published(cfg) or p.enable_async_tensor_parallel or f8.enable_float8_linear:
         return "cuda"
     return "cpu"
 

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanctl.config.job_config import JobConfig
-from titanctl.models.llama.pipeline import (
+from titanctl.parallel.layouts.pipeline_parallel import microbatch_count, stage_ids_for_rank
+from titanctl.parallel.layouts.pipeline_stages import (
     V_SCHEDULES,
     default_stages_per_rank,
     pipeline_layer_ranges,
     stage_layer_ranges,
 )
-from titanctl.parallel.pipeline import microbatch_count, stage_ids_for_rank
 
 
 def ac_period(cfg: JobConfig) -> int:

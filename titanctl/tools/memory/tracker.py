@@ -32,7 +32,7 @@ from titanctl._torch_compat import (
     TREE_FLATTEN,
     patched,
 )
-from titanctl.parallel.init import canonical_name
+from titanctl.parallel.layouts.weight_init import canonical_name
 
 FSDPMemTracker = FSDP_MEM_TRACKER.get()
 MemTracker = MEM_TRACKER.get()

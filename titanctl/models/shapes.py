@@ -19,7 +19,7 @@ import math
 import torch
 
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.decoder import Transformer
+from titanctl.models.registry import build_model
 
 EMBEDDING = "tok_embeddings.weight"
 
@@ -27,7 +27,7 @@ EMBEDDING = "tok_embeddings.weight"
 @functools.lru_cache(maxsize=8)
 def _layout(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     with torch.device("meta"):
-        model = Transformer(args.replace(max_seq_len=1))  # the RoPE table is no weight
+        model = build_model(args.replace(max_seq_len=1))  # the RoPE table is no weight
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}  # id(tensor) -> the first key that holds it
     tied: dict[str, str] = {}

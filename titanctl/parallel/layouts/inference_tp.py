@@ -30,34 +30,37 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from titanctl.models.llama.model import Transformer
-from titanctl.parallel import shm_exchange
-from titanctl.parallel.shm_exchange import SharedMemoryExchange
-
-# Block linear -> the weight dim (out = 0, in = 1) this rank holds a slice of.
-BLOCK_SHARDS = {
-    "attention.wq": 0,
-    "attention.wk": 0,
-    "attention.wv": 0,
-    "attention.wo": 1,
-    "feed_forward.w1": 0,
-    "feed_forward.w3": 0,
-    "feed_forward.w2": 1,
-}
+from titanctl.models.registry import spec_of
+from titanctl.parallel.runtime import shm_exchange
+from titanctl.parallel.runtime.shm_exchange import SharedMemoryExchange
 
 
-def sharded_linears(model: Transformer, tp: int) -> dict[str, tuple[nn.Linear, int]]:
+def block_shards(model: nn.Module) -> dict[str, int]:
+    """Block linear -> the weight dim (out = 0, in = 1) a rank holds a slice of: the training TP
+    plan's column-wise linears split their outputs, its row-wise ones their inputs."""
+    plan = spec_of(model.args).tp_plan.block(model.args)
+    return {
+        name: 0 if isinstance(style, ColwiseParallel) else 1
+        for name, style in plan.items()
+        if isinstance(style, (ColwiseParallel, RowwiseParallel))
+    }
+
+
+def sharded_linears(model: nn.Module, tp: int) -> dict[str, tuple[nn.Linear, int]]:
     """Every linear that tensor parallel splits, by name, with the dim it splits.
 
     The output layer is split by vocabulary rows when the vocabulary divides evenly (its logits
-    are gathered with equal-sized pieces); otherwise it stays whole on every rank.
+    are gathered with equal-sized pieces) and it is not the embedding table too (tied), which
+    every rank needs whole; otherwise it stays whole on every rank.
     """
     found = {}
+    shards = block_shards(model)
     for layer_id, block in model.layers.items():
-        for name, dim in BLOCK_SHARDS.items():
+        for name, dim in shards.items():
             found[f"layers.{layer_id}.{name}"] = (block.get_submodule(name), dim)
-    if model.output is not None and model.output.out_features % tp == 0:
+    if model.output is not None and model.output.out_features % tp == 0 and not model.args.tie_embeddings:
         found["output"] = (model.output, 0)
     return found
 
@@ -66,14 +69,14 @@ def sharded_linears(model: Transformer, tp: int) -> dict[str, tuple[nn.Linear, i
 _LOCALIZED: weakref.WeakKeyDictionary[nn.Module, RankGather] = weakref.WeakKeyDictionary()
 
 
-def shard_weights(model: Transformer, mesh: DeviceMesh) -> None:
+def shard_weights(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make each split weight a DTensor sharded over ``mesh`` (1-D), for a checkpoint reader to fill."""
     for linear, dim in sharded_linears(model, mesh.size()).values():
         weight = distribute_tensor(linear.weight.detach(), mesh, [Shard(dim)], src_data_rank=None)
         linear.weight = nn.Parameter(weight, requires_grad=False)
 
 
-def localize(model: Transformer, mesh: DeviceMesh) -> None:
+def localize(model: nn.Module, mesh: DeviceMesh) -> None:
     """Swap the DTensor weights for their local tensors and add the collectives as forward hooks.
 
     On CPU the ranks exchange through a shared memory segment when they share a host
@@ -93,12 +96,12 @@ def localize(model: Transformer, mesh: DeviceMesh) -> None:
     _LOCALIZED[model] = gather
 
 
-def rank_gather(model: Transformer) -> RankGather | None:
+def rank_gather(model: nn.Module) -> RankGather | None:
     """How ``model``'s ranks exchange, after :func:`localize` (None before, or without TP)."""
     return _LOCALIZED.get(model)
 
 
-def decode_uses_process_group(model: Transformer) -> bool:
+def decode_uses_process_group(model: nn.Module) -> bool:
     """Whether a decoded token of ``model`` (after :func:`localize`) calls the process group's
     collectives, rather than none or only the shared memory exchange's op."""
     gather = rank_gather(model)

@@ -28,7 +28,8 @@ from titanctl import _torch_compat
 from titanctl.config.job_config import Float8 as Float8Config
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError, ParallelError
-from titanctl.models.llama.tp_plan import LinearStyles, sharded_linear_dims
+from titanctl.models.common.tp_plan import LinearStyles, sharded_linear_dims
+from titanctl.models.registry import spec_of
 
 # torch._scaled_mm needs both dims of each float8 operand to be multiples of 16.
 DIM_MULTIPLE = 16
@@ -171,9 +172,10 @@ class Float8Conversion:
 
 
 def plan_conversion(model: nn.Module, cfg: Float8Config, tp: int) -> Float8Conversion:
-    """Which linears of ``model`` (a whole Transformer, canonical names) become float8, and why not."""
+    """Which linears of ``model`` (a whole model, canonical names) become float8, and why not."""
     plan = Float8Conversion()
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    tp_plan = spec_of(model.args).tp_plan
     for pattern in cfg.filter_fqns:
         if not any(_matches(name, pattern) for name in linears):
             raise ConfigError(
@@ -182,7 +184,7 @@ def plan_conversion(model: nn.Module, cfg: Float8Config, tp: int) -> Float8Conve
             )
     for name, linear in linears.items():
         out_dim, in_dim = linear.weight.shape
-        out_split, in_split = sharded_linear_dims(name, tp)
+        out_split, in_split = sharded_linear_dims(name, tp, tp_plan, model.args)
         local = (out_dim // out_split, in_dim // in_split)
         if any(_matches(name, pattern) for pattern in cfg.filter_fqns):
             plan.kept[name] = "float8.filter_fqns"

@@ -1,4 +1,4 @@
-"""Where Llama splits into pipeline stages, and how one stage is cut out of the whole model.
+"""Which layers each pipeline stage holds, for every schedule.
 
 A stage holds a contiguous run of layers; the first stage also holds ``tok_embeddings``, the
 last ``norm`` and ``output``. Layers keep their ids (``layers`` is a ModuleDict), so a stage
@@ -16,13 +16,11 @@ Nothing here imports ``torch.distributed``: this module only does arithmetic on 
 
 from __future__ import annotations
 
-import copy
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from titanctl.errors import ParallelError
-from titanctl.models.llama.model import Transformer
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
@@ -174,26 +172,3 @@ def pipeline_layer_ranges(
         ranges = stage_layer_ranges(n_layers, num_stages)
     check_stage_count(len(ranges), pp_degree, schedule)
     return ranges
-
-
-def split_into_stage(
-    model: Transformer, layer_ids: Iterable[int], is_first: bool, is_last: bool
-) -> Transformer:
-    """A copy of ``model`` holding only ``layer_ids`` (plus embeddings if first, norm and output if last).
-
-    Meant for a model on the meta device: the deep copy then costs no memory.
-    """
-    stage = copy.deepcopy(model)
-    keep = {str(i) for i in layer_ids}
-    missing = keep - set(stage.layers.keys())
-    if missing:
-        raise ValueError(f"the model has no layers {sorted(int(i) for i in missing)}")
-    for key in list(stage.layers.keys()):
-        if key not in keep:
-            del stage.layers[key]
-    if not is_first:
-        stage.tok_embeddings = None
-    if not is_last:
-        stage.norm = None
-        stage.output = None
-    return stage

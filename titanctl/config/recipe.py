@@ -1,7 +1,8 @@
 """Recipe TOML + `--section.key VALUE` overrides -> a validated JobConfig.
 
 Precedence: command line > TOML > defaults. Every mistake is a ConfigError naming
-the key and, for unknown keys, the nearest valid one.
+the key and, for unknown keys, the nearest valid one. Given the running subcommand, an override
+that it does not read is refused too (``titanctl.config.commands`` says which keys each one reads).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import typing
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from titanctl.config.job_config import JobConfig
+from titanctl.config import commands
+from titanctl.config.job_config import MODEL_FLAVORS, JobConfig
 from titanctl.errors import ConfigError
 from titanctl.safe_io import parse_toml, read_bytes, regular_file_size
 
@@ -120,7 +122,27 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def load_config(config_path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+def check_overrides(command: str, overrides: list[str] | None) -> list[tuple[str, str]]:
+    """The parsed overrides; a known key that ``command`` does not read is a ConfigError naming both.
+
+    Only the command line is checked: a recipe is shared by train and the tools. Unknown keys are
+    left to the loader, which names the nearest valid one."""
+    pairs = parse_overrides(overrides or [])
+    keys = list(field_specs())
+    for key, _ in pairs:
+        problem = commands.refusal(command, key, keys) if key in field_specs() else None
+        if problem:
+            raise ConfigError(problem)
+    return pairs
+
+
+def load_config(
+    config_path: str | Path | None = None, overrides: list[str] | None = None, *, command: str | None = None
+) -> JobConfig:
+    """The recipe with the overrides applied, validated. ``command``: the running subcommand
+    (a key of ``titanctl.config.commands.READS``), whose unread overrides are refused before the
+    recipe is read; None (library callers) accepts every key."""
+    pairs = check_overrides(command, overrides) if command else parse_overrides(overrides or [])
     cfg = JobConfig()
     if config_path:
         path = Path(config_path)
@@ -130,7 +152,7 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] | No
                 raise _unknown_key(section, f" in {path}")
             for name, value in values.items():
                 _set(cfg, f"{section}.{name}", value, from_text=False, where=f" in {path}")
-    for key, value in parse_overrides(overrides or []):
+    for key, value in pairs:
         _set(cfg, key, value, from_text=True, where=" on the command line")
     validate(cfg)
     return cfg
@@ -246,6 +268,14 @@ def validate(cfg: JobConfig) -> None:
                 _check_utf8(key, text)
         if f.metadata.get("in_dump_folder"):
             _check_in_dump_folder(key, value, f.default)
+    flavors = MODEL_FLAVORS[cfg.model.name]
+    if cfg.model.flavor not in flavors:
+        close = difflib.get_close_matches(cfg.model.flavor, flavors, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"config key 'model.flavor' = {cfg.model.flavor!r} is not a {cfg.model.name} flavor; choose one of "
+            f"{', '.join(flavors)}{hint}"
+        )
     if not cfg.job.dump_folder.strip():
         raise ConfigError("config key 'job.dump_folder' is empty; give the run's output folder (e.g. './outputs')")
     gbs = cfg.training.global_batch_size

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanctl.parallel.dims import ParallelDims
+from titanctl.parallel.layouts.dims import ParallelDims
 
 
 def global_mean_loss(loss: torch.Tensor | None, dims: ParallelDims) -> torch.Tensor:

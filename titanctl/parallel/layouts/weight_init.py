@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl import _torch_compat
-from titanctl.models.llama.model import ParamInit
+from titanctl.models.common.decoder import ParamInit
 
 
 def canonical_name(name: str) -> str:

@@ -1,5 +1,5 @@
 """``titanctl profile``: train a few steps with the last one recorded, then say where its time went,
-per rank and across ranks (``trace_analysis``'s rules), from the traces ``titanctl.train.profiler``
+per rank and across ranks (``trace_analysis``'s rules), from the traces ``titanctl.train.step_profiler``
 wrote.
 """
 
@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ProfilingError
-from titanctl.parallel.env import device_type
+from titanctl.parallel.runtime.env import device_type
 from titanctl.safe_io import load_json
 from titanctl.tools.trace_analysis import analyze_profiles, read_document
-from titanctl.train.profiler import MEMORY_TIMELINE_FILE, TRACE_FILE, check_profiling, iteration_folder
+from titanctl.train.step_profiler import MEMORY_TIMELINE_FILE, TRACE_FILE, check_profiling, iteration_folder
 from titanctl.train.trainer import Trainer
 
 
@@ -63,6 +63,7 @@ def run(cfg: JobConfig, steps: int, top: int = 15) -> ProfileSummary | None:
     cfg.profiling.enable_profiling = True
     cfg.profiling.profile_freq = steps  # one recorded step: the last
     cfg.checkpoint.enable_checkpoint = False
+    cfg.checkpoint.create_seed_checkpoint = False  # a seed run writes a checkpoint and stops: no step to profile
     check_profiling(cfg.profiling, device_type())
     trainer = Trainer(cfg)
     trainer.train()

@@ -6,7 +6,7 @@ warmup of up to 3 steps. Per rank and recorded step it writes::
 
     {dump_folder}/{profiling.save_traces_folder}/iteration_{step}/rank{r}_trace.json
         Chrome/Perfetto trace (open in ui.perfetto.dev; `titanctl inspect-trace` and
-        ``titanctl.tools.profiling.summarize`` read it)
+        ``titanctl.tools.profile_run.summarize`` read it)
     {dump_folder}/{profiling.save_traces_folder}/iteration_{step}/rank{r}_memory_timeline.json
         allocated bytes over the step, from the profiler's memory events, per device
     {dump_folder}/{profiling.save_memory_snapshot_folder}/iteration_{step}/rank{r}_memory_snapshot.pickle
@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig, Profiling
 from titanctl.errors import ProfilingError
-from titanctl.parallel.env import device_type
+from titanctl.parallel.runtime.env import device_type
 from titanctl.safe_io import replace_atomically
 
 TRACE_FILE = "rank{rank}_trace.json"  # trace_analysis reads the rank from "rank{r}" in the name

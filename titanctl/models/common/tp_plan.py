@@ -1,4 +1,4 @@
-"""Llama's tensor-parallel plan: module name -> parallel style.
+"""The dense decoder's tensor-parallel plan: module name -> parallel style.
 
 Sequence parallel keeps activations sharded on the sequence dim (Shard(1)) between
 blocks and around the norms; attention and the MLP gather the sequence, shard heads /
@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+from titanctl.models.spec import TPPlan
 
 
 @dataclass(frozen=True)
@@ -88,15 +90,22 @@ def block_plan(
     return plan
 
 
-def sharded_linear_dims(name: str, tp: int) -> tuple[int, int]:
-    """How many ways tensor parallelism splits the (out, in) dims of the linear ``name``
+def sharded_linear_dims(name: str, tp: int, plan: TPPlan, args) -> tuple[int, int]:
+    """How many ways the family's ``plan`` splits the (out, in) dims of the linear ``name``
     (canonical, e.g. layers.3.attention.wo or output): colwise splits out, rowwise splits in."""
     if tp == 1:
         return 1, 1
     in_block = re.fullmatch(r"layers\.\d+\.(.+)", name)
-    style = block_plan()[in_block.group(1)] if in_block else root_plan(loss_parallel=True)[name]
+    style = plan.block(args).get(in_block.group(1)) if in_block else plan.root(True).get(name)
     if isinstance(style, ColwiseParallel):
         return tp, 1
     if isinstance(style, RowwiseParallel):
         return 1, tp
     return 1, 1
+
+
+def _block(args, float8: LinearStyles | None = None, float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
+    return block_plan(float8, float8_linears, qk_norm=args.qk_norm)
+
+
+DECODER_TP_PLAN = TPPlan(root=root_plan, block=_block)

@@ -8,9 +8,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titanctl import _torch_compat
 from titanctl.errors import ParallelError
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.tp_plan import block_plan, root_plan
-from titanctl.parallel.float8 import float8_tp_styles, is_float8_linear, sends_float8
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import spec_of
+from titanctl.parallel.converters.float8 import float8_tp_styles, is_float8_linear, sends_float8
 
 
 def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
@@ -34,7 +34,8 @@ def apply_tp(
     which all-gather activations in float8; on gloo, which has no float8 dtypes, they keep the
     plain styles (float8 matmuls, high-precision communication).
     """
-    root = {name: style for name, style in root_plan(loss_parallel).items() if getattr(model, name) is not None}
+    plan = spec_of(model.args).tp_plan
+    root = {name: style for name, style in plan.root(loss_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
     if compiled and model.tok_embeddings is not None:
         # torch 2.13: a compiled block whose input is the view that DTensor.to_local() returns (the
@@ -47,7 +48,8 @@ def apply_tp(
             styles = float8_tp_styles()
     for block in model.layers.values():
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
-        parallelize_module(block, tp_mesh, block_plan(styles, names))
+        parallelize_module(block, tp_mesh, plan.block(model.args, styles, names))
+    model.tie_weights()  # distributing each module gave the output layer a Parameter of its own
     if async_tp:
         enable_async_tp(tp_mesh, compiled)
 

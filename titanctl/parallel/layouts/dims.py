@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from titanctl import _torch_compat
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
-from titanctl.parallel.env import device_type
+from titanctl.parallel.runtime.env import device_type
 
 # Outermost to innermost: pipeline stages talk least, tensor parallel talks most.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -32,12 +32,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from titanctl import _torch_compat
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
-from titanctl.models.llama.pipeline import (
+from titanctl.models.registry import spec_of
+from titanctl.parallel.layouts.pipeline_stages import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     check_schedule_name,
     pipeline_layer_ranges,
-    split_into_stage,
 )
 
 
@@ -208,7 +208,7 @@ def build_pipeline(
     parallelize_fn: Callable[[nn.Module], nn.Module],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Pipeline:
-    """Split ``model_meta`` (a Transformer on the meta device) into this rank's stages.
+    """Split ``model_meta`` (a whole model on the meta device) into this rank's stages.
 
     ``parallelize_fn`` (TP, AC, compile, FSDP) runs on each stage before it is wrapped in a
     ``PipelineStage``. The returned ``model_parts`` are still on the meta device: materialize them
@@ -257,7 +257,7 @@ def build_pipeline(
     group = pp_mesh.get_group()
     stages = []
     for stage_id in my_stage_ids:
-        module = split_into_stage(
+        module = spec_of(model_meta.args).split_stage(
             model_meta, ranges[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1
         )
         module = parallelize_fn(module)

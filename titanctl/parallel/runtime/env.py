@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from titanctl.errors import TitanError
-from titanctl.parallel import elastic, hang_watchdog
+from titanctl.parallel.runtime import elastic, hang_watchdog
 
 
 def device_type() -> str:
@@ -67,7 +67,7 @@ def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_
 
     ``trace_buf_size`` > 0 makes the Flight Recorder keep that many collectives per group. Under
     ``torchrun --max-restarts`` every attempt rendezvouses under its own store prefix
-    (``titanctl.parallel.elastic``), so a restart never reads the dead attempt's addresses.
+    (``titanctl.parallel.runtime.elastic``), so a restart never reads the dead attempt's addresses.
     """
     rank, local_rank, world_size, local_world_size = read_layout()
     if device_type() == "cuda":

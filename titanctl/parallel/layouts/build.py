@@ -17,22 +17,23 @@ from torch import nn
 
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError
-from titanctl.models.llama import ModelArgs, Transformer
-from titanctl.parallel.activation_checkpoint import apply_ac
-from titanctl.parallel.context_parallel import check_cp_divisibility
-from titanctl.parallel.data_parallel import apply_compile, apply_ddp, apply_fsdp
-from titanctl.parallel.dims import ParallelDims
-from titanctl.parallel.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
-from titanctl.parallel.init import initialize_weights
-from titanctl.parallel.onednn_linear import use_onednn_linears
-from titanctl.parallel.pipeline import build_pipeline
-from titanctl.parallel.tensor_parallel import apply_tp, check_tp
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import build_model
+from titanctl.parallel.converters.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
+from titanctl.parallel.converters.onednn_linear import use_onednn_linears
+from titanctl.parallel.layouts.activation_checkpoint import apply_ac
+from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
+from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
+from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
+from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 
 @dataclass
 class ModelParts:
     parts: list[nn.Module]
-    pipeline: object | None = None  # titanctl.parallel.pipeline.Pipeline when pp > 1
+    pipeline: object | None = None  # titanctl.parallel.layouts.pipeline_parallel.Pipeline when pp > 1
     float8: Float8Conversion | None = None  # what became float8 (float8.enable_float8_linear)
 
     @property
@@ -56,6 +57,12 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
+    if dims.pp > 1 and args.tie_embeddings:
+        raise ParallelError(
+            f"pipeline_parallel_degree = {dims.pp} with a model whose output layer is its embedding "
+            f"(tied, {args.family} flavor {cfg.model.flavor}): the two live on different stages; use an "
+            "untied flavor, or FSDP/TP without pipelining"
+        )
     check_float8(cfg, fsdp=dims.fsdp_enabled)
 
 
@@ -105,7 +112,7 @@ def build_model_parts(
     """
     check_layout(cfg, dims, args)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     float8 = None
     if cfg.float8.enable_float8_linear:
         float8 = convert_to_float8(model, cfg.float8, tp=dims.tp, device=torch.device(device))

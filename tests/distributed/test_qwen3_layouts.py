@@ -1,0 +1,201 @@
+"""Qwen3 (per-head QK norm, tied embeddings, queries wider than dim) under every parallel layout
+reproduces the single-process run: same initial weights bit for bit, the first step's gradient of
+every parameter, and per-step losses within 1e-5 relative (fp32), on real torchrun + gloo.
+
+Losses alone would miss a wrong gradient: clipping (always active here) and AdamW, both blind to the
+scale of a gradient, turned an under-reduced q_norm/k_norm gradient under TP (each rank summing its
+own heads only) into a loss drift of 6e-7 over 5 steps. So each run also writes its first step's
+gradients (the tied table's is the sum of the embedding's and the output layer's).
+
+This file is also the torchrun script of its runs (see the bottom): tests/distributed/workers/
+train_worker.py plus that gradient dump, and pp_worker.py (every schedule, one launch) with Qwen3's args.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, torchrun
+from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
+
+WORKER = [__file__, "train"]
+QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
+QWEN3_UNTIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
+PP_STEPS = 4  # pp_worker's default is 3: one more, so a wrong gradient shows in 3 losses
+
+
+def train(nproc: int, local_batch: int, flavor: list[str], overrides: list[str], folder) -> float:
+    start = time.perf_counter()
+    torchrun(nproc, WORKER, [*TINY_RUN, *flavor, "--training.local_batch_size", str(local_batch), *overrides,
+                             "--job.dump_folder", str(folder)])
+    return time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, tuple[list[float], dict, dict]]:
+    """One process, 8 sequences a step: the tied debugmodel and the untied one (pipeline layouts)."""
+    out = {}
+    for name, flavor in (("tied", QWEN3), ("untied", QWEN3_UNTIED)):
+        folder = tmp_path_factory.mktemp(f"qwen3_single_{name}")
+        seconds = train(1, 8, flavor, [], folder)
+        print(f"\nQWEN3 REFERENCE {name:24s} procs 1  {seconds:5.1f} s")
+        out[name] = losses(folder), gathered(folder, 1, "init"), gathered(folder, 1, "grads")
+    return out
+
+
+def gathered(folder, nproc: int, what: str) -> dict[str, torch.Tensor]:
+    """{canonical name: full tensor} over the ranks' {what}_rank{r}.pt (pipeline stages hold different names)."""
+    merged = {}
+    for rank in range(nproc):
+        for name, tensor in torch.load(folder / f"{what}_rank{rank}.pt").items():
+            if name in merged:
+                assert torch.equal(merged[name], tensor), f"ranks disagree on {what} {name}"
+            merged[name] = tensor
+    return merged
+
+
+GRAD_TOL = 1e-4  # of the tensor's largest gradient: the layouts give up to 3e-6 (summation order)
+
+
+def max_grad_diff(got: dict, ref: dict) -> tuple[float, str]:
+    assert got.keys() == ref.keys()
+    diffs = {name: ((got[name] - g).abs().max() / g.abs().max()).item() for name, g in ref.items()}
+    worst = max(diffs, key=diffs.get)
+    return diffs[worst], worst
+
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+
+# (id, reference, processes, local batch, overrides); global batch is 8 sequences everywhere.
+LAYOUTS = [
+    ("fsdp2", "tied", 2, 4, []),
+    ("hsdp2x2", "tied", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    ("ddp2", "tied", 2, 4, ["--parallelism.data_parallel_replicate_degree", "2",
+                            "--parallelism.data_parallel_shard_degree", "1"]),
+    ("tp2_sp_loss_parallel", "tied", 2, 8, TP2),
+    ("tp2_compile", "tied", 2, 8, [*TP2, "--compile.enable"]),
+    # Also TP without loss parallel: the output layer (the tied table) gathers its logits.
+    ("fsdp2_tp2_no_loss_parallel", "tied", 4, 4, [*TP2, "--parallelism.disable_loss_parallel"]),
+    ("cp2", "tied", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
+    ("fsdp2_tp2_pp2", "untied", 8, 4, [*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+]
+
+
+@pytest.mark.parametrize("name, ref, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, nproc, local_batch, overrides):
+    ref_losses, ref_weights, ref_grads = references[ref]
+    seconds = train(nproc, local_batch, QWEN3 if ref == "tied" else QWEN3_UNTIED, overrides, tmp_path)
+    weights = gathered(tmp_path, nproc, "init")
+    assert weights.keys() == ref_weights.keys()
+    for key, tensor in ref_weights.items():
+        assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
+    grad_diff, worst = max_grad_diff(gathered(tmp_path, nproc, "grads"), ref_grads)
+    got = losses(tmp_path)
+    diff = max_rel_diff(got, ref_losses)
+    print(f"\nQWEN3 LAYOUT {name:27s} procs {nproc}  max rel loss diff {diff:.2e}  "
+          f"grad diff {grad_diff:.1e} ({worst})  {seconds:5.1f} s")
+    assert len(got) >= 4 and got[-1] != got[0]
+    assert grad_diff <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
+    assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
+
+
+def test_qwen3_tied_pipeline_fails_before_any_collective(tmp_path):
+    start = time.perf_counter()
+    proc = torchrun(2, ["-m", "titanctl", "train"], [*TINY_RUN, *QWEN3, "--training.local_batch_size", "4", *PP2,
+                                                     "--job.dump_folder", str(tmp_path)], timeout=120, check=False)
+    print(f"\nQWEN3 tied pipeline refused in {time.perf_counter() - start:.1f} s")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    message = "pipeline_parallel_degree = 2 with a model whose output layer is its embedding (tied, qwen3"
+    assert errors and all(message in line and "untied flavor" in line for line in errors), proc.stderr[-3000:]
+    assert f"{REPO}/titanctl/" not in proc.stderr, "a traceback through titanctl's code"
+
+
+# ---------------------------------------------------------------- every schedule, one launch
+
+
+def pp_args():
+    from tests.distributed.workers import pp_worker
+    from titanctl.models.qwen3.args import qwen3_args
+
+    # Queries twice as wide as dim (4 heads x 32 over 64), as Qwen3's published sizes.
+    return qwen3_args(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn=128, tied=False, head_dim=32,
+                      vocab_size=256).replace(max_seq_len=pp_worker.SEQ)
+
+
+@pytest.fixture(scope="module")
+def pp_results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("qwen3_pp") / "result.json"
+    start = time.perf_counter()
+    torchrun(2, [__file__, "pp"], ["--schedules", ",".join(SCHEDULES), "--out", str(out)], timeout=300)
+    results = json.loads(out.read_text())
+    print(f"\nQWEN3 torchrun with {len(SCHEDULES)} pipeline schedules: {time.perf_counter() - start:.1f} s "
+          f"(reference {results['reference_seconds']:.1f} s)")
+    return results["cases"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_qwen3_pipeline_schedule_matches_one_process(pp_results, schedule):
+    r = pp_results[schedule]
+    rel = max_rel_diff(r["pp_losses"], r["ref_losses"])
+    norm_rel = max_rel_diff(r["pp_norms"], r["ref_norms"])
+    print(f"\nQWEN3 PP {schedule:22s} stages per rank {[g['stages'] for g in r['layout']]}, max rel loss diff "
+          f"{rel:.2e}, grad-norm {norm_rel:.2e}, max |param diff| {r['max_param_diff']:.2e}, {r['seconds']:.2f} s")
+    assert len(r["pp_losses"]) == PP_STEPS
+    assert rel <= 1e-5, (r["pp_losses"], r["ref_losses"])
+    assert norm_rel <= 1e-5, (r["pp_norms"], r["ref_norms"])
+    assert r["max_param_diff"] <= 5e-4  # as test_pipeline.PARAM_TOL
+    assert r["pp_losses"][-1] != r["pp_losses"][0]  # training moved
+
+
+# ---------------------------------------------------------------- the torchrun script
+
+
+def dump_first_step_gradients(folder: Path) -> None:
+    """Make every Trainer write grads_rank{r}.pt ({canonical name: full fp32 gradient}) after its
+    first step's backward, before clipping (whose factor carries the fp32 rounding of the norm)."""
+    from torch.distributed.tensor import DTensor
+
+    from titanctl.parallel.layouts.weight_init import canonical_name
+    from titanctl.train.step import ForwardBackward
+
+    forward_backward = ForwardBackward.__call__
+
+    def call(self, microbatches):
+        loss = forward_backward(self, microbatches)
+        if not getattr(self, "gradients_dumped", False):
+            self.gradients_dumped = True
+            grads = {}
+            for part in self.model_parts:
+                for name, param in part.named_parameters():  # a tied table once, with both uses' sum
+                    grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+                    grads[canonical_name(name)] = grad.float().cpu().clone()
+            torch.save(grads, folder / f"grads_rank{os.environ['RANK']}.pt")
+        return loss
+
+    ForwardBackward.__call__ = call
+
+
+if __name__ == "__main__":
+    mode = sys.argv.pop(1)
+    if mode == "pp":  # pp_worker with a Qwen3 model
+        from tests.distributed.workers import pp_worker
+
+        pp_worker.ARGS = pp_args()
+        pp_worker.STEPS = PP_STEPS
+        pp_worker.main()
+    else:  # train_worker, which also writes the first step's gradients
+        from tests.distributed.workers import train_worker
+
+        dump_first_step_gradients(Path(sys.argv[sys.argv.index("--job.dump_folder") + 1]))
+        train_worker.main()
+        train_worker.finish(0)

@@ -1,0 +1,133 @@
+"""The shared MoE layer (titanctl.models.common.moe) in Qwen3-MoE's shape equals transformers'
+Qwen3MoeForCausalLM on the same weights (packed experts: gate_up_proj [E, 2F, D], down_proj [E, D, F]),
+routes deterministically, and its grouped GEMMs equal a loop over experts, gradients included."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from titanctl.models.common.args import MoEArgs
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.common.moe import MoE
+from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS, qwen3_moe_args
+
+TOL = 1e-4
+F = 32
+ARGS = qwen3_moe_args(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, experts=8, top_k=2, expert_ffn=F, head_dim=32,
+                      vocab_size=512).replace(max_seq_len=64)
+
+_RENAMES = [
+    ("model.embed_tokens", "tok_embeddings"), ("model.norm", "norm"), ("lm_head", "output"), ("model.layers", "layers"),
+    ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"), ("self_attn.v_proj", "attention.wv"),
+    ("self_attn.o_proj", "attention.wo"), ("self_attn.q_norm", "attention.q_norm"), ("self_attn.k_norm", "attention.k_norm"),
+    ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
+    ("mlp.gate.weight", "moe.router.gate.weight"), ("mlp.experts.down_proj", "moe.experts.w2"),
+]
+
+
+def from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in sd.items():
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        if name.endswith("mlp.experts.gate_up_proj"):  # gate rows first, then up
+            base = name.removesuffix("mlp.experts.gate_up_proj")
+            out[base + "moe.experts.w1"], out[base + "moe.experts.w3"] = tensor[:, :F], tensor[:, F:]
+        else:
+            out[name] = tensor
+    for layer in range(ARGS.n_layers):
+        out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(ARGS.moe.num_experts)
+    return out
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=ARGS.vocab_size, hidden_size=ARGS.dim, intermediate_size=96, moe_intermediate_size=F,
+        num_hidden_layers=ARGS.n_layers, num_attention_heads=ARGS.n_heads, num_key_value_heads=ARGS.kv_heads,
+        head_dim=ARGS.head_dim, num_experts=ARGS.moe.num_experts, num_experts_per_tok=ARGS.moe.top_k,
+        norm_topk_prob=True, rms_norm_eps=ARGS.norm_eps, max_position_embeddings=ARGS.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": ARGS.rope_theta}, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # unit scale (FACTS.md): routing and attention far from uniform
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_logits_match_transformers(theirs):
+    ours = Transformer(ARGS)
+    ours.load_state_dict(from_hf(theirs.state_dict()), strict=True)
+    ids = torch.randint(0, ARGS.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        delta = (ours.eval()(ids) - theirs(ids).logits).abs().max().item()
+    assert delta <= TOL, f"max |Δlogit| = {delta:.3g}"
+    # Teeth: without renormalizing the top-k weights the logits differ.
+    unnormalized = Transformer(ARGS.replace(moe=dataclasses.replace(ARGS.moe, norm_topk_prob=False)))
+    unnormalized.load_state_dict(from_hf(theirs.state_dict()), strict=True)
+    with torch.no_grad():
+        assert (unnormalized.eval()(ids) - theirs(ids).logits).abs().max().item() > 0.1
+
+
+def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through its k experts one matmul at a time (what transformers does)."""
+    logits, experts, weights = moe.router(x, moe.expert_bias)
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j in range(moe.moe.top_k):
+            e = experts[n, j]
+            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            h = torch.nn.functional.silu(x[n] @ w1.T) * (x[n] @ w3.T)
+            out[n] += weights[n, j] * (h @ w2.T)
+    return out
+
+
+def test_grouped_gemms_equal_a_loop_over_experts_with_gradients():
+    torch.manual_seed(0)
+    moe = MoE(32, MoEArgs(num_experts=4, top_k=2, hidden_dim=16))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    moe.expert_bias.zero_()
+    x = torch.randn(40, 32)
+    fast, slow = moe(x), _loop_reference(moe, x)
+    assert torch.allclose(fast, slow, atol=1e-5)
+    grads = [torch.autograd.grad(out.square().sum(), list(moe.parameters())) for out in (moe(x), _loop_reference(moe, x))]
+    for fast_grad, slow_grad in zip(*grads):
+        assert torch.allclose(fast_grad, slow_grad, atol=1e-4)
+    assert int(moe.routing.counts.sum()) == 40 * 2  # dropless: every token reaches its k experts
+
+
+def test_expert_bias_moves_the_choice_not_the_weights():
+    torch.manual_seed(0)
+    moe = MoE(32, MoEArgs(num_experts=4, top_k=1, hidden_dim=16, score_func="sigmoid", norm_topk_prob=False))
+    x = torch.randn(16, 32)
+    moe.expert_bias.zero_()
+    _, before, w_before = moe.router(x, moe.expert_bias)
+    bias = torch.full((4,), -10.0)
+    bias[3] = 10.0
+    _, after, w_after = moe.router(x, bias)
+    assert (after == 3).all() and not (before == 3).all()
+    scores = torch.sigmoid(moe.router.gate(x))
+    assert torch.allclose(w_after.squeeze(1), scores[:, 3])  # the weight is the unbiased score
+
+
+def test_published_flavors_have_their_published_sizes():
+    for flavor, total in (("30B-A3B", 30.53e9), ("235B-A22B", 235.09e9)):
+        args = QWEN3_MOE_FLAVORS[flavor]
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert abs(sum(p.numel() for p in model.parameters()) - total) / total < 1e-3

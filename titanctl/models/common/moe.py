@@ -1,0 +1,110 @@
+"""Mixture-of-Experts feed-forward shared by the MoE families: a top-k router, routed experts as
+stacked weights run with grouped GEMMs, optional shared experts.
+
+Dropless and deterministic: every token reaches its k experts (no capacity factor), and the tokens
+an expert sees come in a fixed order (stable sort by expert, then by token position), so a layout
+that moves tokens around (expert parallelism) can put them back in exactly that order. The
+weighted combination of a token's k expert outputs is a sum in routing order, not an
+``index_add`` (whose accumulation order is not fixed on every device).
+
+Nothing here knows about parallelism: ``GroupedExperts.forward(tokens, counts)`` takes tokens
+already sorted by expert and the count per expert, which is the seam where expert parallelism
+(titanctl.parallel) exchanges tokens between ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanctl import _torch_compat
+from titanctl.models.common.args import MoEArgs
+from titanctl.models.common.feed_forward import FeedForward
+
+
+@dataclass
+class Routing:
+    """One MoE layer's routing of N tokens, kept for the load-balancing losses and metrics."""
+
+    logits: torch.Tensor  # (N, E) the router's scores before softmax/sigmoid
+    experts: torch.Tensor  # (N, k) chosen expert ids
+    counts: torch.Tensor  # (E,) tokens routed to each expert (a token counts once per choice)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(dim, moe.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, dim) -> (logits (N, E), expert ids (N, k), weights (N, k) in x's dtype).
+
+        ``expert_bias`` (E,) shifts which experts are chosen but not their weights (DeepSeek-V3's
+        auxiliary-loss-free balancing; zeros without it).
+        """
+        logits = self.gate(x)
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32) if self.moe.score_func == "softmax" else (
+            torch.sigmoid(logits.float()))
+        choice = scores + expert_bias
+        # Sorted so that ties between equal scores resolve the same way in every layout.
+        experts = torch.topk(choice, self.moe.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(-1, experts)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, experts, (weights * self.moe.route_scale).to(x.dtype)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, dim): tokens sorted by expert, counts[e] of them for expert e (of this module's
+        experts, which under expert parallelism are this rank's). Returns (M, dim)."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if isinstance(w1, torch.distributed.tensor.DTensor):  # FSDP-gathered or EP-sharded: compute locally
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        grouped_mm = _torch_compat.GROUPED_MM.get()
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+        h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        return grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.moe = moe
+        self.router = Router(dim, moe)
+        self.experts = GroupedExperts(dim, moe.hidden_dim, moe.num_experts)
+        self.shared_experts = (
+            FeedForward(dim, moe.hidden_dim * moe.num_shared_experts) if moe.num_shared_experts else None
+        )
+        # Added to the routing scores to choose experts (auxiliary-loss-free balancing); updated
+        # between steps by the trainer, never by a gradient. Saved with the weights.
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
+        self.routing: Routing | None = None  # the last forward's, for the balancing losses and metrics
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        logits, experts, weights = self.router(x, self.expert_bias)
+        flat = experts.reshape(-1)  # (N * k,) token n's j-th choice at n * k + j
+        order = torch.argsort(flat, stable=True)  # by expert, then by token: a fixed order
+        counts = torch.bincount(flat, minlength=self.moe.num_experts)
+        self.routing = Routing(logits, experts, counts)
+        routed = self.experts(x[order // self.moe.top_k], counts)  # (N * k, dim)
+        unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation
+        out = (unsorted.view(-1, self.moe.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)

@@ -1,0 +1,74 @@
+"""What a model family tells the rest of titanctl: one ``ModelSpec`` per family.
+
+Everything outside ``titanctl/models/`` reaches a family through its spec (from
+``titanctl.models.registry``), never by importing the family's folder, so a new family is a
+folder and a spec: the trainer, the parallel layouts, checkpoint formats and the tools need no
+edit. The fields are data or small functions of the family's ``ModelArgs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from titanctl.models.common.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """The family in Hugging Face's format (a ``*ForCausalLM`` folder of safetensors + config.json).
+
+    Names map titanctl's weight names to Hugging Face's: ``layer_names`` by the suffix after
+    ``layers.{i}.`` (model.layers.{i}. on the HF side), ``top_names`` whole. ``config_from_args``
+    writes config.json's family-specific keys (the caller adds dtype and token ids);
+    ``args_from_config`` reads them back, raising ``CheckpointError`` on a value the family
+    cannot build (the caller then checks the args as a whole).
+    """
+
+    model_type: str
+    architecture: str
+    layer_names: Mapping[str, str]
+    top_names: Mapping[str, str]
+    config_from_args: Callable[[ModelArgs, int | None], dict[str, Any]]
+    args_from_config: Callable[[dict[str, Any], int | None, str], ModelArgs]
+    # (bos, eos) ids the family's convention derives from the vocabulary size, for a config.json
+    # written without a tokenizer; None for a family whose ids only its tokenizer knows.
+    special_ids: Callable[[int], tuple[int | None, int | None]] = lambda vocab_size: (None, None)
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """The tensor-parallel plan as data: module name -> parallel style, for the model's root
+    modules (``root(loss_parallel)``) and for one block (``block(float8_styles, float8_linears,
+    args)``, names inside the block). Inference TP derives its plan from the same two."""
+
+    root: Callable[[bool], dict]
+    block: Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # config model.name
+    flavors: Mapping[str, ModelArgs]  # published dimensions per size, plus a CPU-sized debugmodel
+    build: Callable[[ModelArgs], nn.Module]  # the parallelism-agnostic module, on the current device
+    tp_plan: TPPlan
+    # A copy of a (meta-device) model holding only some layers, with the embedding on the first stage
+    # and the output head on the last: (model, layer_ids, is_first, is_last) -> stage.
+    split_stage: Callable[[nn.Module, Iterable[int], bool, bool], nn.Module]
+    # Training FLOPs per token of the whole model at a sequence length (active parameters for MoE).
+    flops_per_token: Callable[[ModelArgs, int], float]
+    hf: HFFormat
+    # Checkpoint formats beyond DCP and Hugging Face that the family exists in (meta, torchtune,
+    # torchtitan): `convert` refuses the others for this family.
+    formats: tuple[str, ...] = ()
+    # The module holding the blocks (a ModuleDict keyed by layer id): the unit of activation
+    # checkpointing, per-block compile, FSDP wrapping and pipeline splitting.
+    blocks: str = "layers"
+    # Where `download-tokenizer` fetches the family's tokenizer: (Hub repository, folder in it).
+    tokenizer_repo: tuple[str, str] = ("", "")
+
+    def args(self, flavor: str) -> ModelArgs:
+        return self.flavors[flavor]
