@@ -29,6 +29,9 @@ from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
 WORKER = [__file__, "train"]
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 QWEN3_UNTIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
+# Qwen3-MoE (8 experts, top-2): every parameter's gradient, routers included, is compared too.
+QWEN3_MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
+FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE}
 PP_STEPS = 4  # pp_worker's default is 3: one more, so a wrong gradient shows in 3 losses
 
 
@@ -41,9 +44,9 @@ def train(nproc: int, local_batch: int, flavor: list[str], overrides: list[str],
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, tuple[list[float], dict, dict]]:
-    """One process, 8 sequences a step: the tied debugmodel and the untied one (pipeline layouts)."""
+    """One process, 8 sequences a step: the tied debugmodel, the untied one (pipeline layouts) and the MoE one."""
     out = {}
-    for name, flavor in (("tied", QWEN3), ("untied", QWEN3_UNTIED)):
+    for name, flavor in FLAVORS.items():
         folder = tmp_path_factory.mktemp(f"qwen3_single_{name}")
         seconds = train(1, 8, flavor, [], folder)
         print(f"\nQWEN3 REFERENCE {name:24s} procs 1  {seconds:5.1f} s")
@@ -87,13 +90,19 @@ LAYOUTS = [
     ("fsdp2_tp2_no_loss_parallel", "tied", 4, 4, [*TP2, "--parallelism.disable_loss_parallel"]),
     ("cp2", "tied", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
     ("fsdp2_tp2_pp2", "untied", 8, 4, [*PP2, *TP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    ("moe_fsdp2", "moe", 2, 4, []),
+    ("moe_hsdp2x2", "moe", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    ("moe_ddp2", "moe", 2, 4, ["--parallelism.data_parallel_replicate_degree", "2",
+                               "--parallelism.data_parallel_shard_degree", "1"]),
+    ("moe_cp2_compile", "moe", 2, 8, ["--parallelism.context_parallel_degree", "2", "--compile.enable"]),
+    ("moe_fsdp2_pp2", "moe", 4, 4, PP2),
 ]
 
 
 @pytest.mark.parametrize("name, ref, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, nproc, local_batch, overrides):
     ref_losses, ref_weights, ref_grads = references[ref]
-    seconds = train(nproc, local_batch, QWEN3 if ref == "tied" else QWEN3_UNTIED, overrides, tmp_path)
+    seconds = train(nproc, local_batch, FLAVORS[ref], overrides, tmp_path)
     weights = gathered(tmp_path, nproc, "init")
     assert weights.keys() == ref_weights.keys()
     for key, tensor in ref_weights.items():
@@ -118,6 +127,14 @@ def test_qwen3_tied_pipeline_fails_before_any_collective(tmp_path):
     message = "pipeline_parallel_degree = 2 with a model whose output layer is its embedding (tied, qwen3"
     assert errors and all(message in line and "untied flavor" in line for line in errors), proc.stderr[-3000:]
     assert f"{REPO}/titanctl/" not in proc.stderr, "a traceback through titanctl's code"
+
+
+def test_moe_with_tensor_parallel_fails_before_any_collective(tmp_path):
+    proc = torchrun(2, ["-m", "titanctl", "train"], [*TINY_RUN, *QWEN3_MOE, "--training.local_batch_size", "8", *TP2,
+                                                     "--job.dump_folder", str(tmp_path)], timeout=120, check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    message = "tensor_parallel_degree = 2 with a Mixture-of-Experts model (qwen3_moe)"
+    assert proc.returncode != 0 and errors and all(message in line for line in errors), proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- every schedule, one launch

@@ -271,3 +271,33 @@ def test_a_checkpoint_that_declares_its_model_refuses_model_overrides(tmp_path):
         check_model_overrides(["--training.seq_len=64"], declared)
     check_model_overrides(["--model.tokenizer_path", "x.model"], declared)  # the checkpoint does not decide it
     check_model_overrides(["--model.n_layers", "2"], CheckpointSource("torchtitan", tmp_path, None))
+
+
+def test_qwen3_moe_hf_folder_equals_transformers(qwen, transformers, tmp_path):
+    """A Qwen3-MoE folder as transformers 5.23 saves it (one tensor per expert), with Qwen's tokenizer:
+    infer-tp's greedy tokens equal generate()'s."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=QWEN.vocab_size, hidden_size=QWEN.dim, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=QWEN.n_layers, num_attention_heads=QWEN.n_heads, num_key_value_heads=QWEN.kv_heads,
+        head_dim=QWEN.head_dim, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        rms_norm_eps=QWEN.norm_eps, max_position_embeddings=QWEN.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": QWEN.rope_theta}, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # unit scale, the 3-D expert stacks by their input width
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+    folder = tmp_path / "moe"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen.folder / name, folder / name)
+    report = greedy(folder)
+    assert report.source.args.family == "qwen3_moe" and report.source.args.moe.num_experts == 4
+    assert report.generation.tokens == reference(model, qwen.ids, qwen.tokenizer.stop_tokens, qwen.tokenizer.vocab_size)

@@ -1,5 +1,5 @@
 """The shared MoE layer (titanctl.models.common.moe) in Qwen3-MoE's shape equals transformers'
-Qwen3MoeForCausalLM on the same weights (packed experts: gate_up_proj [E, 2F, D], down_proj [E, D, F]),
+Qwen3MoeForCausalLM on the same weights (its packed experts read by titanctl's Hugging Face names),
 routes deterministically, and its grouped GEMMs equal a loop over experts, gradients included."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from titanctl.checkpoint.hf_names import from_hf_state_dict
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.moe import MoE
@@ -19,30 +20,6 @@ TOL = 1e-4
 F = 32
 ARGS = qwen3_moe_args(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, experts=8, top_k=2, expert_ffn=F, head_dim=32,
                       vocab_size=512).replace(max_seq_len=64)
-
-_RENAMES = [
-    ("model.embed_tokens", "tok_embeddings"), ("model.norm", "norm"), ("lm_head", "output"), ("model.layers", "layers"),
-    ("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"), ("self_attn.v_proj", "attention.wv"),
-    ("self_attn.o_proj", "attention.wo"), ("self_attn.q_norm", "attention.q_norm"), ("self_attn.k_norm", "attention.k_norm"),
-    ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
-    ("mlp.gate.weight", "moe.router.gate.weight"), ("mlp.experts.down_proj", "moe.experts.w2"),
-]
-
-
-def from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in sd.items():
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        if name.endswith("mlp.experts.gate_up_proj"):  # gate rows first, then up
-            base = name.removesuffix("mlp.experts.gate_up_proj")
-            out[base + "moe.experts.w1"], out[base + "moe.experts.w3"] = tensor[:, :F], tensor[:, F:]
-        else:
-            out[name] = tensor
-    for layer in range(ARGS.n_layers):
-        out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(ARGS.moe.num_experts)
-    return out
-
 
 @pytest.fixture(scope="module")
 def theirs():
@@ -71,14 +48,14 @@ def theirs():
 
 def test_logits_match_transformers(theirs):
     ours = Transformer(ARGS)
-    ours.load_state_dict(from_hf(theirs.state_dict()), strict=True)
+    ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), ARGS), strict=True)
     ids = torch.randint(0, ARGS.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         delta = (ours.eval()(ids) - theirs(ids).logits).abs().max().item()
     assert delta <= TOL, f"max |Δlogit| = {delta:.3g}"
     # Teeth: without renormalizing the top-k weights the logits differ.
     unnormalized = Transformer(ARGS.replace(moe=dataclasses.replace(ARGS.moe, norm_topk_prob=False)))
-    unnormalized.load_state_dict(from_hf(theirs.state_dict()), strict=True)
+    unnormalized.load_state_dict(from_hf_state_dict(theirs.state_dict(), ARGS), strict=True)
     with torch.no_grad():
         assert (unnormalized.eval()(ids) - theirs(ids).logits).abs().max().item() > 0.1
 

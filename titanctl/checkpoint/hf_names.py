@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,6 +82,70 @@ def canonical_name_of(hf_name: str) -> str | None:
     return next((ours for spec in all_specs() if (ours := _ours_of(hf_name, spec.hf)) is not None), None)
 
 
+# ----------------------------------------------------------------------------- packed and per-expert tensors
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A titanctl weight's share of one Hugging Face tensor that is not simply renamed: slice
+    ``index`` of ``parts`` equal slices along ``dim`` (a packed tensor), or expert ``expert``'s
+    matrix of a weight stacked over experts (older per-expert checkpoints)."""
+
+    name: str  # the titanctl weight
+    dim: int = 0
+    index: int = 0
+    parts: int = 1
+    expert: int | None = None
+
+
+def structured_pieces(hf_name: str, args: ModelArgs) -> list[Piece]:
+    """The titanctl weights a packed or per-expert Hugging Face tensor holds ([] for any other)."""
+    spec = spec_of(args).hf
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m is None or int(m.group(1)) >= args.n_layers:
+        return []
+    layer, suffix = m.groups()
+    pieces = [Piece(f"layers.{layer}.{ours}", dim, index, parts)
+              for ours, (theirs, dim, index, parts) in spec.packed.items() if theirs == suffix]
+    for ours, template in spec.per_expert.items():
+        e = re.fullmatch(re.escape(template).replace(r"\{e\}", r"(\d+)"), suffix)
+        if e and int(e.group(1)) < args.moe.num_experts:
+            pieces.append(Piece(f"layers.{layer}.{ours}", expert=int(e.group(1))))
+    return pieces
+
+
+def not_stored(name: str, args: ModelArgs) -> bool:
+    """Whether Hugging Face's format of the family leaves this titanctl state out (it reads as zeros)."""
+    m = _OURS_LAYER.fullmatch(name)
+    return m is not None and m.group(2) in spec_of(args).hf.not_stored
+
+
+def hf_tensor_groups(names: Iterable[str], args: ModelArgs) -> list[tuple[str, list[str], int]]:
+    """(Hugging Face name, the titanctl weights it is made of in order, the dim they join on), in
+    the order of ``names``; a packed tensor comes where its last part does. State the format does
+    not store is left out."""
+    packed = spec_of(args).hf.packed
+    groups: list[tuple[str, list[str], int]] = []
+    waiting: dict[str, list[str | None]] = {}
+    for name in names:
+        if not_stored(name, args):
+            continue
+        m = _OURS_LAYER.fullmatch(name)
+        if m is None or m.group(2) not in packed:
+            groups.append((_hf_name(name, args), [name], 0))
+            continue
+        theirs, dim, index, parts = packed[m.group(2)]
+        hf = f"model.layers.{m.group(1)}.{theirs}"
+        members = waiting.setdefault(hf, [None] * parts)
+        members[index] = name
+        if all(members):
+            groups.append((hf, waiting.pop(hf), dim))
+    if waiting:
+        hf, members = next(iter(waiting.items()))
+        raise CheckpointError(f"{hf} needs {[n for n in members if n]} and the rest of its {len(members)} parts")
+    return groups
+
+
 def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
     expected = weight_shapes(args)[meta_name]
     if tuple(tensor.shape) != expected:
@@ -136,7 +201,7 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[st
     return meta, (tensor if heads is None else _halves_to_interleaved(tensor, heads))
 
 
-def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) -> Iterator[tuple[str, torch.Tensor]]:
     convert = to_hf_tensor if to_hf else from_hf_tensor
     aliases = tied_weights(args)  # a tied output layer is the embedding: Hugging Face stores it once
     missing = set(weight_shapes(args)) - set(aliases)  # titanctl names still to come
@@ -151,31 +216,67 @@ def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool) -> Iterator[tupl
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
         missing.discard(meta)
         yield new_name, new_tensor
-    if missing:
+    if missing and complete:
         names = sorted(missing if to_hf else (_hf_name(m, args) for m in missing))
         more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
         raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(names[:3])}{more}")
 
 
-def iter_to_hf(pairs: Pairs, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs to Hugging Face; raises at the end if a weight never came."""
-    return _convert_stream(pairs, args, to_hf=True)
+def iter_to_hf(pairs: Pairs, args: ModelArgs, complete: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs of renamed weights to Hugging Face; raises at the end if a weight
+    never came (``complete``)."""
+    return _convert_stream(pairs, args, to_hf=True, complete=complete)
 
 
-def iter_from_hf(pairs: Pairs, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream Hugging Face (name, tensor) pairs to titanctl; raises at the end if a weight never came."""
-    return _convert_stream(pairs, args, to_hf=False)
+def iter_from_hf(pairs: Pairs, args: ModelArgs, complete: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream Hugging Face (name, tensor) pairs of renamed weights to titanctl; raises at the end if
+    a weight never came (``complete``)."""
+    return _convert_stream(pairs, args, to_hf=False, complete=complete)
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    return dict(iter_to_hf(sd.items(), args))
+    """titanctl weights under Hugging Face names and layouts (packed tensors packed)."""
+    aliases = tied_weights(args)
+    names = [name for name in sd if name not in aliases]
+    out = {}
+    for hf, members, dim in hf_tensor_groups(names, args):
+        if len(members) == 1 and hf == _hf_of(members[0], spec_of(args).hf):
+            out.update(iter_to_hf([(members[0], sd[members[0]])], args, complete=False))
+        else:
+            out[hf] = torch.cat([sd[m] for m in members], dim=dim)
+    missing = set(weight_shapes(args)) - set(aliases) - set(names)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(sorted(missing)[:3])}")
+    return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Every key ``load_state_dict`` wants, a tied alias included (as the embedding's tensor)."""
-    out = dict(iter_from_hf(sd.items(), args))
+    """Every key ``load_state_dict`` wants, a tied alias included (as the embedding's tensor), and
+    state the format does not store as zeros."""
+    plain, stacks = {}, {}
+    for key, tensor in sd.items():
+        pieces = structured_pieces(key, args)
+        if not pieces:
+            plain[key] = tensor
+        for piece in pieces:
+            if piece.expert is not None:
+                stacks.setdefault(piece.name, {})[piece.expert] = tensor
+            else:
+                plain_name = piece.name
+                size = tensor.shape[piece.dim] // piece.parts
+                stacks.setdefault(plain_name, {})[None] = tensor.narrow(piece.dim, piece.index * size, size)
+    out = dict(iter_from_hf(plain.items(), args, complete=False))
+    for name, by_expert in stacks.items():
+        out[name] = by_expert[None] if None in by_expert else torch.stack([by_expert[e] for e in sorted(by_expert)])
+    shapes = weight_shapes(args)
+    for name in shapes:
+        if not_stored(name, args):
+            out[name] = torch.zeros(shapes[name])
     for alias, of in tied_weights(args).items():
         out[alias] = out[of]
+    missing = sorted(set(shapes) - set(out))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}")
     return out
 
 

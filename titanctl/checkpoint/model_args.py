@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import ROPE_LAYOUTS, ModelArgs, RopeScaling
+from titanctl.models.common.args import ROPE_LAYOUTS, SCORE_FUNCS, ModelArgs, MoEArgs, RopeScaling
 from titanctl.models.common.norms import NORMS
 from titanctl.models.registry import FAMILIES
 from titanctl.models.shapes import num_params
@@ -89,6 +89,19 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
         )
     if args.ffn_hidden_dim < 1:
         raise CheckpointError(f"{where}: ffn_dim_multiplier {args.ffn_dim_multiplier} leaves no feed-forward width")
+    moe = args.moe
+    if moe is not None:
+        if not isinstance(moe, MoEArgs):
+            raise CheckpointError(f"{where}: moe is {_brief(moe)}, expected the Mixture-of-Experts settings")
+        for name in ("num_experts", "top_k", "hidden_dim"):
+            _int(getattr(moe, name), f"moe.{name}", where)
+        _int(moe.num_shared_experts, "moe.num_shared_experts", where, minimum=0)
+        _int(moe.first_dense_layers, "moe.first_dense_layers", where, minimum=0)
+        _positive(moe.route_scale, "moe.route_scale", where)
+        _one_of(moe.score_func, "moe.score_func", where, SCORE_FUNCS)
+        _one_of(moe.norm_topk_prob, "moe.norm_topk_prob", where, (True, False))
+        if moe.top_k > moe.num_experts:
+            raise CheckpointError(f"{where}: moe.top_k {moe.top_k} exceeds moe.num_experts {moe.num_experts}")
     scaling = args.rope_scaling
     if scaling is not None:
         if not isinstance(scaling, RopeScaling):
@@ -118,6 +131,12 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
             valid = ", ".join(sorted(fields))
             raise CheckpointError(f"{where}: model_args.rope_scaling must be an object with {valid}")
         raw["rope_scaling"] = RopeScaling(**scaling)
+    moe = raw.get("moe")
+    if moe is not None:
+        fields = {f.name for f in dataclasses.fields(MoEArgs)}
+        if not isinstance(moe, dict) or set(moe) - fields or not {"num_experts", "top_k", "hidden_dim"} <= set(moe):
+            raise CheckpointError(f"{where}: model_args.moe must be an object with {', '.join(sorted(fields))}")
+        raw["moe"] = MoEArgs(**moe)
     return check_args(ModelArgs(**raw), where)
 
 

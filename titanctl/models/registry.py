@@ -19,6 +19,7 @@ from titanctl.models.spec import ModelSpec
 FAMILIES = {
     "llama3": "titanctl.models.llama.spec",
     "qwen3": "titanctl.models.qwen3.spec",
+    "qwen3_moe": "titanctl.models.qwen3_moe.spec",
 }
 
 

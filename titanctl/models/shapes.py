@@ -25,9 +25,10 @@ EMBEDDING = "tok_embeddings.weight"
 
 
 @functools.lru_cache(maxsize=8)
-def _layout(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+def _layout(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], dict[str, str], frozenset[str]]:
     with torch.device("meta"):
         model = build_model(args.replace(max_seq_len=1))  # the RoPE table is no weight
+    buffers = frozenset(name for name, _ in model.named_buffers())  # saved state such as MoE's expert_bias
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}  # id(tensor) -> the first key that holds it
     tied: dict[str, str] = {}
@@ -36,12 +37,12 @@ def _layout(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], dict[str, str]
         source = first_name.setdefault(id(tensor), name)
         if source != name:
             tied[name] = source
-    return shapes, tied
+    return shapes, tied, buffers
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """{canonical (Meta) name: shape} of every state-dict key, in the model's own order
-    (a tied weight appears under both of its keys). Cached and shared: do not modify it."""
+    """{canonical name: shape} of every state-dict key (saved buffers included), in the model's own
+    order (a tied weight appears under both of its keys). Cached and shared: do not modify it."""
     return _layout(args)[0]
 
 
@@ -58,10 +59,10 @@ def num_params(args: ModelArgs, include_embedding: bool = True) -> int:
     FLOPs: ``titanctl.train.flops`` counts 6 FLOPs per remaining parameter). A table tied to the
     output layer is that layer's matmul weight too, so it stays in.
     """
-    shapes, tied = _layout(args)
+    shapes, tied, buffers = _layout(args)
     lookup_only = EMBEDDING not in tied.values()
     return sum(
         math.prod(shape)
         for name, shape in shapes.items()
-        if name not in tied and (include_embedding or not (lookup_only and name == EMBEDDING))
+        if name not in tied and name not in buffers and (include_embedding or not (lookup_only and name == EMBEDDING))
     )

@@ -9,7 +9,7 @@ edit. The fields are data or small functions of the family's ``ModelArgs``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -34,6 +34,15 @@ class HFFormat:
     top_names: Mapping[str, str]
     config_from_args: Callable[[ModelArgs, int | None], dict[str, Any]]
     args_from_config: Callable[[dict[str, Any], int | None, str], ModelArgs]
+    # Packed tensors: {titanctl layer suffix: (HF layer suffix, dim, index, parts)}: the titanctl
+    # weight is slice `index` of `parts` equal slices of the HF tensor along `dim` (Qwen3-MoE's
+    # experts.gate_up_proj holds w1 then w3). Written packed.
+    packed: Mapping[str, tuple[str, int, int, int]] = field(default_factory=dict)
+    # Older checkpoints' one tensor per expert: {titanctl layer suffix: HF layer suffix with {e}}; the
+    # titanctl weight stacks them on dim 0. Read only.
+    per_expert: Mapping[str, str] = field(default_factory=dict)
+    # titanctl layer suffixes of state the format does not store (read as zeros, not written).
+    not_stored: tuple[str, ...] = ()
     # (bos, eos) ids the family's convention derives from the vocabulary size, for a config.json
     # written without a tokenizer; None for a family whose ids only its tokenizer knows.
     special_ids: Callable[[int], tuple[int | None, int | None]] = lambda vocab_size: (None, None)

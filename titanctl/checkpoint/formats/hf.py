@@ -28,10 +28,14 @@ from titanctl.checkpoint.formats.base import (
     read_json,
 )
 from titanctl.checkpoint.hf_names import (
+    Piece,
     args_from_hf_config,
     canonical_name_of,
     from_hf_tensor,
     hf_config,
+    hf_tensor_groups,
+    not_stored,
+    structured_pieces,
     to_hf_tensor,
 )
 from titanctl.checkpoint.model_args import check_declared
@@ -40,6 +44,7 @@ from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import spec_of
+from titanctl.models.shapes import weight_shapes
 from titanctl.safe_io import regular_file_size
 
 CONFIG_FILE = "config.json"
@@ -150,16 +155,48 @@ class HFSource(Source):
     def bind(self, args: ModelArgs, origin: str) -> None:
         self.args = args
         infos = []
+        self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
         for key, path, shape, dtype in self.raw:
             if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            pieces = structured_pieces(key, args)
+            for piece in pieces:
+                self._structured.setdefault(piece.name, []).append((piece, key, path))
+            if pieces:
                 continue
             try:  # names, shape check and permuted shape, all on the meta device
                 name, canonical = from_hf_tensor(key, torch.empty(shape, dtype=dtype, device="meta"), args)
             except CheckpointError as e:
                 raise CheckpointError(f"{path.name}: {e} (model from {origin})") from None
             infos.append(TensorInfo(name, tuple(canonical.shape), dtype, key, str(path.relative_to(self.folder))))
+        shapes = {key: (shape, dtype) for key, _path, shape, dtype in self.raw}
+        for name, found in self._structured.items():
+            infos.append(self._structured_info(name, found, shapes))
+        for name, shape in weight_shapes(args).items():
+            if not_stored(name, args):  # e.g. an expert bias: starts at zero
+                infos.append(TensorInfo(name, shape, torch.float32, name, "(not stored: zeros)"))
         check_complete(infos, args, origin, self.folder)
         self.infos = infos
+
+    def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
+        """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
+        piece, key, path = found[0]
+        shape, dtype = shapes[key]
+        where = str(path.relative_to(self.folder))
+        if piece.expert is None:
+            if len(found) > 1:
+                raise CheckpointError(f"{name} is packed in both {key!r} and {found[1][1]!r}")
+            if shape[piece.dim] % piece.parts:
+                raise CheckpointError(f"tensor {key!r} in {where} has shape {shape}: dim {piece.dim} does not split "
+                                      f"into {piece.parts} equal parts")
+            split = list(shape)
+            split[piece.dim] //= piece.parts
+            return TensorInfo(name, tuple(split), dtype, f"{key}[part {piece.index + 1} of {piece.parts}]", where)
+        experts = sorted(p.expert for p, _key, _path in found)
+        if experts != list(range(self.args.moe.num_experts)) or len({shapes[k] for _p, k, _path in found}) != 1:
+            raise CheckpointError(f"{name}: the per-expert tensors ({key!r}, ...) are not one of each of "
+                                  f"{self.args.moe.num_experts} experts with equal shapes")
+        return TensorInfo(name, (len(experts), *shape), dtype, key.replace(f".{piece.expert}.", ".{e}.", 1), where)
 
     def _file(self, path: Path):
         if self._open_path != path:
@@ -176,12 +213,27 @@ class HFSource(Source):
 
     def load(self, name: str) -> torch.Tensor:
         info = self.info(name)
+        if name in self._structured:
+            return self._load_structured(self._structured[name])
+        if info.where == "(not stored: zeros)":
+            return torch.zeros(info.shape, dtype=info.dtype)
         view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
         _, tensor = from_hf_tensor(info.shown, view, self.args)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
             return self.pages.copy_out(view)  # not permuted: copy chunk by chunk
         self.pages.release(view)  # q/k: the permutation made the copy
         return tensor
+
+    def _load_structured(self, found: list) -> torch.Tensor:
+        parts = []
+        for piece, key, path in sorted(found, key=lambda f: f[0].expert or 0):
+            view = self._file(path).get_tensor(key)  # memory-mapped
+            if piece.expert is None:
+                size = view.shape[piece.dim] // piece.parts
+                view = view.narrow(piece.dim, piece.index * size, size)
+            parts.append(view.clone())
+            self.pages.release(view)
+        return parts[0] if len(parts) == 1 and found[0][0].expert is None else torch.stack(parts)
 
     def close(self) -> None:
         self._close_file()
@@ -198,23 +250,27 @@ def write(
 ) -> None:
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
-    # Plan the shards from shapes alone (greedy, in the source's order).
-    plan: list[list[tuple[str, str, int]]] = [[]]
+    # Plan the shards from shapes alone (greedy, in the source's order; a packed tensor where its
+    # last part comes).
+    sizes = {info.name: info.nbytes(dtype) for info in source.infos}
+    plan: list[list[tuple[list[str], str, int, int]]] = [[]]
     size = 0
-    for info in source.infos:
-        hf_name, _ = to_hf_tensor(info.name, torch.empty(info.shape, device="meta"), args)
-        nbytes = info.nbytes(dtype)
+    for hf_name, members, dim in hf_tensor_groups([info.name for info in source.infos], args):
+        nbytes = sum(sizes[m] for m in members)
         if plan[-1] and size + nbytes > max_shard_size:
             plan.append([])
             size = 0
-        plan[-1].append((info.name, hf_name, nbytes))
+        plan[-1].append((members, hf_name, dim, nbytes))
         size += nbytes
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(plan, start=1):
         file = shard_name(index, len(plan))
         tensors = {}
-        for name, hf_name, nbytes in shard:
-            _, tensor = to_hf_tensor(name, cast(source.load(name), dtype), args)
+        for members, hf_name, dim, nbytes in shard:
+            if len(members) == 1:
+                _, tensor = to_hf_tensor(members[0], cast(source.load(members[0]), dtype), args)
+            else:
+                tensor = torch.cat([cast(source.load(m), dtype) for m in members], dim=dim)
             tensors[hf_name] = tensor.contiguous()
             weight_map[hf_name] = file
             progress(hf_name, nbytes)
@@ -226,6 +282,6 @@ def write(
         args, torch_dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", bos_token_id=bos, eos_token_id=eos
     )
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    total = sum(n for shard in plan for _, _, n in shard)
+    total = sum(n for shard in plan for *_, n in shard)
     index_data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")

@@ -7,9 +7,19 @@ from titanctl.models.shapes import num_params
 
 
 def decoder_flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """6N for the matmuls of the N parameters outside the embedding table (forward 2N, backward
+    """6N for the matmuls of the N active parameters outside the embedding table (forward 2N, backward
     4N; the output layer counts), plus 12·L·H·Q·T for attention scores and values (4·T·Q per head
     and layer forward, 3x with backward; causal masking halves the work actually done, which this
     formula, like torchtitan's, does not credit)."""
+    return 6 * active_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def active_params(args: ModelArgs) -> int:
+    """Parameters a token's matmuls use: all but the embedding lookup and, in MoE layers, the
+    routed experts it is not sent to (each of its top_k experts is 3 matrices of dim x hidden)."""
     n = num_params(args, include_embedding=False)
-    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    moe = args.moe
+    if moe is not None:
+        moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+        n -= moe_layers * 3 * args.dim * moe.hidden_dim * (moe.num_experts - moe.top_k)
+    return n

@@ -66,6 +66,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.grouped_mm = _torch_compat.GROUPED_MM.get()  # looked up here: compiled code cannot import
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, dim): tokens sorted by expert, counts[e] of them for expert e (of this module's
@@ -73,7 +74,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self.w1, self.w2, self.w3
         if isinstance(w1, torch.distributed.tensor.DTensor):  # FSDP-gathered or EP-sharded: compute locally
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
-        grouped_mm = _torch_compat.GROUPED_MM.get()
+        grouped_mm = self.grouped_mm
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
         h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
@@ -94,13 +95,17 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
         self.routing: Routing | None = None  # the last forward's, for the balancing losses and metrics
 
+    # Runs eagerly inside a compiled block: torch 2.13's fake (compile-time) kernel of _grouped_mm
+    # accepts only bf16, and the routing's sizes depend on the data.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
         logits, experts, weights = self.router(x, self.expert_bias)
         flat = experts.reshape(-1)  # (N * k,) token n's j-th choice at n * k + j
         order = torch.argsort(flat, stable=True)  # by expert, then by token: a fixed order
-        counts = torch.bincount(flat, minlength=self.moe.num_experts)
+        # A scatter rather than bincount: the same counts with a static shape (fake tensors allow it).
+        counts = flat.new_zeros(self.moe.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         self.routing = Routing(logits, experts, counts)
         routed = self.experts(x[order // self.moe.top_k], counts)  # (N * k, dim)
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation

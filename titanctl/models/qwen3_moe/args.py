@@ -21,7 +21,8 @@ def qwen3_moe_args(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, exper
 
 
 QWEN3_MOE_FLAVORS: dict[str, ModelArgs] = {
-    # CPU-sized: 8 experts of 128, top-2 (~9.4M parameters with the bundled tokenizer, ~4.1M active).
+    # CPU-sized: 8 experts of 128, top-2 (8.9M parameters with the bundled tokenizer; 4.3M active outside
+    # the embedding).
     "debugmodel": qwen3_moe_args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, experts=8, top_k=2,
                                  expert_ffn=128, head_dim=32, vocab_size=-1),
     "30B-A3B": qwen3_moe_args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, experts=128, top_k=8, expert_ffn=768),

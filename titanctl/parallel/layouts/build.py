@@ -57,6 +57,11 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
+    if args.moe is not None and dims.tp > 1:
+        raise ParallelError(
+            f"tensor_parallel_degree = {dims.tp} with a Mixture-of-Experts model ({args.family}): TP of the "
+            "experts (and expert parallelism) is not built yet; use FSDP/HSDP/DDP, PP or CP"
+        )
     if dims.pp > 1 and args.tie_embeddings:
         raise ParallelError(
             f"pipeline_parallel_degree = {dims.pp} with a model whose output layer is its embedding "

@@ -53,6 +53,6 @@ def apply_compile(model: nn.Module) -> None:
     identical, so one graph serves them all, and parameter names stay canonical (no _orig_mod).
     (The loss is compiled by ``titanctl.train.loss.build_loss_fn``.)"""
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=getattr(block, "moe", None) is None)  # MoE layers run eagerly between graphs
     if getattr(model, "norm", None) is not None:
         model.norm.compile(fullgraph=True)

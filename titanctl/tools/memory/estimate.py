@@ -458,6 +458,8 @@ def plan_estimate(
     if vocab_note:
         notes.insert(0, vocab_note)
     args = model_args_from_config(cfg.model, vocab, cfg.training.seq_len)
+    if args.moe is not None:  # issue 22: fake tensors need a float32 grouped GEMM and the routing's sizes
+        raise ConfigError(f"estimate-memory of a Mixture-of-Experts model ({cfg.model.name}) is not built yet")
     check_layout(cfg, dims, args)
     if dims.ddp_enabled:
         notes.append(

@@ -1,0 +1,21 @@
+"""Qwen3-MoE's spec: the shared decoder with a Mixture of Experts in every block."""
+
+from __future__ import annotations
+
+from titanctl.models.common.decoder import Transformer, split_into_stage
+from titanctl.models.common.flops import decoder_flops_per_token
+from titanctl.models.common.tp_plan import DECODER_TP_PLAN
+from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
+from titanctl.models.qwen3_moe.hf import HF
+from titanctl.models.spec import ModelSpec
+
+SPEC = ModelSpec(
+    name="qwen3_moe",
+    flavors=QWEN3_MOE_FLAVORS,
+    build=Transformer,
+    tp_plan=DECODER_TP_PLAN,  # attention's; TP of a MoE model is refused before training (parallel/layouts/build.py)
+    split_stage=split_into_stage,
+    flops_per_token=decoder_flops_per_token,
+    hf=HF,
+    tokenizer_repo=("Qwen/Qwen3-30B-A3B-Base", ""),
+)
