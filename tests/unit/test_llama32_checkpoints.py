@@ -78,3 +78,24 @@ def test_torchtitan_llama32_1b_shaped_checkpoint_converts_to_hf(tmp_path):
     assert torch.equal(model.lm_head.weight, state["output.weight"])
     with pytest.raises(CheckpointError, match="unknown llama3 flavor '2B'"):
         convert_checkpoint(tmp_path / "tt", tmp_path / "x", src_format="torchtitan", flavor="2B")
+
+
+def test_infer_tp_on_a_tied_llama32_folder_equals_generate(theirs, tmp_path):  # noqa: F811
+    """A transformers-written Llama 3.2-shaped folder (tied, RoPE factor 32) with a tokenizer that fits
+    its vocabulary: infer-tp's greedy tokens are generate()'s."""
+    import shutil
+
+    from tests.unit.test_hf_tokenizer import train_qwen_style
+    from tests.unit.test_infer_formats import NEW, PROMPT, reference
+    from titanctl.data.tokenizer import Tokenizer
+    from titanctl.tools.generate import run
+
+    train_qwen_style(tmp_path / "tok")  # any byte-level BPE of fewer ids than the model's 512 rows
+    theirs.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / name, tmp_path / "hf" / name)
+    tokenizer = Tokenizer(tmp_path / "hf" / "tokenizer.json")
+    report = run(tmp_path / "hf", PROMPT, max_new_tokens=NEW, temperature=0)
+    assert report.source.args.tie_embeddings and report.source.args.rope_scaling.factor == 32.0
+    ids = tokenizer.encode(PROMPT, bos=True, eos=False)
+    assert report.generation.tokens == reference(theirs, ids, tokenizer.stop_tokens, tokenizer.vocab_size)

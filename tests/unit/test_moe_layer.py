@@ -85,7 +85,6 @@ def test_grouped_gemms_equal_a_loop_over_experts_with_gradients():
     grads = [torch.autograd.grad(out.square().sum(), list(moe.parameters())) for out in (moe(x), _loop_reference(moe, x))]
     for fast_grad, slow_grad in zip(*grads):
         assert torch.allclose(fast_grad, slow_grad, atol=1e-4)
-    assert int(moe.routing.counts.sum()) == 40 * 2  # dropless: every token reaches its k experts
 
 
 def test_expert_bias_moves_the_choice_not_the_weights():

@@ -34,7 +34,7 @@ Pairs = Iterable[tuple[str, torch.Tensor]]  # (name, tensor), e.g. read one by o
 _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Derived buffers that old transformers versions saved; they carry no weights.
-_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # ----------------------------------------------------------------------------- names
@@ -206,7 +206,7 @@ def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) 
     aliases = tied_weights(args)  # a tied output layer is the embedding: Hugging Face stores it once
     missing = set(weight_shapes(args)) - set(aliases)  # titanctl names still to come
     for name, tensor in pairs:
-        if not to_hf and name.endswith(_IGNORED_HF_SUFFIXES):
+        if not to_hf and name.endswith(IGNORED_HF_SUFFIXES):
             continue
         if (name if to_hf else _meta_name(name, args)) in aliases:
             continue
@@ -274,9 +274,11 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
             out[name] = torch.zeros(shapes[name])
     for alias, of in tied_weights(args).items():
         out[alias] = out[of]
-    missing = sorted(set(shapes) - set(out))
+    missing = [name for name in shapes if name not in out]
     if missing:
-        raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}")
+        names = sorted(hf for hf, _members, _dim in hf_tensor_groups(missing, args))
+        more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+        raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(names[:3])}{more}")
     return out
 
 

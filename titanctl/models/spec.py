@@ -51,8 +51,8 @@ class HFFormat:
 @dataclass(frozen=True)
 class TPPlan:
     """The tensor-parallel plan as data: module name -> parallel style, for the model's root
-    modules (``root(loss_parallel)``) and for one block (``block(float8_styles, float8_linears,
-    args)``, names inside the block). Inference TP derives its plan from the same two."""
+    modules (``root(loss_parallel)``) and for one block (``block(args, float8_styles,
+    float8_linears)``, names inside the block). Inference TP derives its shards from the same two."""
 
     root: Callable[[bool], dict]
     block: Callable[..., dict]
@@ -73,11 +73,11 @@ class ModelSpec:
     # Checkpoint formats beyond DCP and Hugging Face that the family exists in (meta, torchtune,
     # torchtitan): `convert` refuses the others for this family.
     formats: tuple[str, ...] = ()
-    # The module holding the blocks (a ModuleDict keyed by layer id): the unit of activation
-    # checkpointing, per-block compile, FSDP wrapping and pipeline splitting.
-    blocks: str = "layers"
+    # torchtitan 0.3 stores this family under renamed keys (attention.qkv_linear.*, lm_head) beside
+    # Meta's params.json; otherwise under titanctl's names beside a Hugging Face config.json.
+    torchtitan_renamed: bool = False
+    # torchtune's names, (per-layer suffixes, top-level names): titanctl -> torchtune, for the family
+    # whose torchtune builders titanctl writes for (one family: torchtune's format has no family field).
+    torchtune_names: tuple[Mapping[str, str], Mapping[str, str]] | None = None
     # Where `download-tokenizer` fetches the family's tokenizer: (Hub repository, folder in it).
     tokenizer_repo: tuple[str, str] = ("", "")
-
-    def args(self, flavor: str) -> ModelArgs:
-        return self.flavors[flavor]

@@ -28,6 +28,7 @@ from titanctl.checkpoint.formats.base import (
     read_json,
 )
 from titanctl.checkpoint.hf_names import (
+    IGNORED_HF_SUFFIXES,
     Piece,
     args_from_hf_config,
     canonical_name_of,
@@ -50,7 +51,6 @@ from titanctl.safe_io import regular_file_size
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # the Hub's customary 5GB
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a derived buffer old transformers saved
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -157,7 +157,7 @@ class HFSource(Source):
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
         for key, path, shape, dtype in self.raw:
-            if key.endswith(_IGNORED_SUFFIXES):
+            if key.endswith(IGNORED_HF_SUFFIXES):
                 continue
             pieces = structured_pieces(key, args)
             for piece in pieces:

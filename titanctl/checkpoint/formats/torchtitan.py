@@ -57,6 +57,7 @@ from titanctl.checkpoint.metadata import METADATA_FILE
 from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import spec_of
 
 _QKV_03 = re.compile(r"layers\.(\d+)\.attention\.qkv_linear\.(wq|wk|wv)\.weight")
 _QKV = re.compile(r"layers\.(\d+)\.attention\.(wq|wk|wv)\.weight")
@@ -151,7 +152,7 @@ def is_torchtitan(folder: Path) -> bool:
 def write(folder: Path, args: ModelArgs, source: Source, *, dtype: torch.dtype | None, progress: Progress) -> None:
     """torchtitan's layout: model weights flat at the top level; Llama under 0.3's names with a
     params.json, another family under canonical names with a Hugging Face config.json."""
-    if args.family == "llama3":
+    if spec_of(args).torchtitan_renamed:
         save_streaming(folder, source, dtype=dtype, progress=progress, stored_name=to_torchtitan_name)
         (folder / PARAMS_FILE).write_text(json.dumps(params_from_args(args), indent=2) + "\n")
         return

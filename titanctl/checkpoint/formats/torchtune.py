@@ -32,44 +32,37 @@ from titanctl.checkpoint.hf_names import args_from_hf_config
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import all_specs
 
 WEIGHTS_FILE = "model-00001-of-00001.bin"
-_LAYER_NAMES = {
-    "attention.wq.weight": "attn.q_proj.weight",
-    "attention.wk.weight": "attn.k_proj.weight",
-    "attention.wv.weight": "attn.v_proj.weight",
-    "attention.wo.weight": "attn.output_proj.weight",
-    "attention_norm.weight": "sa_norm.scale",
-    "ffn_norm.weight": "mlp_norm.scale",
-    "feed_forward.w1.weight": "mlp.w1.weight",
-    "feed_forward.w2.weight": "mlp.w2.weight",
-    "feed_forward.w3.weight": "mlp.w3.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "tok_embeddings.weight",
-    "norm.weight": "norm.scale",
-    "output.weight": "output.weight",
-}
-_LAYER_NAMES_INV = {v: k for k, v in _LAYER_NAMES.items()}
-_TOP_NAMES_INV = {v: k for k, v in _TOP_NAMES.items()}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+def _names() -> tuple[dict[str, str], dict[str, str]]:
+    """(per-layer suffixes, top-level names): titanctl -> torchtune, of the family that has the format."""
+    (spec,) = [spec for spec in all_specs() if spec.torchtune_names is not None]
+    return spec.torchtune_names
+
+
 def to_tune_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+    layer_names, top_names = _names()
+    if name in top_names:
+        return top_names[name]
     m = _LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
     raise CheckpointError(f"unknown titanctl tensor {name!r}")
 
 
 def from_tune_name(name: str) -> str | None:
-    if name in _TOP_NAMES_INV:
-        return _TOP_NAMES_INV[name]
+    layer_names, top_names = _names()
+    top = {theirs: ours for ours, theirs in top_names.items()}
+    if name in top:
+        return top[name]
     m = _LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES_INV:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES_INV[m.group(2)]}"
+    layer = {theirs: ours for ours, theirs in layer_names.items()}
+    if m and m.group(2) in layer:
+        return f"layers.{m.group(1)}.{layer[m.group(2)]}"
     return None
 
 

@@ -14,8 +14,6 @@ already sorted by expert and the count per expert, which is the seam where exper
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,15 +21,6 @@ from torch import nn
 from titanctl import _torch_compat
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.feed_forward import FeedForward
-
-
-@dataclass
-class Routing:
-    """One MoE layer's routing of N tokens, kept for the load-balancing losses and metrics."""
-
-    logits: torch.Tensor  # (N, E) the router's scores before softmax/sigmoid
-    experts: torch.Tensor  # (N, k) chosen expert ids
-    counts: torch.Tensor  # (E,) tokens routed to each expert (a token counts once per choice)
 
 
 class Router(nn.Module):
@@ -72,8 +61,6 @@ class GroupedExperts(nn.Module):
         """x (M, dim): tokens sorted by expert, counts[e] of them for expert e (of this module's
         experts, which under expert parallelism are this rank's). Returns (M, dim)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
-        if isinstance(w1, torch.distributed.tensor.DTensor):  # FSDP-gathered or EP-sharded: compute locally
-            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         grouped_mm = self.grouped_mm
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -93,7 +80,6 @@ class MoE(nn.Module):
         # Added to the routing scores to choose experts (auxiliary-loss-free balancing); updated
         # between steps by the trainer, never by a gradient. Saved with the weights.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
-        self.routing: Routing | None = None  # the last forward's, for the balancing losses and metrics
 
     # Runs eagerly inside a compiled block: torch 2.13's fake (compile-time) kernel of _grouped_mm
     # accepts only bf16, and the routing's sizes depend on the data.
@@ -101,12 +87,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
-        logits, experts, weights = self.router(x, self.expert_bias)
+        _, experts, weights = self.router(x, self.expert_bias)
         flat = experts.reshape(-1)  # (N * k,) token n's j-th choice at n * k + j
         order = torch.argsort(flat, stable=True)  # by expert, then by token: a fixed order
         # A scatter rather than bincount: the same counts with a static shape (fake tensors allow it).
         counts = flat.new_zeros(self.moe.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
-        self.routing = Routing(logits, experts, counts)
         routed = self.experts(x[order // self.moe.top_k], counts)  # (N * k, dim)
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation
         out = (unsorted.view(-1, self.moe.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)

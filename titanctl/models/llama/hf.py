@@ -1,4 +1,4 @@
-"""Llama 3.x as Hugging Face's ``LlamaForCausalLM``: names and config.json.
+"""Llama 3.x as Hugging Face's ``LlamaForCausalLM`` (names and config.json), and torchtune's names.
 
 Meta's RoPE rotates interleaved channel pairs, Hugging Face's rotates halves; titanctl's Llama
 keeps Meta's layout (``rope_layout="interleaved"``), so the checkpoint layer permutes the rows of
@@ -98,4 +98,20 @@ HF = HFFormat(
     config_from_args=config_from_args,
     args_from_config=args_from_config,
     special_ids=special_ids,
+)
+
+# torchtune's Llama 3 builders (llama3_1_8b ...): per-layer suffixes and top-level names.
+TORCHTUNE_NAMES = (
+    {
+        "attention.wq.weight": "attn.q_proj.weight",
+        "attention.wk.weight": "attn.k_proj.weight",
+        "attention.wv.weight": "attn.v_proj.weight",
+        "attention.wo.weight": "attn.output_proj.weight",
+        "attention_norm.weight": "sa_norm.scale",
+        "ffn_norm.weight": "mlp_norm.scale",
+        "feed_forward.w1.weight": "mlp.w1.weight",
+        "feed_forward.w2.weight": "mlp.w2.weight",
+        "feed_forward.w3.weight": "mlp.w3.weight",
+    },
+    {"tok_embeddings.weight": "tok_embeddings.weight", "norm.weight": "norm.scale", "output.weight": "output.weight"},
 )

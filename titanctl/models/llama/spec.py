@@ -6,7 +6,7 @@ from titanctl.models.common.decoder import Transformer, split_into_stage
 from titanctl.models.common.flops import decoder_flops_per_token
 from titanctl.models.common.tp_plan import DECODER_TP_PLAN
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.llama.hf import HF
+from titanctl.models.llama.hf import HF, TORCHTUNE_NAMES
 from titanctl.models.spec import ModelSpec
 
 SPEC = ModelSpec(
@@ -18,5 +18,7 @@ SPEC = ModelSpec(
     flops_per_token=decoder_flops_per_token,
     hf=HF,
     formats=("meta", "torchtune", "torchtitan"),
+    torchtitan_renamed=True,
+    torchtune_names=TORCHTUNE_NAMES,
     tokenizer_repo=("meta-llama/Llama-3.1-8B", "original"),
 )
