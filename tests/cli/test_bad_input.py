@@ -220,5 +220,7 @@ def test_download_tokenizer_model_picks_the_familys_repository(tmp_path):
     assert proc.returncode == 2 and "tokenizer.json of Qwen/Qwen3-0.6B-Base" in proc.stderr, proc.stderr
     proc = subprocess.run([*TITANCTL, "download-tokenizer", "--model", "gpt2"], capture_output=True, text=True,
                           env=env, timeout=120)
+    from titanctl.models.registry import FAMILIES
+
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: unknown model family 'gpt2'; choose one of llama3, qwen3"), proc.stderr
+        f"error: unknown model family 'gpt2'; choose one of {', '.join(FAMILIES)}"), proc.stderr
