@@ -1,12 +1,13 @@
-"""Tokens/s of titanctl's training step vs. a plain transformers LlamaForCausalLM step.
+"""Tokens/s of titanctl's training step vs. a plain transformers step (the family's ``*ForCausalLM``).
 
 titanctl's step is built as ``titanctl train`` builds it from a recipe (default the debug recipe:
-its compile and linear-kernel settings, model converters, loss and optimizer); the peer is
-``LlamaForCausalLM`` in eager mode with torch's AdamW. Same model shape, same weights (titanctl's
-initialization copied into transformers), same batch, same optimizer settings, same machine and
-threads. ``--dtype float32`` (default) runs both in fp32; ``--dtype bfloat16`` both under bf16
-autocast, and only on a CPU with bf16 units (``avx512_bf16`` or ``amx_bf16``, read from
-/proc/cpuinfo at run time). The contenders run in alternating rounds, so that load from other
+its compile and linear-kernel settings, model converters, loss and optimizer); the peer is the
+family's transformers class (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``:
+transformers loops over a MoE layer's experts) in eager mode with torch's AdamW. Same model shape,
+same weights (titanctl's initialization copied into transformers), same batch, same optimizer
+settings, same machine and threads. ``--dtype float32`` (default) runs both in fp32;
+``--dtype bfloat16`` both under bf16 autocast, and only on a CPU with bf16 units (``avx512_bf16``
+or ``amx_bf16``, read from /proc/cpuinfo at run time). The contenders run in alternating rounds, so that load from other
 processes hits both alike; the ratio printed is the median of the rounds' ratios.
 
 The first step of each contender is timed apart (for titanctl with compile on, it includes
@@ -115,7 +116,7 @@ def main() -> None:
         from titanctl.parallel.converters.float8 import torchao_float8
 
         torchao_float8()  # before transformers imports torchao with its import-time warnings
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     overrides = ["--training.local_batch_size", str(opts.batch), "--training.seq_len", str(opts.seq_len),
                  "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
@@ -139,8 +140,10 @@ def main() -> None:
         return model, build_loss_fn(variant_cfg, tp=1)
 
     ours, ours_loss = titanctl_model()
-    theirs = LlamaForCausalLM(LlamaConfig(**hf_config(args)))
-    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args))
+    hf = hf_config(args)
+    theirs = getattr(transformers, hf["architectures"][0])(transformers.AutoConfig.for_model(**hf))
+    missing, unexpected = theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args), strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if args.tie_embeddings else set()), missing
 
     torch.manual_seed(0)
     tokens = torch.randint(0, vocab, (opts.batch, opts.seq_len + 1))
