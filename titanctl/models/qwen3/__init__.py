@@ -2,7 +2,7 @@
 
 Nothing here subclasses the model: every Qwen3 difference from Llama is a ModelArgs switch
 (``qk_norm``, ``rope_layout``, ``explicit_head_dim``, ``explicit_ffn_hidden_dim``, ``tie_embeddings``),
-so the TP plan (``titanctl.models.llama.tp_plan.block_plan(qk_norm=True)``), weight init, shapes and
+so the TP plan (``titanctl.models.common.tp_plan``, with QK-norm entries), weight init, shapes and
 parameter counts are the shared ones.
 """
 
