@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.unit.test_llama32_parity import ARGS, theirs  # noqa: F401 - the module fixture
+from tests.unit.test_qwen3_checkpoints import safetensors_of
 from tests.unit.test_qwen3_parity import tokens
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.errors import CheckpointError
@@ -20,23 +20,17 @@ from titanctl.models.llama.args import LLAMA3_FLAVORS
 TOL = 1e-4
 
 
-def hf_tensors(folder):
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
-
 
 def test_tied_hf_folder_round_trips_through_dcp(theirs, tmp_path):  # noqa: F811
     import transformers
 
     theirs.save_pretrained(tmp_path / "hf")
-    assert "lm_head.weight" not in hf_tensors(tmp_path / "hf")  # transformers writes a tied table once
+    assert "lm_head.weight" not in safetensors_of(tmp_path / "hf")  # transformers writes a tied table once
     convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
     state, args = load_checkpoint(tmp_path / "dcp")
     assert args.tie_embeddings and args.rope_scaling.factor == 32.0 and args.family == "llama3"
     convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
-    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    before, after = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "back")
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     config = json.loads((tmp_path / "back" / "config.json").read_text())

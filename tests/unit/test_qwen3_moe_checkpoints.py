@@ -9,21 +9,16 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from tests.unit.test_moe_layer import ARGS, theirs  # noqa: F401 - the module fixture
+from tests.unit.test_qwen3_checkpoints import safetensors_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf_names import from_hf_state_dict, to_hf_state_dict
 from titanctl.models.common.decoder import Transformer
 
 TOL = 1e-4
 
-
-def tensors(folder):
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
 
 
 def packed_folder(model, folder):
@@ -38,13 +33,13 @@ def test_hf_to_dcp_to_hf_is_bit_identical_and_equals_transformers(theirs, tmp_pa
     import transformers
 
     packed_folder(theirs, tmp_path / "hf")
-    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors(tmp_path / "hf")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in safetensors_of(tmp_path / "hf")
     convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
     state, args = load_checkpoint(tmp_path / "dcp")
     assert args.family == "qwen3_moe" and args.moe == ARGS.moe
     assert not state["layers.0.moe.expert_bias"].any()
     convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
-    before, after = tensors(tmp_path / "hf"), tensors(tmp_path / "back")
+    before, after = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "back")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 8, 2)
@@ -59,11 +54,11 @@ def test_hf_to_dcp_to_hf_is_bit_identical_and_equals_transformers(theirs, tmp_pa
 
 def test_per_expert_layout_reads_to_the_same_weights(theirs, tmp_path):  # noqa: F811
     theirs.save_pretrained(tmp_path / "saved")  # transformers 5.23 writes one tensor per expert
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in tensors(tmp_path / "saved")
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in safetensors_of(tmp_path / "saved")
     packed_folder(theirs, tmp_path / "packed")
     F = ARGS.moe.hidden_dim
     per_expert = {}
-    for name, tensor in tensors(tmp_path / "packed").items():
+    for name, tensor in safetensors_of(tmp_path / "packed").items():
         if name.endswith("mlp.experts.gate_up_proj"):
             base = name.removesuffix("gate_up_proj")
             for e in range(tensor.shape[0]):
@@ -85,4 +80,4 @@ def test_per_expert_layout_reads_to_the_same_weights(theirs, tmp_path):  # noqa:
     # The in-memory conversions agree with the folder ones, both ways.
     assert all(torch.equal(from_hf_state_dict(per_expert, ARGS)[k], new[k]) for k in new)
     back = to_hf_state_dict(new, ARGS)
-    assert back.keys() == tensors(tmp_path / "packed").keys()
+    assert back.keys() == safetensors_of(tmp_path / "packed").keys()

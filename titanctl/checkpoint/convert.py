@@ -303,8 +303,11 @@ def write_checkpoint(
     options: dict = {}
     if fmt == "meta":
         options["shards"] = 1 if shards is None else shards
-    elif fmt == "hf" and max_shard_size is not None:
-        options["max_shard_size"] = parse_size(max_shard_size)
+    elif fmt == "hf":
+        if max_shard_size is not None:
+            options["max_shard_size"] = parse_size(max_shard_size)
+        if tokenizer is not None:  # config.json names the exported tokenizer's ids
+            options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))

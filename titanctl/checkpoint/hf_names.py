@@ -262,9 +262,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
             if piece.expert is not None:
                 stacks.setdefault(piece.name, {})[piece.expert] = tensor
             else:
-                plain_name = piece.name
                 size = tensor.shape[piece.dim] // piece.parts
-                stacks.setdefault(plain_name, {})[None] = tensor.narrow(piece.dim, piece.index * size, size)
+                stacks.setdefault(piece.name, {})[None] = tensor.narrow(piece.dim, piece.index * size, size)
     out = dict(iter_from_hf(plain.items(), args, complete=False))
     for name, by_expert in stacks.items():
         out[name] = by_expert[None] if None in by_expert else torch.stack([by_expert[e] for e in sorted(by_expert)])

@@ -176,7 +176,6 @@ def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: To
         write_generation_config(folder, args, tokenizer)
         if tokenizer is not None:
             write_hf_tokenizer(folder, tokenizer, args.max_seq_len)
-            _config_token_ids(folder, tokenizer)
     elif fmt == "torchtune" and tokenizer is not None:
         why_not = write_torchtune_tokenizer(folder, tokenizer)
         return [why_not] if why_not else []
@@ -253,16 +252,6 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
 
 def generation_config(bos_id: int | None, eos_ids: list[int] | int | None) -> dict[str, Any]:
     return {"bos_token_id": bos_id, "eos_token_id": eos_ids}
-
-
-def _config_token_ids(folder: Path, tokenizer: Tokenizer) -> None:
-    """config.json's bos/eos as the exported tokenizer has them (a family may have no convention)."""
-    path = folder / "config.json"
-    if not path.is_file():  # the weights' writer made none (a caller writing the tokenizer alone)
-        return
-    config = json.loads(path.read_text())
-    config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
-    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_generation_config(folder: Path, args: ModelArgs, tokenizer: Tokenizer | None) -> None:

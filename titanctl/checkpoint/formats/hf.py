@@ -247,7 +247,10 @@ def write(
     dtype: torch.dtype | None,
     progress: Progress,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    token_ids: tuple[int | None, int | None] | None = None,
 ) -> None:
+    """``token_ids``: (bos, eos) for config.json, the exported tokenizer's; default the family's
+    convention (``special_token_ids``)."""
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
     # Plan the shards from shapes alone (greedy, in the source's order; a packed tensor where its
@@ -277,7 +280,7 @@ def write(
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         del tensors
     out_dtypes = sorted({dtype_name(dtype or i.dtype) for i in source.infos})
-    bos, eos = special_token_ids(args)
+    bos, eos = token_ids if token_ids is not None else special_token_ids(args)
     config = hf_config(
         args, torch_dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", bos_token_id=bos, eos_token_id=eos
     )
