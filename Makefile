@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-unit test-fast test-distributed lint clean
+.PHONY: install train test test-unit test-fast test-distributed test-torch lint clean
 
 install: $(STAMP)
 
@@ -37,6 +37,13 @@ test-fast: install
 
 test-distributed: install
 	$(BIN)/python -m pytest tests/distributed -q
+
+# Another torch release, e.g. `make test-torch TORCH=2.15.0`: a scratch venv outside the repository
+# (TITANCTL_TORCH_VENVS, default ~/.cache/titanctl/torch-venvs) with that torch and constraints.txt's
+# other pins, then the in-process tests and a torchrun smoke run (docs/torch-versions.md).
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0"; exit 2; }
+	PYTHON=$(PYTHON) scripts/test_torch.sh $(TORCH)
 
 clean:
 	rm -rf $(VENV) outputs

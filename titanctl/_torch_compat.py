@@ -9,6 +9,10 @@ and a torch without one of these names fails only the feature that needs it, wit
 ``TorchInternalsError`` that names the feature and the torch version (not an ImportError at
 start-up). ``tests/unit/test_torch_compat.py`` looks every entry up, so a torch upgrade that moves
 one fails that test with the list of what moved, before any user's run does.
+
+Where torch releases differ, an entry names the releases it belongs to (``torch_versions``, e.g.
+"<2.15"), the helper at the bottom picks the way this torch needs, and only the entries of this
+torch are looked up. docs/torch-versions.md lists the releases checked and what differs.
 """
 
 from __future__ import annotations
@@ -41,6 +45,34 @@ def torch_version() -> str:
         return "(not installed)"
 
 
+def _major_minor(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"not a torch version: {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def torch_at_least(release: str) -> bool:
+    """Whether this torch is ``release`` ("2.15") or newer; pre-releases count as their release."""
+    return _major_minor(torch_version()) >= _major_minor(release)
+
+
+def _in_versions(spec: str | None) -> bool:
+    """Whether this torch is in ``spec``: None (every release), "<X.Y", ">=X.Y", or both joined by a
+    comma (">=2.12,<2.15")."""
+    if spec is None:
+        return True
+    return all(_in_range(part) for part in spec.split(","))
+
+
+def _in_range(spec: str) -> bool:
+    if spec.startswith(">="):
+        return torch_at_least(spec[2:])
+    if spec.startswith("<"):
+        return not torch_at_least(spec[1:])
+    raise ValueError(f"torch_versions {spec!r} is not '<X.Y' or '>=X.Y'")
+
+
 def _lookup(path: str) -> Any:
     """``a.b.c`` -> the object, importing submodules on the way (raises ImportError/AttributeError).
 
@@ -62,12 +94,19 @@ def _lookup(path: str) -> Any:
 class Private:
     """One private name: ``path`` (dotted, from the top package), the feature that needs it, and
     optionally an attribute that the class at ``path`` sets on its instances (``instance_attr``,
-    found in the class's source) or the value a name constant must have (``equals``)."""
+    found in the class's source) or the value a name constant must have (``equals``), and the torch
+    releases that have it (``torch_versions``: "<X.Y" or ">=X.Y"; None: all)."""
 
     path: str
     feature: str
     instance_attr: str | None = None
     equals: Any = _NO_VALUE
+    torch_versions: str | None = None
+
+    @property
+    def applies(self) -> bool:
+        """Whether this torch release is one that has (and needs) the name."""
+        return _in_versions(self.torch_versions)
 
     @property
     def name(self) -> str:
@@ -142,15 +181,19 @@ def _class_sources(cls: Any) -> Iterator[str]:
                     yield text.read()
 
 
-def _private(path: str, feature: str, *, instance_attr: str | None = None, equals: Any = _NO_VALUE) -> Private:
-    entry = Private(path, feature, instance_attr, equals)
+def _private(
+    path: str, feature: str, *, instance_attr: str | None = None, equals: Any = _NO_VALUE,
+    torch_versions: str | None = None,
+) -> Private:
+    entry = Private(path, feature, instance_attr, equals, torch_versions)
     ENTRIES.append(entry)
     return entry
 
 
 def missing() -> list[str]:
-    """Every entry this torch lacks, as ``name (feature): why``; empty on the tested torch."""
-    return [f"{e.name} ({e.feature}): {p}" for e in ENTRIES if (p := e.problem()) is not None]
+    """Every entry of this torch's releases that it lacks, as ``name (feature): why``; empty on
+    every torch in pyproject.toml's range."""
+    return [f"{e.name} ({e.feature}): {p}" for e in ENTRIES if e.applies and (p := e.problem()) is not None]
 
 
 def require(condition: bool, feature: str, what: str) -> None:
@@ -223,6 +266,11 @@ REPLICATE = _private("torch.distributed._composable.replicate.replicate", _DDP)
 # One GEMM per expert over tokens sorted by expert (offsets = cumulative counts), forward and
 # backward, on CPU (fp32, bf16) and CUDA; torch 2.13 has no public name for it.
 GROUPED_MM = _private("torch._grouped_mm", "Mixture-of-Experts layers (routed experts)")
+# The autograd engine's current task: -1 outside backward, so a forward that runs with another id is
+# activation checkpointing's recomputation (whose tokens the MoE layer has counted already).
+GRAPH_TASK_ID = _private(
+    "torch._C._current_graph_task_id", "Mixture-of-Experts token counts under activation checkpointing"
+)
 
 # --- device mesh --------------------------------------------------------------------------------
 _MESH = "flattened mesh dims (FSDP over dp_shard x cp, the data-parallel mesh of HSDP)"
@@ -258,6 +306,17 @@ DTENSOR_SPEC = _private("torch.distributed.tensor._dtensor_spec.DTensorSpec", _C
 TENSOR_META = _private("torch.distributed.tensor._dtensor_spec.TensorMeta", _CP)
 # The global shape and stride of a sharded tensor from its local piece.
 COMPUTE_GLOBAL_TENSOR_INFO = _private("torch.distributed.tensor._utils.compute_global_tensor_info", _CP)
+# An all-gather that autograd differentiates (backward: a reduce-scatter of the gradients): context
+# parallel under a document mask gathers every rank's keys and values with it. No public equivalent
+# (torch.distributed.nn.functional.all_gather is deprecated in its favour).
+_CP_DOCUMENTS = "model.attn_mask_type = 'block_causal' with context parallel"
+# Its name since 2.13; 2.11 and 2.12 have only the older one (deprecated, with a warning, from 2.13).
+CP_ALL_GATHER_AUTOGRAD = _private(
+    "torch.distributed._functional_collectives.all_gather_single_autograd", _CP_DOCUMENTS, torch_versions=">=2.13"
+)
+CP_ALL_GATHER_AUTOGRAD_BEFORE_2_13 = _private(
+    "torch.distributed._functional_collectives.all_gather_tensor_autograd", _CP_DOCUMENTS, torch_versions="<2.13"
+)
 
 # --- tensor parallel ----------------------------------------------------------------------------
 _ASYNC_TP = "parallelism.enable_async_tensor_parallel"
@@ -349,22 +408,72 @@ SHARDING_PROPAGATION = _private(
 )
 # A pipeline stage's shape handshake with its neighbours, which on a fake process group rank 0
 # answers itself (titanctl.tools.memory.pipeline_peers): the metadata messages, the stage's inferred
-# metadata, and the methods that exchange them.
-STAGE_FORWARD_META = _private("torch.distributed.pipelining._utils._StageForwardMeta", _MEM)
-STAGE_BACKWARD_META = _private("torch.distributed.pipelining._utils._StageBackwardMeta", _MEM)
-DERIVE_GRAD_METAS = _private("torch.distributed.pipelining._utils._derive_grad_metas", _MEM)
-STAGE_META = _private("torch.distributed.pipelining.stage._PipelineStageBase", _MEM, instance_attr="_stage_meta")
+# metadata, and the methods that exchange them. This protocol came with torch 2.12 (2.11 infers shapes
+# in one older method, under no_grad): estimate-memory of a pipeline layout needs 2.12 or newer.
+_PP_PROTOCOL = ">=2.12"
+STAGE_FORWARD_META = _private(
+    "torch.distributed.pipelining._utils._StageForwardMeta", _MEM, torch_versions=_PP_PROTOCOL
+)
+STAGE_BACKWARD_META = _private(
+    "torch.distributed.pipelining._utils._StageBackwardMeta", _MEM, torch_versions=_PP_PROTOCOL
+)
+DERIVE_GRAD_METAS = _private(
+    "torch.distributed.pipelining._utils._derive_grad_metas", _MEM, torch_versions=_PP_PROTOCOL
+)
+STAGE_META = _private(
+    "torch.distributed.pipelining.stage._PipelineStageBase", _MEM, instance_attr="_stage_meta",
+    torch_versions=_PP_PROTOCOL,
+)
 STAGE_HANDSHAKE = {
-    name: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM)
-    for name in ("_warmup_forward_vote", "_warmup_backward_result", "_recv_meta", "_send_meta")
+    name: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM, torch_versions=_PP_PROTOCOL)
+    for name in ("_recv_meta", "_send_meta")
 }
+# Before that, the first step decides whether shapes are inferred by running the first microbatch
+# (dynamic: what a run without static shapes does, and pays for in memory) or known (static); rank 0
+# alone on a fake process group must decide "dynamic" like the real run (infer_shapes_on_fake_group
+# below). The schedule's set-up that decides: torch 2.13-2.14 by a vote each stage passes on to its
+# neighbour, 2.15 by one all-reduce.
+PIPELINE_MODE_SET_UP = (
+    _private(
+        "torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p", _MEM,
+        torch_versions=f"{_PP_PROTOCOL},<2.15",
+    ),
+    _private(
+        "torch.distributed.pipelining.schedules._PipelineSchedule._initialize_pipeline_distributed_state", _MEM,
+        torch_versions=">=2.15",
+    ),
+)
+# torch 2.14 and 2.15 refuse "dynamic" outright on a fake process group (they cannot know that titanctl
+# answers for the missing peers) when this test says a stage needs it: the set-up runs with the test
+# answering no, then the mode is set on each stage.
+PIPELINE_NEEDS_DYNAMIC = _private(
+    "torch.distributed.pipelining._utils.InferenceMode.needs_dynamic", _MEM, torch_versions=_PP_PROTOCOL
+)
+PIPELINE_DYNAMIC = _private(
+    "torch.distributed.pipelining._utils.InferenceMode.DYNAMIC", _MEM, torch_versions=_PP_PROTOCOL
+)
+STAGE_INFERENCE_MODE = _private(
+    "torch.distributed.pipelining.stage.PipelineStage", _MEM, instance_attr="_inference_mode",
+    torch_versions=_PP_PROTOCOL,
+)
+# torch 2.13 votes through the process group and reads the result with .item(), which a fake tensor
+# refuses: each stage's vote is answered with "dynamic" here (2.14 skips the vote on a fake group).
+PIPELINE_VOTE = {
+    name: _private(
+        f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM, torch_versions=f"{_PP_PROTOCOL},<2.15"
+    )
+    for name in ("_warmup_forward_vote", "_warmup_backward_result")
+}
+# A tensor's in-place write counter: what a pipeline stage's shape inference wrote into its buffers is
+# undone (titanctl.parallel.layouts.pipeline_parallel), and only that.
+TENSOR_VERSION = _private("torch.Tensor._version", "pipeline parallel (buffers through shape inference)")
 # The first step's set-up of a stage, which the estimator labels so that its memory is kept apart
 # from the schedule's actions (titanctl.tools.memory.pipeline_peers.label_actions): shape inference (a
 # forward, then a backward, on the first microbatch), each followed by the buffers for every
 # microbatch's messages. PipelineStage calls these private methods itself and offers no hook
 # around them.
 STAGE_SET_UP = {
-    step: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM)
+    step: _private(f"torch.distributed.pipelining.stage.PipelineStage.{name}", _MEM, torch_versions=_PP_PROTOCOL)
     for step, name in (
         ("forward shapes", "_forward_metadata_inference"),
         ("forward buffers", "_setup_forward_recv_info"),
@@ -418,6 +527,38 @@ def replace_stage_handshake(stage: Any, **methods: Any) -> None:
         setattr(stage, name, method)
 
 
+def infer_shapes_on_fake_group(schedule: Any, stages: list) -> None:
+    """Make ``schedule``'s first step infer its stages' shapes from the first microbatch (dynamic
+    mode), as a real run without static shapes does, although rank 0 runs alone on a fake process
+    group, where the neighbours' part of the mode's agreement cannot arrive. Only these objects are
+    changed (and, while the set-up runs, InferenceMode.needs_dynamic)."""
+    set_up_entry = next(entry for entry in PIPELINE_MODE_SET_UP if entry.applies)
+    original = set_up_entry.of(schedule)
+    dynamic = PIPELINE_DYNAMIC.get()
+    PIPELINE_NEEDS_DYNAMIC.check()
+    for stage in stages:
+        STAGE_INFERENCE_MODE.of(stage)  # it has the attribute set below
+
+    def set_up(set_up_stages: list, *args: Any, **kwargs: Any) -> None:
+        with patched(PIPELINE_NEEDS_DYNAMIC, staticmethod(lambda *_args, **_kwargs: False)):
+            original(set_up_stages, *args, **kwargs)
+        for stage in set_up_stages:
+            stage._inference_mode = dynamic
+
+    setattr(schedule, set_up_entry.path.rsplit(".", 1)[1], set_up)
+    if torch_at_least("2.15"):
+        return
+    torch = importlib.import_module("torch")
+
+    def vote(*_args: Any, **_kwargs: Any) -> Any:
+        return torch.tensor([0], dtype=torch.int32)  # 0: dynamic
+
+    for stage in stages:
+        for entry in PIPELINE_VOTE.values():
+            entry.of(stage)  # it has the method being replaced
+            setattr(stage, entry.path.rsplit(".", 1)[1], vote)
+
+
 def wrap_stage_set_up(stage: Any, wrap: Callable[[str, Any], Any]) -> None:
     """Replace each of a PipelineStage's set-up methods on this object only by ``wrap(step, method)``,
     where ``step`` is its key in STAGE_SET_UP and ``method`` the bound original."""
@@ -431,11 +572,16 @@ def patched(entry: Private, replacement: Any) -> Iterator[Any]:
     original = entry.get()
     owner_path, attr = entry.path.rsplit(".", 1)
     owner = _lookup(owner_path)
+    # What the class itself holds (a classmethod stays a classmethod), or nothing if it inherits it.
+    own = vars(owner).get(attr, _NO_VALUE) if isinstance(owner, type) else getattr(owner, attr)
     setattr(owner, attr, replacement)
     try:
         yield original
     finally:
-        setattr(owner, attr, original)
+        if own is _NO_VALUE:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, own)
 
 
 def cpu_matmul_is_fast(dtype: Any) -> bool:

@@ -60,6 +60,49 @@ def test_a_missing_name_fails_its_feature_with_the_torch_version() -> None:
         _torch_compat.require(False, "feature Y", "a schema")
 
 
+def test_only_the_entries_of_this_torch_release_are_looked_up(monkeypatch) -> None:
+    here = torch.__version__
+    absent = "torch.distributed._no_such_module.thing"
+    entries = [
+        _torch_compat.Private(absent, "older feature", torch_versions="<1.0"),
+        _torch_compat.Private(absent, "newer feature", torch_versions=">=99.0"),
+        _torch_compat.Private(absent, "this feature", torch_versions=f">={here}"),
+    ]
+    monkeypatch.setattr(_torch_compat, "ENTRIES", entries)
+    assert [e.applies for e in entries] == [False, False, True]
+    assert [line.split(":")[0] for line in _torch_compat.missing()] == [f"{absent} (this feature)"]
+
+
+@pytest.mark.parametrize(("version", "release", "expected"), [
+    ("2.13.0+cpu", "2.15", False), ("2.14.1", "2.15", False), ("2.15.0+cu132", "2.15", True),
+    ("2.16.0a0+git1234", "2.15", True), ("3.0.0", "2.15", True), ("2.9.1", "2.15", False), ("2.15.0", "2.9", True),
+])
+def test_torch_at_least_compares_releases(monkeypatch, version, release, expected) -> None:
+    monkeypatch.setattr(_torch_compat, "torch_version", lambda: version)
+    assert _torch_compat.torch_at_least(release) is expected
+    assert _torch_compat.Private("x", "y", torch_versions=f">={release}").applies is expected
+    assert _torch_compat.Private("x", "y", torch_versions=f"<{release}").applies is not expected
+
+
+def test_a_malformed_release_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="'2.15' is not '<X.Y' or '>=X.Y'"):
+        _ = _torch_compat.Private("x", "y", torch_versions="2.15").applies
+
+
+class _Owner:
+    @classmethod
+    def kind(cls) -> str:
+        return "original"
+
+
+def test_patched_puts_a_classmethod_back_as_a_classmethod() -> None:
+    entry = _torch_compat.Private(f"{__name__}._Owner.kind", "a feature")
+    before = vars(_Owner)["kind"]
+    with _torch_compat.patched(entry, staticmethod(lambda: "replaced")) as original:
+        assert _Owner.kind() == "replaced" and original() == "original"
+    assert vars(_Owner)["kind"] is before and _Owner.kind() == "original"
+
+
 def test_every_entry_says_what_it_is_for() -> None:
     """Each entry sits in a block of lines that starts with a comment (what for, why no public API)."""
     lines = COMPAT.read_text().splitlines()
@@ -344,3 +387,9 @@ class Block(nn.Module):
         "self._curr_mem_snap",  # in a mixin: torch's through the class that mixes it in
         "self._modules",
     }, names
+
+
+@pytest.mark.parametrize("release, applies", [("2.11.0", False), ("2.12.1", True), ("2.14.1", True), ("2.15.0", False)])
+def test_a_release_range_may_have_both_bounds(monkeypatch, release, applies) -> None:
+    monkeypatch.setattr(_torch_compat, "torch_version", lambda: release)
+    assert _torch_compat.Private("x", "y", torch_versions=">=2.12,<2.15").applies is applies

@@ -447,6 +447,11 @@ def plan_estimate(
         raise ParallelError(f"rank {rank} is out of range for world size {world_size}")
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"--device {device!r} is not one of auto, cuda, cpu")
+    if cfg.model.attn_mask_type != "causal":  # the document mask is built from real tokens, not fake ones
+        raise ConfigError(
+            f"estimate-memory models model.attn_mask_type = causal only, not {cfg.model.attn_mask_type!r}: "
+            "estimate with causal (block_causal adds one bool mask of local_batch_size x seq_len^2 bytes on CPU)"
+        )
 
     target = target_device(cfg, device)
     cfg, notes = estimation_config(cfg)

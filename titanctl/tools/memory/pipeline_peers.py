@@ -1,13 +1,14 @@
 """Pipeline stages under the estimator: answer for the peers that do not exist; label actions.
 
-A pipeline schedule's first step runs a handshake between neighbouring stages: a vote on whether
-the tensor shapes are known (``dist.recv`` of a flag, then ``.item()``), and, for a stage whose
+A pipeline schedule's first step runs a handshake between neighbouring stages: an agreement on whether
+the tensor shapes are known (torch < 2.15: a vote passed between neighbours, ``dist.recv`` of a flag
+then ``.item()``; 2.15: an all-reduce, refused on a fake process group), and, for a stage whose
 neighbour lives on another rank, the metadata of the tensors it will receive
 (``dist.recv_object_list``). A fake process group delivers nothing, so on rank 0 alone these
 receives would read garbage. Here each of rank 0's stages gets, instead, what its neighbours would
 have sent:
 
-- the vote: "shapes not known" (dynamic inference, what a real run without static shapes does,
+- the agreement: "shapes not known" (dynamic inference, what a real run without static shapes does,
   including the metadata forward/backward that costs memory on the first step);
 - a stage's input from the previous stage on another rank: Llama's stages all exchange the same
   hidden states, so it is the output metadata of rank 0's first stage, which is inferred first;
@@ -21,12 +22,11 @@ peaks are kept apart by action (see ``shortcuts.microbatch_plan``).
 
 from __future__ import annotations
 
-import torch
-
 from titanctl._torch_compat import (
     DERIVE_GRAD_METAS,
     STAGE_BACKWARD_META,
     STAGE_FORWARD_META,
+    infer_shapes_on_fake_group,
     replace_stage_handshake,
     stage_output_metas,
     wrap_stage_set_up,
@@ -39,9 +39,7 @@ def answer_for_fake_peers(pipeline) -> None:
     derive_grad_metas = DERIVE_GRAD_METAS.get()
     stages = pipeline.stages
     first = stages[0]
-
-    def vote(*_args, **_kwargs) -> torch.Tensor:
-        return torch.tensor([0], dtype=torch.int32)  # 0: shapes are inferred from the first batch
+    infer_shapes_on_fake_group(pipeline.schedule, stages)
 
     for stage in stages:
 
@@ -56,8 +54,6 @@ def answer_for_fake_peers(pipeline) -> None:
 
         replace_stage_handshake(
             stage,
-            _warmup_forward_vote=vote,
-            _warmup_backward_result=vote,
             _recv_meta=recv_meta,
             _send_meta=lambda meta, dst_stage: None,
         )
