@@ -1,10 +1,15 @@
-"""Grouped-query self-attention with RoPE, optional per-head QK norm, and a static KV cache."""
+"""Grouped-query self-attention with RoPE, optional per-head QK norm, and a static KV cache.
+
+Training attends causally, or under a mask passed in (``attn_mask``: a dense bool tensor or a
+FlexAttention BlockMask, see ``document_mask``), which every layer applies unchanged.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.norms import build_norm
@@ -63,6 +68,37 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
+_compiled_flex_attention = None
+
+
+def masked_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """FlexAttention of q (B, H, T_q, head_dim) over k, v (B, H_kv, T_kv, head_dim) under ``block_mask``.
+
+    Compiled once per process: uncompiled, FlexAttention materializes every score.
+    """
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    gqa = k.shape[1] != q.shape[1]
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+class AttentionKernel(nn.Module):
+    """The attention of training: causal without a mask, else under ``mask``.
+
+    No parameters: it is a module so that a parallel layout can hook it (context parallelism
+    with a document mask gathers every rank's keys and values before it), never so that the
+    model knows about such layouts.
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
+        if isinstance(mask, BlockMask):
+            return masked_flex_attention(q, k, v, mask)
+        return attention(q, k, v, mask, causal=mask is None)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -76,10 +112,18 @@ class Attention(nn.Module):
         self.q_norm = build_norm(args, args.head_dim) if args.qk_norm else None
         self.k_norm = build_norm(args, args.head_dim) if args.qk_norm else None
         self.rotate = rope_function(args)
+        self.kernel = AttentionKernel()
         self.cache: KVCache | None = None  # set by Transformer.setup_kv_cache for decoding
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """With ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those positions and rope their rows."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
+        """With ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those positions and rope their rows.
+        ``attn_mask`` (training only): which keys each query sees (True: attend); None is causal."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of them.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, head_dim)
@@ -93,6 +137,6 @@ class Attention(nn.Module):
             keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
             out = attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos), causal=False)
         else:
-            out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal=True)
+            out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
         # out: (B, H, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)

@@ -40,12 +40,17 @@ Signature differences handled (check with ``torch.ops.aten.<op>.default._schema`
   CPU  flash bwd (grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale)
       -> (dq, dk, dv)
 The CPU lse is (B, H, T) like CUDA's, so torch's merger and backward chunking apply unchanged.
+
+Under a document mask (``model.attn_mask_type = "block_causal"``) ring attention does not apply (it
+takes no mask): ``document_context_parallel_ctx`` and ``enable_document_context_parallel`` at the
+end of this file shard the sequence the same way and gather keys and values instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -55,6 +60,7 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titanctl import _torch_compat
 from titanctl.errors import ParallelError
+from titanctl.models.common.attention import AttentionKernel
 
 SEQ_DIM = 2  # of q, k, v inside SDPA: (B, H, T, head_dim)
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -201,6 +207,67 @@ def context_parallel_ctx(
     The rotate method (``allgather`` or ``alltoall``) is a process-wide torch setting; it is
     set on every entry.
     """
+    _check_buffers(cp_mesh, buffers, seq_dims)
+    _set_rotate_method(rotate_method)
+    if cp_mesh.device_type == "cpu":
+        enable_cpu_ring_attention()
+    with context_parallel(
+        cp_mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=no_restore
+    ):
+        yield
+
+
+# --- context parallel under a document mask (model.attn_mask_type = "block_causal") ---------------
+#
+# Ring attention, torch's CUDA handlers and the CPU one above alike, takes no mask, and torch's
+# FlexAttention route (``_create_cp_block_mask``) needs seq_len divisible by cp x 128 and has no CPU
+# backward in 2.13. So under a document mask each rank keeps its load-balanced share of the queries,
+# gathers every rank's keys and values (an all-gather whose backward reduce-scatters the gradients),
+# and attends with the mask of (its queries, all keys) that the step builds from the whole
+# microbatch. Exact: every query's softmax runs over all its keys in one kernel call. The cost: each
+# rank holds the whole K and V of the layer it runs (the ring never holds more than two shards).
+
+
+def load_balanced_order(seq_len: int, cp: int) -> Tensor:
+    """(seq_len,) positions in the order the CP ranks hold them: the sequence cut into 2 x cp
+    chunks, rank r holding chunks r and 2cp-1-r (torch's head-tail balancing), so that causal and
+    block-causal work (which grows along the sequence) costs every rank about the same."""
+    check_cp_divisibility(seq_len, cp)
+    chunks = torch.arange(seq_len).view(2 * cp, -1)  # (2cp, seq_len / 2cp)
+    return torch.cat([torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
+
+
+def document_cp_positions(seq_len: int, cp_mesh) -> tuple[Tensor, Tensor]:
+    """(this rank's query positions (seq_len / cp,), the gathered keys' positions (seq_len,)) in the
+    window, for a document mask under ``document_context_parallel_ctx``."""
+    order = load_balanced_order(seq_len, cp_mesh.size())
+    return order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()], order
+
+
+_GATHERING_KERNELS: weakref.WeakSet = weakref.WeakSet()  # the attention kernels hooked already
+
+
+def enable_document_context_parallel(model: torch.nn.Module, cp_mesh) -> None:
+    """Make every attention kernel of ``model`` gather all ranks' keys and values when it is given
+    a mask (idempotent). Causal calls (no mask) are left to torch's ring attention."""
+    gather = (_torch_compat.CP_ALL_GATHER_AUTOGRAD if _torch_compat.torch_at_least("2.13")
+              else _torch_compat.CP_ALL_GATHER_AUTOGRAD_BEFORE_2_13).get()
+
+    def gather_keys_and_values(module, args):
+        q, k, v, *mask = args
+        if not mask or mask[0] is None:
+            return None
+        # k, v: (B, H_kv, T / cp, head_dim) -> (B, H_kv, T, head_dim), ranks' shards in rank order
+        return (q, gather(k.contiguous(), SEQ_DIM, cp_mesh), gather(v.contiguous(), SEQ_DIM, cp_mesh), *mask)
+
+    for module in model.modules():
+        if isinstance(module, AttentionKernel) and module not in _GATHERING_KERNELS:
+            module.register_forward_pre_hook(gather_keys_and_values)
+            _GATHERING_KERNELS.add(module)
+
+
+def _check_buffers(cp_mesh, buffers: list[Tensor], seq_dims: list[int]) -> int:
+    """The common sequence length of ``buffers`` along ``seq_dims``, checked."""
     if cp_mesh.ndim != 1:
         raise ParallelError(f"context parallel needs a 1-D mesh, got {cp_mesh.ndim} dims")
     if len(buffers) != len(seq_dims) or not buffers:
@@ -215,10 +282,30 @@ def context_parallel_ctx(
                 f"inputs have seq_len {seq_len}: build the model with max_seq_len == seq_len"
             )
     check_cp_divisibility(seq_len, cp_mesh.size())
-    _set_rotate_method(rotate_method)
-    if cp_mesh.device_type == "cpu":
-        enable_cpu_ring_attention()
-    with context_parallel(
-        cp_mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers=no_restore
-    ):
+    return seq_len
+
+
+@contextlib.contextmanager
+def document_context_parallel_ctx(
+    cp_mesh, *, buffers: list[Tensor], seq_dims: list[int], no_restore: set[Tensor]
+) -> Iterator[None]:
+    """``context_parallel_ctx`` for a model given a document mask: the buffers are cut in place to
+    this rank's positions (``document_cp_positions``) and restored on exit (except ``no_restore``);
+    attention needs ``enable_document_context_parallel`` and the mask of those positions."""
+    seq_len = _check_buffers(cp_mesh, buffers, seq_dims)
+    mine, _ = document_cp_positions(seq_len, cp_mesh)
+    originals = []
+    with torch.no_grad():
+        for buf, dim in zip(buffers, seq_dims):
+            originals.append(None if any(buf is b for b in no_restore) else buf.clone())
+            shard = buf.index_select(dim, mine.to(buf.device))
+            buf.resize_(shard.shape)
+            buf.copy_(shard)
+    try:
         yield
+    finally:
+        with torch.no_grad():
+            for buf, original in zip(buffers, originals):
+                if original is not None:
+                    buf.resize_(original.shape)
+                    buf.copy_(original)
