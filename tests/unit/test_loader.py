@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanctl.data import dataloader as loader_module
 from titanctl.data.dataloader import TokenWindowLoader, tokenize_finite
-from titanctl.data.datasets import HFStreamingSource, load_documents
+from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import DataError
 
@@ -19,18 +18,7 @@ SEQ_LEN = 16
 G = 8  # global batch size (sequences)
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
-    monkeypatch.setenv("TITANCTL_CACHE_DIR", str(tmp_path / "titanctl_cache"))
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer()
+pytestmark = pytest.mark.usefixtures("offline_data")
 
 
 def make_corpus(path: Path, n_docs: int = 8) -> Path:
@@ -74,9 +62,10 @@ def global_batches(corpus, tok, steps: int, *, dp: int, lb: int, state=None) -> 
         batch = torch.empty(G, SEQ_LEN + 1, dtype=torch.int64)
         for r, rank in enumerate(ranks):
             for m, (inputs, labels) in enumerate(rank.next_step()):
-                first = m * dp * lb + r * lb  # sample index of this microbatch within the step
+                # Rank r holds the step's samples r, r + dp, r + 2 dp, ...; microbatch m the m-th lb of them.
+                samples = m * dp * lb + r + dp * torch.arange(lb)
                 # Rebuild full windows: inputs plus the last label.
-                batch[first : first + lb] = torch.cat([inputs, labels[:, -1:]], dim=1)
+                batch[samples] = torch.cat([inputs, labels[:, -1:]], dim=1)
         out.append(batch)
     return out
 
@@ -237,75 +226,3 @@ def test_token_cache_is_reused_and_survives_corruption(tmp_path, corpus, tok, mo
     cached[0].unlink()
     tokenize_finite(source, tok)
     assert not cached[0].exists()
-
-
-# ---- streaming sources (c4's code path, fed from a local file) ---------------------
-
-
-def streaming_source(path: Path) -> HFStreamingSource:
-    import datasets
-    dataset = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
-    return HFStreamingSource("test_stream", dataset, str(path))
-
-
-@pytest.fixture
-def stream_source(tmp_path, monkeypatch):
-    # Pull 2 documents per refill so that a saved state lands in the middle of the stream.
-    monkeypatch.setattr(loader_module, "_STREAM_CHUNK_DOCS", 2)
-    return streaming_source(make_corpus(tmp_path / "stream.jsonl", n_docs=40))
-
-
-def stream_loader(source, tok, rank=0, dp=2) -> TokenWindowLoader:
-    return TokenWindowLoader(
-        source,
-        tok,
-        seq_len=SEQ_LEN,
-        global_batch_size=4,
-        local_batch_size=1,
-        dp_rank=rank,
-        dp_degree=dp,
-        seed=0,
-    )
-
-
-def test_streaming_packs_windows_and_resumes_exactly(stream_source, tok):
-    uninterrupted = stream_loader(stream_source, tok)
-    assert uninterrupted.n_windows is None and uninterrupted.grad_accum_steps == 2
-    want = [uninterrupted.next_step() for _ in range(5)]
-    for microbatches in want:
-        for inputs, labels in microbatches:
-            assert inputs.shape == labels.shape == (1, SEQ_LEN)
-            assert torch.equal(inputs[:, 1:], labels[:, :-1])
-
-    first = stream_loader(stream_source, tok)
-    for _ in range(2):
-        first.next_step()
-    state = first.state_dict()
-    assert state["samples_consumed"] == 8 and state["dp_degree"] == 2
-    # The leftover tokens cannot cover the remaining steps: resuming must read on from the
-    # restored stream position, not merely replay the buffer.
-    assert len(state["buffer"]) < 3 * 2 * (SEQ_LEN + 1)
-    resumed = stream_loader(stream_source, tok)
-    resumed.load_state_dict(state)
-    for expected in want[2:]:
-        for (x_want, y_want), (x_got, y_got) in zip(expected, resumed.next_step(), strict=True):
-            assert torch.equal(x_want, x_got) and torch.equal(y_want, y_got)
-
-
-def test_streaming_ranks_read_different_shards(stream_source, tok):
-    rank0 = stream_loader(stream_source, tok, rank=0).next_step()[0][0]
-    rank1 = stream_loader(stream_source, tok, rank=1).next_step()[0][0]
-    assert not torch.equal(rank0, rank1)
-
-
-def test_streaming_state_refuses_a_new_dp_degree(stream_source, tok):
-    state = stream_loader(stream_source, tok, dp=2).state_dict()
-    with pytest.raises(DataError, match="same data-parallel degree"):
-        stream_loader(stream_source, tok, rank=0, dp=4).load_state_dict(state)
-
-
-def test_exhausted_stream_raises_data_error(tmp_path, tok):
-    loader_ = stream_loader(streaming_source(make_corpus(tmp_path / "short.jsonl", n_docs=2)), tok)
-    with pytest.raises(DataError, match="ran out of documents on rank 0"):
-        for _ in range(10):
-            loader_.next_step()

@@ -1,21 +1,28 @@
 """Checkpointable token loader whose global batches do not depend on the parallel layout.
 
-Finite sources (bundled, local): every document is tokenized as BOS + text + EOS, all
-documents are concatenated into one flat token array, and the array is cut into
-non-overlapping windows of seq_len + 1 tokens (the tail that does not fill a window is
-dropped). Global sample i is window perm_e[i % n_windows] of epoch e = i // n_windows,
-where perm_e is a permutation drawn from a private generator seeded by (seed, e).
+Sources: one dataset, or a mixture of weighted ones (training.datasets), each finite (bundled,
+local files) or streaming (c4, hf:).
 
-Step s consumes global samples [s*G, (s+1)*G) for G = global_batch_size. Microbatch m
-of data-parallel rank r holds samples s*G + m*(dp*lb) + r*lb + j for j < lb. So the
-union over ranks of a step is the same G samples for every DP degree, and the only
-state is how many global samples were consumed: a run can resume under any DP degree,
-local batch size or gradient accumulation and continue with exactly the next samples.
+Global sample i: step s consumes global samples [s*G, (s+1)*G) for G = global_batch_size.
+Sample i draws from source c(i), a seeded hash of (seed, i) spread over the weights
+(mixture.py; always the one source without a mixture), and takes that source's next window:
+- finite sources: every document is tokenized as BOS + text + EOS, all documents are
+  concatenated into one flat token array, and the array is cut into non-overlapping windows of
+  seq_len + 1 tokens (the tail that does not fill a window is dropped). The k-th sample drawn
+  from the source is window perm_e[k % n_windows] of epoch e = k // n_windows, where perm_e is
+  a permutation drawn from a private generator seeded by (seed, e) (in a mixture by
+  (seed, source number, e));
+- streaming sources: the next window of virtual shard i mod N (streaming.py).
 
-Streaming sources (c4) are sharded by rank with `datasets.distributed.split_dataset_by_node`
-and packed on the fly; their state is per rank (the stream position plus leftover
-tokens) and must be restored with the same DP degree. Layout invariance holds only for
-finite sources.
+Ranks: data-parallel rank r of degree d trains on the step's samples i with i mod d == r, in
+order, and its microbatch m holds the m-th local_batch_size of them. So the union over ranks of
+a step is the same G samples for every DP degree, local batch size and gradient accumulation.
+
+State: the samples consumed and, for a mixture, the samples drawn from each source so far:
+the same on every rank and layout. Streaming sources add the position of each virtual shard
+that the rank reads (the same on every rank reading it; all ranks together hold all shards). A
+run can resume under any DP degree, local batch size or gradient accumulation and continue with
+exactly the next samples.
 
 Tokenized finite sources are cached as .npy files under ~/.cache/titanctl (override
 with TITANCTL_CACHE_DIR; set it to the empty string to disable the cache), keyed by the
@@ -27,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +42,12 @@ import numpy as np
 import torch
 
 from titanctl.data.datasets import DocumentSource
+from titanctl.data.mixture import MixtureSampler, WeightedSource, label_of
+from titanctl.data.streaming import ShardedStream
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import DataError
 
 _ENCODE_CHUNK_DOCS = 256  # documents per encode_batch call: enough to keep threads busy
-_STREAM_CHUNK_DOCS = 64  # documents pulled from a stream per refill
 _CACHE_FORMAT = "titanctl-tokens-v1"  # bump when the packing of documents changes
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_batch_size, seq_len) int64
@@ -48,7 +56,7 @@ Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_
 class TokenWindowLoader:
     def __init__(
         self,
-        source: DocumentSource,
+        sources: DocumentSource | Sequence[WeightedSource],
         tokenizer: Tokenizer,
         *,
         seq_len: int,
@@ -57,11 +65,13 @@ class TokenWindowLoader:
         dp_rank: int,
         dp_degree: int,
         seed: int,
+        stream_shards: int = 0,
     ) -> None:
         _require_int("training.seq_len", seq_len, 1)
         _require_int("training.local_batch_size", local_batch_size, 1)
         _require_int("data-parallel degree", dp_degree, 1)
         _require_int("training.seed", seed, 0)
+        _require_int("training.stream_shards", stream_shards, 0)
         if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_degree:
             raise DataError(f"data-parallel rank {dp_rank!r} is out of range; valid: 0..{dp_degree - 1}")
         per_microbatch = local_batch_size * dp_degree
@@ -75,7 +85,11 @@ class TokenWindowLoader:
                 f"local_batch_size x data-parallel degree = "
                 f"{local_batch_size} x {dp_degree} = {per_microbatch}"
             )
-        self.source = source
+        if isinstance(sources, DocumentSource):
+            sources = [WeightedSource(label_of(sources), sources)]
+        self.sources = list(sources)
+        if not self.sources:
+            raise DataError("no dataset to read: training.datasets is empty")
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
@@ -83,25 +97,41 @@ class TokenWindowLoader:
         self.dp_degree = dp_degree
         self.seed = seed
         self.samples_consumed = 0  # global samples (sequences) handed out over all ranks
+        self.drawn = [0] * len(self.sources)  # global samples drawn from each source
+        mixed = len(self.sources) > 1
+        self._sampler = MixtureSampler([s.weight for s in self.sources], seed) if mixed else None
+        self._readers: list[_ShuffledWindows | ShardedStream] = []
+        for j, entry in enumerate(self.sources):
+            source = entry.source
+            if source.streaming:
+                self._readers.append(
+                    ShardedStream(source, tokenizer, seq_len, stream_shards, dp_rank, dp_degree)
+                )
+                continue
+            key = (seed, j + 1) if mixed else (seed,)  # a mixture's sources shuffle independently
+            windows = _ShuffledWindows(tokenize_finite(source, tokenizer), seq_len, key)
+            # One source feeds whole global batches; in a mixture one window is enough to cycle.
+            needed = 1 if mixed else global_batch_size
+            if windows.n_windows < needed:
+                raise DataError(
+                    f"dataset {source.description} has {windows.n_tokens} tokens = "
+                    f"{windows.n_windows} windows of seq_len+1={seq_len + 1}, "
+                    + (f"fewer than one global batch of {global_batch_size}; " if not mixed else "not one; ")
+                    + "lower training.seq_len or training.global_batch_size, or add data"
+                )
+            self._readers.append(windows)
         self.fingerprint = {
-            "dataset": f"{source.name}:{source.fingerprint}",
+            "dataset": " + ".join(
+                (f"{s.weight:g} x " if mixed else "") + f"{s.source.name}:{s.source.fingerprint}"
+                for s in self.sources
+            ),
             "tokenizer": tokenizer.sha256,
             "seq_len": seq_len,
             "seed": seed,
         }
-        if source.streaming:
-            self._stream: _StreamPacker | None = _StreamPacker(source, tokenizer, seq_len, dp_rank, dp_degree)
-            self._windows: _ShuffledWindows | None = None
-        else:
-            self._stream = None
-            self._windows = _ShuffledWindows(tokenize_finite(source, tokenizer), seq_len, seed)
-            if self._windows.n_windows < global_batch_size:
-                raise DataError(
-                    f"dataset {source.description} has {self._windows.n_tokens} tokens = "
-                    f"{self._windows.n_windows} windows of seq_len+1={seq_len + 1}, "
-                    f"fewer than one global batch of {global_batch_size}; "
-                    "lower training.seq_len or training.global_batch_size, or add data"
-                )
+        streams = [r for r in self._readers if isinstance(r, ShardedStream)]
+        if streams:
+            self.fingerprint["stream_shards"] = ",".join(str(r.n_shards) for r in streams)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -109,33 +139,55 @@ class TokenWindowLoader:
 
     @property
     def n_windows(self) -> int | None:
-        """Windows per epoch of a finite source; None when streaming."""
-        return self._windows.n_windows if self._windows else None
+        """Windows per epoch of a single finite source; None for a stream or a mixture."""
+        (reader, *others) = self._readers
+        return reader.n_windows if isinstance(reader, _ShuffledWindows) and not others else None
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Tokens trained on from each source so far, over all ranks (seq_len per sample)."""
+        return {s.label: n * self.seq_len for s, n in zip(self.sources, self.drawn)}
 
     def next_step(self) -> list[Microbatch]:
         """This rank's grad_accum_steps microbatches of the next optimizer step."""
-        lb, per_microbatch = self.local_batch_size, self.local_batch_size * self.dp_degree
-        microbatches = []
-        for m in range(self.grad_accum_steps):
-            if self._windows is not None:
-                first = self.samples_consumed + m * per_microbatch + self.dp_rank * lb
-                windows = self._windows.take(np.arange(first, first + lb))
+        ids = np.arange(self.samples_consumed, self.samples_consumed + self.global_batch_size, dtype=np.int64)
+        which = self._sampler.choose(ids) if self._sampler else np.zeros(len(ids), dtype=np.int64)
+        mine = ids % self.dp_degree == self.dp_rank
+        slot = np.cumsum(mine) - 1  # each of this rank's samples' row in `windows`
+        windows = np.empty((int(mine.sum()), self.seq_len + 1), dtype=np.int32)
+        for j, reader in enumerate(self._readers):
+            here = which == j
+            n = int(here.sum())
+            if not n:
+                continue
+            keep = mine[here]
+            if isinstance(reader, ShardedStream):
+                windows[slot[here][keep]] = reader.take(ids[here], keep)
             else:
-                windows = self._stream.take(lb)
-            batch = torch.from_numpy(windows).to(torch.int64)  # (lb, seq_len + 1)
-            # Next-token prediction: labels are the inputs shifted left by one.
-            microbatches.append((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+                draws = self.drawn[j] + np.arange(n)  # the k-th, (k+1)-th, ... sample from source j
+                windows[slot[here][keep]] = reader.take(draws[keep])
+            self.drawn[j] += n
         self.samples_consumed += self.global_batch_size
-        return microbatches
+        batch = torch.from_numpy(windows).to(torch.int64)  # (G / dp, seq_len + 1)
+        # Next-token prediction: labels are the inputs shifted left by one.
+        return [
+            (rows[:, :-1].contiguous(), rows[:, 1:].contiguous()) for rows in batch.split(self.local_batch_size)
+        ]
 
     def state_dict(self) -> dict[str, Any]:
-        """Finite sources: DP-degree independent. Streaming: this rank's stream position."""
+        """Layout-independent, except that streams hold the shards this rank reads (see streaming.py)."""
         state: dict[str, Any] = {
             "samples_consumed": self.samples_consumed,
             "fingerprint": dict(self.fingerprint),
         }
-        if self._stream is not None:
-            state.update(self._stream.state_dict())
+        if len(self.sources) > 1:
+            state["drawn"] = list(self.drawn)
+        streams = {
+            f"source{j}": reader.state_dict()
+            for j, reader in enumerate(self._readers)
+            if isinstance(reader, ShardedStream)
+        }
+        if streams:
+            state["streams"] = streams
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,102 +199,44 @@ class TokenWindowLoader:
         ]
         if diffs:
             raise DataError("data loader state is from a different data setup: " + "; ".join(diffs))
-        if self._stream is not None:
-            self._stream.load_state_dict(state)
-        self.samples_consumed = int(state["samples_consumed"])
+        consumed = int(state["samples_consumed"])
+        drawn = [int(n) for n in state["drawn"]] if len(self.sources) > 1 else [consumed]
+        if len(drawn) != len(self.sources) or sum(drawn) != consumed:
+            raise DataError(f"data loader state draws {drawn} from the sources but consumed {consumed} samples")
+        for j, reader in enumerate(self._readers):
+            if isinstance(reader, ShardedStream):
+                reader.load_state_dict(state["streams"][f"source{j}"])
+        self.samples_consumed, self.drawn = consumed, drawn
 
 
 class _ShuffledWindows:
     """Windows of a flat token array, visited in a fresh permutation each epoch."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, key: tuple[int, ...]) -> None:
         self.n_tokens = len(tokens)
         self.n_windows = len(tokens) // (seq_len + 1)
         # (n_tokens,) -> (n_windows, seq_len + 1); a view, the tail is dropped
         self.windows = tokens[: self.n_windows * (seq_len + 1)].reshape(self.n_windows, seq_len + 1)
-        self.seed = seed
+        self.key = key
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
-            if len(self._perms) > 2:  # a step spans at most two epochs; keep memory flat
+            if len(self._perms) > 2:  # a step spans at most two epochs of a source that fills it; keep memory flat
                 self._perms.clear()
             # A private generator: nothing else that draws random numbers can shift it.
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([*self.key, epoch])))
             self._perms[epoch] = rng.permutation(self.n_windows)
         return self._perms[epoch]
 
-    def take(self, sample_ids: np.ndarray) -> np.ndarray:
-        """Global sample ids (n,) -> their windows (n, seq_len + 1)."""
-        epochs, positions = np.divmod(sample_ids, self.n_windows)
-        window_ids = np.empty_like(sample_ids)
+    def take(self, draws: np.ndarray) -> np.ndarray:
+        """Draw numbers (n,) -> their windows (n, seq_len + 1)."""
+        epochs, positions = np.divmod(draws, self.n_windows)
+        window_ids = np.empty_like(draws)
         for epoch in np.unique(epochs):
             here = epochs == epoch
             window_ids[here] = self.permutation(int(epoch))[positions[here]]
         return self.windows[window_ids]
-
-
-class _StreamPacker:
-    """Packs this rank's shard of a streaming source into windows as they are needed."""
-
-    def __init__(
-        self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, dp_rank: int, dp_degree: int
-    ) -> None:
-        from datasets.distributed import split_dataset_by_node  # streams come from `datasets` only
-
-        self.source = source
-        self.tokenizer = tokenizer
-        self.window = seq_len + 1
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.dataset = split_dataset_by_node(source.dataset, rank=dp_rank, world_size=dp_degree)
-        self._rows: Iterator[dict] | None = None
-        self._buffer: list[int] = []  # tokens of pulled documents not yet handed out
-
-    def take(self, n: int) -> np.ndarray:
-        needed = n * self.window
-        while len(self._buffer) < needed:
-            self._refill()
-        out = np.asarray(self._buffer[:needed], dtype=np.int32).reshape(n, self.window)  # (n, seq_len + 1)
-        del self._buffer[:needed]
-        return out
-
-    def _refill(self) -> None:
-        if self._rows is None:
-            self._rows = iter(self.dataset)
-        texts = []
-        for row in self._rows:
-            text = row[self.source.text_field]
-            if text:
-                texts.append(text)
-            if len(texts) == _STREAM_CHUNK_DOCS:
-                break
-        if not texts:
-            raise DataError(
-                f"streaming dataset {self.source.description} ran out of documents on rank {self.dp_rank}"
-            )
-        for ids in self.tokenizer.encode_batch(texts, bos=True, eos=True):
-            self._buffer.extend(ids)
-
-    def state_dict(self) -> dict[str, Any]:
-        # The stream position is after every document pulled so far; the tokens of those
-        # documents that were not yet handed out travel in the buffer.
-        return {
-            "dp_rank": self.dp_rank,
-            "dp_degree": self.dp_degree,
-            "stream": self.dataset.state_dict(),
-            "buffer": list(self._buffer),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state.get("dp_rank"), state.get("dp_degree")) != (self.dp_rank, self.dp_degree):
-            raise DataError(
-                f"streaming loader state was saved by rank {state.get('dp_rank')} of data-parallel degree "
-                f"{state.get('dp_degree')}, but this is rank {self.dp_rank} of {self.dp_degree}; a streaming "
-                "dataset resumes only with the same data-parallel degree"
-            )
-        self.dataset.load_state_dict(state["stream"])
-        self._rows = None  # restart iteration from the restored position
-        self._buffer = list(state["buffer"])
 
 
 def tokenize_finite(source: DocumentSource, tokenizer: Tokenizer) -> np.ndarray:

@@ -4,6 +4,9 @@ Names:
   bundled      the shipped public-domain corpus (Shakespeare + King James Bible), train split
   bundled_val  its held-out split (2 plays + 3 books)
   c4           allenai/c4 "en" train split, streamed from the Hugging Face hub
+  hf:<id>      any Hugging Face dataset, streamed: a hub id (hf:allenai/c4) or a local folder laid
+               out like a hub dataset repo (hf:/data/mycorpus, e.g. data/train-00000-of-00002.jsonl),
+               with a config, a split (default train) and a text field (default "text")
   local        your files: `path` is a file or a folder searched recursively for
                *.jsonl, *.jsonl.gz, *.json (one {"text": ...} object per line, or one JSON
                list of such objects or of strings), *.parquet (a "text" column) and *.txt
@@ -11,8 +14,8 @@ Names:
                Giving a path with the default name `bundled` also selects `local`.
 
 Finite sources (bundled, bundled_val, local) are read completely and support
-layout-invariant, resumable shuffling (see loader.py). c4 streams: it is only ever
-read forward. The `datasets` library is imported only for c4.
+layout-invariant, resumable shuffling (see dataloader.py). c4 and hf: datasets stream: they are
+only ever read forward (see streaming.py). The `datasets` library is imported only for them.
 """
 
 from __future__ import annotations
@@ -80,22 +83,41 @@ class HFStreamingSource(DocumentSource):
         self.dataset = dataset  # datasets.IterableDataset
         self.description = description
         self.text_field = text_field
+        self.num_shards = max(1, int(getattr(dataset, "num_shards", 1) or 1))  # its files, for virtual shards
         # The stream's identity is its origin; its position lives in the loader state.
         self.fingerprint = hashlib.sha256(f"{name}:{description}:{text_field}".encode()).hexdigest()
 
     def __iter__(self) -> Iterator[str]:
         for row in self.dataset:
-            yield row[self.text_field]
+            yield self.text_of(row)
+
+    def text_of(self, row: dict) -> str | None:
+        if self.text_field not in row:
+            raise DataError(
+                f"streaming dataset {self.description} has no {self.text_field!r} column "
+                f"(columns: {', '.join(map(str, row))}); set text_field"
+            )
+        return row[self.text_field]
 
 
-def load_documents(name: str = "bundled", path: str | None = None) -> DocumentSource:
+def load_documents(
+    name: str = "bundled", path: str | None = None, *, config: str = "", split: str = "train",
+    text_field: str = TEXT_FIELD,
+) -> DocumentSource:
     """Resolve a dataset name (and, for `local`, a path) to a DocumentSource.
 
     A path implies `local` (training.dataset_path alone is enough): with the default name
     "bundled" it selects the path's files. With bundled_val or c4 a path is a contradiction.
+    ``config``, ``split`` and ``text_field`` are for ``hf:`` names only.
     """
+    if name.startswith("hf:"):
+        if path:
+            raise DataError(f"dataset {name!r} takes no path (got {path!r}); the folder goes after hf:")
+        return _hf(name, config, split, text_field)
     if name not in _REGISTRY:
-        raise DataError(f"unknown dataset {name!r}{_suggest(name)}; valid names: {', '.join(_REGISTRY)}")
+        raise DataError(
+            f"unknown dataset {name!r}{_suggest(name)}; valid names: {', '.join(_REGISTRY)}, hf:<hub id or folder>"
+        )
     if name == "local" or (name == "bundled" and path):
         if not path:
             raise DataError("dataset 'local' needs training.dataset_path=FILE_OR_FOLDER")
@@ -147,23 +169,40 @@ def _local(path: str) -> DocumentSource:
 
 
 def _c4() -> DocumentSource:
-    hub_id = "allenai/c4"
-    hint = "use training.dataset=bundled or training.dataset_path=FILE"
-    reason = _hub_unreachable()
+    return _stream("c4", "allenai/c4", "en", "train", TEXT_FIELD,
+                   hint="use training.dataset=bundled or training.dataset_path=FILE")
+
+
+def _hf(name: str, config: str, split: str, text_field: str) -> DocumentSource:
+    """hf:<hub id or local folder>: the folder is read offline; a hub id needs the hub."""
+    target = name[len("hf:"):]
+    if not target:
+        raise DataError("dataset 'hf:' names nothing; give hf:<hub id> (hf:allenai/c4) or hf:<local folder>")
+    folder = Path(target).expanduser()
+    if folder.is_dir():
+        return _stream(name, str(folder), config, split, text_field, hint="check the folder's files", hub=False)
+    if target.startswith((".", "/", "~")) or target.count("/") > 1:  # a path, not owner/name
+        raise DataError(f"dataset {name!r}: folder {target!r} does not exist (a hub id looks like owner/name)")
+    return _stream(name, target, config, split, text_field,
+                   hint="use a local folder (hf:/path/to/folder), training.dataset=bundled or a dataset_path")
+
+
+def _stream(
+    name: str, target: str, config: str, split: str, text_field: str, *, hint: str, hub: bool = True
+) -> DocumentSource:
+    """A streaming `datasets.IterableDataset` of a hub id (or a local folder, hub=False)."""
+    where = "from the Hugging Face hub (offline or unreachable)" if hub else "as a streaming dataset"
+    reason = _hub_unreachable() if hub else None
     if reason:  # fail in a moment instead of after datasets' ~20 s of retries
-        raise DataError(
-            f"cannot load {hub_id} from the Hugging Face hub (offline or unreachable): {reason}; {hint}"
-        )
+        raise DataError(f"cannot load {target} {where}: {reason}; {hint}")
     import datasets  # only hub datasets load it (and pyarrow): bundled and local files stay light
 
     try:
-        dataset = datasets.load_dataset(hub_id, name="en", split="train", streaming=True)
-    except Exception as e:  # ConnectionError, hub HTTP errors, missing cache when offline
+        dataset = datasets.load_dataset(target, name=config or None, split=split, streaming=True)
+    except Exception as e:  # ConnectionError, hub HTTP errors, missing cache when offline, bad split
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(
-            f"cannot load {hub_id} from the Hugging Face hub (offline or unreachable): {first}; {hint}"
-        ) from None
-    return HFStreamingSource("c4", dataset, f"{hub_id}:en:train")
+        raise DataError(f"cannot load {target} {where}: {first}; {hint}") from None
+    return HFStreamingSource(name, dataset, f"{target}:{config}:{split}", text_field)
 
 
 def _hub_unreachable(timeout_s: float = 2.0) -> str | None:
