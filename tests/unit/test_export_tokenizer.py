@@ -49,7 +49,7 @@ def test_hf_export_is_a_complete_model_folder(export):
                      "special_tokens_map.json"}
     tok = Tokenizer()
     generation = json.loads((export / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": 4096, "eos_token_id": sorted(tok.stop_tokens)}
+    assert generation == {"bos_token_id": 4096, "eos_token_id": sorted(tok.stop_tokens), "do_sample": False}
     assert json.loads((export / "special_tokens_map.json").read_text()) == {
         "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
@@ -192,4 +192,4 @@ def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_on
     text = next(iter(load_documents("bundled_val", None)))
     assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False, eos=False)
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": 3000, "eos_token_id": sorted(tok.stop_tokens)}
+    assert generation == {"bos_token_id": 3000, "eos_token_id": sorted(tok.stop_tokens), "do_sample": False}

@@ -200,4 +200,4 @@ def test_exports_carry_the_files_as_they_are(tmp_path, qwen_json, ours, fmt):
     assert Tokenizer(tmp_path / "tokenizer.json").sha256 == ours.sha256
     if fmt == "hf":
         generation = json.loads((tmp_path / "generation_config.json").read_text())
-        assert generation == {"bos_token_id": None, "eos_token_id": sorted(ours.stop_tokens)}
+        assert generation == {"bos_token_id": None, "eos_token_id": sorted(ours.stop_tokens), "do_sample": False}

@@ -7,7 +7,9 @@ store, reads as zeros and is not written."""
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -15,6 +17,7 @@ from tests.unit.test_moe_layer import ARGS, theirs  # noqa: F401 - the module fi
 from tests.unit.test_qwen3_checkpoints import safetensors_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf_names import from_hf_state_dict, to_hf_state_dict
+from titanctl.errors import CheckpointError
 from titanctl.models.common.decoder import Transformer
 
 TOL = 1e-4
@@ -81,3 +84,41 @@ def test_per_expert_layout_reads_to_the_same_weights(theirs, tmp_path):  # noqa:
     assert all(torch.equal(from_hf_state_dict(per_expert, ARGS)[k], new[k]) for k in new)
     back = to_hf_state_dict(new, ARGS)
     assert back.keys() == safetensors_of(tmp_path / "packed").keys()
+
+
+def test_per_expert_layout_is_written_on_request_as_transformers_saves_it(theirs, tmp_path):  # noqa: F811
+    import transformers
+
+    theirs.save_pretrained(tmp_path / "saved")  # transformers 5.23's own one-tensor-per-expert files
+    packed_folder(theirs, tmp_path / "packed")
+    convert_checkpoint(tmp_path / "packed", tmp_path / "dcp", dst_format="dcp")
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "out", dst_format="hf", hf_experts="per-expert")
+    saved, written = safetensors_of(tmp_path / "saved"), safetensors_of(tmp_path / "out")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in written
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in written)
+    assert saved.keys() == written.keys() and all(torch.equal(saved[k], written[k]) for k in saved)
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, ARGS.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, theirs(ids).logits)
+    # And back: the per-expert folder converts to the packed one bit for bit.
+    convert_checkpoint(tmp_path / "out", tmp_path / "repacked", dst_format="hf", hf_experts="packed")
+    packed, repacked = safetensors_of(tmp_path / "packed"), safetensors_of(tmp_path / "repacked")
+    assert packed.keys() == repacked.keys() and all(torch.equal(packed[k], repacked[k]) for k in packed)
+
+
+@pytest.mark.parametrize("fmt, layout, message", [
+    ("dcp", "per-expert", "--hf-experts applies to --to hf only"),
+    ("hf", "split", "--hf-experts 'split' is not a layout; valid: packed, per-expert"),
+])
+def test_hf_experts_option_errors(theirs, tmp_path, fmt, layout, message):  # noqa: F811
+    packed_folder(theirs, tmp_path / "packed")
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        convert_checkpoint(tmp_path / "packed", tmp_path / "out", dst_format=fmt, hf_experts=layout)
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_experts_option_needs_experts(trained_debug, tmp_path):
+    with pytest.raises(CheckpointError, match="--hf-experts applies to Mixture-of-Experts models; llama3 has no experts"):
+        convert_checkpoint(trained_debug["folder"], tmp_path / "out", dst_format="hf", hf_experts="per-expert")
+    assert not (tmp_path / "out").exists()

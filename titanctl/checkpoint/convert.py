@@ -179,8 +179,14 @@ def _check_destination(dst: Path, src: Path | None) -> None:
         raise CheckpointError(f"cannot use destination {dst}: {e.strerror or e}") from None
 
 
+# How a Hugging Face output stores a Mixture-of-Experts model's experts: transformers 5's packed tensors
+# (mlp.experts.gate_up_proj, down_proj), or one tensor per expert as older checkpoints (and 4.x) do.
+HF_EXPERT_LAYOUTS = ("packed", "per-expert")
+
+
 def _check_options(
-    fmt: str, shards: int | None, max_shard_size: int | str | None, tokenizer_path: str | os.PathLike | None = None
+    fmt: str, shards: int | None, max_shard_size: int | str | None, tokenizer_path: str | os.PathLike | None = None,
+    hf_experts: str | None = None,
 ) -> None:
     if shards is not None and fmt != "meta":
         raise CheckpointError("--shards applies to --to meta only")
@@ -188,6 +194,11 @@ def _check_options(
         raise CheckpointError("--max-shard-size applies to --to hf only")
     if tokenizer_path and fmt not in TOKENIZER_FORMATS:
         raise CheckpointError(f"--tokenizer-path applies to --to {', '.join(TOKENIZER_FORMATS)} only, not {fmt}")
+    if hf_experts is not None:
+        if fmt != "hf":
+            raise CheckpointError("--hf-experts applies to --to hf only")
+        if hf_experts not in HF_EXPERT_LAYOUTS:
+            raise CheckpointError(f"--hf-experts {hf_experts!r} is not a layout; valid: {', '.join(HF_EXPERT_LAYOUTS)}")
 
 
 def _prepare_destination(dst: Path, src: Path | None) -> Path:
@@ -274,6 +285,7 @@ def write_checkpoint(
     extra_metadata: dict | None = None,
     tokenizer_path: str | os.PathLike | None = None,
     notes: list[str] | None = None,
+    hf_experts: str | None = None,
 ) -> list[str]:
     """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
 
@@ -281,8 +293,10 @@ def write_checkpoint(
     output records the tokenizer path. What is worth telling the user is appended to `notes`.
     """
     _check_format(fmt, "--to")
-    _check_options(fmt, shards, max_shard_size, tokenizer_path)
+    _check_options(fmt, shards, max_shard_size, tokenizer_path, hf_experts)
     spec = spec_of(source.args)
+    if hf_experts is not None and not spec.hf.per_expert:
+        raise CheckpointError(f"--hf-experts applies to Mixture-of-Experts models; {spec.name} has no experts")
     if fmt not in ("dcp", "hf", *spec.formats):
         raise CheckpointError(
             f"{spec.name} has no {fmt} checkpoint format; write one of {', '.join(('dcp', 'hf', *spec.formats))}"
@@ -308,6 +322,7 @@ def write_checkpoint(
             options["max_shard_size"] = parse_size(max_shard_size)
         if tokenizer is not None:  # config.json names the exported tokenizer's ids
             options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
+        options["per_expert"] = hf_experts == "per-expert"
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
@@ -345,6 +360,7 @@ def convert_checkpoint(
     max_shard_size: int | str | None = None,
     progress: ProgressSink | None = None,
     tokenizer_path: str | os.PathLike | None = None,
+    hf_experts: str | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -357,7 +373,7 @@ def convert_checkpoint(
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None:
-        _check_options(dst_format, shards, max_shard_size, tokenizer_path)
+        _check_options(dst_format, shards, max_shard_size, tokenizer_path, hf_experts)
     dst = Path(dst)
 
     start = time.perf_counter()
@@ -368,7 +384,7 @@ def convert_checkpoint(
             notes.insert(0, f"read {located.folder.name}, the newest complete checkpoint in {src}")
         files = write_checkpoint(
             source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-            tokenizer_path=tokenizer_path, notes=notes,
+            tokenizer_path=tokenizer_path, notes=notes, hf_experts=hf_experts,
         )
         return ConversionReport(
             src=Path(src),

@@ -114,6 +114,24 @@ def structured_pieces(hf_name: str, args: ModelArgs) -> list[Piece]:
     return pieces
 
 
+def _expert_template(name: str, args: ModelArgs) -> tuple[str, str] | None:
+    m = _OURS_LAYER.fullmatch(name)
+    template = spec_of(args).hf.per_expert.get(m.group(2)) if m else None
+    return None if template is None else (m.group(1), template)
+
+
+def stacked_over_experts(name: str, args: ModelArgs) -> bool:
+    """Whether the older one-tensor-per-expert Hugging Face layout splits this weight by expert."""
+    return _expert_template(name, args) is not None
+
+
+def per_expert_tensors(name: str, stack: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """A weight stacked over experts under that layout's names (``mlp.experts.{e}.gate_proj.weight``,
+    ...): one (name, matrix) per expert."""
+    layer, template = _expert_template(name, args)
+    return [(f"model.layers.{layer}.{template.format(e=e)}", stack[e]) for e in range(stack.shape[0])]
+
+
 def not_stored(name: str, args: ModelArgs) -> bool:
     """Whether Hugging Face's format of the family leaves this titanctl state out (it reads as zeros)."""
     m = _OURS_LAYER.fullmatch(name)
@@ -332,6 +350,8 @@ __all__ = [
     "hf_config",
     "iter_from_hf",
     "iter_to_hf",
+    "per_expert_tensors",
+    "stacked_over_experts",
     "to_hf_state_dict",
     "to_hf_tensor",
 ]

@@ -7,7 +7,8 @@ run's own newest step is damaged (``CheckpointCorrupt``: a checksum mismatch, a 
 or missing file) and no step was asked for by number, it falls back to the newest older
 step that passes, and says so. Anything else (a foreign or mismatched checkpoint, a refused
 pickle, a folder it may not read) stops the run with one line: falling back there would
-hide a problem the user has to fix.
+hide a problem the user has to fix. Hugging Face saves (``step-N-hf``) hold weights only and are
+never resumed from: a folder holding them but no DCP step stops the run, newer ones are noted.
 
 ``checkpoint.initial_load_path`` may also name another tool's checkpoint (Hugging Face,
 torchtitan, Meta, torchtune): it becomes a ``ForeignPlan``, its format ``Source`` bound to
@@ -24,6 +25,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanctl.checkpoint.formats import detect, open_source
+from titanctl.checkpoint.hf_save import newer_hf_saves_note, only_hf_saves_error
 from titanctl.checkpoint.locate import STEP_FOLDER as STEP_FOLDER  # re-exported (manager)
 from titanctl.checkpoint.locate import complete_checkpoints, locate
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
@@ -104,6 +106,8 @@ def plan_load(
             continue
         plan.may_fall_back = may_fall_back
         plan.notes = [fallback_note(e, folder) for e in damaged]
+        newer_hf = None if initial else newer_hf_saves_note(folder.parent, plan.step)
+        plan.notes += [newer_hf] if newer_hf else []
         return plan
     if damaged:
         more = f" (older checkpoints are damaged too: {len(damaged) - 1} more)" if len(damaged) > 1 else ""
@@ -147,6 +151,9 @@ def _candidates(cfg: JobConfig, before_step: int | None) -> tuple[list[Path], bo
         return newest_first, False, True
     if ck.initial_load_path:
         return [resolve_checkpoint_path(Path(ck.initial_load_path), "checkpoint.initial_load_path")], True, False
+    only_hf = only_hf_saves_error(root) if ck.enable_checkpoint else None
+    if only_hf is not None:  # starting afresh would silently overwrite them
+        raise only_hf
     return [], False, False
 
 

@@ -3,7 +3,10 @@
 Folder layout (``root = {job.dump_folder}/{checkpoint.folder}``)::
 
     root/step-{N}/            a complete checkpoint (plain DCP + titanctl.json + config.toml)
+    root/step-{N}-hf/         a Hugging Face model folder (checkpoint.save_format, last_save_in_hf):
+                              weights only, never resumed from (``titanctl.checkpoint.hf_save``)
     root/.tmp-step-{N}/       a save in progress; never loaded, removed by the next save
+    root/.tmp-step-{N}-hf/    the same for a Hugging Face save
     root/.trash-*/            a checkpoint being deleted (retention); never loaded
 
 A save writes into ``.tmp-step-{N}``; when every rank has written its files (DCP's
@@ -11,7 +14,8 @@ coordinator writes ``.metadata`` only after that) rank 0 adds ``titanctl.json`` 
 ``config.toml`` and renames the folder to ``step-{N}``, then applies retention. A crash at
 any moment therefore leaves earlier ``step-*`` folders intact, and a ``step-*`` folder is
 complete by construction. Retention first renames a folder away, then deletes it, so a
-half-deleted checkpoint never looks complete either.
+half-deleted checkpoint never looks complete either. It keeps the newest ``keep_latest_k``
+DCP steps and, counted apart, the newest ``keep_latest_k`` Hugging Face saves.
 
 The DCP state dict follows ``titanctl.checkpoint.metadata``: the model's canonical FQNs at
 the top level, plus ``optimizer`` (flattened FQN keys, so it reshards across layouts),
@@ -55,6 +59,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, gather_checksums, record
+from titanctl.checkpoint.hf_save import hf_folder_name, hf_saves, run_tokenizer, write_hf_folder
 from titanctl.checkpoint.load_into_model import load_source_into
 from titanctl.checkpoint.load_plan import (
     STATE_PARTS,
@@ -168,6 +173,9 @@ class CheckpointManager:
             # scoped filter does not reach: one process is the intent here, not an accident.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         self.saving = ck.enable_checkpoint or ck.create_seed_checkpoint
+        # Hugging Face saves carry the run's tokenizer: checked now rather than after the last step.
+        writes_hf = ck.enable_checkpoint and (ck.save_format != "dcp" or ck.last_save_in_hf)
+        self._hf_tokenizer = run_tokenizer(cfg.model.tokenizer_path, model_args) if writes_hf else None
         self.async_mode = ck.async_mode if ck.enable_checkpoint else "disabled"
         # The run's state, one Stateful per part of STATE_PARTS: what DCP saves and loads.
         self.model = ModelState(model_parts)
@@ -218,10 +226,56 @@ class CheckpointManager:
 
     def maybe_save(self, step: int, tokens_seen: int, *, last: bool) -> None:
         """Called after every optimizer step; saves at the interval and at the last step."""
-        if self.should_save(step, last):
+        if not self.should_save(step, last):
+            return
+        formats = {"dcp", "hf"} if self.ck.save_format == "both" else {self.ck.save_format}
+        if last and self.ck.last_save_in_hf:
+            formats.add("hf")
+        if "hf" in formats:  # first: an async DCP save started before it would have to finish first
+            self.save_hf(step)
+        if "dcp" in formats:
             weights_only = last and self.ck.last_save_model_weights_only
             self.save(step, tokens_seen, weights_only=weights_only,
                       dtype=self.ck.export_dtype if weights_only else None)
+
+    def save_hf(self, step: int) -> Path:
+        """``step-{N}-hf``: the current weights as a Hugging Face model folder, gathered tensor by
+        tensor from the sharded model (``titanctl.checkpoint.hf_save``); every rank calls it at the
+        same point, and it returns when the folder is complete (weights only, never resumed from)."""
+        self.wait()  # the tensors travel on the checkpoint group: no async write may share it
+        started = time.perf_counter()
+        name = hf_folder_name(step)
+        tmp, final = self.root / f"{TMP_PREFIX}{step}-hf", self.root / name
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(tmp):  # left by a run that died mid-save
+                _discard(tmp)
+            tmp.mkdir()
+        failure = write_hf_folder(
+            tmp, self.model, self.model_args, tokenizer=self._hf_tokenizer, dtype=getattr(torch, self.ck.export_dtype),
+            rank=self.rank, world_size=self.world_size, group=self._pg,
+        )
+        if self.rank == 0:
+            try:
+                if failure is None:
+                    _fsync_dir(tmp)
+                    if final.exists():  # the same step saved again (a resume from an earlier step)
+                        _discard(final)
+                    os.replace(tmp, final)
+                    _fsync_dir(self.root)
+                    self._retain()
+            except Exception as e:
+                failure = one_line(e)
+            if failure is not None:
+                _discard(tmp)
+        if self._pg is not None:  # every rank stops with rank 0's line, or none does
+            box = [failure]
+            dist.broadcast_object_list(box, src=0, group=self._pg)
+            failure = box[0]
+        if failure is not None:
+            raise CheckpointError(f"saving Hugging Face folder {final} failed: {failure}")
+        self.log(f"Hugging Face save {name} written in {time.perf_counter() - started:.2f} s")
+        return final
 
     def save_seed(self) -> Path:
         """checkpoint.create_seed_checkpoint: the initialized weights as step-0, written synchronously."""
@@ -372,6 +426,8 @@ class CheckpointManager:
         if keep > 0:
             for step in steps[:-keep]:
                 _discard(self.root / f"step-{step}")
+            for folder in list(hf_saves(self.root).values())[:-keep]:  # counted apart from DCP steps
+                _discard(folder)
         for child in self.root.iterdir():  # debris of runs that died mid-save or mid-delete
             if child.name.startswith(TMP_PREFIX) or child.name.startswith(TRASH_PREFIX):
                 _discard(child)

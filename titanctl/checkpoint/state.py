@@ -115,22 +115,19 @@ class SchedulerState(Stateful):
 
 
 class LoaderState(Stateful):
-    """The data position. Finite sources: samples consumed, the same on every rank and layout.
-    Streaming sources: each data-parallel rank's own stream position, under ``dp_rank{r}``."""
+    """The data position: samples consumed (and drawn per mixture source), the same on every rank
+    and layout. Streams add one entry per virtual shard, from the ranks that read it (all equal):
+    every key a rank saves or loads is either global or a shard's, so DCP's dedup keeps one copy
+    and a rank of another DP degree finds the shards it reads now."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
 
-    @property
-    def _key(self) -> str | None:
-        return None if self.loader.n_windows is not None else f"dp_rank{self.loader.dp_rank}"
-
     def state_dict(self) -> dict[str, Any]:
-        state = self.loader.state_dict()
-        return state if self._key is None else {self._key: state}
+        return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state_dict if self._key is None else state_dict[self._key])
+        self.loader.load_state_dict(state_dict)
 
 
 class TrainState(Stateful):

@@ -251,11 +251,13 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
 
 
 def generation_config(bos_id: int | None, eos_ids: list[int] | int | None) -> dict[str, Any]:
-    return {"bos_token_id": bos_id, "eos_token_id": eos_ids}
+    # Greedy unless asked: transformers' pipeline would otherwise take whatever its defaults say,
+    # and a pre-trained model's output should be reproducible.
+    return {"bos_token_id": bos_id, "eos_token_id": eos_ids, "do_sample": False}
 
 
 def write_generation_config(folder: Path, args: ModelArgs, tokenizer: Tokenizer | None) -> None:
-    """bos and the stop ids (end of text, of message, of turn: where titanctl's generation stops)."""
+    """bos, the stop ids (end of text, of message, of turn: where titanctl's generation stops), greedy."""
     if tokenizer is not None:
         config = generation_config(tokenizer.bos_id, sorted(tokenizer.stop_tokens))
     else:

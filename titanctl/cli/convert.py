@@ -35,6 +35,11 @@ def convert(
     max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."
     ),
+    hf_experts: str | None = typer.Option(
+        None, "--hf-experts",
+        help="Experts of a Mixture-of-Experts hf output: packed (transformers 5's mlp.experts.gate_up_proj, "
+        "the default) or per-expert (mlp.experts.{e}.gate_proj.weight, ..., as older checkpoints).",
+    ),
     tokenizer_path: Path | None = typer.Option(
         None,
         "--tokenizer-path",
@@ -60,6 +65,7 @@ def convert(
             max_shard_size=max_shard_size,
             progress=bar,
             tokenizer_path=tokenizer_path,
+            hf_experts=hf_experts,
         )
     except KeyboardInterrupt:
         bar.stop()

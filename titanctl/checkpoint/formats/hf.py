@@ -36,6 +36,8 @@ from titanctl.checkpoint.hf_names import (
     hf_config,
     hf_tensor_groups,
     not_stored,
+    per_expert_tensors,
+    stacked_over_experts,
     structured_pieces,
     to_hf_tensor,
 )
@@ -239,6 +241,12 @@ class HFSource(Source):
         self._close_file()
 
 
+def write_order(names: list[str], args: ModelArgs) -> list[str]:
+    """The order in which ``write`` loads the tensors of a source whose infos name ``names`` (the
+    ranks of a training run walk it together: ``titanctl.checkpoint.hf_save``)."""
+    return [member for _hf_name, members, _dim in hf_tensor_groups(names, args) for member in members]
+
+
 def write(
     folder: Path,
     args: ModelArgs,
@@ -248,9 +256,11 @@ def write(
     progress: Progress,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     token_ids: tuple[int | None, int | None] | None = None,
+    per_expert: bool = False,
 ) -> None:
     """``token_ids``: (bos, eos) for config.json, the exported tokenizer's; default the family's
-    convention (``special_token_ids``)."""
+    convention (``special_token_ids``). ``per_expert``: experts as one tensor each (the layout of
+    older checkpoints) instead of transformers 5's packed tensors. Tensors are loaded in ``write_order``."""
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
     # Plan the shards from shapes alone (greedy, in the source's order; a packed tensor where its
@@ -270,6 +280,13 @@ def write(
         file = shard_name(index, len(plan))
         tensors = {}
         for members, hf_name, dim, nbytes in shard:
+            if per_expert and all(stacked_over_experts(m, args) for m in members):
+                for member in members:
+                    for name, matrix in per_expert_tensors(member, cast(source.load(member), dtype), args):
+                        tensors[name] = matrix.contiguous()
+                        weight_map[name] = file
+                progress(hf_name, nbytes)
+                continue
             if len(members) == 1:
                 _, tensor = to_hf_tensor(members[0], cast(source.load(members[0]), dtype), args)
             else:
