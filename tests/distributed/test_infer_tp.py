@@ -135,3 +135,27 @@ def test_bad_input_is_one_red_line(checkpoints, args, env_extra, message, monkey
     assert exc.value.code == 2, err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_qwen3_moe_tp2_equals_transformers(tmp_path):
+    """A transformers-written Qwen3-MoE folder under TP 2: attention split over the ranks, router and
+    experts whole on each; the greedy tokens equal generate()'s."""
+    import transformers
+
+    from tests.unit.test_hf_tokenizer import train_qwen_style
+    from tests.unit.test_infer_formats import NEW, reference, write_qwen3_moe_folder
+    from tests.unit.test_infer_formats import PROMPT as QWEN_PROMPT
+    from titanctl.data.tokenizer import Tokenizer
+
+    train_qwen_style(tmp_path / "tokenizer")
+    model = write_qwen3_moe_folder(transformers, tmp_path / "tokenizer", tmp_path / "moe")
+    tokenizer = Tokenizer(tmp_path / "moe" / "tokenizer.json")
+    ids = tokenizer.encode(QWEN_PROMPT, bos=True, eos=False)
+    want = reference(model, ids, tokenizer.stop_tokens, tokenizer.vocab_size)
+    out = tmp_path / "out.json"
+    torchrun(2, ["-m", "titanctl", "infer-tp"], [
+        "--checkpoint", str(tmp_path / "moe"), "--prompt", QWEN_PROMPT, "--max-new-tokens", str(NEW),
+        "--temperature", "0", "--out", str(out)], timeout=300)
+    data = json.loads(out.read_text())
+    assert data["tensor_parallel_degree"] == 2
+    assert data["tokens"] == want

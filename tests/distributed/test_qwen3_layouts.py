@@ -23,14 +23,17 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, torchrun
+from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, rows, torchrun
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
 
 WORKER = [__file__, "train"]
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 QWEN3_UNTIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
-# Qwen3-MoE (8 experts, top-2): every parameter's gradient, routers included, is compared too.
-QWEN3_MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
+# Qwen3-MoE (8 experts, top-2): every parameter's gradient, routers included, is compared too, with
+# both balancing methods on: the auxiliary loss's gradient is in the first step's, and the bias update
+# changes the routing of later steps (each step's expert load is compared as well).
+QWEN3_MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
+             "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
 FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE}
 PP_STEPS = 4  # pp_worker's default is 3: one more, so a wrong gradient shows in 3 losses
 
@@ -43,15 +46,19 @@ def train(nproc: int, local_batch: int, flavor: list[str], overrides: list[str],
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, tuple[list[float], dict, dict]]:
+def references(tmp_path_factory) -> dict[str, tuple[list[float], dict, dict, list]]:
     """One process, 8 sequences a step: the tied debugmodel, the untied one (pipeline layouts) and the MoE one."""
     out = {}
     for name, flavor in FLAVORS.items():
         folder = tmp_path_factory.mktemp(f"qwen3_single_{name}")
         seconds = train(1, 8, flavor, [], folder)
         print(f"\nQWEN3 REFERENCE {name:24s} procs 1  {seconds:5.1f} s")
-        out[name] = losses(folder), gathered(folder, 1, "init"), gathered(folder, 1, "grads")
+        out[name] = losses(folder), gathered(folder, 1, "init"), gathered(folder, 1, "grads"), expert_loads(folder)
     return out
+
+
+def expert_loads(folder) -> list:
+    return [row.get("expert_load") for row in rows(folder)]
 
 
 def gathered(folder, nproc: int, what: str) -> dict[str, torch.Tensor]:
@@ -101,7 +108,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("name, ref, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, nproc, local_batch, overrides):
-    ref_losses, ref_weights, ref_grads = references[ref]
+    ref_losses, ref_weights, ref_grads, ref_loads = references[ref]
     seconds = train(nproc, local_batch, FLAVORS[ref], overrides, tmp_path)
     weights = gathered(tmp_path, nproc, "init")
     assert weights.keys() == ref_weights.keys()
@@ -115,6 +122,9 @@ def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, np
     assert len(got) >= 4 and got[-1] != got[0]
     assert grad_diff <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
+    assert expert_loads(tmp_path) == ref_loads, f"{name}: tokens per expert differ from one process"
+    if ref == "moe":
+        assert all(load and len(load) == 4 for load in ref_loads)  # every MoE layer (4), every step
 
 
 def test_qwen3_tied_pipeline_fails_before_any_collective(tmp_path):

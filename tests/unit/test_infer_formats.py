@@ -273,9 +273,9 @@ def test_a_checkpoint_that_declares_its_model_refuses_model_overrides(tmp_path):
     check_model_overrides(["--model.n_layers", "2"], CheckpointSource("torchtitan", tmp_path, None))
 
 
-def test_qwen3_moe_hf_folder_equals_transformers(qwen, transformers, tmp_path):
-    """A Qwen3-MoE folder as transformers 5.23 saves it (one tensor per expert), with Qwen's tokenizer:
-    infer-tp's greedy tokens equal generate()'s."""
+def write_qwen3_moe_folder(transformers, tokenizer_folder: Path, folder: Path):
+    """A Qwen3-MoE folder as transformers 5.23 saves it (one tensor per expert; unit-scale random
+    weights), with the tokenizer files of ``tokenizer_folder``; returns the transformers model."""
     config = transformers.Qwen3MoeConfig(
         vocab_size=QWEN.vocab_size, hidden_size=QWEN.dim, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=QWEN.n_layers, num_attention_heads=QWEN.n_heads, num_key_value_heads=QWEN.kv_heads,
@@ -294,10 +294,16 @@ def test_qwen3_moe_hf_folder_equals_transformers(qwen, transformers, tmp_path):
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
             else:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-    folder = tmp_path / "moe"
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(qwen.folder / name, folder / name)
-    report = greedy(folder)
+        shutil.copy(tokenizer_folder / name, folder / name)
+    return model
+
+
+def test_qwen3_moe_hf_folder_equals_transformers(qwen, transformers, tmp_path):
+    """A Qwen3-MoE folder as transformers saves it, with Qwen's tokenizer: infer-tp's greedy tokens
+    equal generate()'s (tests/distributed/test_infer_tp.py: also under TP 2)."""
+    model = write_qwen3_moe_folder(transformers, qwen.folder, tmp_path / "moe")
+    report = greedy(tmp_path / "moe")
     assert report.source.args.family == "qwen3_moe" and report.source.args.moe.num_experts == 4
     assert report.generation.tokens == reference(model, qwen.ids, qwen.tokenizer.stop_tokens, qwen.tokenizer.vocab_size)

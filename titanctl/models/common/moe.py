@@ -10,6 +10,11 @@ weighted combination of a token's k expert outputs is a sum in routing order, no
 Nothing here knows about parallelism: ``GroupedExperts.forward(tokens, counts)`` takes tokens
 already sorted by expert and the count per expert, which is the seam where expert parallelism
 (titanctl.parallel) exchanges tokens between ranks.
+
+Load balancing is set from outside (titanctl.train.moe_balance): each MoE counts the tokens its
+experts received (``tokens_per_expert``, the input of the auxiliary-loss-free bias update and of the
+expert-load metrics), and with ``aux_loss_coef`` > 0 adds the gradient of a sequence-wise
+auxiliary loss to its router.
 """
 
 from __future__ import annotations
@@ -21,6 +26,52 @@ from torch import nn
 from titanctl import _torch_compat
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.feed_forward import FeedForward
+
+_GRAPH_TASK_ID = _torch_compat.GRAPH_TASK_ID.get()
+
+
+def _recomputing() -> bool:
+    """Inside backward: activation checkpointing is running a forward again (whose tokens were
+    already counted)."""
+    return _GRAPH_TASK_ID() != -1
+
+
+class _AddAuxLossGradient(torch.autograd.Function):
+    """Returns ``out`` unchanged; in backward, also hands ``aux_loss`` the gradient 1, so the
+    auxiliary loss joins the objective without passing through the training loss (under pipeline
+    parallelism it lives on another stage)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return grad_out, grad_out.new_ones(ctx.aux_shape, dtype=torch.float32)
+
+
+def sequence_aux_loss(
+    scores: torch.Tensor, experts: torch.Tensor, batch: int, num_experts: int, reduce_sums=None
+) -> torch.Tensor:
+    """Switch-style balance loss per sequence, averaged over the batch: E x sum_e f_e P_e, with f_e
+    the fraction of the sequence's tokens routed to expert e (over the k slots, as transformers'
+    load_balancing_loss_func counts) and P_e the sequence's mean router probability of e.
+
+    ``scores`` (N, E) probabilities, ``experts`` (N, k), N = batch x T local tokens. Where a
+    sequence is split over ranks (context parallel), ``reduce_sums`` sums (batch, E) tensors over
+    them; the returned value is then this rank's share, and the shares add up to the loss.
+    """
+    tokens = scores.shape[0] // batch
+    routed = scores.new_zeros(batch, num_experts).scatter_add_(
+        1, experts.reshape(batch, -1), scores.new_ones(batch, experts.numel() // batch)
+    )  # (B, E) routing slots per expert
+    sequence_len = torch.full((batch, 1), float(tokens), device=scores.device)
+    if reduce_sums is not None:
+        routed, sequence_len = reduce_sums(torch.cat([routed, sequence_len], dim=1)).split([num_experts, 1], 1)
+    probability_sum = scores.reshape(batch, tokens, num_experts).sum(dim=1)  # (B, E), this rank's tokens
+    per_sequence = num_experts * (routed / sequence_len * probability_sum / sequence_len).sum(dim=-1)
+    return per_sequence.mean()
 
 
 class Router(nn.Module):
@@ -36,8 +87,7 @@ class Router(nn.Module):
         auxiliary-loss-free balancing; zeros without it).
         """
         logits = self.gate(x)
-        scores = F.softmax(logits, dim=-1, dtype=torch.float32) if self.moe.score_func == "softmax" else (
-            torch.sigmoid(logits.float()))
+        scores = self.scores(logits)
         choice = scores + expert_bias
         # Sorted so that ties between equal scores resolve the same way in every layout.
         experts = torch.topk(choice, self.moe.top_k, dim=-1, sorted=True).indices
@@ -45,6 +95,17 @@ class Router(nn.Module):
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, experts, (weights * self.moe.route_scale).to(x.dtype)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) fp32 affinities that choose and weigh the experts."""
+        if self.moe.score_func == "softmax":
+            return F.softmax(logits, dim=-1, dtype=torch.float32)
+        return torch.sigmoid(logits.float())
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) the scores normalized to sum to 1 per token (sigmoid scores do not by themselves)."""
+        scores = self.scores(logits)
+        return scores if self.moe.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
 
 
 class GroupedExperts(nn.Module):
@@ -80,21 +141,35 @@ class MoE(nn.Module):
         # Added to the routing scores to choose experts (auxiliary-loss-free balancing); updated
         # between steps by the trainer, never by a gradient. Saved with the weights.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
+        # Tokens routed to each expert since the trainer last read them (counted once per forward,
+        # not again when activation checkpointing recomputes it).
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
+        # The auxiliary loss's weight in the objective (0: off), and how to sum per-sequence
+        # statistics over the ranks that share a sequence: both set by titanctl.train.moe_balance.
+        self.aux_loss_coef = 0.0
+        self.reduce_sequence_sums = None
 
     # Runs eagerly inside a compiled block: torch 2.13's fake (compile-time) kernel of _grouped_mm
     # accepts only bf16, and the routing's sizes depend on the data.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape = x.shape  # (B, T, dim)
         x = x.reshape(-1, shape[-1])  # (N, dim)
-        _, experts, weights = self.router(x, self.expert_bias)
+        logits, experts, weights = self.router(x, self.expert_bias)
         flat = experts.reshape(-1)  # (N * k,) token n's j-th choice at n * k + j
         order = torch.argsort(flat, stable=True)  # by expert, then by token: a fixed order
         # A scatter rather than bincount: the same counts with a static shape (fake tensors allow it).
         counts = flat.new_zeros(self.moe.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        if torch.is_grad_enabled() and not _recomputing():  # training forwards only
+            self.tokens_per_expert.add_(counts)
         routed = self.experts(x[order // self.moe.top_k], counts)  # (N * k, dim)
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation
         out = (unsorted.view(-1, self.moe.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.aux_loss_coef and torch.is_grad_enabled():
+            aux = sequence_aux_loss(
+                self.router.probabilities(logits), experts, shape[0], self.moe.num_experts, self.reduce_sequence_sums
+            )
+            out = _AddAuxLossGradient.apply(out, aux * self.aux_loss_coef)
         return out.reshape(shape)

@@ -45,7 +45,9 @@ def _reshard(mode: str, default: bool) -> bool:
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     # The composable replicate keeps parameter names unchanged (no "module." prefix).
-    _torch_compat.REPLICATE.get()(model, device_mesh=dp_mesh, bucket_cap_mb=100)
+    # No buffer broadcast before each forward: rank 0's would overwrite each rank's own MoE token
+    # counts (the other buffers are equal on every rank already).
+    _torch_compat.REPLICATE.get()(model, device_mesh=dp_mesh, bucket_cap_mb=100, broadcast_buffers=False)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -59,10 +59,22 @@ def sharded_linears(model: nn.Module, tp: int) -> dict[str, tuple[nn.Linear, int
     shards = block_shards(model)
     for layer_id, block in model.layers.items():
         for name, dim in shards.items():
-            found[f"layers.{layer_id}.{name}"] = (block.get_submodule(name), dim)
+            # A Mixture-of-Experts block has no dense FFN: its router and experts stay whole on every
+            # rank, which all compute them on the same (replicated) hidden states.
+            module = _submodule_or_none(block, name)
+            if module is not None:
+                found[f"layers.{layer_id}.{name}"] = (module, dim)
     if model.output is not None and model.output.out_features % tp == 0 and not model.args.tie_embeddings:
         found["output"] = (model.output, 0)
     return found
+
+
+def _submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
 
 
 # Models whose forward now holds collectives -> how their ranks exchange.

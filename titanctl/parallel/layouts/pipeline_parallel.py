@@ -172,9 +172,12 @@ class Pipeline:
         return any(stage.is_last for stage in self.stages)
 
     def step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, *, loss_scale: float = 1.0
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, loss_scale: float = 1.0, **model_kwargs
     ) -> torch.Tensor | None:
         """Forward and backward over one batch (B, T), split into microbatches along B.
+
+        ``model_kwargs`` (e.g. ``attn_mask``) reach every stage's forward, split along B like the
+        inputs (a FlexAttention BlockMask too).
 
         Accumulates into ``.grad`` the gradient of ``loss_scale`` x the mean loss over the batch
         (pass ``1 / accumulation_steps`` when accumulating). Returns the (unscaled, detached)
@@ -191,11 +194,24 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **model_kwargs)
         if losses is None:
             return None
         # Each entry is loss_i * loss_scale / n: their sum / loss_scale is the mean of the loss_i.
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor | None:
+        """Forward only over one batch (B, T) through the same schedule (torch's ``schedule.eval``;
+        call it under ``torch.no_grad``): the mean loss over its microbatches on the rank that runs
+        the last stage, None on the others. The next ``step`` re-prepares the stages for backward."""
+        self._loss.factor = 1.0 / self.n_microbatches
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = (inputs,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **model_kwargs)
+        if losses is None:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
 
 def build_pipeline(
@@ -261,7 +277,9 @@ def build_pipeline(
             model_meta, ranges[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1
         )
         module = parallelize_fn(module)
-        stages.append(PipelineStage(module, stage_id, num_stages, device, group=group))
+        stage = PipelineStage(module, stage_id, num_stages, device, group=group)
+        _leave_buffers_unchanged_by_shape_inference(stage)
+        stages.append(stage)
 
     loss = _MicrobatchLoss(loss_fn)
     if csv_path:
@@ -279,3 +297,26 @@ def build_pipeline(
         else:
             schedule = cls(stages, n_mb, loss_fn=loss, scale_grads=False)
     return Pipeline(schedule=schedule, stages=stages, n_microbatches=n_mb, _loss=loss)
+
+
+def _leave_buffers_unchanged_by_shape_inference(stage: PipelineStage) -> None:
+    """The first step infers each stage's shapes by running its forward once more, on the first
+    microbatch or on uninitialized tensors: whatever that forward writes into buffers (MoE token
+    counts) is undone, so that state changes only with the real microbatches. (torch 2.11 infers
+    shapes under no_grad, where nothing is counted.)"""
+    if not _torch_compat.torch_at_least("2.12"):
+        return
+    infer = _torch_compat.STAGE_SET_UP["forward shapes"].of(stage)
+    version = _torch_compat.TENSOR_VERSION.of
+
+    def infer_and_restore(*args, **kwargs):
+        saved = [(b, version(b), b.clone()) for b in stage.submod.buffers()]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, saved_version, value in saved:
+                    if version(buffer) != saved_version:  # written to (others, such as RoPE's table, are
+                        buffer.copy_(value)  # saved for the shapes' backward: left untouched)
+
+    setattr(stage, _torch_compat.STAGE_SET_UP["forward shapes"].path.rsplit(".", 1)[-1], infer_and_restore)
