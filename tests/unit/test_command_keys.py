@@ -93,7 +93,8 @@ def test_infer_tp_refuses_the_tensor_parallel_degree():
         load_config(None, ["--parallelism.tensor_parallel_degree", "2"], command="infer-tp")
     assert str(e.value) == (
         "--parallelism.tensor_parallel_degree is not read by infer-tp (its tensor-parallel degree is the world "
-        "size); it reads: model.*, training.seq_len, comm.init_timeout_seconds"
+        "size); it reads: model.name, model.flavor, model.n_layers, model.n_kv_heads, model.norm_type, "
+        "model.tokenizer_path, training.seq_len, comm.init_timeout_seconds"  # not model.attn_mask_type
     )
 
 
@@ -105,7 +106,7 @@ def test_infer_tp_refuses_the_tensor_parallel_degree():
         ("estimate-memory", "--metrics.log_freq=3", "(it logs no metrics)"),
         ("estimate-memory", "--training.seed=3", "(only --validate reads it, for the real step)"),
         ("estimate-memory", "--float8.filter_fqns=output", "(float8 linears are estimated in the training dtype)"),
-        ("estimate-memory", "--training.deterministic", "; it reads every key except: job.*"),
+        ("estimate-memory", "--training.deterministic", "; it reads: model.*, optimizer.*, lr_scheduler.*, "),
         ("profile", "--training.steps=3", "(--steps sets it)"),
         ("profile", "--checkpoint.interval=3", "(checkpointing is off while profiling)"),
     ],
@@ -235,7 +236,8 @@ def _scenarios(tmp: Path) -> list[tuple[str, str, list[str]]]:
     return [
         ("train", "train", ["train", *TINY, "--training.steps", "2", "--job.dump_folder", str(train),
                             "--checkpoint.interval", "1", "--checkpoint.last_save_model_weights_only",
-                            "--profiling.enable_profiling", "--profiling.profile_freq", "2"]),
+                            "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                            "--validation.enabled", "--validation.freq", "2", "--validation.steps", "1"]),
         ("profile", "profile", ["profile", *TINY, "--steps", "2", "--job.dump_folder", str(tmp / "profile"),
                                 "--float8.enable_float8_linear", "--activation_checkpoint.mode", "selective",
                                 "--checkpoint.initial_load_path", str(train / "checkpoint" / "step-1")]),

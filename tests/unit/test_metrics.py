@@ -111,13 +111,15 @@ def test_training_logs_the_documented_columns(tmp_path):
     trainer = Trainer(cfg)
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    columns = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "step_time", "memory_gib", "tokens_seen"}
+    columns = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "step_time", "memory_gib", "tokens_seen",
+               "tokens_by_source"}
     # The process's first step (compile, warm-up) is alone in its window: its time, no rates.
     first, rows = rows[0], rows[1:]
     assert set(first) == columns and first["tps"] is first["tflops"] is first["mfu"] is None
     assert first["step_time"] > 0
     for row in rows:
         assert columns == set(row)
+        assert row["tokens_by_source"] == {"bundled": row["step"] * 2 * 32}
         # tps is logged to 0.1: on a busy machine (tps ~40) that rounding alone exceeds 1e-3.
         assert row["tps"] == pytest.approx(2 * 32 / row["step_time"], rel=1e-3, abs=0.05)
         assert row["tflops"] == pytest.approx(row["tps"] * trainer.flops_per_token / 1e12, rel=1e-2)

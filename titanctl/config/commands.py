@@ -50,10 +50,14 @@ _ESTIMATE_NOT_READ = {
     "job.*": "it starts no run and writes nothing",
     "training.dataset": "it feeds random token ids",
     "training.dataset_path": "it feeds random token ids",
+    "training.datasets": "it feeds random token ids",
+    "training.stream_shards": "it feeds random token ids",
     "checkpoint.*": "checkpoints are not estimated",
     "float8.*": "float8 linears are estimated in the training dtype",
     "metrics.*": "it logs no metrics",
     "profiling.*": "it records no traces",
+    "validation.*": "it estimates a training step, not an evaluation",
+    "moe.*": "it does not estimate Mixture-of-Experts models yet",
 }
 
 # Refused keys, with the reason the error shows.
@@ -63,6 +67,7 @@ NOT_READ: dict[str, dict[str, str]] = {
         "profiling.enable_profiling": "it always records a step",
         "profiling.profile_freq": "it records the last of --steps steps",
         "checkpoint.*": "checkpointing is off while profiling",
+        "validation.*": "it records a training step, without validation",
     },
     "estimate-memory": {
         **_ESTIMATE_NOT_READ,
@@ -79,6 +84,7 @@ NOT_READ: dict[str, dict[str, str]] = {
         "training.seed": "its sampling seed is --seed",
         "compile.*": "--compile compiles its decode step",
         "checkpoint.*": "its weights come from --checkpoint",
+        "model.attn_mask_type": "a prompt is one document: generation is always causal",
     },
 }
 

@@ -85,6 +85,14 @@ class Model:
     tokenizer_path: str = opt(
         "", "Tokenizer file (Llama 3 tiktoken format); empty means the bundled tokenizer."
     )
+    attn_mask_type: str = opt(
+        "causal",
+        "Training attention mask: causal (a token sees every earlier token of its window) or block_causal "
+        "(document masking: a token sees only the earlier tokens of its own document; a document starts at "
+        "each BOS token, so the tokenizer needs one). Generation is always causal (a prompt is one "
+        "document); estimate-memory refuses block_causal.",
+        choices=("causal", "block_causal"),
+    )
 
 
 @dataclass
@@ -119,11 +127,43 @@ class LRScheduler:
 
 
 @dataclass
+class DatasetEntry:
+    """One source of a data mixture: a ``[[training.datasets]]`` table of the recipe."""
+
+    name: str = opt("", "A dataset name: bundled, bundled_val, c4, local, or hf:<hub id or local folder>.")
+    path: str = opt("", "A local json/jsonl/parquet/txt file or folder (instead of name).")
+    weight: float = opt(1.0, "Share of the samples drawn from this source, relative to the others.", above=0)
+    config: str = opt("", "hf: only: the dataset's configuration (datasets' `name`), e.g. en for allenai/c4.")
+    split: str = opt("train", "hf: only: the split to stream.")
+    text_field: str = opt("text", "hf: only: the column holding the document text.")
+
+    @property
+    def label(self) -> str:
+        """How logs and metrics name this source."""
+        return self.name or self.path
+
+
+@dataclass
 class Training:
     dataset: str = opt(
-        "bundled", "Dataset: bundled, bundled_val, c4, or local (with dataset_path)."
+        "bundled",
+        "Dataset: bundled, bundled_val, c4, local (with dataset_path), or hf:<hub id or local folder> "
+        "(its train split, streamed).",
     )
     dataset_path: str = opt("", "A json/jsonl/parquet/txt file or folder; implies dataset=local.")
+    datasets: list[DatasetEntry] = opt(
+        [],
+        "A data mixture, replacing dataset/dataset_path: [[training.datasets]] tables with name or path, "
+        "weight, and for hf: datasets config, split, text_field (README: Data mixtures). On the command "
+        "line: a TOML inline array, e.g. '[{name = \"bundled\", weight = 0.7}, {path = \"code\", weight = 0.3}]'.",
+    )
+    stream_shards: int = opt(
+        0,
+        "Virtual shards of each streaming dataset (c4, hf:): global sample i of a stream comes from shard "
+        "i mod N, so the data does not depend on the data-parallel degree; a rank reads only its own "
+        "shards when the degree divides N. 0: one shard per file of the dataset. Fixed for a run's life.",
+        min=0,
+    )
     local_batch_size: int = opt(8, "Sequences per data-parallel rank per microbatch.", min=1)
     global_batch_size: int = opt(
         -1,
@@ -198,7 +238,10 @@ class Checkpoint:
     enable_checkpoint: bool = opt(False, "Save and resume checkpoints.")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.", in_dump_folder=True)
     interval: int = opt(500, "Save every N steps (and at the last step).", min=1)
-    keep_latest_k: int = opt(10, "Keep the newest k checkpoints (0 keeps all).", min=0)
+    keep_latest_k: int = opt(
+        10, "Keep the newest k checkpoints (0 keeps all); DCP step folders and Hugging Face saves are "
+        "counted apart (the newest k of each).", min=0
+    )
     load_step: int = opt(-1, "Step to resume from; -1 takes the newest complete checkpoint.")
     async_mode: str = opt(
         "disabled",
@@ -212,7 +255,20 @@ class Checkpoint:
     )
     initial_load_model_weights_only: bool = opt(True, "Take only the model weights from initial_load_path.")
     last_save_model_weights_only: bool = opt(False, "Make the final checkpoint weights only.")
-    export_dtype: str = opt("float32", "Dtype of a weights-only final checkpoint.", choices=DTYPES)
+    export_dtype: str = opt(
+        "float32", "Dtype of a weights-only final checkpoint and of Hugging Face saves.", choices=DTYPES
+    )
+    save_format: str = opt(
+        "dcp",
+        "What a save writes: dcp (step-N, resumable), hf (step-N-hf, a Hugging Face model folder: "
+        "weights only, so a run cannot resume from it) or both.",
+        choices=("dcp", "hf", "both"),
+    )
+    last_save_in_hf: bool = opt(
+        False,
+        "Also write the final step as a Hugging Face model folder (step-N-hf: config.json, safetensors, "
+        "tokenizer), gathered tensor by tensor from the sharded model; needs enable_checkpoint.",
+    )
     exclude_from_loading: list[str] = opt([], "State to skip when resuming, e.g. optimizer,dataloader.")
     create_seed_checkpoint: bool = opt(False, "Write the initialized weights as step 0 and stop.")
 
@@ -258,6 +314,29 @@ class Float8:
 
 
 @dataclass
+class MoEBalancing:
+    load_balance_coeff: float = opt(
+        0.0,
+        "Auxiliary-loss-free load balancing (DeepSeek-V3): after every optimizer step, each MoE layer's "
+        "expert bias moves by this much toward the experts that received fewer tokens than the mean over "
+        "the global batch (b_e += coeff x sign(mean - tokens_e)); the bias changes which experts are chosen, "
+        "not their weights. 0 turns it off. Needs a Mixture-of-Experts model.",
+        min=0,
+    )
+    router_aux_loss_coef: float = opt(
+        0.0,
+        "Weight of the load-balancing auxiliary loss (Qwen3-MoE's router_aux_loss_coef; Switch style: "
+        "E x sum_e f_e P_e, f_e the share of routing slots given to expert e, P_e its mean router "
+        "probability), computed per sequence and averaged over sequences and MoE layers, so that it is the "
+        "same under every layout and microbatching (transformers computes it over a whole batch and all "
+        "layers at once: the same for one sequence and one MoE layer). Its gradient is added to the "
+        "training loss's; the logged loss stays the cross-entropy. 0 turns it off. Needs a "
+        "Mixture-of-Experts model.",
+        min=0,
+    )
+
+
+@dataclass
 class Metrics:
     log_freq: int = opt(10, "Log metrics every N steps.", min=1)
     enable_tensorboard: bool = opt(False, "Write TensorBoard scalars.")
@@ -270,6 +349,27 @@ class Metrics:
         min=0,
     )
     disable_color_printing: bool = opt(False, "Plain console output.")
+
+
+@dataclass
+class Validation:
+    enabled: bool = opt(
+        False,
+        "Evaluate the mean next-token loss and perplexity on held-out data while training (README: Validation).",
+    )
+    freq: int = opt(100, "Validate every N steps, and at the last step.", min=1)
+    steps: int = opt(
+        -1,
+        "Validation batches per evaluation, each of the training's global batch size; -1 runs the whole "
+        "validation set once (all its windows that fill a batch). The same batches every time.",
+        min=-1,
+    )
+    dataset: str = opt(
+        "bundled_val",
+        "Held-out dataset: bundled_val (the bundled corpus's held-out split), bundled, or local (with "
+        "dataset_path); finite sources only.",
+    )
+    dataset_path: str = opt("", "A json/jsonl/parquet/txt file or folder; implies dataset=local.")
 
 
 @dataclass
@@ -304,6 +404,8 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    moe: MoEBalancing = field(default_factory=MoEBalancing)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

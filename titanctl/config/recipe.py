@@ -62,6 +62,8 @@ def _coerce(key: str, typ: Any, value: Any, from_text: bool) -> Any:
         return _coerce(key, inner, value, from_text)
     if origin is list:
         (item,) = typing.get_args(typ)
+        if dataclasses.is_dataclass(item):
+            return _tables(key, item, value, from_text)
         if from_text:
             value = [v.strip() for v in str(value).split(",") if v.strip()]
         if not isinstance(value, list):
@@ -90,6 +92,35 @@ def _coerce(key: str, typ: Any, value: Any, from_text: bool) -> Any:
             raise bad
         return typ(value)
     raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def _tables(key: str, cls: type, value: Any, from_text: bool) -> list:
+    """A list of tables (``[[section.key]]`` in a recipe) -> a list of ``cls``. On the command line
+    the same list is written as a TOML inline array; an empty value (or none, []) clears it."""
+    if from_text:
+        text = str(value).strip()
+        if text.lower() in ("", "none", "null", "[]"):
+            return []
+        value = parse_toml(f"value = {text}", what=f"config key '{key}' on the command line (a TOML inline "
+                           "array such as '[{name = \"bundled\", weight = 0.7}]')", error=ConfigError)["value"]
+    if not isinstance(value, list) or not all(isinstance(table, dict) for table in value):
+        raise ConfigError(f"config key '{key}' expects a list of tables ([[{key}]] in a recipe), got {value!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    entries = []
+    for n, table in enumerate(value):
+        entry = cls()
+        for name, item in table.items():
+            if name not in fields:
+                close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.5)
+                hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+                raise ConfigError(f"unknown key '{name}' in {key}[{n}]; {hint}")
+            item = _coerce(f"{key}[{n}].{name}", hints[name], item, from_text=False)
+            if isinstance(item, (int, float)) and not isinstance(item, bool):
+                _check_number(f"{key}[{n}].{name}", item, fields[name].metadata)
+            setattr(entry, name, item)
+        entries.append(entry)
+    return entries
 
 
 def _set(cfg: JobConfig, key: str, value: Any, from_text: bool, where: str) -> None:
@@ -288,6 +319,57 @@ def validate(cfg: JobConfig) -> None:
     if shard == 0 or shard < -1:
         raise ConfigError(f"config key 'parallelism.data_parallel_shard_degree' = {shard} must be -1 or >= 1")
     _check_pipeline_keys(cfg.parallelism)
+    _check_datasets(cfg.training)
+    _check_hf_save_keys(cfg.checkpoint)
+
+
+# Keys of a mixture entry that only hub streams read, with their defaults.
+_HF_ONLY = {"config": "", "split": "train", "text_field": "text"}
+
+
+def _check_datasets(training) -> None:
+    """A mixture replaces training.dataset/dataset_path; each entry names exactly one source, once."""
+    if not training.datasets:
+        return
+    if training.dataset != "bundled" or training.dataset_path:
+        raise ConfigError(
+            "config key 'training.datasets' (a mixture) replaces training.dataset and training.dataset_path: "
+            f"unset those (now {training.dataset!r} and {training.dataset_path!r}) or the mixture"
+        )
+    labels: set[str] = set()
+    for n, entry in enumerate(training.datasets):
+        where = f"training.datasets[{n}]"
+        for f in dataclasses.fields(entry):
+            value = getattr(entry, f.name)
+            if isinstance(value, str):
+                _check_utf8(f"{where}.{f.name}", value)
+            else:
+                _check_number(f"{where}.{f.name}", value, f.metadata)
+        if bool(entry.name) == bool(entry.path):
+            got = f"both name {entry.name!r} and path {entry.path!r}" if entry.name else "neither"
+            raise ConfigError(
+                f"{where} needs exactly one of name (bundled, bundled_val, c4, hf:<id>) or path "
+                f"(a local file or folder); got {got}"
+            )
+        extras = [k for k, default in _HF_ONLY.items() if getattr(entry, k) != default]
+        if extras and not entry.name.startswith("hf:"):
+            verb = "applies" if len(extras) == 1 else "apply"
+            raise ConfigError(f"{where}: {', '.join(extras)} {verb} only to hf: datasets, not to {entry.label!r}")
+        if entry.label in labels:
+            raise ConfigError(f"{where}: {entry.label!r} is already in the mixture; give it once, with one weight")
+        labels.add(entry.label)
+
+
+def _check_hf_save_keys(ck) -> None:
+    """Hugging Face saves are saves: asked for without checkpointing they would silently not happen."""
+    if ck.enable_checkpoint:
+        return
+    if ck.last_save_in_hf:
+        raise ConfigError("config key 'checkpoint.last_save_in_hf' = true needs checkpoint.enable_checkpoint = true")
+    if ck.save_format != "dcp":
+        raise ConfigError(
+            f"config key 'checkpoint.save_format' = {ck.save_format!r} needs checkpoint.enable_checkpoint = true"
+        )
 
 
 def _check_pipeline_keys(p) -> None:
@@ -314,6 +396,9 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):  # a table of a list of tables, written inline
+        items = (f"{f.name} = {_toml_value(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return "{" + ", ".join(items) + "}"
     return repr(value)
 
 

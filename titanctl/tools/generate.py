@@ -68,9 +68,6 @@ __all__ = [
 
 def check_tp_degree(args: ModelArgs, tp: int) -> None:
     """Fail before any collective if attention heads cannot be split ``tp`` ways."""
-    if args.moe is not None and tp > 1:
-        raise ParallelError(f"tensor parallel inference of a Mixture-of-Experts model ({args.family}) is not built "
-                            "yet: run infer-tp as one process")
     for what, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
         if size % tp:
             raise ParallelError(

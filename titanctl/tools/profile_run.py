@@ -64,6 +64,7 @@ def run(cfg: JobConfig, steps: int, top: int = 15) -> ProfileSummary | None:
     cfg.profiling.profile_freq = steps  # one recorded step: the last
     cfg.checkpoint.enable_checkpoint = False
     cfg.checkpoint.create_seed_checkpoint = False  # a seed run writes a checkpoint and stops: no step to profile
+    cfg.validation.enabled = False  # an evaluation at the recorded step would be timed as part of it
     check_profiling(cfg.profiling, device_type())
     trainer = Trainer(cfg)
     trainer.train()

@@ -81,16 +81,20 @@ class MetricSinks:
         if wandb_config is not None:
             self._wandb = _start_wandb(dump_folder, wandb_config)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], histograms: dict[str, Any] | None = None) -> None:
+        """One metrics.jsonl row; its numbers as TensorBoard/W&B scalars, and ``histograms``
+        ({tag: values}) as TensorBoard histograms."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self._jsonl.write(json.dumps(clean) + "\n")
         step = row["step"]
-        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        numbers = {_tag(k): v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         if self._tb is not None:
-            for key, value in numbers.items():
-                self._tb.add_scalar(f"train/{key}", value, step)
+            for tag, value in numbers.items():
+                self._tb.add_scalar(tag, value, step)
+            for tag, values in (histograms or {}).items():
+                self._tb.add_histogram(tag, values, step)
         if self._wandb is not None:
-            self._wandb.log({f"train/{k}": v for k, v in numbers.items()}, step=step)
+            self._wandb.log(numbers, step=step)
 
     def close(self) -> None:
         self._jsonl.close()
@@ -98,6 +102,11 @@ class MetricSinks:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _tag(key: str) -> str:
+    """TensorBoard / W&B name of a row's key: val_loss -> validation/loss, loss -> train/loss."""
+    return f"validation/{key[len('val_'):]}" if key.startswith("val_") else f"train/{key}"
 
 
 def _start_wandb(dump_folder: Path, config: dict):

@@ -14,8 +14,9 @@ import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanctl.config.job_config import JobConfig
-from titanctl.parallel.layouts.context_parallel import context_parallel_ctx
+from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.train.attention_masks import MicrobatchMasks
 from titanctl.train.loss import build_loss_fn
 
 
@@ -32,10 +33,12 @@ class ForwardBackward:
     pipeline: object | None  # titanctl.parallel.layouts.pipeline_parallel.Pipeline when pp > 1
     device: torch.device
     loss_fn: Callable | None = None  # default: build_loss_fn(cfg, tp)
+    bos_id: int | None = None  # the tokenizer's: where documents start (model.attn_mask_type = block_causal)
 
     def __post_init__(self):
         if self.loss_fn is None:
             self.loss_fn = build_loss_fn(self.cfg, self.dims.tp)
+        self.attn_masks = MicrobatchMasks.build(self.cfg, self.dims, self.bos_id, self.model_parts)
         compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
         # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
         self.autocast = (
@@ -51,15 +54,30 @@ class ForwardBackward:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def microbatch(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage."""
+    def microbatch(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, *, backward: bool = True
+    ) -> torch.Tensor | None:
+        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage.
+        ``backward=False``: forward and loss only, under torch.no_grad (validation)."""
+        attn_mask = self.attn_masks(inputs)  # from the whole microbatch, before any sharding
+        model_kwargs = {} if attn_mask is None else {"attn_mask": attn_mask}
         with self.train_context():
             if self.pipeline is not None:
                 with self.autocast:
-                    loss = self.pipeline.step(inputs, labels, loss_scale=scale)
+                    if backward:
+                        loss = self.pipeline.step(inputs, labels, loss_scale=scale, **model_kwargs)
+                    else:  # the unscaled mean, as step returns it
+                        loss = self.pipeline.eval_loss(inputs, labels, **model_kwargs)
                 return None if loss is None else loss.detach()
             cp_ctx = contextlib.nullcontext()
-            if self.dims.cp > 1:
+            if self.dims.cp > 1 and attn_mask is not None:
+                cp_ctx = document_context_parallel_ctx(
+                    self.dims.mesh["cp"],
+                    buffers=[inputs, labels, self.model_parts[0].rope_cache],
+                    seq_dims=[1, 1, 0],
+                    no_restore={inputs, labels},
+                )
+            elif self.dims.cp > 1:
                 model = self.model_parts[0]
                 cp_ctx = context_parallel_ctx(
                     self.dims.mesh["cp"],
@@ -70,10 +88,11 @@ class ForwardBackward:
                 )
             with cp_ctx:
                 with self.autocast:
-                    logits = self.model_parts[0](inputs)
+                    logits = self.model_parts[0](inputs, **model_kwargs)
                 # Equal-length microbatches: the mean of their means is the global-batch mean.
                 loss = self.loss_fn(logits, labels) * scale
-                loss.backward()
+                if backward:
+                    loss.backward()
             return loss.detach()
 
     def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from titanctl.checkpoint.manager import CheckpointManager, LoadPlan, complete_checkpoints, plan_load
 from titanctl.config.job_config import JobConfig
 from titanctl.data.dataloader import TokenWindowLoader
-from titanctl.data.datasets import load_documents
+from titanctl.data.mixture import sources_from_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, TitanError, TrainingDiverged
 from titanctl.models.registry import model_args_from_config
@@ -35,10 +35,12 @@ from titanctl.train.flops import flops_per_token, throughput
 from titanctl.train.loss import build_loss_fn
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.metrics import MemoryMonitor, MetricSinks
+from titanctl.train.moe_balance import MoEBalance, check_moe_keys, gather_over_pipeline, load_metrics
 from titanctl.train.optim import build_optimizer
 from titanctl.train.peak import device_peak_tflops, slow_compute_note
 from titanctl.train.step import ForwardBackward, automatic_gc_paused
 from titanctl.train.step_profiler import maybe_profile
+from titanctl.train.validate import ValidationSet, Validator
 
 
 class Trainer:
@@ -109,6 +111,7 @@ class Trainer:
 
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        check_moe_keys(cfg.moe, self.model_args, cfg.model.name)
         # A checkpoint to resume is chosen and checked before the model exists: a bad one fails fast,
         # and weights that the checkpoint restores need no initialization (costly for big models).
         load_plan = None if cfg.checkpoint.create_seed_checkpoint else plan_load(cfg, self.model_args)
@@ -116,7 +119,7 @@ class Trainer:
         dp_degree, dp_rank = self.dims.dp, (dp_mesh.get_local_rank() if dp_mesh is not None else 0)
         global_batch = self._global_batch(load_plan)
         self.loader = TokenWindowLoader(
-            load_documents(cfg.training.dataset, cfg.training.dataset_path or None),
+            sources_from_config(cfg.training),
             self.tokenizer,
             seq_len=cfg.training.seq_len,
             global_batch_size=global_batch,
@@ -124,8 +127,14 @@ class Trainer:
             dp_rank=dp_rank,
             dp_degree=dp_degree,
             seed=cfg.training.seed,
+            stream_shards=cfg.training.stream_shards,
         )
         self.global_batch = global_batch
+        validation_set = None  # built before the model: a validation set too small fails fast
+        if cfg.validation.enabled:
+            validation_set = ValidationSet.from_config(
+                cfg, self.tokenizer, global_batch_size=global_batch, dp_rank=dp_rank, dp_degree=dp_degree
+            )
 
         restores_weights = load_plan is not None and load_plan.restores_model
         loss_fn = build_loss_fn(cfg, self.dims.tp)
@@ -139,8 +148,16 @@ class Trainer:
         self.float8 = built.float8
         self.precompute_float8 = cfg.float8.precompute_float8_dynamic_scale_for_fsdp
         self.forward_backward = ForwardBackward(
-            cfg, self.dims, self.model_parts, self.pipeline, self.env.device, loss_fn
+            cfg, self.dims, self.model_parts, self.pipeline, self.env.device, loss_fn, bos_id=self.tokenizer.bos_id
         )
+        self.validator = (
+            Validator(cfg.validation, validation_set, self.forward_backward, self.dims)
+            if validation_set is not None else None
+        )
+        # A pipeline splits each of the loader's microbatches again.
+        microbatches = self.loader.grad_accum_steps * (self.pipeline.n_microbatches if self.pipeline else 1)
+        self.moe_balance = MoEBalance(self.model_parts, cfg.moe, self.model_args, self.dims, microbatches)
+        self.expert_load: dict[int, torch.Tensor] = {}
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step = 0
@@ -216,6 +233,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.parameters(), self.cfg.training.max_norm, self.dims)
         self.checkpoint.wait_for_staging()  # an async save may still be copying the weights
         self.optimizer.step()
+        self.expert_load = self.moe_balance.after_step()
         if self.precompute_float8:
             precompute_float8_scales(self.model_parts)
         self.lr_scheduler.step()
@@ -333,7 +351,8 @@ class Trainer:
                 self.step += 1
                 self.tokens_seen += tokens_per_dp_rank
                 last = self.step == cfg.training.steps
-                log_step = self.step % cfg.metrics.log_freq == 0 or last
+                validating = self.validator is not None and self.validator.due(self.step, last)
+                log_step = self.step % cfg.metrics.log_freq == 0 or last or validating  # val_loss needs a row
                 if first:
                     first_step_time = self._first_step_done(window_start, log_step)
                     window_start = time.perf_counter()
@@ -343,11 +362,13 @@ class Trainer:
                     # The loop's only host syncs; a checkpoint never holds weights a NaN reached.
                     with watchdog.watch(f"step {self.step} (metrics)"):
                         loss = self.read_losses()
-                        if log_step:
-                            self._log(loss, grad_norm, lr, time.perf_counter() - window_start, window_steps,
-                                      first_step_time)
-                            window_start, window_steps = time.perf_counter(), 0
-                            progress.update(task, loss=f"{loss:.4f}")  # the bar shows the last logged loss
+                        seconds = time.perf_counter() - window_start  # the window ends before validation
+                    validation = self._validate(watchdog) if validating else {}
+                    if log_step:
+                        with watchdog.watch(f"step {self.step} (metrics)"):  # _log may gather over ranks
+                            self._log(loss, grad_norm, lr, seconds, window_steps, first_step_time, validation)
+                        window_start, window_steps = time.perf_counter(), 0
+                        progress.update(task, loss=f"{loss:.4f}")  # the bar shows the last logged loss
                 progress.update(task, advance=1)
                 self.checkpoint.maybe_save(self.step, self.tokens_seen, last=last)
                 profiler.step()
@@ -377,6 +398,12 @@ class Trainer:
         finally:
             watchdog.close()
 
+    def _validate(self, watchdog) -> dict:
+        """Evaluate on the validation set (each batch watched like a step); say it in one line."""
+        result = self.validator.run(self.step, watchdog.watch)
+        self.say(result.describe())
+        return result.metrics()
+
     def _first_step_done(self, started: float, log_step: bool) -> float:
         """Seconds of the process's first step (compile, warm-up), begun at ``started``: said once
         (by its log row, if it has one), kept out of tps."""
@@ -393,9 +420,10 @@ class Trainer:
 
     def _log(
         self, loss: float, grad_norm: torch.Tensor, lr: float, seconds: float, steps: int,
-        first_step_time: float | None = None,
+        first_step_time: float | None = None, validation: dict | None = None,
     ) -> None:
-        """One metrics row for the ``steps`` steps that took ``seconds`` (wall time up to a host sync).
+        """One metrics row for the ``steps`` steps that took ``seconds`` (wall time up to a host sync);
+        ``validation``: the step's val_loss and val_perplexity, when it validated.
 
         ``steps`` = 0: the window held only the process's first step, which took ``first_step_time``:
         the row gives that time as step_time and no rates (they would count compile and warm-up).
@@ -408,6 +436,9 @@ class Trainer:
                 self.flops_per_token, self.peak_tflops,
             )
         memory = self.memory.read()
+        # Every rank joins: under pipeline parallel the MoE layers live on different stages.
+        expert_load = gather_over_pipeline(self.expert_load, self.dims) if self.model_args.moe else {}
+        moe = load_metrics(expert_load) if expert_load else {}
         row = {
             "step": self.step,
             "loss": loss,
@@ -420,11 +451,14 @@ class Trainer:
             "step_time": round(first_step_time if rate is None else rate.step_time, 6),
             **memory,
             "tokens_seen": self.tokens_seen,
+            "tokens_by_source": self.loader.tokens_by_source(),
+            **(validation or {}),
+            **moe,
             **self._first_row,  # where this attempt started, on its first row only
         }
         self._first_row = {}
         if self.sinks is not None:
-            self.sinks.log(row)
+            self.sinks.log(row, histograms={f"expert_load/layer_{i}": c for i, c in expert_load.items()})
         memory_text = f"memory {memory['memory_gib']:6.2f} GiB"
         if "memory_reserved_pct" in memory:
             memory_text += f" ({memory['memory_reserved_pct']:.0f}%)"
@@ -447,7 +481,7 @@ class Trainer:
             rate_text = f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}"
         self.console.print(
             f"step {self.step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
-            f"{rate_text}  {memory_text}",
+            f"{rate_text}  {memory_text}" + (f"  experts max/mean {moe['expert_imbalance_max']:.2f}" if moe else ""),
             soft_wrap=True,
         )
 

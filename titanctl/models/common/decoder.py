@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import Attention, KVCache
@@ -44,8 +45,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = build_norm(args)
         self.ffn_norm = build_norm(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, input_pos=input_pos)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos=input_pos, attn_mask=attn_mask)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -86,20 +93,29 @@ class Transformer(nn.Module):
             if self.output.weight is not self.tok_embeddings.weight:
                 self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
         """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
 
         ``input_pos`` (T,) int64, after ``setup_kv_cache``: the positions of the tokens, which
-        attend to the cached positions before them. Returns logits (B, T, vocab), or hidden
-        states when this stage has no output layer.
+        attend to the cached positions before them. ``attn_mask`` (training): which keys each
+        query sees, the same for every layer (a (B, 1, T, T) bool tensor, True = attend, or a
+        FlexAttention BlockMask; see ``document_mask``); None is causal. Returns logits
+        (B, T, vocab), or hidden states when this stage has no output layer.
         """
+        if input_pos is not None and attn_mask is not None:
+            raise ValueError("attn_mask is for training; decoding (input_pos) masks by cached position")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table: under sequence parallel h holds only this rank's part of the sequence.
         rope = self.rope_cache
         if input_pos is not None:
             rope = rope[input_pos]  # (T, head_dim // 2, 2)
         for layer in self.layers.values():
-            h = layer(h, rope, input_pos=input_pos)
+            h = layer(h, rope, input_pos=input_pos, attn_mask=attn_mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -154,8 +170,9 @@ class Transformer(nn.Module):
         device = device if device is not None else self.rope_cache.device
         self.rope_cache = rope_table(self.args, torch.device(device))
         for block in self.layers.values():
-            if block.moe is not None:  # a state buffer (saved with the weights): zero until balancing moves it
+            if block.moe is not None:  # state buffers: zero until balancing moves them, or tokens arrive
                 block.moe.expert_bias.zero_()
+                block.moe.tokens_per_expert.zero_()
         self.tie_weights()
 
     @torch.no_grad()
