@@ -83,6 +83,7 @@ def max_grad_diff(got: dict, ref: dict) -> tuple[float, str]:
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 # (id, reference, processes, local batch, overrides); global batch is 8 sequences everywhere.
@@ -103,6 +104,14 @@ LAYOUTS = [
                                "--parallelism.data_parallel_shard_degree", "1"]),
     ("moe_cp2_compile", "moe", 2, 8, ["--parallelism.context_parallel_degree", "2", "--compile.enable"]),
     ("moe_fsdp2_pp2", "moe", 4, 4, PP2),
+    ("moe_tp2", "moe", 2, 8, TP2),
+    ("moe_ep2", "moe", 2, 4, EP2),
+    ("moe_ep2_tp2", "moe", 4, 4, [*EP2, *TP2]),
+    ("moe_ep2_fsdp2", "moe", 4, 2, EP2),
+    ("moe_ep2_hsdp2x2", "moe", 4, 2, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
+    ("moe_ep2_pp2", "moe", 4, 4, [*EP2, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    ("moe_ep2_cp2_ac", "moe", 2, 8, [*EP2, "--parallelism.context_parallel_degree", "2",
+                                     "--activation_checkpoint.mode", "full"]),
 ]
 
 
@@ -125,6 +134,9 @@ def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, np
     assert expert_loads(tmp_path) == ref_loads, f"{name}: tokens per expert differ from one process"
     if ref == "moe":
         assert all(load and len(load) == 4 for load in ref_loads)  # every MoE layer (4), every step
+        experts = json.loads((tmp_path / "experts_rank0.json").read_text())
+        ep = int(overrides[overrides.index(EP2[0]) + 1]) if EP2[0] in overrides else 1
+        assert all(mesh.get("ep", 1) == ep for mesh in experts.values()) and (experts or ep == 1), experts
 
 
 def test_qwen3_tied_pipeline_fails_before_any_collective(tmp_path):
@@ -137,14 +149,6 @@ def test_qwen3_tied_pipeline_fails_before_any_collective(tmp_path):
     message = "pipeline_parallel_degree = 2 with a model whose output layer is its embedding (tied, qwen3"
     assert errors and all(message in line and "untied flavor" in line for line in errors), proc.stderr[-3000:]
     assert f"{REPO}/titanctl/" not in proc.stderr, "a traceback through titanctl's code"
-
-
-def test_moe_with_tensor_parallel_fails_before_any_collective(tmp_path):
-    proc = torchrun(2, ["-m", "titanctl", "train"], [*TINY_RUN, *QWEN3_MOE, "--training.local_batch_size", "8", *TP2,
-                                                     "--job.dump_folder", str(tmp_path)], timeout=120, check=False)
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    message = "tensor_parallel_degree = 2 with a Mixture-of-Experts model (qwen3_moe)"
-    assert proc.returncode != 0 and errors and all(message in line for line in errors), proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- every schedule, one launch
@@ -207,6 +211,10 @@ def dump_first_step_gradients(folder: Path) -> None:
                     grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
                     grads[canonical_name(name)] = grad.float().cpu().clone()
             torch.save(grads, folder / f"grads_rank{os.environ['RANK']}.pt")
+            experts = {canonical_name(name): dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape))
+                       for part in self.model_parts for name, param in part.named_parameters()
+                       if name.endswith("experts.w1") and isinstance(param, DTensor)}
+            (folder / f"experts_rank{os.environ['RANK']}.json").write_text(json.dumps(experts))
         return loss
 
     ForwardBackward.__call__ = call

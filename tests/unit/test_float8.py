@@ -165,8 +165,8 @@ def test_block_plan_uses_float8_styles_only_where_the_linears_are_float8():
     names = {k: type(v).__name__ for k, v in block_plan(styles, [n for n in all_linears if n != "attention.wk"]).items()}
     assert names["attention.wk"] == "ColwiseParallel" and names["attention"] == "PrepareModuleInput"
     assert names["attention.wq"] == "Float8ColwiseParallel" and names["feed_forward"] == "PrepareFloat8ModuleInput"
-    assert {type(v).__name__ for v in block_plan().values()} == {"SequenceParallel", "PrepareModuleInput",
-                                                                 "ColwiseParallel", "RowwiseParallel"}
+    dense = {type(v).__name__ for k, v in block_plan().items() if not k.startswith("moe")}
+    assert dense == {"SequenceParallel", "PrepareModuleInput", "ColwiseParallel", "RowwiseParallel"}
 
 
 def test_torchao_is_imported_lazily_and_quietly():

@@ -52,6 +52,34 @@ def test_degrees_that_do_not_divide_the_world_name_the_numbers():
         dims(4, data_parallel_shard=4, tensor_parallel=2)
 
 
+def test_expert_parallel_splits_dp_shard_times_cp():
+    d = dims(8, data_parallel_shard=2, context_parallel=2, tensor_parallel=2, expert_parallel=4)
+    assert d.ep == 4 and d.world_size == 8 and d.describe() == "dp_shard 2 x cp 2 x tp 2 x (experts: ep 4)"
+    with pytest.raises(ParallelError, match=r"expert_parallel_degree = 4 must divide data_parallel_shard_degree 2 x "
+                                            r"context_parallel_degree 1 = 2: experts are split over those ranks"):
+        dims(4, tensor_parallel=2, expert_parallel=4)
+    with pytest.raises(ParallelError, match=r"expert_parallel_degree = 2 must divide .* = 1"):  # DDP only
+        dims(2, data_parallel_replicate=2, data_parallel_shard=1, expert_parallel=2)
+
+
+@pytest.mark.parametrize(
+    "family, flavor, ep, message",
+    [
+        ("llama3", "debugmodel", 2, r"expert_parallel_degree = 2 with a model without experts \(llama3 flavor "
+                                    r"debugmodel\): use an MoE family such as qwen3_moe"),
+        ("qwen3_moe", "debugmodel", 16, r"expert_parallel_degree = 16 does not divide the 8 experts of qwen3_moe"),
+    ],
+)
+def test_expert_parallel_needs_experts_it_can_split(family, flavor, ep, message):
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+
+    cfg = load_config(None, ["--model.name", family, "--model.flavor", flavor])
+    with pytest.raises(ParallelError, match=message):
+        check_layout(cfg, dims(ep, expert_parallel=ep), model_args_from_config(cfg.model, 256, 64))
+
+
 def test_fsdp_reshard_after_forward_always_means_every_module():
     """After forward, a resharded module holds its sharded DTensor parameters again; "always" must
     reshard the last block and the root too, also under pipelining (one rank, in a subprocess)."""

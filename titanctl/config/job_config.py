@@ -231,6 +231,13 @@ class Parallelism:
     context_parallel_rotate_method: str = opt(
         "allgather", "How ring attention exchanges K/V.", choices=("allgather", "alltoall")
     )
+    expert_parallel_degree: int = opt(
+        1,
+        "Expert parallel degree (MoE models): the routed experts are split over this many of the "
+        "data-parallel-shard x context-parallel ranks, tokens reach them by all-to-all, and FSDP "
+        "shards each expert over the rest; must divide dp_shard x cp and the number of experts.",
+        min=1,
+    )
 
 
 @dataclass

@@ -121,7 +121,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, dim): tokens sorted by expert, counts[e] of them for expert e (of this module's
         experts, which under expert parallelism are this rank's). Returns (M, dim)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        # Under expert parallelism the weights are split over experts (DTensors): the local part
+        # holds exactly this rank's experts.
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         grouped_mm = self.grouped_mm
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))

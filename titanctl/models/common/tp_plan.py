@@ -12,11 +12,14 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -40,6 +43,25 @@ class LinearStyles:
 PLAIN = LinearStyles()
 
 
+class ReplicatedCompute(ParallelStyle):
+    """A module computed whole on every rank, from local inputs that are equal on every rank: its
+    parameters become replicated DTensors (so they sit beside the split ones in one optimizer and
+    one FSDP unit), and its inputs and outputs stay local tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_replicated(module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        return distribute_module(
+            module, device_mesh, _replicate_parameters, to_replicated, lambda module, out, mesh: out.to_local()
+        )
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+
 def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -53,12 +75,14 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def block_plan(
-    float8: LinearStyles | None = None, float8_linears: Collection[str] = (), qk_norm: bool = False
+    float8: LinearStyles | None = None, float8_linears: Collection[str] = (), qk_norm: bool = False, moe: bool = False
 ) -> dict[str, ParallelStyle]:
     """The plan of one block. ``float8``: the styles for the linears named in ``float8_linears``
     (names inside the block, e.g. attention.wq); the others, and a gather feeding any of them,
     keep the plain styles (a float8 input would reach a high-precision linear).
-    ``qk_norm``: the block has per-head ``attention.q_norm`` / ``k_norm`` (ModelArgs.qk_norm)."""
+    ``qk_norm``: the block has per-head ``attention.q_norm`` / ``k_norm`` (ModelArgs.qk_norm).
+    ``moe``: the model has Mixture-of-Experts blocks (a block gets the entries of what it has:
+    ``feed_forward`` or ``moe``)."""
 
     def styles(*linears: str) -> LinearStyles:
         return float8 if float8 is not None and all(n in float8_linears for n in linears) else PLAIN
@@ -87,6 +111,18 @@ def block_plan(
         # dim 2, so the weight's gradient is summed over every rank's heads. Local in, local out.
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if moe:
+        # A Mixture-of-Experts block (in place of feed_forward): nothing in it is split. Every rank
+        # of the TP group runs the whole layer on the gathered sequence, so each holds the full
+        # gradient of the router and of every expert (nothing to reduce over tp, nothing
+        # under-reduced), then keeps its own part of the sequence. The routed experts' weights are
+        # placed by titanctl.parallel.layouts.expert_parallel.
+        plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+        )
+        plan["moe.router.gate"] = ReplicatedCompute()
+        plan["moe.shared_experts"] = ReplicatedCompute()
     return plan
 
 
@@ -105,7 +141,7 @@ def sharded_linear_dims(name: str, tp: int, plan: TPPlan, args) -> tuple[int, in
 
 
 def _block(args, float8: LinearStyles | None = None, float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
-    return block_plan(float8, float8_linears, qk_norm=args.qk_norm)
+    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None)
 
 
 DECODER_TP_PLAN = TPPlan(root=root_plan, block=_block)

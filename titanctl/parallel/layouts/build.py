@@ -3,7 +3,7 @@
 Model converters (float8 linears, then oneDNN fp32 linears on CPU) run first, on the whole model
 on the meta device, so that their names are canonical and every later step wraps the converted
 modules. Then, inside every model part (a whole model, or each pipeline stage):
-TP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
+TP -> EP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from titanctl.parallel.layouts.activation_checkpoint import apply_ac
 from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
 from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.expert_parallel import apply_ep, expert_gradient_divide_factor
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
 from titanctl.parallel.layouts.weight_init import initialize_weights
@@ -57,11 +58,17 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
-    if args.moe is not None and dims.tp > 1:
-        raise ParallelError(
-            f"tensor_parallel_degree = {dims.tp} with a Mixture-of-Experts model ({args.family}): TP of the "
-            "experts (and expert parallelism) is not built yet; use FSDP/HSDP/DDP, PP or CP"
-        )
+    if dims.ep > 1:
+        if args.moe is None:
+            raise ParallelError(
+                f"expert_parallel_degree = {dims.ep} with a model without experts ({args.family} flavor "
+                f"{cfg.model.flavor}): use an MoE family such as qwen3_moe, or expert_parallel_degree = 1"
+            )
+        if args.moe.num_experts % dims.ep:
+            raise ParallelError(
+                f"expert_parallel_degree = {dims.ep} does not divide the {args.moe.num_experts} experts of "
+                f"{args.family} flavor {cfg.model.flavor}"
+            )
     if dims.pp > 1 and args.tie_embeddings:
         raise ParallelError(
             f"pipeline_parallel_degree = {dims.pp} with a model whose output layer is its embedding "
@@ -83,6 +90,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             compiled=cfg.compile.enable,
             float8=cfg.float8.enable_float8_linear,
         )
+    if dims.ep > 1 or (dims.tp > 1 and model.args.moe is not None):
+        apply_ep(model, dims.expert_mesh["ep"] if dims.ep > 1 else None,
+                 dims.expert_mesh["tp"] if dims.tp > 1 else None)
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model)
@@ -94,6 +104,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             reduce_dtype=getattr(torch, cfg.training.mixed_precision_reduce),
             reshard_after_forward=p.fsdp_reshard_after_forward,
             pipelined=dims.pp > 1,
+            experts_mesh=dims.expert_fsdp_mesh() if dims.ep > 1 or dims.tp > 1 else None,
+            experts_divide_factor=expert_gradient_divide_factor(dims.dp_replicate, dims.dp_shard, dims.cp),
         )
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh["dp_replicate"])

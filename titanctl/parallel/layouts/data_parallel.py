@@ -18,20 +18,31 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
     pipelined: bool,
+    experts_mesh: DeviceMesh | None = None,
+    experts_divide_factor: int = 1,
 ) -> None:
     """Shard each block, then the rest (embeddings, norm, output) at the root.
 
-    ``dp_mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP.
+    ``dp_mesh`` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. ``experts_mesh``: under expert
+    parallelism, the (smaller) mesh the routed experts are sharded over, each MoE block's experts
+    their own FSDP unit whose gradients are divided by ``experts_divide_factor``.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward.
         last = index == len(blocks) - 1
-        fully_shard(
-            block, mesh=dp_mesh, mp_policy=mp_policy,
-            reshard_after_forward=_reshard(reshard_after_forward, default=not pipelined and not last),
-        )
+        reshard = _reshard(reshard_after_forward, default=not pipelined and not last)
+        moe = getattr(block, "moe", None)
+        if experts_mesh is not None and moe is not None:
+            fully_shard(moe.experts, mesh=experts_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            moe.experts.set_gradient_divide_factor(experts_divide_factor)
+            if experts_mesh.size(experts_mesh.ndim - 1) > 1:
+                # Sum, then divide: a divide factor other than the mesh size is otherwise a
+                # PREMUL_SUM reduce-scatter, which gloo lacks. (Not with a shard group of one:
+                # torch 2.13 then divides while copying, and would divide again after.)
+                moe.experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy,
                 reshard_after_forward=_reshard(reshard_after_forward, default=not pipelined))
 

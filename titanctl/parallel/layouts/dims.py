@@ -24,6 +24,8 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    ep: int = 1  # expert parallel: a split of dp_shard x cp, not a dimension of its own
+
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -47,7 +49,13 @@ class ParallelDims:
                 f"parallel degrees pp {pp} x dp_replicate {rep} x dp_shard {shard} x cp {cp} x tp {tp} "
                 f"= {others * shard}, but the world size is {world_size}"
             )
-        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world_size)
+        ep = cfg.expert_parallel_degree
+        if (shard * cp) % ep:
+            raise ParallelError(
+                f"expert_parallel_degree = {ep} must divide data_parallel_shard_degree {shard} x "
+                f"context_parallel_degree {cp} = {shard * cp}: experts are split over those ranks"
+            )
+        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world_size, ep=ep)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -74,6 +82,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         used = [f"{k} {v}" for k, v in self.degrees.items() if v > 1]
+        if self.ep > 1:
+            used.append(f"(experts: ep {self.ep})")
         return " x ".join(used) if used else "single process"
 
     @cached_property
@@ -104,3 +114,20 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return self.mesh[("dp_replicate", "_".join(shard))]
         return self.mesh["_".join(shard)]
+
+    @cached_property
+    def expert_mesh(self):
+        """The routed experts' mesh (pp, dp_replicate, efsdp, ep, tp) over the same ranks as ``mesh``:
+        dp_shard x cp (cp innermost) read as efsdp x ep, so an expert-parallel group is ep ranks that
+        are neighbours there. Experts are split over "ep" and FSDP-sharded over "efsdp" (size 1 too:
+        FSDP then only reduces their gradients)."""
+        efsdp = self.dp_shard * self.cp // self.ep
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "efsdp": efsdp, "ep": self.ep, "tp": self.tp}
+        names = [n for n, size in sizes.items() if size > 1 or n in ("efsdp", "ep")]
+        return init_device_mesh(device_type(), [sizes[n] for n in names], mesh_dim_names=tuple(names))
+
+    def expert_fsdp_mesh(self):
+        """FSDP's mesh for the experts: efsdp, or (dp_replicate, efsdp) beside replicas."""
+        if self.dp_replicate > 1:
+            return self.expert_mesh[("dp_replicate", "efsdp")]
+        return self.expert_mesh["efsdp"]

@@ -79,13 +79,20 @@ def _device() -> torch.device:
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Clip by the norm over all parameters of the model, whichever ranks hold them."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):  # sharded grads: a partial norm, reduced over the mesh
-        norm = norm.full_tensor()
+    # DTensors of different meshes (experts under expert parallelism) do not mix in one norm.
+    by_mesh: dict = {}
+    for grad in grads:
+        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # partial norms reduced
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if dims.pp > 1:  # each stage holds different parameters
         squared = norm**2
         dist.all_reduce(squared, group=dims.mesh["pp"].get_group())
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

@@ -48,10 +48,20 @@ def apply_tp(
             styles = float8_tp_styles()
     for block in model.layers.values():
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
-        parallelize_module(block, tp_mesh, plan.block(model.args, styles, names))
+        block_plan = plan.block(model.args, styles, names)
+        parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items() if _has(block, name)})
     model.tie_weights()  # distributing each module gave the output layer a Parameter of its own
     if async_tp:
         enable_async_tp(tp_mesh, compiled)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    """``module`` has the submodule ``name`` (a dense block has no moe, an MoE block no feed_forward)."""
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+    return True
 
 
 def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
