@@ -11,6 +11,7 @@ run; minutes) for comparison.
 
     .venv/bin/python benchmarks/estimate_memory_time.py [--rounds 2] [--counts 8,32] [--schedule 1F1B]
         [--pp 8] [--config recipes/llama3_405b.toml] [--world-size 512] [--unshortened]
+    .venv/bin/python benchmarks/estimate_memory_time.py --config recipes/qwen3_moe_235b_a22b.toml --pp 2 --ep 8
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def estimate_seconds(opts, batch: int, *extra: str) -> tuple[float, float, int]:
         "--parallelism.pipeline_parallel_degree", str(opts.pp),
         "--parallelism.pipeline_parallel_schedule", opts.schedule,
         "--parallelism.pipeline_parallel_microbatch_size", "1",
-        "--training.local_batch_size", str(batch), *extra,
+        "--training.local_batch_size", str(batch),
+        "--parallelism.expert_parallel_degree", str(opts.ep), *extra,
     ]
     started = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=512)
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel degree (MoE recipes)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--counts", default="8,32", help="microbatch counts, comma-separated")
     parser.add_argument("--unshortened", action="store_true", help="also run every block and microbatch")
@@ -63,7 +66,8 @@ def main() -> None:
             variants[f"{n} microbatches, unshortened"] = (n, "--all-layers", "--all-microbatches")
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     peaks: dict[str, int] = {}
-    print(f"{opts.config} on {opts.world_size} ranks, pp {opts.pp}, {opts.schedule}, microbatches of 1 sample")
+    print(f"{opts.config} on {opts.world_size} ranks, pp {opts.pp}, ep {opts.ep}, {opts.schedule}, "
+          "microbatches of 1 sample")
     for round_ in range(1, opts.rounds + 1):
         for name, (batch, *extra) in variants.items():
             estimator, wall, peaks[name] = estimate_seconds(opts, batch, *extra)

@@ -22,21 +22,30 @@ from tests.distributed.harness import torchrun
 TINY = ["--model.n_layers", "2", "--training.seq_len", "128"]
 
 
+LLAMA = ["--config", "recipes/llama3_debug.toml"]
+# The debug Qwen3-MoE routes by its real router in the measured run and as balanced in the estimate.
+MOE = ["--config", "recipes/qwen3_moe_debug.toml"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+
+
 @pytest.mark.parametrize(
     "nproc, overrides",
     [
-        (2, []),
-        (2, ["--parallelism.tensor_parallel_degree", "2"]),
-        (4, ["--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"]),
+        (2, LLAMA),
+        (2, [*LLAMA, "--parallelism.tensor_parallel_degree", "2"]),
+        (4, [*LLAMA, "--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"]),
+        (1, MOE),
+        (2, [*MOE, *EP2]),
+        (4, [*MOE, *EP2, "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     ],
-    ids=["fsdp2", "tp2", "fsdp2_tp2_bf16"],
+    ids=["fsdp2", "tp2", "fsdp2_tp2_bf16", "moe_one_process", "moe_ep2", "moe_ep2_pp2"],
 )
 def test_estimate_is_within_15_percent_of_the_real_step(nproc, overrides):
     proc = torchrun(
         nproc,
         ["-m", "titanctl", "estimate-memory"],
-        ["--config", "recipes/llama3_debug.toml", "--world-size", str(nproc), *TINY, *overrides,
-         "--validate", "--json"],
+        ["--world-size", str(nproc), *TINY, *overrides, "--validate", "--json"],
         timeout=300,
     )
     out = json.loads(proc.stdout[proc.stdout.index("{"):])

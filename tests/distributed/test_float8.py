@@ -155,8 +155,11 @@ def test_float8_data_parallel_equals_float8_with_the_same_microbatches(
     tmp_path, fp32_runs, float8_microbatches_of_2, layout
 ):
     layout_losses, stdout = train(tmp_path, layout, [*FP32, *FLOAT8], target=PROBED)
-    assert max_rel_diff(float8_microbatches_of_2, fp32_runs["plain"]) > 1e-4  # what float8 itself changes
-    assert max_rel_diff(layout_losses, float8_microbatches_of_2) <= 1e-4
+    # Float8 rounding amplifies the last-bit differences of another summation order over 10 steps:
+    # DDP 2 measured 1.4e-4 at worst on a Zen 4 (AVX-512) and under 1e-4 on a Zen 3 (AVX2), while
+    # float8 itself moves the run from the plain one by 6.4e-4.
+    assert max_rel_diff(float8_microbatches_of_2, fp32_runs["plain"]) > 3e-4  # what float8 itself changes
+    assert max_rel_diff(layout_losses, float8_microbatches_of_2) <= 2e-4
     assert "float8: 14 linear layers in float8" in stdout
     nproc, layout_args = layout
     for report in probe_reports(tmp_path, nproc):

@@ -27,16 +27,16 @@ from titanctl.train.trainer import Trainer
 
 
 def time_log_windows(trainer: Trainer) -> list[dict]:
-    """Wrap the first train_step and every _log call of ``trainer`` with this worker's own clock."""
+    """Wrap the end of the first step and every _log call of ``trainer`` with this worker's own clock."""
     windows: list[dict] = []
     started: list[float] = []
-    train_step, log = trainer.train_step, trainer._log
+    first_step_done, log = trainer._first_step_done, trainer._log
 
-    def timed_step():
-        result = train_step()
-        if not started:
-            started.append(time.perf_counter())  # the first step is not in any window
-        return result
+    def timed_first_step_done(*args, **kwargs):
+        try:
+            return first_step_done(*args, **kwargs)
+        finally:
+            started.append(time.perf_counter())  # the first step, and what follows it, is in no window
 
     def timed_log(*args, **kwargs):
         windows.append({"step": trainer.step, "seconds": time.perf_counter() - started[-1]})
@@ -45,7 +45,7 @@ def time_log_windows(trainer: Trainer) -> list[dict]:
         finally:
             started.append(time.perf_counter())
 
-    trainer.train_step, trainer._log = timed_step, timed_log
+    trainer._first_step_done, trainer._log = timed_first_step_done, timed_log
     return windows
 
 

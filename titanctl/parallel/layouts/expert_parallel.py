@@ -15,6 +15,8 @@ instead (``expert_gradient_divide_factor``), not by its own smaller mesh.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,6 +54,21 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh |
             )
 
 
+_balanced_routing = False
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Dispatch as if every expert received the same number of tokens, without reading the routing
+    (memory estimation runs on fake tensors, which have shapes but no values)."""
+    global _balanced_routing
+    _balanced_routing = True
+    try:
+        yield
+    finally:
+        _balanced_routing = False
+
+
 def expert_gradient_divide_factor(dp_replicate: int, dp_shard: int, cp: int) -> int:
     """What FSDP divides the experts' reduced gradients by: every rank that saw different tokens."""
     return dp_replicate * dp_shard * cp
@@ -67,12 +84,17 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     received = received.view(ep, -1)  # (source rank, local expert)
-    send_splits = counts.view(ep, -1).sum(dim=1).tolist()  # one host sync: the splits are data
-    recv_splits = received.sum(dim=1).tolist()
-    arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)  # (source, expert, token)
-    local_experts = torch.arange(received.shape[1], device=counts.device).repeat(ep)
-    expert_of_row = torch.repeat_interleave(local_experts, received.reshape(-1))
-    order = torch.argsort(expert_of_row, stable=True)  # (expert, source, token)
+    if _balanced_routing:  # no values to read: every rank sends every rank the same share
+        send_splits = recv_splits = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(ep)]
+        arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+        order = torch.arange(arrived.shape[0], device=tokens.device)
+    else:
+        send_splits = counts.view(ep, -1).sum(dim=1).tolist()  # one host sync: the splits are data
+        recv_splits = received.sum(dim=1).tolist()
+        arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)  # (source, expert, token)
+        local_experts = torch.arange(received.shape[1], device=counts.device).repeat(ep)
+        expert_of_row = torch.repeat_interleave(local_experts, received.reshape(-1))
+        order = torch.argsort(expert_of_row, stable=True)  # (expert, source, token)
     module._ep_return = (order, send_splits, recv_splits)
     return arrived[order], received.sum(dim=0)
 

@@ -53,10 +53,12 @@ from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.models.common.moe import GroupedExperts
 from titanctl.models.registry import get_spec, model_args_from_config
 from titanctl.models.shapes import num_params
 from titanctl.parallel.layouts.build import build_model_parts, check_layout
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.expert_parallel import balanced_routing
 from titanctl.parallel.layouts.reductions import clip_grad_norm, global_mean_loss
 from titanctl.parallel.runtime.env import init_process
 from titanctl.tools.memory.pipeline_peers import answer_for_fake_peers, label_actions
@@ -249,6 +251,11 @@ def _run_steps(
     built = build_model_parts(
         cfg, dims, args, device, loss_fn=cross_entropy_loss, init=not fake, fake_mode=fake_mode
     )
+    if fake:
+        for part in built.parts:
+            for module in part.modules():
+                if isinstance(module, GroupedExperts):
+                    module.grouped_mm = _ShapeOnlyGroupedMM.apply
     if built.pipeline is not None and fake:
 
         answer_for_fake_peers(built.pipeline)
@@ -280,7 +287,7 @@ def _run_steps(
             tracker = NullTracker()
         pipeline_microbatches = built.pipeline.n_microbatches if built.pipeline else 0
         run = _Run({}, {}, {}, {}, pipeline_microbatches, steps)
-        with tracker, automatic_gc_paused():
+        with tracker, automatic_gc_paused(), balanced_routing() if fake else contextlib.nullcontext():
             run.start = tracker.current()
             for step in range(1, steps + 1):
                 tracker.step = step
@@ -314,6 +321,22 @@ def _run_steps(
                 tracker.next_step()
         run.peaks = dict(tracker.peaks)
     return run
+
+
+class _ShapeOnlyGroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm``'s outputs and gradients as shapes only: torch 2.13 has no fake kernel
+    of it for float32, and on fake tensors the group sizes are unknown anyway. It allocates what
+    the real op does: the (M, N) output, and in backward one gradient per input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x.new_empty(x.shape[0], w.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(w), None
 
 
 def _extrapolate(small: _Run, large: _Run, x1: int, x2: int, x: int, onto: _Run | None = None) -> _Run:
@@ -463,9 +486,13 @@ def plan_estimate(
     if vocab_note:
         notes.insert(0, vocab_note)
     args = model_args_from_config(cfg.model, vocab, cfg.training.seq_len)
-    if args.moe is not None:  # issue 22: fake tensors need a float32 grouped GEMM and the routing's sizes
-        raise ConfigError(f"estimate-memory of a Mixture-of-Experts model ({cfg.model.name}) is not built yet")
     check_layout(cfg, dims, args)
+    if args.moe is not None:
+        notes.append(
+            "Mixture of Experts: routing is taken as balanced (every expert gets top_k x tokens / experts "
+            "tokens; fake tensors have no values to route by): a skewed router makes the busiest "
+            "experts' activations and, under expert parallelism, the dispatch buffers larger"
+        )
     if dims.ddp_enabled:
         notes.append(
             "DDP: estimated as one replica plus DDP's gradient buckets (a copy of the fp32 gradients, "
