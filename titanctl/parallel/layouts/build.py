@@ -90,7 +90,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             compiled=cfg.compile.enable,
             float8=cfg.float8.enable_float8_linear,
         )
-    if dims.ep > 1 or (dims.tp > 1 and model.args.moe is not None):
+    # The routed experts get their own mesh under EP, and under TP too (replicated there).
+    experts_placed = model.args.moe is not None and (dims.ep > 1 or dims.tp > 1)
+    if experts_placed:
         apply_ep(model, dims.expert_mesh["ep"] if dims.ep > 1 else None,
                  dims.expert_mesh["tp"] if dims.tp > 1 else None)
     apply_ac(model, cfg.activation_checkpoint)
@@ -104,7 +106,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             reduce_dtype=getattr(torch, cfg.training.mixed_precision_reduce),
             reshard_after_forward=p.fsdp_reshard_after_forward,
             pipelined=dims.pp > 1,
-            experts_mesh=dims.expert_fsdp_mesh() if dims.ep > 1 or dims.tp > 1 else None,
+            experts_mesh=dims.expert_fsdp_mesh() if experts_placed else None,
             experts_divide_factor=expert_gradient_divide_factor(dims.dp_replicate, dims.dp_shard, dims.cp),
         )
     elif dims.ddp_enabled:

@@ -26,7 +26,6 @@ class ParallelDims:
     world_size: int
     ep: int = 1  # expert parallel: a split of dp_shard x cp, not a dimension of its own
 
-
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
         pp, rep, cp, tp = (
