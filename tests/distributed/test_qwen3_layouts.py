@@ -110,6 +110,8 @@ LAYOUTS = [
     ("moe_ep2_fsdp2", "moe", 4, 2, EP2),
     ("moe_ep2_hsdp2x2", "moe", 4, 2, [*EP2, "--parallelism.data_parallel_replicate_degree", "2"]),
     ("moe_ep2_pp2", "moe", 4, 4, [*EP2, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    # Zero bubble splits each backward into the inputs' and the weights' parts: the all-to-all runs in the first.
+    ("moe_ep2_pp2_zbv", "moe", 4, 4, [*EP2, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     ("moe_ep2_cp2_ac", "moe", 2, 8, [*EP2, "--parallelism.context_parallel_degree", "2",
                                      "--activation_checkpoint.mode", "full"]),
 ]
