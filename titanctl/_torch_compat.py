@@ -318,6 +318,13 @@ CP_ALL_GATHER_AUTOGRAD_BEFORE_2_13 = _private(
     "torch.distributed._functional_collectives.all_gather_tensor_autograd", _CP_DOCUMENTS, torch_versions="<2.13"
 )
 
+# --- expert parallel ----------------------------------------------------------------------------
+# An all-to-all with uneven splits that autograd differentiates (backward: the all-to-all back):
+# expert parallelism sends tokens to their experts' ranks with it. No public equivalent.
+EP_ALL_TO_ALL_AUTOGRAD = _private(
+    "torch.distributed._functional_collectives.all_to_all_single_autograd", "parallelism.expert_parallel_degree"
+)
+
 # --- tensor parallel ----------------------------------------------------------------------------
 _ASYNC_TP = "parallelism.enable_async_tensor_parallel"
 # Inductor's micro-pipeline pass that overlaps TP's collectives with matmuls: a private flag.

@@ -12,9 +12,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -41,25 +39,6 @@ class LinearStyles:
 
 
 PLAIN = LinearStyles()
-
-
-class ReplicatedCompute(ParallelStyle):
-    """A module computed whole on every rank, from local inputs that are equal on every rank: its
-    parameters become replicated DTensors (so they sit beside the split ones in one optimizer and
-    one FSDP unit), and its inputs and outputs stay local tensors."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_replicated(module, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-
-        return distribute_module(
-            module, device_mesh, _replicate_parameters, to_replicated, lambda module, out, mesh: out.to_local()
-        )
-
-
-def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    for param_name, param in list(module.named_parameters(recurse=False)):
-        module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
 
 def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -115,14 +94,12 @@ def block_plan(
         # A Mixture-of-Experts block (in place of feed_forward): nothing in it is split. Every rank
         # of the TP group runs the whole layer on the gathered sequence, so each holds the full
         # gradient of the router and of every expert (nothing to reduce over tp, nothing
-        # under-reduced), then keeps its own part of the sequence. The routed experts' weights are
-        # placed by titanctl.parallel.layouts.expert_parallel.
+        # under-reduced), then keeps its own part of the sequence. Its weights are replicated over
+        # TP by titanctl.parallel.layouts (tensor_parallel, and expert_parallel for the experts).
         plan["moe"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
             output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
         )
-        plan["moe.router.gate"] = ReplicatedCompute()
-        plan["moe.shared_experts"] = ReplicatedCompute()
     return plan
 
 

@@ -93,8 +93,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
     # The routed experts get their own mesh under EP, and under TP too (replicated there).
     experts_placed = model.args.moe is not None and (dims.ep > 1 or dims.tp > 1)
     if experts_placed:
-        apply_ep(model, dims.expert_mesh["ep"] if dims.ep > 1 else None,
-                 dims.expert_mesh["tp"] if dims.tp > 1 else None)
+        apply_ep(model, dims.expert_mesh[tuple(n for n, size in (("ep", dims.ep), ("tp", dims.tp)) if size > 1)])
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model)

@@ -20,21 +20,22 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
+from titanctl import _torch_compat
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> None:
-    """Split the routed experts of every MoE block of ``model`` over ``ep_mesh``, and replicate
-    them over ``tp_mesh`` (tensor parallel runs each MoE layer whole on every TP rank), on the
-    meta device too: weights are drawn later, per rank, by weight_init.
+_ALL_TO_ALL_AUTOGRAD = _torch_compat.EP_ALL_TO_ALL_AUTOGRAD
 
-    ``ep_mesh`` and ``tp_mesh`` are 1-D meshes of one root (ParallelDims.expert_mesh), either None.
-    """
-    meshes = [m for m in (ep_mesh, tp_mesh) if m is not None]
-    mesh = meshes[0] if len(meshes) == 1 else DeviceMesh._concatenate(meshes)
-    placements = [Shard(0)] * (ep_mesh is not None) + [Replicate()] * (tp_mesh is not None)
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Place the routed experts of every MoE block of ``model`` on ``mesh`` (ParallelDims.expert_mesh
+    sliced to "ep", "tp" or ("ep", "tp")): split over "ep" (tokens then travel by all-to-all), and
+    replicated over "tp" (tensor parallel runs each MoE layer whole on every TP rank). On the meta
+    device too: weights are drawn later, per rank, by weight_init."""
+    names = mesh.mesh_dim_names
+    placements = [Shard(0) if name == "ep" else Replicate() for name in names]
+    ep_mesh = mesh["ep"] if "ep" in names else None
 
     def place(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for param_name, param in list(module.named_parameters(recurse=False)):
@@ -46,12 +47,22 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh |
             continue
         if ep_mesh is None:
             distribute_module(moe.experts, mesh, place)
-        else:
-            distribute_module(
-                moe.experts, mesh, place,
-                lambda module, inputs, mesh: _dispatch(module, inputs, ep_mesh),
-                lambda module, output, mesh: _combine(module, output, ep_mesh),
-            )
+            continue
+        distribute_module(moe.experts, mesh, place, *_token_exchange(ep_mesh))
+
+
+def _token_exchange(ep_mesh: DeviceMesh):
+    """One MoE layer's (input_fn, output_fn) for distribute_module, sharing how its tokens left
+    until their outputs go back."""
+    route: dict = {}
+
+    def dispatch(module, inputs, mesh):
+        return _dispatch(inputs, ep_mesh, route)
+
+    def combine(module, output, mesh):
+        return _combine(output, ep_mesh, route)
+
+    return dispatch, combine
 
 
 _balanced_routing = False
@@ -74,34 +85,34 @@ def expert_gradient_divide_factor(dp_replicate: int, dp_shard: int, cp: int) -> 
     return dp_replicate * dp_shard * cp
 
 
-def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+def _dispatch(inputs: tuple, mesh: DeviceMesh, route: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (M, dim) sorted by global expert, counts (E,)) -> (the tokens for this rank's experts,
     sorted by local expert, then source rank, then their order there; their counts (E / ep,))."""
     tokens, counts = inputs
     group = mesh.get_group()
     ep = mesh.size()
+    all_to_all = _ALL_TO_ALL_AUTOGRAD.get()
     # received[s * E_local + e]: tokens that rank s routes to this rank's e-th expert
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
     received = received.view(ep, -1)  # (source rank, local expert)
     if _balanced_routing:  # no values to read: every rank sends every rank the same share
         send_splits = recv_splits = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(ep)]
-        arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+        arrived = all_to_all(tokens, recv_splits, send_splits, group)
         order = torch.arange(arrived.shape[0], device=tokens.device)
     else:
         send_splits = counts.view(ep, -1).sum(dim=1).tolist()  # one host sync: the splits are data
         recv_splits = received.sum(dim=1).tolist()
-        arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)  # (source, expert, token)
+        arrived = all_to_all(tokens, recv_splits, send_splits, group)  # (source, expert, token)
         local_experts = torch.arange(received.shape[1], device=counts.device).repeat(ep)
         expert_of_row = torch.repeat_interleave(local_experts, received.reshape(-1))
         order = torch.argsort(expert_of_row, stable=True)  # (expert, source, token)
-    module._ep_return = (order, send_splits, recv_splits)
+    route["back"] = (order, send_splits, recv_splits)
     return arrived[order], received.sum(dim=0)
 
 
-def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def _combine(output: torch.Tensor, mesh: DeviceMesh, route: dict) -> torch.Tensor:
     """The experts' outputs back to the ranks and the order their tokens came from."""
-    order, send_splits, recv_splits = module._ep_return
-    del module._ep_return
+    order, send_splits, recv_splits = route.pop("back")
     by_source = torch.empty_like(output).index_copy_(0, order, output)  # a permutation
-    return all_to_all_single_autograd(by_source, send_splits, recv_splits, mesh.get_group())
+    return _ALL_TO_ALL_AUTOGRAD.get()(by_source, send_splits, recv_splits, mesh.get_group())

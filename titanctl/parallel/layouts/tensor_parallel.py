@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titanctl import _torch_compat
@@ -50,9 +51,29 @@ def apply_tp(
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
         block_plan = plan.block(model.args, styles, names)
         parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items() if _has(block, name)})
+        if getattr(block, "moe", None) is not None:
+            _replicate(block.moe.router.gate, tp_mesh)
+            if block.moe.shared_experts is not None:
+                _replicate(block.moe.shared_experts, tp_mesh)
     model.tie_weights()  # distributing each module gave the output layer a Parameter of its own
     if async_tp:
         enable_async_tp(tp_mesh, compiled)
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``module`` computed whole on every TP rank from local inputs that are equal there: its
+    parameters become replicated DTensors (so that they sit beside the split ones in one optimizer
+    and one FSDP unit); its inputs and outputs stay local tensors."""
+
+    def replicate_parameters(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(submodule.named_parameters(recurse=False)):
+            submodule.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+    distribute_module(
+        module, tp_mesh, replicate_parameters,
+        lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
+        lambda module, output, mesh: output.to_local(),
+    )
 
 
 def _has(module: nn.Module, name: str) -> bool:
