@@ -177,8 +177,9 @@ def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: Mo
 
 
 def _heads_of(meta_name: str, args: ModelArgs) -> int | None:
-    """Query or key heads whose rows to permute: only Meta's interleaved RoPE layout needs it."""
-    if args.rope_layout != "interleaved":
+    """Query or key heads whose rows to permute: only Meta's interleaved RoPE layout needs it (not
+    MLA's: transformers' DeepSeek-V3 rotates interleaved pairs too)."""
+    if args.rope_layout != "interleaved" or args.mla is not None:
         return None
     if meta_name.endswith("attention.wq.weight"):
         return args.n_heads

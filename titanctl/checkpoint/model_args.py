@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import ROPE_LAYOUTS, SCORE_FUNCS, ModelArgs, MoEArgs, RopeScaling
+from titanctl.models.common.args import ROPE_LAYOUTS, SCORE_FUNCS, MLAArgs, ModelArgs, MoEArgs, RopeScaling, YarnScaling
 from titanctl.models.common.norms import NORMS
 from titanctl.models.registry import FAMILIES
 from titanctl.models.shapes import num_params
@@ -98,10 +98,17 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
         _int(moe.num_shared_experts, "moe.num_shared_experts", where, minimum=0)
         _int(moe.first_dense_layers, "moe.first_dense_layers", where, minimum=0)
         _positive(moe.route_scale, "moe.route_scale", where)
+        for name in ("n_group", "topk_group"):
+            _int(getattr(moe, name), f"moe.{name}", where)
+        if moe.n_group > 1 and (moe.num_experts % moe.n_group or moe.topk_group > moe.n_group
+                                or moe.top_k > moe.topk_group * (moe.num_experts // moe.n_group)):
+            raise CheckpointError(f"{where}: {moe.num_experts} experts in moe.n_group {moe.n_group} groups cannot "
+                                  f"route moe.top_k {moe.top_k} from the moe.topk_group {moe.topk_group} best")
         _one_of(moe.score_func, "moe.score_func", where, SCORE_FUNCS)
         _one_of(moe.norm_topk_prob, "moe.norm_topk_prob", where, (True, False))
         if moe.top_k > moe.num_experts:
             raise CheckpointError(f"{where}: moe.top_k {moe.top_k} exceeds moe.num_experts {moe.num_experts}")
+    _check_mla(args, where)
     scaling = args.rope_scaling
     if scaling is not None:
         if not isinstance(scaling, RopeScaling):
@@ -112,6 +119,30 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
         if scaling.low_freq_factor == scaling.high_freq_factor:
             raise CheckpointError(f"{where}: rope_scaling low_freq_factor and high_freq_factor must differ")
     return args
+
+
+def _check_mla(args: ModelArgs, where: str) -> None:
+    """Multi-head Latent Attention and YaRN (DeepSeek-V3), when the args have them."""
+    if args.mla is not None:
+        if not isinstance(args.mla, MLAArgs):
+            raise CheckpointError(f"{where}: mla is {_brief(args.mla)}, expected the latent attention's widths")
+        _int(args.mla.q_lora_rank, "mla.q_lora_rank", where, minimum=0)
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _int(getattr(args.mla, name), f"mla.{name}", where)
+        if args.mla.qk_rope_head_dim % 2:
+            raise CheckpointError(f"{where}: mla.qk_rope_head_dim {args.mla.qk_rope_head_dim} must be even "
+                                  "(RoPE rotates pairs of channels)")
+    if args.yarn is not None:
+        if not isinstance(args.yarn, YarnScaling):
+            raise CheckpointError(f"{where}: yarn is {_brief(args.yarn)}, expected YaRN's factors")
+        if args.rope_scaling is not None:
+            raise CheckpointError(f"{where}: yarn and rope_scaling both set: a model has one RoPE scaling")
+        for name in ("factor", "beta_fast", "beta_slow"):
+            _positive(getattr(args.yarn, name), f"yarn.{name}", where)
+        _int(args.yarn.original_max_position_embeddings, "yarn.original_max_position_embeddings", where)
+        for name in ("mscale", "mscale_all_dim"):  # 0: not given
+            if getattr(args.yarn, name) != 0:
+                _positive(getattr(args.yarn, name), f"yarn.{name}", where)
 
 
 def args_from_fields(raw: Any, where: str) -> ModelArgs:
@@ -137,6 +168,12 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
         if not isinstance(moe, dict) or set(moe) - fields or not {"num_experts", "top_k", "hidden_dim"} <= set(moe):
             raise CheckpointError(f"{where}: model_args.moe must be an object with {', '.join(sorted(fields))}")
         raw["moe"] = MoEArgs(**moe)
+    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling)):  # DeepSeek-V3's
+        if raw.get(key) is not None:
+            fields = {f.name for f in dataclasses.fields(cls)}
+            if not isinstance(raw[key], dict) or set(raw[key]) != fields:
+                raise CheckpointError(f"{where}: model_args.{key} must be an object with {', '.join(sorted(fields))}")
+            raw[key] = cls(**raw[key])
     return check_args(ModelArgs(**raw), where)
 
 

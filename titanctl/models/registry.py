@@ -20,6 +20,7 @@ FAMILIES = {
     "llama3": "titanctl.models.llama.spec",
     "qwen3": "titanctl.models.qwen3.spec",
     "qwen3_moe": "titanctl.models.qwen3_moe.spec",
+    "deepseek_v3": "titanctl.models.deepseek_v3.spec",
 }
 
 

@@ -27,6 +27,39 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (DeepSeek-V2/V3's long-context extension), as Hugging Face's ``yarn`` rope_parameters.
+
+    Frequencies are interpolated by ``factor`` below ``beta_slow`` rotations over the original
+    context and kept above ``beta_fast``, with a linear ramp between. ``mscale`` / ``mscale_all_dim``
+    set the factor on cos and sin (their ratio of mscales) and, DeepSeek's addition, the softmax scale
+    (its mscale for ``mscale_all_dim``, squared)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass(frozen=True)
+class MLAArgs:
+    """Multi-head Latent Attention (DeepSeek-V2/V3): queries (optionally through a low-rank
+    bottleneck) and keys/values through a compressed latent; RoPE on a slice of each head only."""
+
+    q_lora_rank: int  # 0: queries straight from the input (wq), else wq_a -> norm -> wq_b
+    kv_lora_rank: int  # width of the compressed key/value latent
+    qk_nope_head_dim: int  # per-head query/key channels without RoPE
+    qk_rope_head_dim: int  # per-head query/key channels with RoPE (the key's are shared by all heads)
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -40,6 +73,10 @@ class MoEArgs:
     route_scale: float = 1.0  # routed scaling factor (DeepSeek-V3: 2.5)
     num_shared_experts: int = 0  # a dense SwiGLU of num_shared_experts * hidden_dim beside the routed ones
     first_dense_layers: int = 0  # the first layers keep a dense FFN of ModelArgs.ffn_hidden_dim (DeepSeek-V3: 3)
+    # Group-limited routing (DeepSeek-V3): experts form n_group equal groups, each scored by the sum of
+    # its two best biased scores; a token's top_k experts come from its topk_group best groups.
+    n_group: int = 1
+    topk_group: int = 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +113,10 @@ class ModelArgs:
     tie_embeddings: bool = False
     # Mixture-of-Experts feed-forward in (some) blocks; None: every block is dense.
     moe: MoEArgs | None = None
+    # Multi-head Latent Attention in place of grouped-query attention (DeepSeek-V3); None: GQA.
+    mla: MLAArgs | None = None
+    # YaRN RoPE scaling (DeepSeek-V3), in place of rope_scaling (then None).
+    yarn: YarnScaling | None = None
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.moe.first_dense_layers
@@ -83,6 +124,11 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of a head that RoPE rotates: all of them, or MLA's rope slice."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def kv_heads(self) -> int:

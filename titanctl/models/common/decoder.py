@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import Attention, KVCache
 from titanctl.models.common.feed_forward import FeedForward
+from titanctl.models.common.mla import MultiHeadLatentAttention
 from titanctl.models.common.moe import MoE
 from titanctl.models.common.norms import RMSNorm, build_norm
 from titanctl.models.common.rope import rope_table
@@ -38,7 +39,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = MultiHeadLatentAttention(args) if args.mla is not None else Attention(args)
         moe = args.is_moe_layer(layer_id)
         self.feed_forward = None if moe else FeedForward(args.dim, args.ffn_hidden_dim)
         self.moe = MoE(args.dim, args.moe) if moe else None
@@ -131,6 +132,9 @@ class Transformer(nn.Module):
             raise ValueError(f"a {length}-position cache needs ModelArgs.max_seq_len >= {length}")
         for layer in self.layers.values():
             attention = layer.attention
+            if isinstance(attention, MultiHeadLatentAttention):  # caches its latents, not per-head keys
+                attention.cache = attention.new_cache(batch_size, length)
+                continue
             weight = attention.wk.weight
             attention.cache = KVCache(batch_size, length, weight.shape[0] // attention.head_dim, attention.head_dim,
                                       weight.dtype, weight.device)
@@ -159,8 +163,9 @@ class Transformer(nn.Module):
         if layer is None:
             raise ValueError(f"no init rule for parameter {name!r}")
         depth = int(layer.group(1)) + 1 if args.depth_init else args.n_layers
-        # Inputs of a block's branches (q/k/v, the FFN's and the experts' gate, the router) at 0.02.
-        if re.search(r"(attention\.w[qkv]|\.w1|router\.gate)(\.weight)?$", name):
+        # Inputs of a block's branches (q/k/v, MLA's projections into and out of its latents, the FFN's
+        # and the experts' gate, the router) at 0.02.
+        if re.search(r"(attention\.(w[qkv]|wq_[ab]|wkv_[ab])|\.w1|router\.gate)(\.weight)?$", name):
             return ParamInit("trunc_normal", std=0.02)
         return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3 (experts' too)
 

@@ -79,6 +79,10 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.gate = nn.Linear(dim, moe.num_experts, bias=False)
+        if moe.n_group > 1 and (moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group
+                                or moe.top_k > moe.topk_group * (moe.num_experts // moe.n_group)):
+            raise ValueError(f"MoEArgs: {moe.num_experts} experts in n_group {moe.n_group} groups, top_k "
+                             f"{moe.top_k} of the topk_group {moe.topk_group} best: no such routing")
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> (logits (N, E), expert ids (N, k), weights (N, k) in x's dtype).
@@ -89,12 +93,23 @@ class Router(nn.Module):
         logits = self.gate(x)
         scores = self.scores(logits)
         choice = scores + expert_bias
+        if self.moe.n_group > 1:
+            choice = self.limit_to_groups(choice)
         # Sorted so that ties between equal scores resolve the same way in every layout.
         experts = torch.topk(choice, self.moe.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(-1, experts)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, experts, (weights * self.moe.route_scale).to(x.dtype)
+
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """(N, E) biased scores with every expert outside a token's topk_group best groups at -inf; a
+        group's score is the sum of its two best experts' (DeepSeek-V3)."""
+        groups = choice.unflatten(-1, (self.moe.n_group, -1))  # (N, G, E / G)
+        best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
+        kept = torch.topk(best, self.moe.topk_group, dim=-1, sorted=True).indices  # (N, topk_group)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, kept, True)  # (N, G)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)  # (N, E)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """(N, E) fp32 affinities that choose and weigh the experts."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from titanctl.models.common.args import ROPE_LAYOUTS, ModelArgs, RopeScaling
+from titanctl.models.common.args import ROPE_LAYOUTS, ModelArgs, RopeScaling, YarnScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -31,11 +31,58 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled).float()
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature for a context ``factor`` times the original (1 when not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(rope_dim: int, theta: float, yarn: YarnScaling) -> tuple[torch.Tensor, float]:
+    """Rotation frequency of each pair of channels under YaRN, and the factor on cos and sin.
+
+    In fp32, operation for operation as transformers' ``_compute_yarn_parameters`` (5.23) computes
+    them, so the tables are equal to the bit; ``mscale`` or ``mscale_all_dim`` 0 means not given.
+    """
+    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    extrapolated = 1.0 / pos_freqs  # the original frequencies: kept for the fast-rotating pairs
+    interpolated = 1.0 / (yarn.factor * pos_freqs)  # slowed down: for pairs that turn less than once
+
+    def pair_of(rotations: float) -> float:
+        """The (fractional) pair that turns ``rotations`` times over the original context."""
+        turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return rope_dim * math.log(turns) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_of(yarn.beta_fast)), 0)
+    high = min(math.ceil(pair_of(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    freqs = interpolated * (1 - keep) + extrapolated * keep
+    if yarn.mscale and yarn.mscale_all_dim:
+        attention_factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(yarn.factor)
+    return freqs, float(attention_factor)
+
+
+def yarn_softmax_factor(yarn: YarnScaling | None) -> float:
+    """DeepSeek's correction of the softmax scale under YaRN: mscale(factor, mscale_all_dim) squared
+    (1 without YaRN or without mscale_all_dim)."""
+    if yarn is None or not yarn.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+
+
 def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin of every (position, pair): shape (max_seq_len, head_dim // 2, 2)."""
-    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
+    """cos and sin of every (position, pair): shape (max_seq_len, rope_dim // 2, 2)."""
+    if args.yarn is not None:
+        freqs, attention_factor = yarn_frequencies(args.rope_dim, args.rope_theta, args.yarn)
+    else:
+        freqs, attention_factor = rope_frequencies(args.rope_dim, args.rope_theta, args.rope_scaling), 1.0
+    freqs = freqs.to(device)
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return table if attention_factor == 1.0 else table * attention_factor
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,16 @@
+"""Training FLOPs per token of DeepSeek-V3 (Multi-head Latent Attention, routed experts)."""
+
+from __future__ import annotations
+
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.flops import active_params
+
+
+def deepseek_v3_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """6N for the matmuls of the N active parameters (read off the model's weights, so MLA's latent
+    projections count as they are, and MoE layers count only a token's top_k routed experts), plus
+    attention: per head and layer, 2·T·qk_head_dim for the scores and 2·T·v_head_dim for the weighted
+    values forward, 3x with backward (the values are narrower than queries and keys, so the dense
+    decoder's 12·L·H·head_dim·T would overcount)."""
+    mla = args.mla
+    return 6 * active_params(args) + 6 * args.n_layers * args.n_heads * (mla.qk_head_dim + mla.v_head_dim) * seq_len

@@ -1,0 +1,200 @@
+"""DeepSeek-V3 as Hugging Face's ``DeepseekV3ForCausalLM``: names (experts packed as transformers 5
+holds them, or one tensor per expert), and config.json.
+
+transformers' DeepSeek-V3 rotates the rope slice of each head in DeepSeek's interleaved pairs
+(``rope_interleave``, true by default), as titanctl does: the weights load by renaming alone. Its
+router always scores with a sigmoid and limits experts to the best groups; the expert bias is stored
+(``e_score_correction_bias``). The multi-token-prediction layers of published checkpoints are not read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titanctl.errors import CheckpointError
+from titanctl.models.common.args import MLAArgs, ModelArgs, MoEArgs, YarnScaling
+from titanctl.models.common.hf_config import (
+    DECODER_LAYER_NAMES,
+    DECODER_TOP_NAMES,
+    DEFAULT_THETA,
+    check_plain_decoder,
+    decoder_args,
+    require,
+    whole,
+)
+from titanctl.models.qwen3_moe.hf import PACKED, PER_EXPERT
+from titanctl.models.spec import HFFormat
+
+MLA_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",  # q_lora_rank 0
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+}
+MOE_NAMES = {
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.experts.w2": "mlp.experts.down_proj",  # (E, dim, hidden), as titanctl's
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+# The dense first layers' FFN and both norms keep the shared decoder's names.
+_SHARED = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight", "attention_norm.weight",
+           "ffn_norm.weight")
+
+
+def _rope_config(args: ModelArgs) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(4.x rope_scaling, 5.x rope_parameters)."""
+    theta = float(args.rope_theta)
+    yarn = args.yarn
+    if yarn is None:
+        return None, {"rope_type": "default", "rope_theta": theta}
+    scaling = {
+        "type": "yarn",  # DeepSeek's own config.json key (its remote code), beside transformers' rope_type
+        "rope_type": "yarn",
+        "factor": float(yarn.factor),
+        "original_max_position_embeddings": int(yarn.original_max_position_embeddings),
+        "beta_fast": float(yarn.beta_fast),
+        "beta_slow": float(yarn.beta_slow),
+        "mscale": float(yarn.mscale),
+        "mscale_all_dim": float(yarn.mscale_all_dim),
+    }
+    return scaling, {**scaling, "rope_theta": theta}
+
+
+def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> dict[str, Any]:
+    moe, mla = args.moe, args.mla
+    if moe.score_func != "sigmoid":
+        raise CheckpointError(f"Hugging Face's DeepseekV3ForCausalLM scores experts with a sigmoid; this "
+                              f"{args.family} model uses {moe.score_func} (e.g. flavor 16B): no such checkpoint")
+    rope_scaling, rope_parameters = _rope_config(args)
+    if max_position_embeddings is None:  # the extended context, as DeepSeek-V3 publishes it (163840)
+        extended = args.yarn.original_max_position_embeddings * args.yarn.factor if args.yarn else 0
+        max_position_embeddings = max(args.max_seq_len, int(extended))
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "moe_intermediate_size": moe.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_heads,
+        "n_shared_experts": moe.num_shared_experts,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "routed_scaling_factor": float(moe.route_scale),
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "first_k_dense_replace": moe.first_dense_layers,
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",  # read by DeepSeek's own code; transformers has no other
+        "topk_method": "noaux_tc",
+        "q_lora_rank": mla.q_lora_rank or None,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_interleave": args.rope_layout == "interleaved",
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": args.tie_embeddings,
+        "num_nextn_predict_layers": 0,  # no multi-token-prediction module
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+
+def _yarn_from_config(cfg: dict[str, Any], where: str) -> tuple[float, YarnScaling | None]:
+    """RoPE theta and YaRN from 4.x keys (rope_theta, rope_scaling) or 5.x's rope_parameters."""
+    # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    thetas = (params.get("rope_theta"), cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get("rope_theta"))
+    theta = float(next((t for t in thetas if t is not None), DEFAULT_THETA))
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{where}: partial rotary embeddings (partial_rotary_factor != 1) are not DeepSeek-V3")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise CheckpointError(f"{where}: unsupported RoPE type {rope_type!r} for DeepSeek-V3 ('default' or 'yarn')")
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise CheckpointError(f"{where}: YaRN with attention_factor or truncate=false is not DeepSeek-V3's")
+    if params.get("factor") is None:
+        raise CheckpointError(f"{where}: YaRN RoPE scaling lacks 'factor'")
+    return theta, YarnScaling(
+        factor=float(params["factor"]),
+        # transformers falls back to max_position_embeddings, so do we.
+        original_max_position_embeddings=whole(
+            params.get("original_max_position_embeddings") or require(cfg, "max_position_embeddings")
+        ),
+        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers' defaults, also for 0
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),  # 0: not given
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+
+
+def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    declared = decoder_args(cfg, "deepseek_v3", max_seq_len, where)
+    check_plain_decoder(cfg, "DeepSeek-V3")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"{where}: moe_layer_freq {cfg['moe_layer_freq']}: every layer after the dense ones "
+                              "is sparse in DeepSeek-V3")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(f"{where}: scoring_func {cfg['scoring_func']!r}: transformers' DeepSeek-V3 scores "
+                              "experts with a sigmoid, so does titanctl")
+    theta, yarn = _yarn_from_config(cfg, where)
+    mla = MLAArgs(
+        q_lora_rank=whole(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=whole(require(cfg, "kv_lora_rank")),
+        qk_nope_head_dim=whole(require(cfg, "qk_nope_head_dim")),
+        qk_rope_head_dim=whole(require(cfg, "qk_rope_head_dim")),
+        v_head_dim=whole(require(cfg, "v_head_dim")),
+    )
+    moe = MoEArgs(
+        num_experts=whole(cfg.get("n_routed_experts", cfg.get("num_local_experts"))),
+        top_k=whole(require(cfg, "num_experts_per_tok")),
+        hidden_dim=whole(require(cfg, "moe_intermediate_size")),
+        score_func="sigmoid",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob")),
+        route_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_shared_experts=whole(cfg.get("n_shared_experts") or 0),
+        first_dense_layers=whole(cfg.get("first_k_dense_replace") or 0),
+        n_group=whole(cfg.get("n_group") or 1),
+        topk_group=whole(cfg.get("topk_group") or 1),
+    )
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to n_routed_experts "
+                              f"{moe.num_experts}")
+    return declared.replace(
+        n_kv_heads=None,  # MLA expands one latent into every head's key and value
+        explicit_head_dim=mla.qk_head_dim, explicit_ffn_hidden_dim=whole(require(cfg, "intermediate_size")),
+        mla=mla, moe=moe, rope_theta=theta, rope_scaling=None, yarn=yarn,
+        rope_layout="interleaved" if cfg.get("rope_interleave", True) else "halves",
+    )
+
+
+HF = HFFormat(
+    model_type="deepseek_v3",
+    architecture="DeepseekV3ForCausalLM",
+    layer_names={**{k: DECODER_LAYER_NAMES[k] for k in _SHARED}, **MLA_NAMES, **MOE_NAMES},
+    top_names=DECODER_TOP_NAMES,
+    config_from_args=config_from_args,
+    args_from_config=args_from_config,
+    packed=PACKED,
+    per_expert=PER_EXPERT,
+)
