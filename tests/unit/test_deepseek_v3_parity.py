@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.unit.hf_reference import per_expert_layout, unit_scale_
 from tests.unit.test_qwen3_checkpoints import safetensors_of
 from tests.unit.test_qwen3_moe_checkpoints import packed_folder
 from tests.unit.trained_model import SEQ, tokens_of, windows
@@ -65,14 +66,8 @@ def theirs(request):
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(tiny_config(**VARIANTS[request.param])).eval()
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # unit scale (FACTS.md): routing and attention far from uniform
-        for name, p in model.named_parameters():
-            if "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-            else:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+    unit_scale_(model, gen)
+    with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a trained bias: it moves the choice
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
@@ -152,24 +147,6 @@ def test_the_bias_picks_the_group_and_the_experts_not_their_weights():
     _, experts, weights = router(torch.randn(3, 8), bias)
     assert experts.sort(dim=-1).values.tolist() == [[4, 5]] * 3
     assert torch.equal(weights, torch.full((3, 2), 0.5 * 2.5))  # unbiased scores, renormalized, scaled
-
-
-def per_expert_layout(packed: dict[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:
-    """The older one-tensor-per-expert names of a packed Hugging Face state dict."""
-    out = {}
-    for name, tensor in packed.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name.removesuffix("gate_up_proj")
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = tensor[e, :hidden].clone()
-                out[f"{base}{e}.up_proj.weight"] = tensor[e, hidden:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            out[name] = tensor
-    return out
 
 
 def test_hf_state_dict_round_trip_is_bit_identical_in_both_expert_layouts(theirs):

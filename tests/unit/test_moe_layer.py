@@ -5,11 +5,11 @@ routes deterministically, and its grouped GEMMs equal a loop over experts, gradi
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
+from tests.unit.hf_reference import unit_scale_
 from titanctl.checkpoint.hf_names import from_hf_state_dict
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.decoder import Transformer
@@ -34,15 +34,7 @@ def theirs():
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # unit scale (FACTS.md): routing and attention far from uniform
-        for name, p in model.named_parameters():
-            if "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-            else:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+    unit_scale_(model, torch.Generator().manual_seed(0))
     return model
 
 

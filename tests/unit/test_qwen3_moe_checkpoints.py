@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.unit.hf_reference import per_expert_layout
 from tests.unit.test_moe_layer import ARGS, theirs  # noqa: F401 - the module fixture
 from tests.unit.test_qwen3_checkpoints import safetensors_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
@@ -59,20 +60,7 @@ def test_per_expert_layout_reads_to_the_same_weights(theirs, tmp_path):  # noqa:
     theirs.save_pretrained(tmp_path / "saved")  # transformers 5.23 writes one tensor per expert
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in safetensors_of(tmp_path / "saved")
     packed_folder(theirs, tmp_path / "packed")
-    F = ARGS.moe.hidden_dim
-    per_expert = {}
-    for name, tensor in safetensors_of(tmp_path / "packed").items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name.removesuffix("gate_up_proj")
-            for e in range(tensor.shape[0]):
-                per_expert[f"{base}{e}.gate_proj.weight"] = tensor[e, :F].clone()
-                per_expert[f"{base}{e}.up_proj.weight"] = tensor[e, F:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e in range(tensor.shape[0]):
-                per_expert[f"{base}{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            per_expert[name] = tensor
+    per_expert = per_expert_layout(safetensors_of(tmp_path / "packed"), ARGS.moe.hidden_dim)
     (tmp_path / "old").mkdir()
     save_file(per_expert, str(tmp_path / "old" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "old" / "config.json").write_text((tmp_path / "packed" / "config.json").read_text())
