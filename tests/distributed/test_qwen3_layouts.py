@@ -7,6 +7,9 @@ scale of a gradient, turned an under-reduced q_norm/k_norm gradient under TP (ea
 own heads only) into a loss drift of 6e-7 over 5 steps. So each run also writes its first step's
 gradients (the tied table's is the sum of the embedding's and the output layer's).
 
+DeepSeek-V3's debug model (latent attention, a dense first layer, grouped routing) takes the MoE
+checks under EP 2 x FSDP 2, EP 2 x PP 2 and HSDP.
+
 This file is also the torchrun script of its runs (see the bottom): tests/distributed/workers/
 train_worker.py plus that gradient dump, and pp_worker.py (every schedule, one launch) with Qwen3's args.
 """
@@ -34,7 +37,11 @@ QWEN3_UNTIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
 # changes the routing of later steps (each step's expert load is compared as well).
 QWEN3_MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
              "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
-FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE}
+# DeepSeek-V3's debug model: latent attention, a dense first layer, then shared and routed experts
+# chosen within the best expert groups (sigmoid scores), with the same balancing.
+DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+               "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
+FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE, "deepseek": DEEPSEEK_V3}
 PP_STEPS = 4  # pp_worker's default is 3: one more, so a wrong gradient shows in 3 losses
 
 
@@ -114,6 +121,10 @@ LAYOUTS = [
     ("moe_ep2_pp2_zbv", "moe", 4, 4, [*EP2, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     ("moe_ep2_cp2_ac", "moe", 2, 8, [*EP2, "--parallelism.context_parallel_degree", "2",
                                      "--activation_checkpoint.mode", "full"]),
+    ("deepseek_ep2_fsdp2", "deepseek", 4, 2, EP2),
+    ("deepseek_ep2_pp2", "deepseek", 4, 4, [*EP2, *PP2]),
+    ("deepseek_hsdp2x2_ac", "deepseek", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
+                                               "--activation_checkpoint.mode", "full"]),
 ]
 
 
@@ -134,8 +145,9 @@ def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, np
     assert grad_diff <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
     assert expert_loads(tmp_path) == ref_loads, f"{name}: tokens per expert differ from one process"
-    if ref == "moe":
-        assert all(load and len(load) == 4 for load in ref_loads)  # every MoE layer (4), every step
+    if ref in ("moe", "deepseek"):
+        moe_layers = 4 if ref == "moe" else 3  # DeepSeek-V3's first layer is dense
+        assert all(load and len(load) == moe_layers for load in ref_loads)  # every MoE layer, every step
         experts = json.loads((tmp_path / "experts_rank0.json").read_text())
         ep = int(overrides[overrides.index(EP2[0]) + 1]) if EP2[0] in overrides else 1
         assert all(mesh.get("ep", 1) == ep for mesh in experts.values()) and (experts or ep == 1), experts
