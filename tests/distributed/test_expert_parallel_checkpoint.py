@@ -14,23 +14,15 @@ import pytest
 import torch
 
 from tests.distributed.harness import WORKERS, losses_by_step, samples_by_step, torchrun
+from tests.distributed.test_checkpoint import RUN as CHECKPOINT_RUN
 from tests.distributed.test_checkpoint import flatten, read_dcp
 
 WORKER = [str(WORKERS / "ckpt_worker.py")]
+# The checkpoint tests' run (6 steps, saves at 2, 4 and 6) with a 2-layer Qwen3-MoE, every save kept.
 RUN = [
+    *CHECKPOINT_RUN, "--model.n_layers", "2", "--checkpoint.keep_latest_k", "0",
     "--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
     "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01",
-    "--model.n_layers", "2",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
-    "--training.steps", "6",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--activation_checkpoint.mode", "none",
-    "--checkpoint.enable_checkpoint",
-    "--checkpoint.interval", "2",
-    "--checkpoint.keep_latest_k", "0",
 ]
 EP2 = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]
 

@@ -21,14 +21,15 @@ G = 8  # global batch size (sequences)
 pytestmark = pytest.mark.usefixtures("offline_data")
 
 
-def make_corpus(path: Path, n_docs: int = 8) -> Path:
+def make_corpus(path: Path, n_docs: int = 8, tag: str = "w") -> Path:
     """Documents of different lengths, so windows straddle document boundaries.
 
-    Every word is unique, so no two windows hold the same tokens.
+    Every word is unique (and starts with ``tag``: corpora of different tags share no word), so no
+    two windows hold the same tokens.
     """
     with path.open("w", encoding="utf-8") as f:
         for i in range(n_docs):
-            words = " ".join(f"w{i}x{k}" for k in range(3 + (i * 5) % 17))
+            words = " ".join(f"{tag}{i}x{k}" for k in range(3 + (i * 5) % 17))
             f.write(json.dumps({"text": f"Doc {i}: {words}."}) + "\n")
     return path
 

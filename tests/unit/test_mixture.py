@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.test_loader import make_corpus
 from titanctl.config.recipe import load_config, to_toml
 from titanctl.data.dataloader import TokenWindowLoader, tokenize_finite
 from titanctl.data.datasets import load_documents
@@ -22,20 +23,10 @@ G = 8
 pytestmark = pytest.mark.usefixtures("offline_data")
 
 
-def write_corpus(path: Path, tag: str, n_docs: int) -> Path:
-    """Documents whose every word is unique (and names its corpus), so windows identify their source."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for i in range(n_docs):
-            words = " ".join(f"{tag}{i}x{k}" for k in range(3 + (i * 5) % 17))
-            f.write(json.dumps({"text": f"{tag} doc {i}: {words}."}) + "\n")
-    return path
-
-
 @pytest.fixture
 def corpora(tmp_path) -> list[Path]:
     # A big one and a small one: the small one runs through several epochs in a few steps.
-    return [write_corpus(tmp_path / "big.jsonl", "b", 30), write_corpus(tmp_path / "small.jsonl", "s", 3)]
+    return [make_corpus(tmp_path / "big.jsonl", 30, tag="b"), make_corpus(tmp_path / "small.jsonl", 3, tag="s")]
 
 
 def mixture(corpora, weights=(0.7, 0.3)) -> list[WeightedSource]:

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titanctl.models.registry import spec_of
+from titanctl.parallel.layouts.tensor_parallel import submodule_or_none
 from titanctl.parallel.runtime import shm_exchange
 from titanctl.parallel.runtime.shm_exchange import SharedMemoryExchange
 
@@ -61,20 +62,12 @@ def sharded_linears(model: nn.Module, tp: int) -> dict[str, tuple[nn.Linear, int
         for name, dim in shards.items():
             # A Mixture-of-Experts block has no dense FFN: its router and experts stay whole on every
             # rank, which all compute them on the same (replicated) hidden states.
-            module = _submodule_or_none(block, name)
+            module = submodule_or_none(block, name)
             if module is not None:
                 found[f"layers.{layer_id}.{name}"] = (module, dim)
     if model.output is not None and model.output.out_features % tp == 0 and not model.args.tie_embeddings:
         found["output"] = (model.output, 0)
     return found
-
-
-def _submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
-    for part in name.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
 
 
 # Models whose forward now holds collectives -> how their ranks exchange.

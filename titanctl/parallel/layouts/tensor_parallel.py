@@ -49,8 +49,9 @@ def apply_tp(
             styles = float8_tp_styles()
     for block in model.layers.values():
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
-        block_plan = plan.block(model.args, styles, names)
-        parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items() if _has(block, name)})
+        present = {name: style for name, style in plan.block(model.args, styles, names).items()
+                   if submodule_or_none(block, name) is not None}
+        parallelize_module(block, tp_mesh, present)
         if getattr(block, "moe", None) is not None:
             _replicate(block.moe.router.gate, tp_mesh)
             if block.moe.shared_experts is not None:
@@ -76,13 +77,14 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     )
 
 
-def _has(module: nn.Module, name: str) -> bool:
-    """``module`` has the submodule ``name`` (a dense block has no moe, an MoE block no feed_forward)."""
+def submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
+    """``module``'s submodule ``name`` (dotted), or None where a part is absent (a dense block has no
+    moe, an MoE block no feed_forward)."""
     for part in name.split("."):
         module = getattr(module, part, None)
         if module is None:
-            return False
-    return True
+            return None
+    return module
 
 
 def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
