@@ -159,3 +159,38 @@ def test_qwen3_moe_tp2_equals_transformers(tmp_path):
     data = json.loads(out.read_text())
     assert data["tensor_parallel_degree"] == 2
     assert data["tokens"] == want
+
+
+def test_deepseek_v3_tp2_equals_transformers(tmp_path):
+    """A transformers-written DeepSeek-V3 folder (q LoRA, YaRN, a dense first layer, grouped routing)
+    under TP 2: latent attention split by heads, its latent projections and cache whole on each rank;
+    the greedy tokens equal generate()'s."""
+    import shutil
+
+    import transformers
+
+    from tests.unit.hf_reference import unit_scale_
+    from tests.unit.test_deepseek_v3_parity import V3_ROPE, tiny_config
+    from tests.unit.test_hf_tokenizer import train_qwen_style
+    from tests.unit.test_infer_formats import NEW, reference
+    from tests.unit.test_infer_formats import PROMPT as QWEN_PROMPT
+    from titanctl.data.tokenizer import Tokenizer
+
+    train_qwen_style(tmp_path / "tokenizer")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(
+        tiny_config(q_lora_rank=48, rope_parameters=V3_ROPE, rope_interleave=True)).eval()
+    unit_scale_(model, torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path / "deepseek")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tokenizer" / name, tmp_path / "deepseek" / name)
+    tokenizer = Tokenizer(tmp_path / "deepseek" / "tokenizer.json")
+    ids = tokenizer.encode(QWEN_PROMPT, bos=True, eos=False)
+    want = reference(model, ids, tokenizer.stop_tokens, tokenizer.vocab_size)
+    out = tmp_path / "out.json"
+    torchrun(2, ["-m", "titanctl", "infer-tp"], [
+        "--checkpoint", str(tmp_path / "deepseek"), "--prompt", QWEN_PROMPT, "--max-new-tokens", str(NEW),
+        "--temperature", "0", "--out", str(out)], timeout=300)
+    data = json.loads(out.read_text())
+    assert data["tensor_parallel_degree"] == 2
+    assert data["tokens"] == want and len(want) > 1

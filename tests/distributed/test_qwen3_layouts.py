@@ -8,7 +8,7 @@ own heads only) into a loss drift of 6e-7 over 5 steps. So each run also writes 
 gradients (the tied table's is the sum of the embedding's and the output layer's).
 
 DeepSeek-V3's debug model (latent attention, a dense first layer, grouped routing) takes the MoE
-checks under EP 2 x FSDP 2, EP 2 x PP 2 and HSDP.
+checks under TP 2, EP 2 x TP 2, EP 2 x FSDP 2, EP 2 x CP 2, EP 2 x PP 2 and HSDP.
 
 This file is also the torchrun script of its runs (see the bottom): tests/distributed/workers/
 train_worker.py plus that gradient dump, and pp_worker.py (every schedule, one launch) with Qwen3's args.
@@ -121,7 +121,12 @@ LAYOUTS = [
     ("moe_ep2_pp2_zbv", "moe", 4, 4, [*EP2, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     ("moe_ep2_cp2_ac", "moe", 2, 8, [*EP2, "--parallelism.context_parallel_degree", "2",
                                      "--activation_checkpoint.mode", "full"]),
+    # Latent attention split by heads (its latent projections whole on every rank), the experts replicated.
+    ("deepseek_tp2", "deepseek", 2, 8, TP2),
+    ("deepseek_ep2_tp2", "deepseek", 4, 4, [*EP2, *TP2]),
     ("deepseek_ep2_fsdp2", "deepseek", 4, 2, EP2),
+    # Ring attention over the CP ranks (the values padded to the query/key width for flash attention).
+    ("deepseek_ep2_cp2", "deepseek", 2, 8, [*EP2, "--parallelism.context_parallel_degree", "2"]),
     ("deepseek_ep2_pp2", "deepseek", 4, 4, [*EP2, *PP2]),
     ("deepseek_hsdp2x2_ac", "deepseek", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
                                                "--activation_checkpoint.mode", "full"]),

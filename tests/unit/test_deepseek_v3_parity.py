@@ -23,7 +23,7 @@ from tests.unit.trained_model import SEQ, tokens_of, windows
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.errors import CheckpointError, ParallelError
+from titanctl.errors import CheckpointError
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.document_mask import document_mask
@@ -224,11 +224,9 @@ def test_published_flavors_have_their_published_sizes_and_flops():
         assert get_spec("deepseek_v3").flops_per_token(args, 4096) == 6 * active_params(args) + attention
 
 
-def test_softmax_routing_has_no_hf_checkpoint_and_tensor_parallel_is_refused():
+def test_softmax_routing_has_no_hf_checkpoint():
     with pytest.raises(CheckpointError, match="scores experts with a sigmoid"):
         hf_config(DEEPSEEK_V3_FLAVORS["16B"])
-    with pytest.raises(ParallelError, match="tensor parallelism is not built for deepseek_v3"):
-        get_spec("deepseek_v3").tp_plan.root(True)
 
 
 def test_decoding_with_the_latent_cache_equals_the_whole_forward(theirs):

@@ -75,12 +75,6 @@ def test_expert_parallel_needs_experts_it_can_split(family, flavor, ep, message)
         check_family_layout(family, flavor, dims(ep, expert_parallel=ep))
 
 
-def test_context_parallel_of_latent_attention_is_refused_before_training():
-    with pytest.raises(ParallelError, match=r"context_parallel_degree = 2 with Multi-head Latent Attention "
-                                            r"\(deepseek_v3\): context parallel of latent attention is not built yet"):
-        check_family_layout("deepseek_v3", "debugmodel", dims(2, context_parallel=2, data_parallel_shard=1))
-
-
 def check_family_layout(family: str, flavor: str, layout: ParallelDims) -> None:
     from titanctl.config.recipe import load_config
     from titanctl.models.registry import model_args_from_config

@@ -6,18 +6,23 @@ normalized and ``wkv_b`` expands it into each head's key (without RoPE) and valu
 from ``wq``, or through a low-rank bottleneck (``wq_a`` -> norm -> ``wq_b``) when q_lora_rank > 0.
 Each query/key head is [nope channels, rope channels]; RoPE turns the rope channels only.
 
-The value head (v_head_dim) may be narrower than the query/key head: SDPA (CPU flash and math
-kernels, CUDA's memory-efficient kernel) and FlexAttention take values of another width, so they
-are not padded. The kernels scale scores by 1/sqrt(qk_head_dim); YaRN's softmax correction is
-applied to the queries beforehand.
+The value head (v_head_dim) may be narrower than the query/key head. Flash attention (torch 2.13's
+CPU kernel, and FlashAttention on CUDA) needs one width for q, k and v, and without it SDPA falls back
+to the math kernel, which materializes every score and which context parallel's ring attention cannot
+run: so values are padded with zeros to the query/key width and the output's padding is cut off (the
+zero columns add nothing to the other columns). The kernels scale scores by 1/sqrt(qk_head_dim);
+YaRN's softmax correction is applied to the queries beforehand.
 
 The forward has the signature of ``attention.Attention`` (the shared decoder block calls either)
-and reshapes with ``-1`` heads; nothing here knows about parallelism.
+and reshapes with ``-1`` heads; nothing here knows about parallelism. Under tensor parallel
+(``tp_plan.mla_block_plan``) ``wq``/``wq_b`` and ``wkv_b`` split by heads, ``wo`` by its input heads, and
+the latent projections (``wq_a``, ``wkv_a``) and their norms run whole on every rank.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -62,6 +67,19 @@ class LatentCache(nn.Module):
         return self.positions[None, :] <= input_pos[:, None]
 
 
+class SharedRopeKey(nn.Module):
+    """The rotary key slice one position shares with every head, broadcast to the heads:
+    (B, S, rope_dim) -> (B, S, H, rope_dim).
+
+    No parameters: a module so that a parallel layout can hook the one place where a tensor computed
+    once feeds every head (under tensor parallel each rank holds some heads, so the slice's gradient
+    is the sum of every rank's part), never so that the model knows about such layouts.
+    """
+
+    def forward(self, k_pe: torch.Tensor, heads: int) -> torch.Tensor:
+        return k_pe.unsqueeze(2).expand(-1, -1, heads, -1)
+
+
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -85,6 +103,7 @@ class MultiHeadLatentAttention(nn.Module):
         # On the queries, so that the kernels' own 1/sqrt(qk_head_dim) completes the softmax scale.
         self.softmax_factor = yarn_softmax_factor(args.yarn)
         self.rotate = rope_function(args)
+        self.shared_rope_key = SharedRopeKey()
         self.kernel = AttentionKernel()
         self.cache: LatentCache | None = None  # set by Transformer.setup_kv_cache for decoding
 
@@ -117,14 +136,16 @@ class MultiHeadLatentAttention(nn.Module):
         kv_len = kv.shape[1]
         kv = self.wkv_b(kv).view(bsz, kv_len, -1, self.nope_dim + self.v_head_dim)  # (B, S, H, nope + v)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # (B, S, H, qk)
+        k = torch.cat([k_nope, self.shared_rope_key(k_pe, k_nope.shape[2])], dim=-1)  # (B, S, H, qk_head_dim)
         q = torch.cat([q_nope, q_pe], dim=-1)  # (B, T, H, qk_head_dim)
         if self.softmax_factor != 1.0:
             q = q * self.softmax_factor
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T or S, head width)
+        if self.v_head_dim < self.qk_head_dim:  # one width for flash attention (see the module docstring)
+            v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T or S, qk_head_dim)
         if input_pos is not None:
             out = attention(q, k, v, mask, causal=False)
         else:
             out = self.kernel(q, k, v, mask)
-        # out: (B, H, T, v_head_dim)
+        out = out[..., : self.v_head_dim]  # (B, H, T, v_head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)

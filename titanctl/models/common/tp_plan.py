@@ -40,6 +40,14 @@ class LinearStyles:
 
 PLAIN = LinearStyles()
 
+# Multi-head Latent Attention's modules that tensor parallel leaves whole on every rank: the low-rank
+# projections into the latents and their norms, small next to the per-head expansions (wq_b, wkv_b),
+# whose outputs every head needs. Their gradients are whole on every rank too: the split linears
+# after them sum their inputs' gradients over the ranks (as any column-wise linear does), and the one
+# slice of wkv_a's output that reaches the heads without such a linear (the shared rotary key,
+# ``attention.shared_rope_key``) is summed over the ranks by tensor_parallel.
+MLA_REPLICATED = ("attention.wq_a", "attention.q_norm", "attention.wkv_a", "attention.kv_norm")
+
 
 def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     return {
@@ -54,28 +62,51 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def block_plan(
-    float8: LinearStyles | None = None, float8_linears: Collection[str] = (), qk_norm: bool = False, moe: bool = False
+    float8: LinearStyles | None = None,
+    float8_linears: Collection[str] = (),
+    qk_norm: bool = False,
+    moe: bool = False,
+    mla: bool = False,
 ) -> dict[str, ParallelStyle]:
     """The plan of one block. ``float8``: the styles for the linears named in ``float8_linears``
     (names inside the block, e.g. attention.wq); the others, and a gather feeding any of them,
     keep the plain styles (a float8 input would reach a high-precision linear).
     ``qk_norm``: the block has per-head ``attention.q_norm`` / ``k_norm`` (ModelArgs.qk_norm).
     ``moe``: the model has Mixture-of-Experts blocks (a block gets the entries of what it has:
-    ``feed_forward`` or ``moe``)."""
+    ``feed_forward`` or ``moe``). ``mla``: the attention is Multi-head Latent Attention
+    (DeepSeek-V3), split by heads as its docstring says."""
 
     def styles(*linears: str) -> LinearStyles:
         return float8 if float8 is not None and all(n in float8_linears for n in linears) else PLAIN
 
+    if mla:
+        attention = {
+            # The latent projections (wq_a, wkv_a) and their norms run whole on every rank (see
+            # MLA_REPLICATED) on the gathered sequence, a local tensor like every activation inside.
+            "attention": PLAIN.prepare_input(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+            ),
+            # Split by heads: a query head is qk_head_dim rows of wq / wq_b, a key-and-value head
+            # nope + v rows of wkv_b, in head order, so each rank's rows are whole heads.
+            "attention.wq": styles("attention.wq").colwise(),
+            "attention.wq_b": styles("attention.wq_b").colwise(),
+            "attention.wkv_b": styles("attention.wkv_b").colwise(),
+            "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
+        }
+    else:
+        attention = {
+            # The block passes (hidden, rope): gather the hidden states, leave the rope table alone.
+            "attention": styles("attention.wq", "attention.wk", "attention.wv").prepare_input(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": styles("attention.wq").colwise(),
+            "attention.wk": styles("attention.wk").colwise(),
+            "attention.wv": styles("attention.wv").colwise(),
+            "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
+        }
     plan = {
         "attention_norm": SequenceParallel(),
-        # The block passes (hidden, rope): gather the hidden states, leave the rope table alone.
-        "attention": styles("attention.wq", "attention.wk", "attention.wv").prepare_input(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.wq": styles("attention.wq").colwise(),
-        "attention.wk": styles("attention.wk").colwise(),
-        "attention.wv": styles("attention.wv").colwise(),
-        "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
+        **attention,
         "ffn_norm": SequenceParallel(),
         "feed_forward": styles("feed_forward.w1", "feed_forward.w3").prepare_input(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -118,7 +149,7 @@ def sharded_linear_dims(name: str, tp: int, plan: TPPlan, args) -> tuple[int, in
 
 
 def _block(args, float8: LinearStyles | None = None, float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
-    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None)
+    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None, mla=args.mla is not None)
 
 
 DECODER_TP_PLAN = TPPlan(root=root_plan, block=_block)

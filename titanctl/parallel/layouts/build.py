@@ -51,11 +51,6 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     if dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
-        if args.mla is not None:
-            raise ParallelError(
-                f"context_parallel_degree = {dims.cp} with Multi-head Latent Attention ({args.family}): context "
-                "parallel of latent attention is not built yet; use FSDP/HSDP/DDP, PP or EP"
-            )
     if dims.ddp_enabled and dims.tp > 1:
         raise ParallelError(
             f"DDP (data_parallel_replicate_degree = {dims.dp_replicate}) does not compose with "

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titanctl import _torch_compat
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.tp_plan import MLA_REPLICATED
 from titanctl.models.registry import spec_of
 from titanctl.parallel.converters.float8 import float8_tp_styles, is_float8_linear, sends_float8
 
@@ -52,6 +53,11 @@ def apply_tp(
         present = {name: style for name, style in plan.block(model.args, styles, names).items()
                    if submodule_or_none(block, name) is not None}
         parallelize_module(block, tp_mesh, present)
+        if model.args.mla is not None:
+            for name in MLA_REPLICATED:
+                if (module := submodule_or_none(block, name)) is not None:
+                    _replicate(module, tp_mesh)
+            _sum_gradient_over_ranks(block.attention.shared_rope_key, tp_mesh)
         if getattr(block, "moe", None) is not None:
             _replicate(block.moe.router.gate, tp_mesh)
             if block.moe.shared_experts is not None:
@@ -75,6 +81,19 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
         lambda module, output, mesh: output.to_local(),
     )
+
+
+def _sum_gradient_over_ranks(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``module``'s first input, equal on every rank, feeds only this rank's heads: its forward is
+    unchanged and in backward its gradient becomes the sum of every rank's (an all-reduce; Megatron's
+    "copy to the tensor-parallel region"). Marked as a partial sum, it is reduced on its way back to
+    the replicated tensor it came from."""
+
+    def whole_forward_summed_backward(module, inputs, mesh):
+        first = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
+        return (first.to_local(grad_placements=[Partial()]), *inputs[1:])
+
+    distribute_module(module, tp_mesh, input_fn=whole_forward_summed_backward)
 
 
 def submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
