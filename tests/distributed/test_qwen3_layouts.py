@@ -8,7 +8,8 @@ own heads only) into a loss drift of 6e-7 over 5 steps. So each run also writes 
 gradients (the tied table's is the sum of the embedding's and the output layer's).
 
 DeepSeek-V3's debug model (latent attention, a dense first layer, grouped routing) takes the MoE
-checks under TP 2, EP 2 x TP 2, EP 2 x FSDP 2, EP 2 x CP 2, EP 2 x PP 2 and HSDP.
+checks under TP 2, EP 2 x TP 2, EP 2 x FSDP 2, EP 2 x CP 2, EP 2 x PP 2 and HSDP, and with a
+multi-token-prediction depth under TP 2 and EP 2 x FSDP 2.
 
 This file is also the torchrun script of its runs (see the bottom): tests/distributed/workers/
 train_worker.py plus that gradient dump, and pp_worker.py (every schedule, one launch) with Qwen3's args.
@@ -41,7 +42,11 @@ QWEN3_MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
 # chosen within the best expert groups (sigmoid scores), with the same balancing.
 DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
                "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
-FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE, "deepseek": DEEPSEEK_V3}
+# With a multi-token-prediction depth: its block, norms and projection, and the shared embedding and output
+# layer's gradient from both losses.
+DEEPSEEK_V3_MTP = [*DEEPSEEK_V3, "--model.mtp_layers", "1", "--model.mtp_loss_weight", "0.3"]
+FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE, "deepseek": DEEPSEEK_V3,
+           "deepseek_mtp": DEEPSEEK_V3_MTP}
 PP_STEPS = 4  # pp_worker's default is 3: one more, so a wrong gradient shows in 3 losses
 
 
@@ -128,6 +133,8 @@ LAYOUTS = [
     # Ring attention over the CP ranks (the values padded to the query/key width for flash attention).
     ("deepseek_ep2_cp2", "deepseek", 2, 8, [*EP2, "--parallelism.context_parallel_degree", "2"]),
     ("deepseek_ep2_pp2", "deepseek", 4, 4, [*EP2, *PP2]),
+    ("deepseek_mtp_tp2", "deepseek_mtp", 2, 8, TP2),
+    ("deepseek_mtp_ep2_fsdp2_compile", "deepseek_mtp", 4, 2, [*EP2, "--compile.enable"]),
     ("deepseek_hsdp2x2_ac", "deepseek", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
                                                "--activation_checkpoint.mode", "full"]),
 ]
@@ -150,8 +157,8 @@ def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, np
     assert grad_diff <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
     assert expert_loads(tmp_path) == ref_loads, f"{name}: tokens per expert differ from one process"
-    if ref in ("moe", "deepseek"):
-        moe_layers = 4 if ref == "moe" else 3  # DeepSeek-V3's first layer is dense
+    if ref in ("moe", "deepseek", "deepseek_mtp"):
+        moe_layers = 3 if ref == "deepseek" else 4  # DeepSeek-V3's first layer is dense; the MTP block is MoE
         assert all(load and len(load) == moe_layers for load in ref_loads)  # every MoE layer, every step
         experts = json.loads((tmp_path / "experts_rank0.json").read_text())
         ep = int(overrides[overrides.index(EP2[0]) + 1]) if EP2[0] in overrides else 1

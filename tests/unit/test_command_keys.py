@@ -94,7 +94,7 @@ def test_infer_tp_refuses_the_tensor_parallel_degree():
     assert str(e.value) == (
         "--parallelism.tensor_parallel_degree is not read by infer-tp (its tensor-parallel degree is the world "
         "size); it reads: model.name, model.flavor, model.n_layers, model.n_kv_heads, model.norm_type, "
-        "model.tokenizer_path, training.seq_len, comm.init_timeout_seconds"  # not model.attn_mask_type
+        "model.tokenizer_path, model.mtp_layers, training.seq_len, comm.init_timeout_seconds"  # not attn_mask_type
     )
 
 

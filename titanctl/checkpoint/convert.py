@@ -40,6 +40,7 @@ TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
 UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
+FP8_DEFAULT_DTYPE = torch.bfloat16  # what FP8 weights of a source become when --dtype says nothing
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -108,13 +109,17 @@ def open_checkpoint(
     *,
     flavor: str | None = None,
     config: str | os.PathLike | None = None,
+    dequantize_to: torch.dtype = torch.float32,
 ) -> Source:
     """A checked, ready-to-read source: ``with open_checkpoint(path) as src: src.load(name)``.
 
     ``folder``: a checkpoint folder, or a folder of step-N folders (its newest complete one is read).
+    ``dequantize_to``: the dtype of block-quantized FP8 weights once multiplied by their scales
+    (``titanctl.checkpoint.fp8_blocks``); other weights keep theirs.
     """
     located = _locate_source(folder, fmt)
     source = open_source(located.folder, located.format)
+    source.dequantize_to = dequantize_to
     try:
         args, origin = resolve_args(source, flavor, config)
         source.bind(args, origin)
@@ -365,7 +370,10 @@ def convert_checkpoint(
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
     ``dst_format`` defaults to ``dcp`` (bringing a model in), or ``hf`` when the source is
-    a DCP checkpoint (taking a run out).
+    a DCP checkpoint (taking a run out). Block-quantized FP8 weights (DeepSeek-V3's release) are
+    dequantized to ``dtype``, by default to bfloat16 (DeepSeek's own ``fp8_cast_bf16``: what the
+    model trains in, and twice the FP8 size rather than four times); the others keep theirs unless
+    ``dtype`` is given.
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
@@ -377,7 +385,10 @@ def convert_checkpoint(
     dst = Path(dst)
 
     start = time.perf_counter()
-    with open_checkpoint(located.folder, located.format, flavor=flavor, config=config) as source:
+    dequantize_to = torch_dtype or FP8_DEFAULT_DTYPE
+    with open_checkpoint(
+        located.folder, located.format, flavor=flavor, config=config, dequantize_to=dequantize_to
+    ) as source:
         fmt = dst_format or ("hf" if source.format == "dcp" else "dcp")
         notes = list(source.notes)
         if located.folder != Path(src):

@@ -33,6 +33,7 @@ Pairs = Iterable[tuple[str, torch.Tensor]]  # (name, tensor), e.g. read one by o
 
 _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 # Derived buffers that old transformers versions saved; they carry no weights.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -40,14 +41,21 @@ IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 # ----------------------------------------------------------------------------- names
 
 
-def _hf_of(name: str, hf: HFFormat) -> str | None:
+def _hf_of(name: str, hf: HFFormat, n_layers: int | None = None) -> str | None:
+    """``n_layers``: the main model's depth, after which the prediction depths' layers come (None:
+    no names of prediction depths)."""
     if name in hf.top_names:
         return hf.top_names[name]
     m = _OURS_LAYER.fullmatch(name)
-    return f"model.layers.{m.group(1)}.{hf.layer_names[m.group(2)]}" if m and m.group(2) in hf.layer_names else None
+    if m and m.group(2) in hf.layer_names:
+        return f"model.layers.{m.group(1)}.{hf.layer_names[m.group(2)]}"
+    m = _OURS_MTP.fullmatch(name)
+    if m and n_layers is not None and m.group(2) in hf.mtp_names:
+        return f"model.layers.{n_layers + int(m.group(1))}.{hf.mtp_names[m.group(2)]}"
+    return None
 
 
-def _ours_of(hf_name: str, hf: HFFormat) -> str | None:
+def _ours_of(hf_name: str, hf: HFFormat, n_layers: int | None = None) -> str | None:
     for ours, theirs in hf.top_names.items():
         if theirs == hf_name:
             return ours
@@ -56,11 +64,22 @@ def _ours_of(hf_name: str, hf: HFFormat) -> str | None:
         for ours, theirs in hf.layer_names.items():
             if theirs == m.group(2):
                 return f"layers.{m.group(1)}.{ours}"
+        if n_layers is not None and int(m.group(1)) >= n_layers:
+            for ours, theirs in hf.mtp_names.items():
+                if theirs == m.group(2):
+                    return f"mtp.{int(m.group(1)) - n_layers}.{ours}"
     return None
 
 
+def shared_copy(hf_name: str, args: ModelArgs) -> bool:
+    """Whether a Hugging Face tensor is a prediction depth's copy of a weight the main model holds
+    (DeepSeek-V3's ``model.layers.{n}.embed_tokens`` / ``shared_head.head``): not read."""
+    m = _HF_LAYER.fullmatch(hf_name)
+    return m is not None and int(m.group(1)) >= args.n_layers and m.group(2) in spec_of(args).hf.mtp_shared
+
+
 def _hf_name(name: str, args: ModelArgs) -> str:
-    hf = _hf_of(name, spec_of(args).hf)
+    hf = _hf_of(name, spec_of(args).hf, args.n_layers)
     if hf is None or name not in weight_shapes(args):
         raise CheckpointError(f"unknown titanctl tensor {name!r} (not a {args.family} weight of this model)")
     return hf
@@ -68,7 +87,7 @@ def _hf_name(name: str, args: ModelArgs) -> str:
 
 def _meta_name(name: str, args: ModelArgs) -> str:
     hf = spec_of(args).hf
-    ours = _ours_of(name, hf)
+    ours = _ours_of(name, hf, args.n_layers)
     if ours is None or ours not in weight_shapes(args):
         raise CheckpointError(
             f"unknown Hugging Face tensor {name!r} (not a {hf.architecture} weight of this model)"
@@ -102,7 +121,7 @@ def structured_pieces(hf_name: str, args: ModelArgs) -> list[Piece]:
     """The titanctl weights a packed or per-expert Hugging Face tensor holds ([] for any other)."""
     spec = spec_of(args).hf
     m = _HF_LAYER.fullmatch(hf_name)
-    if m is None or int(m.group(1)) >= args.n_layers:
+    if m is None or int(m.group(1)) >= args.n_layers + args.mtp_layers:
         return []
     layer, suffix = m.groups()
     pieces = [Piece(f"layers.{layer}.{ours}", dim, index, parts)
@@ -225,7 +244,7 @@ def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) 
     aliases = tied_weights(args)  # a tied output layer is the embedding: Hugging Face stores it once
     missing = set(weight_shapes(args)) - set(aliases)  # titanctl names still to come
     for name, tensor in pairs:
-        if not to_hf and name.endswith(IGNORED_HF_SUFFIXES):
+        if not to_hf and (name.endswith(IGNORED_HF_SUFFIXES) or shared_copy(name, args)):
             continue
         if (name if to_hf else _meta_name(name, args)) in aliases:
             continue
@@ -259,7 +278,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     names = [name for name in sd if name not in aliases]
     out = {}
     for hf, members, dim in hf_tensor_groups(names, args):
-        if len(members) == 1 and hf == _hf_of(members[0], spec_of(args).hf):
+        if len(members) == 1 and hf == _hf_of(members[0], spec_of(args).hf, args.n_layers):
             out.update(iter_to_hf([(members[0], sd[members[0]])], args, complete=False))
         else:
             out[hf] = torch.cat([sd[m] for m in members], dim=dim)
@@ -346,6 +365,7 @@ def args_from_hf_config(
 __all__ = [
     "args_from_hf_config",
     "canonical_name_of",
+    "shared_copy",
     "from_hf_state_dict",
     "from_hf_tensor",
     "hf_config",

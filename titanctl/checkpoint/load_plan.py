@@ -13,7 +13,9 @@ never resumed from: a folder holding them but no DCP step stops the run, newer o
 ``checkpoint.initial_load_path`` may also name another tool's checkpoint (Hugging Face,
 torchtitan, Meta, torchtune): it becomes a ``ForeignPlan``, its format ``Source`` bound to
 this run's model (every shape checked before anything is built) and streamed into the model
-tensor by tensor at load, converted on the fly, with no converted copy on disk.
+tensor by tensor at load, converted on the fly, with no converted copy on disk. Block-quantized FP8
+weights (DeepSeek-V3's release) are dequantized in float32 (the source's default ``dequantize_to``)
+and rounded once to the model's own dtype as each is copied in; their scales are checked when planned.
 """
 
 from __future__ import annotations

@@ -30,7 +30,11 @@ def convert(
         None, "--flavor", help="Model flavor (debugmodel, 8B, 70B, 405B) instead of SRC's own config."
     ),
     config: Path | None = typer.Option(None, "--config", help="Recipe TOML whose model section to use instead."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Cast weights: fp32, bf16 or fp16. Default: keep."),
+    dtype: str | None = typer.Option(
+        None, "--dtype",
+        help="Cast weights: fp32, bf16 or fp16. Default: keep (block-quantized FP8 weights, as DeepSeek-V3's, "
+        "are dequantized to bf16).",
+    ),
     shards: int | None = typer.Option(None, "--shards", help="Model-parallel shards of a meta output."),
     max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."

@@ -57,7 +57,7 @@ _ESTIMATE_NOT_READ = {
     "metrics.*": "it logs no metrics",
     "profiling.*": "it records no traces",
     "validation.*": "it estimates a training step, not an evaluation",
-    "moe.*": "it does not estimate Mixture-of-Experts models yet",
+    "moe.*": "it takes routing as balanced, whatever balances it",
 }
 
 # Refused keys, with the reason the error shows.
@@ -85,6 +85,7 @@ NOT_READ: dict[str, dict[str, str]] = {
         "compile.*": "--compile compiles its decode step",
         "checkpoint.*": "its weights come from --checkpoint",
         "model.attn_mask_type": "a prompt is one document: generation is always causal",
+        "model.mtp_loss_weight": "it predicts one token at a time: the prediction depths are for training",
     },
 }
 

@@ -94,6 +94,21 @@ class Model:
         "document); estimate-memory refuses block_causal.",
         choices=("causal", "block_causal"),
     )
+    mtp_layers: int = opt(
+        0,
+        "Multi-token prediction depths (DeepSeek-V3; deepseek_v3 only): depth k predicts the token k + 1 "
+        "places ahead from the depth before and the embedding of the token k places ahead, through a block "
+        "of its own, sharing the embedding and output layer. Its loss (mean over depths) joins the "
+        "objective with model.mtp_loss_weight; the logged loss stays the next-token loss (mtp_loss is "
+        "logged apart). 0: off. Not with pipeline or context parallel.",
+        min=0, max=8,
+    )
+    mtp_loss_weight: float = opt(
+        0.1,
+        "Weight of the multi-token prediction loss in the objective (DeepSeek-V3 used 0.3, then 0.1). "
+        "Read only with model.mtp_layers > 0.",
+        min=0,
+    )
 
 
 @dataclass

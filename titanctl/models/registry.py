@@ -77,6 +77,13 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
     args = flavor.replace(vocab_size=vocab_size, max_seq_len=seq_len, norm_type=cfg.norm_type)
     if cfg.n_layers:
         args = args.replace(n_layers=cfg.n_layers)
+    if cfg.mtp_layers:
+        if args.family != "deepseek_v3":
+            raise ConfigError(
+                f"config key 'model.mtp_layers' = {cfg.mtp_layers} needs model.name = 'deepseek_v3' (multi-token "
+                f"prediction is DeepSeek-V3's), not {cfg.name!r}; set it to 0"
+            )
+        args = args.replace(mtp_layers=cfg.mtp_layers)
     if cfg.n_kv_heads:
         if args.n_heads % cfg.n_kv_heads:
             raise ConfigError(

@@ -43,6 +43,11 @@ class HFFormat:
     per_expert: Mapping[str, str] = field(default_factory=dict)
     # titanctl layer suffixes of state the format does not store (read as zeros, not written).
     not_stored: tuple[str, ...] = ()
+    # Multi-token prediction (DeepSeek-V3): {suffix after mtp.{k}.: HF suffix after model.layers.{n_layers + k}.}
+    # (the depth's block is layers.{n_layers + k}, named as any layer), and the HF suffixes of that layer
+    # that copy the main model's shared weights (the embedding, the output layer): skipped when read.
+    mtp_names: Mapping[str, str] = field(default_factory=dict)
+    mtp_shared: tuple[str, ...] = ()
     # (bos, eos) ids the family's convention derives from the vocabulary size, for a config.json
     # written without a tokenizer; None for a family whose ids only its tokenizer knows.
     special_ids: Callable[[int], tuple[int | None, int | None]] = lambda vocab_size: (None, None)

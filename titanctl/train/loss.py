@@ -5,10 +5,13 @@ import torch.nn.functional as F
 
 from titanctl.config.job_config import JobConfig
 
+IGNORE_INDEX = -100  # a label that no loss counts (F.cross_entropy's default): positions with nothing to predict
+
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; logits (B, T, vocab) are upcast so bf16 runs reduce in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    """Mean next-token loss over the labels that are not IGNORE_INDEX; logits (B, T, vocab) are upcast
+    so bf16 runs reduce in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
 
 
 @functools.cache

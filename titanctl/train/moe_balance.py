@@ -55,7 +55,7 @@ class MoEBalance:
         # Each microbatch's loss enters the step's objective with weight 1 / microbatches (a pipeline
         # splits a microbatch again); context-parallel ranks each hold a share of a sequence's loss,
         # and their gradients are averaged; and the loss is the mean over MoE layers.
-        n_moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+        n_moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_layers))
         weight = cfg.router_aux_loss_coef * dims.cp / (microbatches_per_step * max(n_moe_layers, 1))
         for module in self.layers.values():
             module.aux_loss_coef = weight

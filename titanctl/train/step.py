@@ -17,7 +17,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.train.attention_masks import MicrobatchMasks
-from titanctl.train.loss import build_loss_fn
+from titanctl.train.loss import IGNORE_INDEX, build_loss_fn
 
 
 @dataclasses.dataclass
@@ -39,6 +39,10 @@ class ForwardBackward:
         if self.loss_fn is None:
             self.loss_fn = build_loss_fn(self.cfg, self.dims.tp)
         self.attn_masks = MicrobatchMasks.build(self.cfg, self.dims, self.bos_id, self.model_parts)
+        # Multi-token prediction: its depths' mean loss over the step (scaled like the loss), for the logs.
+        self.predicts_ahead = self.pipeline is None and self.model_parts[0].args.mtp_layers > 0
+        self.mtp_loss_weight = self.cfg.model.mtp_loss_weight
+        self.mtp_loss: torch.Tensor | None = None
         compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
         # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
         self.autocast = (
@@ -87,18 +91,35 @@ class ForwardBackward:
                     rotate_method=self.cfg.parallelism.context_parallel_rotate_method,
                 )
             with cp_ctx:
+                predict_ahead = backward and self.predicts_ahead
                 with self.autocast:
-                    logits = self.model_parts[0](inputs, **model_kwargs)
+                    out = self.model_parts[0](inputs, **model_kwargs, **({"mtp": True} if predict_ahead else {}))
+                logits, depth_logits = out if predict_ahead else (out, [])
                 # Equal-length microbatches: the mean of their means is the global-batch mean.
                 loss = self.loss_fn(logits, labels) * scale
+                objective = loss
+                if depth_logits:
+                    mtp_loss = self.multi_token_loss(depth_logits, labels) * scale
+                    self.mtp_loss = mtp_loss.detach() if self.mtp_loss is None else self.mtp_loss + mtp_loss.detach()
+                    objective = loss + self.mtp_loss_weight * mtp_loss
                 if backward:
-                    loss.backward()
+                    objective.backward()
             return loss.detach()
+
+    def multi_token_loss(self, depth_logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """The mean over depths of each depth's mean cross-entropy: depth k at position i predicts the
+        token labels[i + k] (k + 1 after the input's), and its last k positions predict nothing."""
+        total = 0.0
+        for k, logits in enumerate(depth_logits, start=1):
+            ahead = torch.cat([labels[:, k:], labels.new_full((labels.shape[0], k), IGNORE_INDEX)], dim=1)
+            total = total + self.loss_fn(logits, ahead)
+        return total / len(depth_logits)
 
     def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Accumulate the gradients of the step's mean loss; returns that loss (None off the last stage)."""
         scale = 1.0 / len(microbatches)
         loss_sum = None
+        self.mtp_loss = None
         for inputs, labels in microbatches:
             loss = self.microbatch(inputs.to(self.device), labels.to(self.device), scale)
             if loss is not None:

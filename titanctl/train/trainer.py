@@ -26,7 +26,7 @@ from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.layouts.build import build_model_parts
 from titanctl.parallel.layouts.dims import ParallelDims
-from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm
+from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm, global_mean_loss
 from titanctl.parallel.runtime import elastic, hang_watchdog
 from titanctl.parallel.runtime.env import init_process
 from titanctl.safe_io import shown, visible
@@ -439,9 +439,14 @@ class Trainer:
         # Every rank joins: under pipeline parallel the MoE layers live on different stages.
         expert_load = gather_over_pipeline(self.expert_load, self.dims) if self.model_args.moe else {}
         moe = load_metrics(expert_load) if expert_load else {}
+        # Multi-token prediction: the last step's mean over depths (collectives: every rank reads it).
+        mtp_loss = None
+        if self.forward_backward.predicts_ahead:
+            mtp_loss = global_mean_loss(self.forward_backward.mtp_loss, self.dims).item()
         row = {
             "step": self.step,
             "loss": loss,
+            **({} if mtp_loss is None else {"mtp_loss": mtp_loss}),
             "grad_norm": grad_norm,
             "lr": lr,
             "tps": None if rate is None else round(rate.tps, 1),
@@ -480,7 +485,8 @@ class Trainer:
             mfu_text = "n/a" if rate.mfu is None else f"{rate.mfu:.2f}%"
             rate_text = f"tps {rate.tps:>9,.0f}  tflops {rate.tflops:7.3f}  mfu {mfu_text:>6}"
         self.console.print(
-            f"step {self.step:>6}  loss {loss:8.4f}  grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
+            f"step {self.step:>6}  loss {loss:8.4f}  " + ("" if mtp_loss is None else f"mtp_loss {mtp_loss:8.4f}  ")
+            + f"grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
             f"{rate_text}  {memory_text}" + (f"  experts max/mean {moe['expert_imbalance_max']:.2f}" if moe else ""),
             soft_wrap=True,
         )

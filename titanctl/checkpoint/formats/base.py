@@ -74,6 +74,9 @@ class Source(abc.ABC):
         self.origin = ""  # where args came from, e.g. "params.json" or "--flavor 8B"
         self.infos: list[TensorInfo] = []  # in the order that reads the source best
         self.notes: list[str] = []  # worth telling the user, e.g. what was read but ignored
+        # What block-quantized FP8 weights (a Hugging Face source's) are dequantized to; set before
+        # ``bind``. float32 keeps ``fp8 * scale`` exactly as computed; ``convert`` asks for --dtype or bf16.
+        self.dequantize_to: torch.dtype = torch.float32
 
     # -- configuration
     @abc.abstractmethod

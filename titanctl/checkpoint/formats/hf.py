@@ -1,7 +1,10 @@
 """Hugging Face ``LlamaForCausalLM``: ``config.json`` + safetensors shards + their index.
 
 Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf_names``
-(one tensor at a time). Reading opens one safetensors file at a time, lazily;
+(one tensor at a time). Reading opens one safetensors file at a time, lazily; block-quantized FP8
+weights (DeepSeek-V3's release: ``X.weight`` in float8 beside ``X.weight_scale_inv``) are paired
+with their scales from the headers and dequantized as each is loaded (``titanctl.checkpoint.fp8_blocks``)
+to the source's ``dequantize_to``;
 writing holds one output shard (``--max-shard-size``) at a time. The output is what
 ``save_pretrained`` writes: ``model-00001-of-0000N.safetensors`` files and
 ``model.safetensors.index.json`` (also when N is 1), which transformers 4.x and 5.x load.
@@ -10,6 +13,7 @@ writing holds one output shard (``--max-shard-size``) at a time. The output is w
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ from titanctl.checkpoint.formats.base import (
     dtype_name,
     read_json,
 )
+from titanctl.checkpoint.fp8_blocks import DEFAULT_BLOCK, BlockScale, declared_block_size, dequantize, pair_scales
 from titanctl.checkpoint.hf_names import (
     IGNORED_HF_SUFFIXES,
     Piece,
@@ -37,6 +42,7 @@ from titanctl.checkpoint.hf_names import (
     hf_tensor_groups,
     not_stored,
     per_expert_tensors,
+    shared_copy,
     stacked_over_experts,
     structured_pieces,
     to_hf_tensor,
@@ -134,9 +140,24 @@ class HFSource(Source):
             absent = [key for key in weight_map if key not in present]
             if absent:
                 raise CheckpointError(f"{weight_map[absent[0]]} lacks {absent[0]!r}, which {INDEX_FILE} lists")
+        self._pair_block_scales()
         self.pages = PageReleaser()
         self._open_path: Path | None = None
         self._open_file: Any = None
+
+    def _pair_block_scales(self) -> None:
+        """Take the FP8 weights' scales out of ``raw`` (they are no weights) into ``scales``, every
+        pairing and shape checked from the headers, before any tensor is read or written."""
+        config = self.folder / CONFIG_FILE
+        declared = declared_block_size(read_json(config), str(config)) if config.is_file() else None
+        self.block = declared or DEFAULT_BLOCK
+        self.scales: dict[str, BlockScale] = pair_scales(self.raw, self.block, self.folder)
+        scale_keys = {scale.key for scale in self.scales.values()}
+        self.raw = [entry for entry in self.raw if entry[0] not in scale_keys]
+
+    def _loaded_dtype(self, key: str, stored: torch.dtype) -> torch.dtype:
+        """The dtype ``load`` gives a stored tensor: an FP8 weight's is ``dequantize_to``."""
+        return self.dequantize_to if key in self.scales else stored
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
         if not (self.folder / CONFIG_FILE).is_file():  # e.g. torchtitan's own HF save: safetensors only
@@ -144,6 +165,9 @@ class HFSource(Source):
             return infer_model_args(shapes, f"{self.folder} (no {CONFIG_FILE})")
         where = str(self.folder / CONFIG_FILE)
         args = args_from_hf_config(read_json(self.folder / CONFIG_FILE), where=where)
+        if args.mtp_layers and not any(_layer_of(key) >= args.n_layers for key, *_ in self.raw):
+            # transformers writes DeepSeek-V3's num_nextn_predict_layers (default 1) without the weights.
+            args = args.replace(mtp_layers=0)
         stored = ((key, shape) for key, _path, shape, _dtype in self.raw)
         check_declared(args, stored, self.embedding_rows(args.dim), where)
         return args, CONFIG_FILE
@@ -159,19 +183,20 @@ class HFSource(Source):
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
         for key, path, shape, dtype in self.raw:
-            if key.endswith(IGNORED_HF_SUFFIXES):
+            if key.endswith(IGNORED_HF_SUFFIXES) or shared_copy(key, args):
                 continue
             pieces = structured_pieces(key, args)
             for piece in pieces:
                 self._structured.setdefault(piece.name, []).append((piece, key, path))
             if pieces:
                 continue
+            dtype = self._loaded_dtype(key, dtype)
             try:  # names, shape check and permuted shape, all on the meta device
                 name, canonical = from_hf_tensor(key, torch.empty(shape, dtype=dtype, device="meta"), args)
             except CheckpointError as e:
                 raise CheckpointError(f"{path.name}: {e} (model from {origin})") from None
             infos.append(TensorInfo(name, tuple(canonical.shape), dtype, key, str(path.relative_to(self.folder))))
-        shapes = {key: (shape, dtype) for key, _path, shape, dtype in self.raw}
+        shapes = {key: (shape, self._loaded_dtype(key, dtype)) for key, _path, shape, dtype in self.raw}
         for name, found in self._structured.items():
             infos.append(self._structured_info(name, found, shapes))
         for name, shape in weight_shapes(args).items():
@@ -179,6 +204,11 @@ class HFSource(Source):
                 infos.append(TensorInfo(name, shape, torch.float32, name, "(not stored: zeros)"))
         check_complete(infos, args, origin, self.folder)
         self.infos = infos
+        if self.scales:
+            self.notes.append(
+                f"{len(self.scales)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} with their "
+                f"{self.block[0]}x{self.block[1]} block scales (weight_scale_inv)"
+            )
 
     def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
         """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
@@ -219,6 +249,9 @@ class HFSource(Source):
             return self._load_structured(self._structured[name])
         if info.where == "(not stored: zeros)":
             return torch.zeros(info.shape, dtype=info.dtype)
+        if info.shown in self.scales:
+            _, tensor = from_hf_tensor(info.shown, self._dequantized(info.shown, self.folder / info.where), self.args)
+            return tensor  # a fresh tensor, permuted or not
         view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
         _, tensor = from_hf_tensor(info.shown, view, self.args)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
@@ -226,16 +259,37 @@ class HFSource(Source):
         self.pages.release(view)  # q/k: the permutation made the copy
         return tensor
 
+    def _dequantized(self, key: str, path: Path, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The FP8 weight `key` of `path` times its block scales, in ``dequantize_to`` (into `out`)."""
+        scale_of = self.scales[key]
+        # The scales first (small, copied): reading them may close the weight's file.
+        scale = self.pages.copy_out(self._file(scale_of.path).get_tensor(scale_of.key)).float()
+        view = self._file(path).get_tensor(key)  # memory-mapped
+        return dequantize(view, scale, self.block, self.dequantize_to, out=out, release=self.pages.release)
+
     def _load_structured(self, found: list) -> torch.Tensor:
-        parts = []
-        for piece, key, path in sorted(found, key=lambda f: f[0].expert or 0):
+        found = sorted(found, key=lambda f: f[0].expert or 0)
+        piece, key, path = found[0]
+        if piece.expert is None:  # one slice of a packed tensor
+            if key in self.scales:  # its blocks may straddle the slices: dequantize whole, keep the slice
+                whole = self._dequantized(key, path)
+                size = whole.shape[piece.dim] // piece.parts
+                return whole.narrow(piece.dim, piece.index * size, size).clone()
             view = self._file(path).get_tensor(key)  # memory-mapped
-            if piece.expert is None:
-                size = view.shape[piece.dim] // piece.parts
-                view = view.narrow(piece.dim, piece.index * size, size)
-            parts.append(view.clone())
-            self.pages.release(view)
-        return parts[0] if len(parts) == 1 and found[0][0].expert is None else torch.stack(parts)
+            size = view.shape[piece.dim] // piece.parts
+            part = view.narrow(piece.dim, piece.index * size, size)
+            out = part.clone()
+            self.pages.release(part)
+            return out
+        # One tensor per expert: each written straight into its row of the stack (no second copy).
+        info = self.info(piece.name)
+        stack = torch.empty(info.shape, dtype=info.dtype)
+        for (_piece, key, path), row in zip(found, stack, strict=True):
+            if key in self.scales:
+                self._dequantized(key, path, out=row)
+            else:
+                self.pages.copy_into(row, self._file(path).get_tensor(key))
+        return stack
 
     def close(self) -> None:
         self._close_file()
@@ -305,3 +359,9 @@ def write(
     total = sum(n for shard in plan for *_, n in shard)
     index_data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
+
+
+def _layer_of(hf_name: str) -> int:
+    """The layer a Hugging Face tensor belongs to (-1: none)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\..+", hf_name)
+    return int(m.group(1)) if m else -1

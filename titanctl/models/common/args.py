@@ -117,6 +117,9 @@ class ModelArgs:
     mla: MLAArgs | None = None
     # YaRN RoPE scaling (DeepSeek-V3), in place of rope_scaling (then None).
     yarn: YarnScaling | None = None
+    # Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k + 1 ahead through a
+    # block of its own, ``layers.{n_layers + k - 1}``, after the n_layers of the main model. 0: none.
+    mtp_layers: int = 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.moe.first_dense_layers

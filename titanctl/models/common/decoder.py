@@ -11,6 +11,12 @@ with a tensor of positions); training never passes ``input_pos`` and runs exactl
 
 With ``tie_embeddings`` the output layer's weight *is* the embedding table (one Parameter, two
 state-dict keys: ``tok_embeddings.weight`` and ``output.weight``).
+
+Multi-token prediction (DeepSeek-V3, ``args.mtp_layers`` depths): depth k's block is
+``layers.{n_layers + k - 1}``, kept in ``layers`` so that every layout shards, checkpoints and
+balances it as any block (the main forward stops at ``n_layers``), and its norms and projection are
+``mtp.{k - 1}``; it shares the embedding and the output layer with the main model. ``forward(...,
+mtp=True)`` also returns each depth's logits.
 """
 
 from __future__ import annotations
@@ -58,6 +64,26 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
+class MultiTokenPrediction(nn.Module):
+    """One depth of DeepSeek-V3's multi-token prediction, around its block: the embedding of the token
+    ``depth`` places ahead and position i's hidden state from the depth before (at depth 1 the main
+    model's, after its final norm), each normalized, are concatenated in that order and projected back
+    to dim (``eh_proj``) for the block; the block's output, through ``norm``, is this depth's hidden
+    state, which the shared output layer reads and the next depth takes (as transformers' MtpLayer and
+    the inference engines that run DeepSeek-V3's published MTP weights do)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.enorm = build_norm(args)
+        self.hnorm = build_norm(args)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.norm = build_norm(args)
+
+    def forward(self, h: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
+        """h, ahead (B, T, dim): hidden states and the embeddings of the tokens ahead -> the block's input."""
+        return self.eh_proj(torch.cat([self.enorm(ahead), self.hnorm(h)], dim=-1))
+
+
 @dataclass(frozen=True)
 class ParamInit:
     """How one parameter is initialized: ones, or a (truncated) normal draw."""
@@ -74,7 +100,9 @@ class Transformer(nn.Module):
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        n_blocks = args.n_layers + args.mtp_layers  # the prediction depths' blocks after the main ones
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(n_blocks)})
+        self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args) for k in range(args.mtp_layers)}) or None
         self.norm: RMSNorm | None = build_norm(args)
         # Tied: built on meta (no vocab x dim allocation) and given the embedding's Parameter below.
         device = "meta" if args.tie_embeddings else None
@@ -99,14 +127,17 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         input_pos: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | None = None,
-    ) -> torch.Tensor:
+        mtp: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
 
         ``input_pos`` (T,) int64, after ``setup_kv_cache``: the positions of the tokens, which
         attend to the cached positions before them. ``attn_mask`` (training): which keys each
         query sees, the same for every layer (a (B, 1, T, T) bool tensor, True = attend, or a
         FlexAttention BlockMask; see ``document_mask``); None is causal. Returns logits
-        (B, T, vocab), or hidden states when this stage has no output layer.
+        (B, T, vocab), or hidden states when this stage has no output layer. ``mtp`` (training, a
+        model with prediction depths): returns (logits, [each depth's logits (B, T, vocab)]); at
+        position i depth k predicts token i + k + 1, and its last k positions predict nothing.
         """
         if input_pos is not None and attn_mask is not None:
             raise ValueError("attn_mask is for training; decoding (input_pos) masks by cached position")
@@ -115,11 +146,29 @@ class Transformer(nn.Module):
         rope = self.rope_cache
         if input_pos is not None:
             rope = rope[input_pos]  # (T, head_dim // 2, 2)
-        for layer in self.layers.values():
-            h = layer(h, rope, input_pos=input_pos, attn_mask=attn_mask)
+        for layer_id, layer in self.layers.items():
+            if int(layer_id) < self.args.n_layers:  # the prediction depths' blocks run below
+                h = layer(h, rope, input_pos=input_pos, attn_mask=attn_mask)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if not mtp or self.mtp is None:
+            return logits
+        return logits, self._predict_ahead(tokens, h, rope, attn_mask)
+
+    def _predict_ahead(
+        self, tokens: torch.Tensor, h: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
+    ) -> list[torch.Tensor]:
+        depth_logits = []
+        for k, depth in self.mtp.items():
+            # Position i takes token i + k + 1 (rolled: the last k + 1 positions wrap around to the
+            # window's start, and attention is causal, so they change no earlier position).
+            ahead = self.tok_embeddings(tokens.roll(-(int(k) + 1), dims=1))
+            h = depth.norm(self.layers[str(self.args.n_layers + int(k))](depth(h, ahead), rope, attn_mask=attn_mask))
+            depth_logits.append(self.output(h))
+        return depth_logits
 
     def setup_kv_cache(self, max_seq_len: int | None = None, batch_size: int = 1) -> None:
         """Give every attention a zeroed KV cache of ``max_seq_len`` positions (default: the RoPE table's).
@@ -159,6 +208,8 @@ class Transformer(nn.Module):
         if name.endswith("output.weight"):
             std = args.dim**-0.5
             return ParamInit("trunc_normal", std=std, bound=3 * std)
+        if re.search(r"(^|\.)mtp\.\d+\.eh_proj\.weight$", name):  # an input projection, as wq's
+            return ParamInit("trunc_normal", std=0.02)
         layer = re.search(r"layers\.(\d+)\.", name)
         if layer is None:
             raise ValueError(f"no init rule for parameter {name!r}")
@@ -215,4 +266,5 @@ def split_into_stage(model: Transformer, layer_ids: Iterable[int], is_first: boo
     if not is_last:
         stage.norm = None
         stage.output = None
+    stage.mtp = None  # a pipeline has no place for prediction depths (check_layout refuses them)
     return stage

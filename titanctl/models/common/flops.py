@@ -20,6 +20,6 @@ def active_params(args: ModelArgs) -> int:
     n = num_params(args, include_embedding=False)
     moe = args.moe
     if moe is not None:
-        moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+        moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_layers))
         n -= moe_layers * 3 * args.dim * moe.hidden_dim * (moe.num_experts - moe.top_k)
     return n

@@ -61,6 +61,17 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
+def mtp_plan(depths: int) -> dict[str, ParallelStyle]:
+    """The plan of the multi-token-prediction modules (``model.mtp``, keyed by depth index): norms and
+    the projection run on this rank's part of the sequence (replicated weights whose gradients sum
+    over the ranks' parts); the projection hands its block a local tensor, as the embedding does."""
+    plan = {}
+    for k in range(depths):
+        plan |= {f"{k}.hnorm": SequenceParallel(), f"{k}.enorm": SequenceParallel(), f"{k}.norm": SequenceParallel(),
+                 f"{k}.eh_proj": SequenceParallel(use_local_output=True)}
+    return plan
+
+
 def block_plan(
     float8: LinearStyles | None = None,
     float8_linears: Collection[str] = (),

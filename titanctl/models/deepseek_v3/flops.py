@@ -11,6 +11,10 @@ def deepseek_v3_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     projections count as they are, and MoE layers count only a token's top_k routed experts), plus
     attention: per head and layer, 2·T·qk_head_dim for the scores and 2·T·v_head_dim for the weighted
     values forward, 3x with backward (the values are narrower than queries and keys, so the dense
-    decoder's 12·L·H·head_dim·T would overcount)."""
+    decoder's 12·L·H·head_dim·T would overcount). Each multi-token-prediction depth adds its block and
+    projection (in the active parameters) and another pass through the shared output layer."""
     mla = args.mla
-    return 6 * active_params(args) + 6 * args.n_layers * args.n_heads * (mla.qk_head_dim + mla.v_head_dim) * seq_len
+    blocks = args.n_layers + args.mtp_layers
+    shared_output = args.mtp_layers * args.dim * args.vocab_size
+    return (6 * (active_params(args) + shared_output)
+            + 6 * blocks * args.n_heads * (mla.qk_head_dim + mla.v_head_dim) * seq_len)

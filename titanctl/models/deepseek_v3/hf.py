@@ -4,7 +4,10 @@ holds them, or one tensor per expert), and config.json.
 transformers' DeepSeek-V3 rotates the rope slice of each head in DeepSeek's interleaved pairs
 (``rope_interleave``, true by default), as titanctl does: the weights load by renaming alone. Its
 router always scores with a sigmoid and limits experts to the best groups; the expert bias is stored
-(``e_score_correction_bias``). The multi-token-prediction layers of published checkpoints are not read.
+(``e_score_correction_bias``). Multi-token prediction (``num_nextn_predict_layers``): depth k is
+``model.layers.{n + k}`` (its block under the usual names, plus ``enorm``, ``hnorm``, ``eh_proj`` and
+``shared_head.norm``); the ``embed_tokens`` and ``shared_head.head`` stored there are the main
+model's (DeepSeek-V3 shares them), so they are not read, and exports do not write them.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": args.tie_embeddings,
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction module
+        "num_nextn_predict_layers": args.mtp_layers,
         "initializer_range": 0.02,
         "use_cache": True,
     }
@@ -185,6 +188,7 @@ def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -
         explicit_head_dim=mla.qk_head_dim, explicit_ffn_hidden_dim=whole(require(cfg, "intermediate_size")),
         mla=mla, moe=moe, rope_theta=theta, rope_scaling=None, yarn=yarn,
         rope_layout="interleaved" if cfg.get("rope_interleave", True) else "halves",
+        mtp_layers=whole(cfg.get("num_nextn_predict_layers") or 0),
     )
 
 
@@ -197,4 +201,7 @@ HF = HFFormat(
     args_from_config=args_from_config,
     packed=PACKED,
     per_expert=PER_EXPERT,
+    mtp_names={"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "norm.weight": "shared_head.norm.weight"},
+    mtp_shared=("embed_tokens.weight", "shared_head.head.weight"),
 )

@@ -51,6 +51,12 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     if dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
+    if args.mtp_layers and (dims.pp > 1 or dims.cp > 1):
+        which = f"pipeline_parallel_degree = {dims.pp}" if dims.pp > 1 else f"context_parallel_degree = {dims.cp}"
+        reason = ("its depths need the embedding of the first stage and the output layer of the last"
+                  if dims.pp > 1 else "its depths read the tokens ahead, which context parallel puts on other ranks")
+        raise ParallelError(f"model.mtp_layers = {args.mtp_layers} (multi-token prediction) does not run under "
+                            f"{which}: {reason}; set model.mtp_layers = 0 or use FSDP/HSDP, TP or EP")
     if dims.ddp_enabled and dims.tp > 1:
         raise ParallelError(
             f"DDP (data_parallel_replicate_degree = {dims.dp_replicate}) does not compose with "

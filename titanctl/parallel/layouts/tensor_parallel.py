@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from titanctl import _torch_compat
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.tp_plan import MLA_REPLICATED
+from titanctl.models.common.tp_plan import MLA_REPLICATED, mtp_plan
 from titanctl.models.registry import spec_of
 from titanctl.parallel.converters.float8 import float8_tp_styles, is_float8_linear, sends_float8
 
@@ -39,11 +39,16 @@ def apply_tp(
     plan = spec_of(model.args).tp_plan
     root = {name: style for name, style in plan.root(loss_parallel).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
-    if compiled and model.tok_embeddings is not None:
+    if getattr(model, "mtp", None) is not None:
+        parallelize_module(model.mtp, tp_mesh, mtp_plan(len(model.mtp)))
+    if compiled:
         # torch 2.13: a compiled block whose input is the view that DTensor.to_local() returns (the
-        # embedding's local output) gives that input no gradient, and the backward fails in the
-        # embedding's redistribute. A copy (B x T/tp x dim per step) makes it a plain tensor.
-        model.tok_embeddings.register_forward_hook(lambda module, inputs, output: output.clone())
+        # embedding's local output, or a prediction depth's projection) gives that input no gradient,
+        # and the backward fails in its redistribute. A copy (B x T/tp x dim) makes it a plain tensor.
+        feeding_blocks = [model.tok_embeddings, *(depth.eh_proj for depth in (model.mtp or {}).values())]
+        for module in feeding_blocks:
+            if module is not None:
+                module.register_forward_hook(lambda module, inputs, output: output.clone())
     styles = None
     if float8:
         if sends_float8(tp_mesh):
