@@ -138,3 +138,21 @@ def test_folder_with_a_depth_converts_and_one_declaring_depths_it_lacks_reads_as
         assert loaded.keys() == want.keys()
         if with_depth:
             assert all(torch.equal(loaded[k], want[k]) for k in want)
+
+
+def test_a_model_without_depths_loads_a_checkpoint_with_one_and_says_so(tmp_path):
+    from titanctl.checkpoint.convert import open_checkpoint
+    from titanctl.checkpoint.load_into_model import load_source_into
+
+    model = model_of(ARGS.replace(mtp_layers=1))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config(model.args)))
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.args).items()},
+              str(folder / "model.safetensors"))
+    plain = Transformer(model.args.replace(mtp_layers=0))
+    with open_checkpoint(folder, "hf", config=None) as source:
+        source.bind(plain.args, "this run's recipe")
+        assert any("multi-token-prediction layer 2 not loaded: this model has model.mtp_layers = 0" in note for note in source.notes)
+        load_source_into(plain, source)
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in plain.state_dict().items())

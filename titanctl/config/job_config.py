@@ -106,7 +106,7 @@ class Model:
     mtp_loss_weight: float = opt(
         0.1,
         "Weight of the multi-token prediction loss in the objective (DeepSeek-V3 used 0.3, then 0.1). "
-        "Read only with model.mtp_layers > 0.",
+        "No effect without model.mtp_layers.",
         min=0,
     )
 

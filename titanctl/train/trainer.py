@@ -345,6 +345,8 @@ class Trainer:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 # The first step of a process also compiles and warms up: it gets the init timeout.
                 first = self.step == start_step
+                if first:  # the longest silent phase of a run otherwise
+                    self.say(self._first_step_announcement())
                 watchdog.timeout_s = cfg.comm.init_timeout_seconds if first else cfg.comm.train_timeout_seconds
                 with watchdog.watch(f"step {self.step + 1}"):
                     grad_norm = self.train_step()
@@ -413,6 +415,14 @@ class Trainer:
         if not log_step:  # a log row would say it
             self.console.print(self._first_step_text(seconds), soft_wrap=True)
         return seconds
+
+    def _first_step_announcement(self) -> str:
+        step = f"step {self.step + 1}"
+        if not self.cfg.compile.enable:
+            return f"{step}: warming up..."
+        blocks = sum(len(part.layers) for part in self.model_parts)
+        return (f"{step}: compiling {blocks} blocks with torch.compile (once per process; inductor's cache "
+                "makes the next runs faster)...")
 
     def _first_step_text(self, seconds: float) -> str:
         what = "torch.compile and warm-up" if self.cfg.compile.enable else "warm-up"

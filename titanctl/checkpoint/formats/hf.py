@@ -182,8 +182,9 @@ class HFSource(Source):
         self.args = args
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
+        unused_depths = self._unused_prediction_depths(args)
         for key, path, shape, dtype in self.raw:
-            if key.endswith(IGNORED_HF_SUFFIXES) or shared_copy(key, args):
+            if key.endswith(IGNORED_HF_SUFFIXES) or shared_copy(key, args) or _layer_of(key) in unused_depths:
                 continue
             pieces = structured_pieces(key, args)
             for piece in pieces:
@@ -209,6 +210,18 @@ class HFSource(Source):
                 f"{len(self.scales)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} with their "
                 f"{self.block[0]}x{self.block[1]} block scales (weight_scale_inv)"
             )
+
+    def _unused_prediction_depths(self, args: ModelArgs) -> range:
+        """The layers of the multi-token-prediction depths that config.json declares beyond the model's
+        own (``model.mtp_layers``; DeepSeek-V3 publishes one): left unread, with a note."""
+        config = self.folder / CONFIG_FILE
+        declared = (read_json(config).get("num_nextn_predict_layers") or 0) if config.is_file() else 0
+        unused = range(args.n_layers + args.mtp_layers, args.n_layers + int(declared))
+        if unused:
+            which = f"layer {unused.start}" if len(unused) == 1 else f"layers {unused.start}-{unused.stop - 1}"
+            self.notes.append(f"the checkpoint's multi-token-prediction {which} not loaded: this model has "
+                              f"model.mtp_layers = {args.mtp_layers}")
+        return unused
 
     def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
         """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
