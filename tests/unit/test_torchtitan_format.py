@@ -274,3 +274,31 @@ def test_config_reads_a_folder_without_config(torchtitan_debugmodel, tmp_path, f
     sd, args = load_checkpoint(tmp_path / "dcp")
     assert args == report.args
     assert_same(sd, torchtitan_debugmodel)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_families_go_to_torchtitan_under_its_module_names_and_back(family, tmp_path):
+    """torchtitan's MoE (``moe.router.gate``, stacked ``moe.experts.w1/w2/w3``, ``moe.shared_experts``,
+    the ``moe.expert_bias`` buffer) and latent attention (``attention.wq_a`` ... ``wkv_b``) are titanctl's
+    names: written flat as torchtitan saves them, read back bit for bit (the expert bias included)."""
+    from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+    from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
+
+    flavors = {"qwen3_moe": QWEN3_MOE_FLAVORS, "deepseek_v3": DEEPSEEK_V3_FLAVORS}
+    args = flavors[family]["debugmodel"].replace(n_layers=2, vocab_size=300, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape))
+    state = model.state_dict()
+    save_state_dict(state, args, tmp_path / "dcp")
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "tt", dst_format="torchtitan")
+    assert set(stored(tmp_path / "tt")) == set(state)
+    assert "layers.1.moe.experts.w1" in state and "layers.1.moe.router.gate.weight" in state
+    back = convert_checkpoint(tmp_path / "tt", tmp_path / "back", dst_format="dcp")
+    assert back.origin == "config.json" and back.args == args.replace(max_seq_len=back.args.max_seq_len)
+    loaded, _ = load_checkpoint(tmp_path / "back")
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)

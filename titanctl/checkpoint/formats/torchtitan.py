@@ -20,8 +20,9 @@ else is titanctl's canonical (Meta) naming, and both keep Meta's interleaved RoP
 reading and writing is renaming only. Written Llama output uses the 0.3 names, plus a
 ``params.json`` (Meta's keys) that torchtitan ignores and titanctl reads back.
 
-Other families (Qwen3) are saved by torchtitan under titanctl's canonical names, with the
-published weights' "rotate half" RoPE rows: written as they are, plus the Hugging Face
+Other families (Qwen3, Qwen3-MoE, DeepSeek-V3: torchtitan's MoE and latent attention modules have
+titanctl's names) are saved by torchtitan under titanctl's canonical names, with the published
+weights' RoPE rows ("rotate half", DeepSeek's interleaved): written as they are, plus the Hugging Face
 ``config.json`` (Meta's keys cannot say QK norm, head width, FFN width or the tie), which
 titanctl reads back. A tied model's output layer is written as the embedding's copy (torchtitan's
 loader wants both keys) while config.json says tied, so reading drops the copy again.

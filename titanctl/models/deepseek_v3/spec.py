@@ -18,5 +18,6 @@ SPEC = ModelSpec(
     split_stage=split_into_stage,
     flops_per_token=deepseek_v3_flops_per_token,
     hf=HF,
+    formats=("torchtitan",),  # torchtitan's MoE and MLA modules use titanctl's names
     tokenizer_repo=("deepseek-ai/DeepSeek-V3", ""),
 )

@@ -17,5 +17,6 @@ SPEC = ModelSpec(
     split_stage=split_into_stage,
     flops_per_token=decoder_flops_per_token,
     hf=HF,
+    formats=("torchtitan",),  # torchtitan's MoE and MLA modules use titanctl's names
     tokenizer_repo=("Qwen/Qwen3-30B-A3B-Base", ""),
 )
