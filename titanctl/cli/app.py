@@ -83,6 +83,7 @@ def _register() -> None:
         estimate_memory,
         infer_tp,
         inspect_trace,
+        plan,
         profile,
         train,
     )
@@ -95,6 +96,7 @@ def _register() -> None:
     command("convert-checkpoint", convert.convert)
     command("convert", convert.convert, help="Alias of convert-checkpoint.")
     command("estimate-memory", estimate_memory.estimate_memory, context_settings=OVERRIDES)
+    command("plan", plan.plan)
     command("profile", profile.profile, context_settings=OVERRIDES)
     command("inspect-trace", inspect_trace.inspect_trace)
     command("infer-tp", infer_tp.infer_tp, context_settings=OVERRIDES)

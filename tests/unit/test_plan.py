@@ -1,0 +1,228 @@
+"""`titanctl plan` in one process: devices, enumeration checked by the trainer's own rules, the memory
+and time models, and the exact estimates of the finalists."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch.distributed as dist
+
+from tests.conftest import REPO
+from titanctl.config.recipe import load_config
+from titanctl.errors import ConfigError, ParallelError
+from titanctl.models.registry import model_args_from_config
+from titanctl.parallel.layouts.build import check_layout
+from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.pipeline_parallel import microbatch_count
+from titanctl.parallel.layouts.pipeline_stages import pipeline_layer_ranges
+from titanctl.tools.memory import estimate as memory
+from titanctl.tools.plan import calibrate, devices
+from titanctl.tools.plan.candidates import Candidate
+from titanctl.tools.plan.cost_model import collective_time, spans_nodes
+from titanctl.tools.plan.search import plan, recipe_config
+
+DEBUG = REPO / "recipes" / "llama3_debug.toml"
+H100 = devices.resolve_device("h100", None, {})
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    assert not dist.is_initialized()
+    yield
+    assert not dist.is_initialized()
+
+
+def trainer_accepts(recipe, overrides: list[str], world_size: int) -> None:
+    """What train checks before its first collective, from the printed command line's overrides."""
+    cfg = load_config(recipe, overrides, command="train")
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    vocab, _ = memory.resolve_vocab_size(cfg)
+    args = model_args_from_config(cfg.model, vocab, cfg.training.seq_len)
+    check_layout(cfg, dims, args)
+    memory.grad_accum_steps(cfg, dims.dp)
+    if dims.pp > 1:
+        p = cfg.parallelism
+        ranges = pipeline_layer_ranges(args.n_layers, dims.pp, p.pipeline_parallel_schedule,
+                                       split_points=p.pipeline_parallel_split_points,
+                                       layers_per_stage=p.pipeline_parallel_layers_per_stage)
+        microbatch_count(cfg.training.local_batch_size, p.pipeline_parallel_microbatch_size,
+                         p.pipeline_parallel_schedule, len(ranges), dims.pp)
+
+
+# ------------------------------------------------------------------------------- devices
+
+
+def test_presets_carry_the_datasheet_figures():
+    assert (H100.peak_bf16_tflops, H100.peak_fp8_tflops, H100.gpus_per_node) == (989.0, 1979.0, 8)
+    assert H100.intra_node_gbps == 450.0 and H100.inter_node_gbps == 50.0 and H100.async_tp
+    a100 = devices.resolve_device("a100", None, {})
+    assert a100.peak_bf16_tflops == 312.0 and a100.peak_fp8_tflops == 0 and not a100.async_tp
+    assert devices.resolve_device("mi300x", None, {}).memory_gib == pytest.approx(192e9 / 2**30)
+
+
+def test_command_line_figures_override_the_preset():
+    d = devices.resolve_device("h100", None, {"memory_gib": 40.0, "gpus_per_node": 4, "inter_node_gbps": None})
+    assert d.memory_gib == 40.0 and d.gpus_per_node == 4 and d.inter_node_gbps == 50.0
+
+
+@pytest.mark.parametrize("name, needle", [("cpu", "--calibrate"), ("tpu", "unknown --device 'tpu'")])
+def test_a_device_without_figures_is_refused(name, needle):
+    with pytest.raises(ConfigError, match=needle):
+        devices.resolve_device(name, None, {})
+
+
+def test_a_cluster_file_round_trips(tmp_path):
+    measured = dataclasses.replace(
+        H100, name="cpu", target="cpu", source="test", collectives={"all_gather": devices.Link(1.5, 20.0)})
+    path = tmp_path / "cluster.toml"
+    path.write_text(devices.cluster_toml(measured, ["a comment"]))
+    assert devices.resolve_device(None, path, {}) == measured
+    assert devices.resolve_device("cpu", path, {"memory_gib": 8.0}).memory_gib == 8.0
+
+
+def test_a_bad_cluster_file_is_one_error(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("[device]\nname = 'cpu'\nmatmul_efficiency = 1.5\n")
+    with pytest.raises(ConfigError, match="matmul_efficiency = 1.5 in .* must be a fraction"):
+        devices.resolve_device(None, path, {})
+    path.write_text("[device]\nname = 'h100'\nwarp_speed = 9\n")
+    with pytest.raises(ConfigError, match="unknown key 'warp_speed'"):
+        devices.resolve_device(None, path, {})
+
+
+# ------------------------------------------------------------------------------- fits of the calibration
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    world, latency, gbps = 4, 50e-6, 2.0
+    for kind in ("all_gather", "all_reduce", "p2p"):
+        d = dataclasses.replace(H100, collectives={kind: devices.Link(gbps, latency * 1e6)})
+        samples = [(n, collective_time(d, kind, n, 2 if kind == "p2p" else world, False)) for n in (4096, 1 << 20, 8 << 20)]
+        link = calibrate.fit_link(kind, samples, world)
+        assert link.gbps == pytest.approx(gbps, rel=1e-6) and link.latency_us == pytest.approx(50.0, rel=1e-6)
+
+
+def test_matmul_fit_recovers_efficiency_and_half_dim():
+    peak, efficiency, half = 1e11, 0.5, 2 ** (20 / 4)
+    samples = [((m, n, k), 2 * m * n * k / (peak * efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))))
+               for m, n, k in calibrate._MATMUL_SHAPES]
+    fitted_efficiency, fitted_half = calibrate.fit_matmul(samples, peak)
+    assert fitted_efficiency == pytest.approx(efficiency, rel=1e-6) and fitted_half == pytest.approx(half)
+
+
+# ------------------------------------------------------------------------------- the time model's terms
+
+
+def test_collectives_follow_the_ring_formulas():
+    link = H100.link("all_gather", False)
+    n, size = 8, 1 << 30
+    expected = (n - 1) * link.latency_us * 1e-6 + (n - 1) / n * size / (link.gbps * 1e9)
+    assert collective_time(H100, "all_gather", size, n, False) == pytest.approx(expected)
+    assert collective_time(H100, "all_reduce", size, n, False) == pytest.approx(2 * expected)
+    assert collective_time(H100, "all_gather", size, n, True) > 5 * collective_time(H100, "all_gather", size, n, False)
+    assert collective_time(H100, "all_gather", size, 1, False) == 0
+    assert not spans_nodes(H100, 1, 8) and spans_nodes(H100, 8, 2) and not spans_nodes(H100, 2, 4)
+
+
+def test_more_pipeline_microbatches_shrink_the_bubble():
+    cfg = recipe_config(REPO / "recipes" / "llama3_8b.toml")
+    from titanctl.tools.plan.search import Planner
+
+    planner = Planner("llama3_8b", cfg, H100)
+    bubbles = []
+    for mb_size in (4, 2, 1):
+        c = Candidate(1, 2, 1, 4, 1, 1, 16, 1, pp_schedule="1F1B", pp_microbatch_size=mb_size, ac="full")
+        bubbles.append(planner.evaluate(c, 32).time.bubble / planner.evaluate(c, 32).time.step)
+    assert bubbles[0] > bubbles[1] > bubbles[2] > 0
+    interleaved = dataclasses.replace(c, pp_schedule="Interleaved1F1B")
+    assert planner.evaluate(interleaved, 32).time.bubble < planner.evaluate(c, 32).time.bubble
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+@pytest.fixture(scope="module")
+def debug_plan():
+    cfg = recipe_config(DEBUG)
+    return plan(str(DEBUG), cfg, 4, H100, top=12, exact=2, compile_options=(False,))
+
+
+def test_every_printed_layout_passes_the_trainers_validation(debug_plan):
+    assert len(debug_plan.layouts) == 12
+    kinds = set()
+    for layout in debug_plan.layouts:
+        c = layout.candidate
+        assert c.world_size == 4 and c.dp * c.local_batch_size * c.grad_accum == debug_plan.global_batch
+        trainer_accepts(DEBUG, c.overrides(debug_plan.global_batch), 4)
+        kinds.add((c.dp_replicate > 1, c.dp_shard > 1, c.tp > 1, c.pp > 1, c.cp > 1))
+    assert len(kinds) > 1
+    steps = [layout.time.step for layout in debug_plan.layouts]
+    assert steps == sorted(steps)
+
+
+def test_the_finalists_memory_is_estimate_memorys(debug_plan):
+    exact = [layout for layout in debug_plan.layouts if layout.exact_memory is not None]
+    assert len(exact) == 2
+    first = exact[0]
+    cfg = load_config(DEBUG, first.candidate.overrides(debug_plan.global_batch), command="train")
+    estimate = memory.estimate_memory(cfg, 4, device="cuda")
+    assert first.exact_memory == estimate.peak
+    # The fast path is an approximation of the same peak.
+    assert 0.5 < first.fast_memory / first.exact_memory < 2
+
+
+def test_the_json_rows_have_the_issues_fields(debug_plan):
+    rows = debug_plan.to_json()
+    for row in rows:
+        for key in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep", "pp_schedule", "microbatches", "ac",
+                    "memory_gib", "step_s", "tokens_per_second_per_device", "mfu", "memory_exact", "torchrun"):
+            assert key in row, key
+        assert row["tokens_per_second_per_device"] == pytest.approx(
+            debug_plan.global_batch * debug_plan.seq_len / row["step_s"] / 4)
+        assert 0 < row["mfu"] < 1 and math.isfinite(row["step_s"])
+    assert [r["memory_exact"] for r in rows[:2]] == [True, True]
+
+
+def test_every_layout_that_fits_is_timed_and_refusals_are_counted(debug_plan):
+    r = debug_plan.rejected
+    assert any("DDP" in reason for reason in r), r  # DDP x TP, DDP x PP: the trainer's refusals
+    assert debug_plan.considered > 100
+
+
+def test_tensor_parallel_stays_within_a_node():
+    cfg = recipe_config(DEBUG)
+    four = dataclasses.replace(H100, gpus_per_node=2)
+    result = plan(str(DEBUG), cfg, 4, four, top=50, exact=0, compile_options=(False,), ac_modes=("none",))
+    assert all(layout.candidate.tp <= 2 for layout in result.layouts)
+    assert result.rejected["tp must stay within a node"] >= 1
+
+
+def test_a_gpu_count_the_model_cannot_use_is_one_error():
+    cfg = recipe_config(DEBUG)  # 6 layers, 16 heads of which 4 key/value, seq 256
+    with pytest.raises(ParallelError, match="no layout of llama3 debugmodel uses 7 devices"):
+        plan(str(DEBUG), cfg, 7, H100, global_batch=8, exact=0)
+
+
+def test_a_model_that_fits_nowhere_is_one_error():
+    cfg = recipe_config(REPO / "recipes" / "llama3_405b.toml")
+    with pytest.raises(ParallelError, match="no layout of llama3 405B on 8 x h100 fits"):
+        plan("llama3_405b", cfg, 8, H100, exact=0)
+
+
+def test_no_exact_estimate_starts_past_the_time_budget():
+    cfg = recipe_config(DEBUG)
+    result = plan(str(DEBUG), cfg, 4, H100, top=2, exact=3, budget_seconds=0, compile_options=(False,))
+    assert all(layout.exact_memory is None for layout in result.layouts)
+    assert any("time budget" in note for note in result.notes)
+
+
+def test_the_recipes_activation_checkpointing_can_be_kept():
+    from titanctl.tools.plan.search import ac_modes_from
+
+    assert ac_modes_from("recipe", recipe_config(REPO / "recipes" / "llama3_8b.toml")) == ("selective_op",)
+    assert ac_modes_from("recipe", recipe_config(REPO / "recipes" / "llama3_70b.toml")) == ("full",)
+    assert ac_modes_from("none,full", recipe_config(DEBUG)) == ("none", "full")
+    with pytest.raises(ConfigError, match="--ac 'some'"):
+        ac_modes_from("some", recipe_config(DEBUG))

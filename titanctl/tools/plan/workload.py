@@ -1,0 +1,122 @@
+"""What one block of a model is made of, as the cost and memory models need it: its matmuls, with how
+tensor parallel splits each, its routed experts, and its other parameters.
+
+Read off the model itself: the weight shapes (``titanctl.models.shapes``, the meta-device model) and
+the family's tensor-parallel plan (``spec.tp_plan``, the same data ``apply_tp`` applies). A linear the
+plan marks column-wise has its output features split tp ways, row-wise its input features; anything
+else (norms, MoE routers, latent-attention down-projections, every MoE layer's experts: tensor
+parallel runs MoE layers whole on each TP rank) is whole on every TP rank. Routed experts are split
+over the expert-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+
+from titanctl.models.common.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str  # inside the block, e.g. attention.wq
+    out_features: int
+    in_features: int
+    split: str  # "col", "row" or "" (whole on every TP rank)
+
+    def local(self, tp: int) -> tuple[int, int]:
+        """(out, in) features on one TP rank."""
+        if self.split == "col":
+            return self.out_features // tp, self.in_features
+        if self.split == "row":
+            return self.out_features, self.in_features // tp
+        return self.out_features, self.in_features
+
+
+@dataclass(frozen=True)
+class Experts:
+    count: int
+    top_k: int
+    matrices: tuple[tuple[int, int], ...]  # (out, in) of each expert's matrices (w1, w2, w3)
+
+    @property
+    def params_per_expert(self) -> int:
+        return sum(o * i for o, i in self.matrices)
+
+
+@dataclass(frozen=True)
+class Block:
+    linears: tuple[Linear, ...]  # dense matmuls (shared experts and routers included)
+    experts: Experts | None  # the routed experts (MoE blocks)
+    other_params: int  # norms and biases: whole on every rank
+    moe_linears: tuple[Linear, ...]  # the linears of the MoE layer (router, shared experts): whole under TP
+
+    def params(self, tp: int, ep: int) -> int:
+        """Parameters of this block on one rank of a tp x ep layout (before FSDP sharding)."""
+        dense = sum(math.prod(lin.local(tp)) for lin in self.linears)
+        routed = 0 if self.experts is None else self.experts.count // ep * self.experts.params_per_expert
+        return dense + routed + self.other_params
+
+    def expert_params(self, ep: int) -> int:
+        return 0 if self.experts is None else self.experts.count // ep * self.experts.params_per_expert
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    args: ModelArgs
+    blocks: tuple[Block, ...]
+    vocab: int
+    dim: int
+    embedding_params: int
+    output_params: int  # 0 when tied to the embedding
+    final_norm_params: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+
+@functools.lru_cache(maxsize=16)
+def model_shape(args: ModelArgs) -> ModelShape:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from titanctl.models.registry import spec_of
+    from titanctl.models.shapes import tied_weights, weight_shapes
+
+    shapes = weight_shapes(args)
+    buffers_or_tied = set(tied_weights(args))
+    plan = spec_of(args).tp_plan.block(args, None, ())
+    split = {name: "col" if isinstance(style, ColwiseParallel) else "row" if isinstance(style, RowwiseParallel) else ""
+             for name, style in plan.items()}
+    per_layer: dict[int, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        match = re.match(r"layers\.(\d+)\.(.+)$", key)
+        if match:
+            per_layer.setdefault(int(match.group(1)), {})[match.group(2)] = shape
+    blocks = []
+    for layer in range(args.n_layers):
+        linears, moe_linears, other, experts = [], [], 0, []
+        for name, shape in per_layer[layer].items():
+            if name.endswith("expert_bias"):  # a buffer, no parameter
+                continue
+            module = name.removesuffix(".weight")
+            if ".experts." in name and len(shape) == 3:
+                experts.append((shape[1], shape[2]))
+                count = shape[0]
+            elif len(shape) == 2:
+                lin = Linear(module, shape[0], shape[1], split.get(module, ""))
+                (moe_linears if module.startswith("moe.") else linears).append(lin)
+            else:
+                other += math.prod(shape)
+        routed = None
+        if experts:
+            routed = Experts(count, args.moe.top_k, tuple(experts))
+        blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears)))
+    vocab, dim = shapes["tok_embeddings.weight"]
+    tied = "output.weight" in buffers_or_tied
+    return ModelShape(
+        args, tuple(blocks), vocab, dim, vocab * dim, 0 if tied else math.prod(shapes["output.weight"]),
+        math.prod(shapes["norm.weight"]),
+    )
