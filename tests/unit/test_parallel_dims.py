@@ -119,3 +119,21 @@ def test_fsdp_reshard_after_forward_always_means_every_module():
     assert rows["default", "False"] == ["True", "False", "True"]  # the last block is needed right away
     assert rows["default", "True"] == ["False", "False", "False"]  # pipelines keep everything gathered
     assert rows["never", "False"] == ["False", "False", "False"]
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"])
+def test_zero_bubble_schedules_refuse_op_level_selective_checkpointing_before_training(schedule):
+    """They backward each stage twice (inputs, then weights); op-level SAC allows one backward per region and
+    failed at the first step (RuntimeError: Trying to backward an extra time)."""
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+
+    overrides = ["--parallelism.pipeline_parallel_schedule", schedule, "--activation_checkpoint.mode", "selective"]
+    layout = dims(2, pipeline_parallel=2, data_parallel_shard=1)
+    cfg = load_config(None, [*overrides, "--activation_checkpoint.selective_ac_option", "op"])
+    with pytest.raises(ParallelError, match=rf"pipeline_parallel_schedule = {schedule} runs each backward in two "
+                                            r"passes, which activation_checkpoint.selective_ac_option = 'op' forbids"):
+        check_layout(cfg, layout, model_args_from_config(cfg.model, 256, 64))
+    every_second = load_config(None, [*overrides, "--activation_checkpoint.selective_ac_option", "2"])
+    check_layout(every_second, layout, model_args_from_config(every_second.model, 256, 64))

@@ -27,6 +27,7 @@ from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, ap
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import apply_ep, expert_gradient_divide_factor
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
+from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
@@ -61,6 +62,14 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         raise ParallelError(
             f"DDP (data_parallel_replicate_degree = {dims.dp_replicate}) does not compose with "
             f"tensor_parallel_degree = {dims.tp}: use data_parallel_shard_degree > 1 (HSDP) instead"
+        )
+    ac = cfg.activation_checkpoint
+    if dims.pp > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES and ac.mode == "selective" \
+            and ac.selective_ac_option == "op":
+        raise ParallelError(
+            f"pipeline_parallel_schedule = {p.pipeline_parallel_schedule} runs each backward in two passes, which "
+            "activation_checkpoint.selective_ac_option = 'op' forbids (one backward per recomputed region): use "
+            "selective_ac_option = a number, mode = full, or another schedule"
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")

@@ -26,6 +26,9 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", *V_SCHEDULES)
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+# Zero-bubble schedules run a stage's backward in two passes (inputs' gradients, then the weights'),
+# which op-level selective activation checkpointing forbids (it allows one backward per region).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", *V_SCHEDULES)
 
 _SPLIT_POINT = re.compile(r"layers\.(\d+)")
 
