@@ -3,8 +3,9 @@
 The default is Llama 3.1 405B on 512 ranks under PP 8 with the 1F1B schedule (FSDP 8 x TP 8 inside
 each stage), local batches of 1-sample microbatches (--counts, default 8 and 32). Each estimate
 runs in a fresh process (as a user's would); the counts alternate over --rounds rounds so that load
-from other processes hits all alike. Prints each run's seconds (the estimator's own figure, and the
-process's wall time including imports), the medians and their ratios to the first count: past the
+from other processes hits all alike. Prints each run's seconds (the estimator's own figure, the
+process's wall time including imports, and its CPU time, which load from other processes inflates
+less), the load average and the exact peak, then the medians and their ratios to the first count: past the
 schedule's warm-up the cost does not grow with the microbatch count (add 256 to see it).
 --unshortened adds runs with --all-layers --all-microbatches (every block and every microbatch
 run; minutes) for comparison.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -27,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def estimate_seconds(opts, batch: int, *extra: str) -> tuple[float, float, int]:
-    """(estimator seconds, process wall seconds, peak bytes) of one estimate in a fresh process."""
+def estimate_seconds(opts, batch: int, *extra: str) -> tuple[float, float, float, int]:
+    """(estimator seconds, process wall seconds, process CPU seconds, peak bytes) of one estimate in a
+    fresh process."""
     argv = [
         sys.executable, "-m", "titanctl", "estimate-memory", "--config", opts.config,
         "--world-size", str(opts.world_size), "--json",
@@ -38,13 +42,15 @@ def estimate_seconds(opts, batch: int, *extra: str) -> tuple[float, float, int]:
         "--training.local_batch_size", str(batch),
         "--parallelism.expert_parallel_degree", str(opts.ep), *extra,
     ]
-    started = time.perf_counter()
+    started, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     if proc.returncode:
         raise SystemExit(f"estimate-memory failed:\n{proc.stderr}")
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
-    return out["seconds"], wall, out["peak"]
+    return out["seconds"], wall, cpu, out["peak"]
 
 
 def main() -> None:
@@ -70,10 +76,10 @@ def main() -> None:
           "microbatches of 1 sample")
     for round_ in range(1, opts.rounds + 1):
         for name, (batch, *extra) in variants.items():
-            estimator, wall, peaks[name] = estimate_seconds(opts, batch, *extra)
+            estimator, wall, cpu, peaks[name] = estimate_seconds(opts, batch, *extra)
             seconds[name].append(estimator)
-            print(f"round {round_}: {name:30s} {estimator:6.1f} s estimating, {wall:6.1f} s wall, "
-                  f"peak {peaks[name] / 2**30:.2f} GiB", flush=True)
+            print(f"round {round_}: {name:30s} {estimator:6.1f} s estimating, {wall:6.1f} s wall, {cpu:6.1f} s CPU, "
+                  f"load {os.getloadavg()[0]:.1f}, peak {peaks[name]:,} bytes", flush=True)
     median = {name: statistics.median(values) for name, values in seconds.items()}
     print()
     for name, value in median.items():

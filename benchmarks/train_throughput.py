@@ -13,12 +13,17 @@ processes hits both alike; the ratio printed is the median of the rounds' ratios
 The first step of each contender is timed apart (for titanctl with compile on, it includes
 torch.compile) and left out of tokens/s, as ``titanctl train`` leaves it out of its tps.
 
+``--isa both`` (the default) runs the whole comparison twice in subprocesses: with the kernels this CPU
+picks (native) and as on an AVX2-only CPU (``ISA_ENV["avx2"]``: torch's vectorized kernels and inductor's
+generated code at AVX2 width, oneDNN and MKL capped at AVX2), and prints both ratios; on a CPU without
+AVX-512 the two are the same and only native runs. ``--isa native`` / ``avx2`` run one.
+
 ``--float8`` and ``--norm fused_rmsnorm`` add titanctl variants (float8 linears; the fused norm),
 each printed as a ratio to plain titanctl. On a CPU float8 is emulated: its ratio shows the
 emulation's overhead, not a speed-up.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/train_throughput.py [--rounds 5] [--dtype bfloat16]
-        [--compile | --no-compile] [--linear onednn|aten] [--threads N] [--seq-len 256] [--batch 8]
+    PYTHONPATH=. .venv/bin/python benchmarks/train_throughput.py [--isa both|native|avx2] [--rounds 5]
+        [--dtype bfloat16] [--compile | --no-compile] [--linear onednn|aten] [--threads N] [--seq-len 256] [--batch 8]
         [--recipe recipes/llama3_debug.toml] [--float8] [--norm fused_rmsnorm]
 """
 
@@ -27,7 +32,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +54,38 @@ from titanctl.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What an AVX2-only CPU runs, on a CPU with AVX-512: read by torch, oneDNN and MKL when they load, and by
+# inductor when it picks its vector width (ATEN_CPU_CAPABILITY), so set before torch is imported.
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def run_per_isa(argv: list[str]) -> None:
+    """This benchmark once per ISA in a subprocess (the ISA is fixed when torch loads); prints each
+    run's output and then the ratios side by side."""
+    isas = ["native", "avx2"] if has_avx512() else ["native"]
+    ratios = {}
+    for isa in isas:
+        settings = " ".join(f"{key}={value}" for key, value in ISA_ENV.get(isa, {}).items())
+        print(f"--- {isa}" + (f" ({settings})" if settings else ""), flush=True)
+        # Without this process's TORCHINDUCTOR_CACHE_DIR (importing inductor sets it): torch 2.13's cache does
+        # not tell kernels of one capability from another's, and titanctl's import gives each its own folder.
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in ("TORCHINDUCTOR_CACHE_DIR", *ISA_ENV["avx2"])}
+        env = {**inherited, **ISA_ENV.get(isa, {}), "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, __file__, *argv, "--isa", isa], env=env, text=True,
+                             capture_output=True, check=True).stdout
+        print(out, end="", flush=True)
+        ratios[isa] = re.search(r"ratio titanctl/transformers = ([0-9.]+)", out).group(1)
+    if len(isas) == 1:
+        print("(no AVX-512 on this CPU: native is the AVX2 path)")
+    print("titanctl/transformers: " + ", ".join(f"{isa} {ratio}" for isa, ratio in ratios.items()))
 
 
 def cpu_description() -> tuple[str, list[str]]:
@@ -104,7 +144,14 @@ def main() -> None:
     parser.add_argument("--float8", action="store_true", help="also time titanctl with float8 linears")
     parser.add_argument("--norm", default="rmsnorm", choices=["rmsnorm", "fused_rmsnorm"],
                         help="fused_rmsnorm: also time titanctl with the fused norm")
+    parser.add_argument("--isa", default="both", choices=["both", "native", "avx2"],
+                        help="kernels of this CPU, of an AVX2-only one (see ISA_ENV), or both in turn")
     opts = parser.parse_args()
+    if opts.isa == "both":
+        run_per_isa([a for a in sys.argv[1:] if a not in ("--isa", "both")])
+        return
+    if opts.isa == "avx2" and any(os.environ.get(k) != v for k, v in ISA_ENV["avx2"].items()):
+        parser.exit(2, "--isa avx2 needs its environment before torch loads: run with --isa both\n")
 
     cpu, bf16_units = cpu_description()
     if opts.dtype == "bfloat16" and not bf16_units:

@@ -384,6 +384,13 @@ LR_SCHEDULER_STEP_COUNT_KEY = "_step_count"
 _MEM = "estimate-memory"
 # Tensors without storage, on which a whole training step runs to measure its memory.
 FAKE_TENSOR_MODE = _private("torch._subclasses.fake_tensor.FakeTensorMode", _MEM)
+# FakeTensorMode's dispatch cache key, which titanctl.tools.memory.fake builds faster (the same key):
+# the fake tensor class, the metadata whose fields the key lists, the method that builds the key's
+# values from an op's arguments, and the memory format the metadata records.
+FAKE_TENSOR = _private("torch._subclasses.fake_tensor.FakeTensor", _MEM)
+FAKE_TENSOR_METADATA = _private("torch._subclasses.fake_tensor.TensorMetadata", _MEM)
+PREP_ARGS_FOR_HASH = _private("torch._subclasses.fake_tensor.FakeTensorMode._prep_args_for_hash", _MEM)
+SUGGEST_MEMORY_FORMAT = _private("torch._prims_common.suggest_memory_format", _MEM)
 # The profiler's allocation events (--validate counts the allocator's bytes from them).
 PROFILER_ALLOCATION_EVENT = _private("torch._C._profiler._EventType.Allocation", _MEM)
 # torch's memory trackers, which sort every storage of a step into parameters, gradients,
@@ -408,6 +415,25 @@ MEM_TRACKER_HOOKS = (
     _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_mod_tracker"),
     _private("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", _MEM, instance_attr="_root_mod"),
 )
+# The trackers' accounting of each op (their __torch_dispatch__), which titanctl's subclasses do in fewer
+# steps with the same result: torch's categories and FSDP's states, the methods that register an op's
+# output storages and FSDP's communication buffers, the state they read, the fake mode check, the
+# collectives FSDP's tracker treats apart, and the pytree walk over an op's outputs.
+MEM_REF_TYPE = _private("torch.distributed._tools.mem_tracker._MemRefType", _MEM)
+FSDP_REF_TYPE = _private("torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType", _MEM)
+FSDP_TRACKER_STATE = _private("torch.distributed._tools.fsdp2_mem_tracker._FSDPState", _MEM)
+MEM_TRACKER_DISPATCH = (
+    _private("torch.distributed._tools.mem_tracker.MemTracker._track", _MEM),
+    _private("torch.distributed._tools.mem_tracker.MemTracker._update_and_maybe_create_winfos", _MEM),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_fake_mode_on_entry"),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_in_ac"),
+    _private("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", _MEM, instance_attr="_fsdp_state"),
+)
+ACTIVE_FAKE_MODE = _private("torch._guards.active_fake_mode", _MEM)
+ALL_GATHER_BASE_OP = _private("torch.ops.c10d._allgather_base_.default", _MEM)
+REDUCE_SCATTER_BASE_OP = _private("torch.ops.c10d._reduce_scatter_base_.default", _MEM)
+WAIT_TENSOR_OP = _private("torch.ops._c10d_functional.wait_tensor.default", _MEM)
+TREE_MAP_ONLY = _private("torch.utils._pytree.tree_map_only", _MEM)
 # DTensor's shape propagation, which the trackers must not count (it runs on global-size fake
 # tensors); patched for the duration of an estimate with patched() below.
 SHARDING_PROPAGATION = _private(

@@ -150,6 +150,127 @@ def shortcut_sizes(schedule: str) -> tuple[int, int, int]:
     return (stages, *shortcuts.affine_from(schedule, 2, stages))
 
 
+FSDP_FULL_AC = ["--parallelism.data_parallel_shard_degree", "2", "--activation_checkpoint.mode", "full"]
+
+
+def run_pipeline_steps(cfg, world_size: int, derive: bool) -> memory._Run:
+    """Rank 0's two steps of ``cfg`` (every block, every microbatch), the second derived or run."""
+    import torch
+
+    from titanctl.tools.memory.fake import fake_tensor_mode
+    from titanctl.tools.memory.tracker import untracked_sharding_propagation
+
+    plan = memory.plan_estimate(cfg, world_size, all_layers=True, all_microbatches=True)
+    with memory.fake_process_group(world_size, 0):
+        plan.dims.mesh  # noqa: B018
+        with untracked_sharding_propagation():
+            return memory._run_steps(
+                plan.cfg, plan.dims, plan.args, torch.device("cpu"), accum=plan.accum, steps=2, period=plan.period,
+                fake_mode=fake_tensor_mode(allow_non_fake_inputs=True), derive_second_step=derive,
+            )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.slow
+def test_pipeline_second_step_derived_equals_running_it(schedule):
+    """A pipeline's second step, derived from its first (each schedule action's peak plus what was
+    alive when the step's first action began; memory._second_pipeline_step), equals running it: every
+    (phase, place, action)'s peak, breakdown and module, byte for byte. Rank 0 of pp 2 under FSDP 2
+    with full AC (as the big recipes), one block per stage, the microbatch count the shortcut runs."""
+    stages, first, step = shortcut_sizes(schedule)
+    cfg = load_config(REPO / "recipes/llama3_debug.toml", [*pipeline_overrides(schedule, stages, first + step), *FSDP_FULL_AC])
+    derived, run = run_pipeline_steps(cfg, 4, derive=True), run_pipeline_steps(cfg, 4, derive=False)
+    assert derived.second_step_derived and not run.second_step_derived
+    assert {key for key in run.peaks if key[0] == 2}, "no second step"
+    assert {k: (p.total, p.categories, p.module) for k, p in derived.peaks.items()} == {
+        k: (p.total, p.categories, p.module) for k, p in run.peaks.items()
+    }
+
+
+@pytest.mark.slow
+def test_pipeline_second_step_runs_under_gradient_accumulation():
+    """With two pipeline schedules per step (gradient accumulation), the second frees what the set-up
+    left alive in the first: step 2 then differs from step 1 by more than a constant, and is run."""
+    cfg = load_config(REPO / "recipes/llama3_debug.toml", [
+        *pipeline_overrides("1F1B", 2, 4), "--training.global_batch_size", "8"])
+    run = run_pipeline_steps(cfg, 2, derive=True)
+    assert not run.second_step_derived and any(key[0] == 2 for key in run.peaks)
+
+
+def _torch_tracker_dispatch(self, func, types, args=(), kwargs=None):
+    """The trackers' per-op accounting as torch does it (what tracker._StepPeaks.__torch_dispatch__ did
+    before it took the shorter way)."""
+    from titanctl.tools.memory import tracker
+
+    if tracker._propagating or func is tracker._DEVICE_QUERY:
+        return func(*args, **(kwargs or {}))
+    return super(tracker._StepPeaks, self).__torch_dispatch__(func, types, args, kwargs)
+
+
+def tracked_runs(plan: memory.Plan) -> dict:
+    """What the tracker saw in each run of ``plan`` (shortcuts.runs_to_make), place by place: (step,
+    phase, place) -> (peak, breakdown, module), and the state after the first step."""
+    import torch
+
+    from titanctl.tools.memory.fake import fake_tensor_mode
+    from titanctl.tools.memory.tracker import untracked_sharding_propagation
+
+    out, dims = {}, dataclasses.replace(plan.dims)  # its own mesh, on this fake process group
+    with memory.fake_process_group(plan.world_size, plan.rank):
+        dims.mesh  # noqa: B018
+        with untracked_sharding_propagation():
+            for n_layers, count, steps in shortcuts.runs_to_make(plan.depths, plan.microbatches,
+                                                                 plan.count_slope_at_one_depth):
+                run_cfg = memory._with_pipeline_microbatches(plan.cfg, count) if count else plan.cfg
+                run = memory._run_steps(
+                    run_cfg, dims, plan.args.replace(n_layers=n_layers), torch.device("cpu"), accum=plan.accum,
+                    steps=steps, period=plan.period, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True),
+                    derive_second_step=plan.derive_second_step,
+                )
+                out[n_layers, count] = (
+                    {key: (p.total, p.categories, p.module) for key, p in run.peaks.items()},
+                    run.start, run.after_backward, run.optimizer_state,
+                )
+    return out
+
+
+@pytest.mark.parametrize(
+    "recipe, world_size, overrides",
+    [
+        ("recipes/llama3_debug.toml", 4, ["--parallelism.tensor_parallel_degree", "2",
+                                          "--training.mixed_precision_param", "bfloat16"]),
+        ("recipes/llama3_debug.toml", 4, [*pipeline_overrides("1F1B", 2, 4), *FSDP_FULL_AC]),
+        ("recipes/qwen3_moe_debug.toml", 4, [*TINY, "--parallelism.expert_parallel_degree", "2",
+                                             "--parallelism.pipeline_parallel_degree", "2",
+                                             "--parallelism.pipeline_parallel_microbatch_size", "1"]),
+        ("recipes/llama3_debug.toml", 2, [*TINY, "--parallelism.tensor_parallel_degree", "2",
+                                          "--activation_checkpoint.mode", "full"]),
+    ],
+    ids=["fsdp2-tp2-bf16", "pp2-fsdp2-ac", "moe-ep2-pp2", "tp2-ac"],
+)
+@pytest.mark.slow
+def test_the_fast_ways_estimate_what_torch_own_code_does(monkeypatch, recipe, world_size, overrides):
+    """The estimate's three ways to save time change no byte of it: fake-tensor cache keys built
+    directly (checked against torch's, key by key), the trackers' shorter per-op accounting, and a
+    pipeline's second step derived from its first; against torch's FakeTensorMode and trackers
+    running every step: each place's peak and breakdown in every run, and the estimate."""
+    from titanctl.tools.memory import fake, tracker
+
+    assert fake.fast_keys_apply(), "torch's fake-tensor cache key changed: the fast keys are off"
+    plan = memory.plan_estimate(load_config(REPO / recipe, overrides), world_size)
+    fast = tracked_runs(plan), memory.run_estimate(plan).to_json()
+    monkeypatch.setattr(fake.FastKeyFakeTensorMode, "CROSSCHECK", True)
+    crosschecked = tracked_runs(plan)
+    monkeypatch.setattr(fake, "fast_keys_apply", lambda: False)
+    monkeypatch.setattr(tracker._StepPeaks, "__torch_dispatch__", _torch_tracker_dispatch)
+    plan = dataclasses.replace(plan, derive_second_step=False)
+    reference = tracked_runs(plan), memory.run_estimate(plan).to_json()
+    for _, estimate_json in (fast, reference):
+        estimate_json.pop("seconds")
+    assert fast[0] == crosschecked
+    assert fast == reference
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.slow
 def test_pipeline_microbatch_shortcut_equals_running_every_microbatch(schedule):

@@ -10,7 +10,7 @@ from titanctl.errors import CheckpointError, ParallelError
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
-from titanctl.tools.generate import Decoder, check_tp_degree, find_checkpoint, generate
+from titanctl.tools.generate import CACHE_BUCKET, Decoder, cache_length, check_tp_degree, find_checkpoint, generate
 from titanctl.tools.sampling import Sampling
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
@@ -116,17 +116,110 @@ def test_sampling_is_reproducible_per_seed(model):
 
 @pytest.mark.slow
 def test_compiled_decode_step_equals_eager(model):
-    """One compiled decoder, greedy and sampled (two graphs); compile time is reported apart."""
+    """One compiled decoder, greedy and sampled (two graphs); compile time is reported apart, and
+    compiling comes after the first token (the prefill is eager): the user sees it first."""
     decoder = Decoder(model, len(PROMPT) + 16, compile=True)
+    events = []
     try:
-        greedy = decoder.generate(PROMPT, 16)
+        greedy = decoder.generate(PROMPT, 16, on_first_token=lambda t: events.append(("first", t)),
+                                  say=lambda text: events.append(("say", text)))
         sampled = decoder.generate(PROMPT, 16, Sampling(1.0, 50), seed=7)
         again = decoder.generate(PROMPT, 16, Sampling(1.0, 50), seed=7)
     finally:
         decoder.close()
+    assert events[0] == ("first", greedy.tokens[0])
+    assert events[1][0] == "say" and events[1][1].startswith("compiling the decode step")
+    assert events[2][0] == "say" and events[2][1].startswith("decoding up to 15 more tokens (compiled")
     assert greedy.compile_seconds > 0 and sampled.compile_seconds > 0 and again.compile_seconds == 0
     assert greedy.tokens == generate(model, PROMPT, 16).tokens
     assert sampled.tokens == again.tokens == generate(model, PROMPT, 16, temperature=1.0, top_k=50, seed=7).tokens
+
+
+def test_thread_counts_measured_on_the_work_change_no_token(model):
+    """With candidate thread counts the prefill runs in chunks (one per candidate, then the rest)
+    and eager decoding measures its first steps at each: the same tokens as at one count, the
+    counts used are candidates, and torch's setting is left as it was."""
+    new = 52  # enough tokens for the decode steps' probe
+    plain = generate(model, PROMPT, new, temperature=0)
+    before = torch.get_num_threads()
+    probed = generate(model, PROMPT, new, temperature=0, threads=[2, 1])
+    assert torch.get_num_threads() == before
+    assert probed.tokens == plain.tokens
+    assert set(probed.threads) == {"prefill", "decode"} and set(probed.threads.values()) <= {1, 2}
+    assert plain.threads == {"prefill": before, "decode": before}
+    sampled = generate(model, PROMPT, new, temperature=1.0, top_k=50, seed=7)
+    assert generate(model, PROMPT, new, temperature=1.0, top_k=50, seed=7, threads=[2, 1]).tokens == sampled.tokens
+    with pytest.raises(ValueError, match="at least 1"):
+        Decoder(model, 16, threads=[0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("threads", [(), (2, 1)], ids=["one_forward", "chunks_per_thread_count"])
+def test_prefill_writes_the_cache_and_chooses_as_the_full_forward(model, threads):
+    """The prefill reads only the cache's written prefix (causal for a forward from position 0)
+    and computes the output layer at its last position only; in chunks when it measures thread
+    counts. Its cache and first token are the plain forward's."""
+    tokens = torch.tensor([PROMPT])
+    full = model(tokens)[0, -1]
+    decoder = Decoder(model, 32, threads=threads)
+    try:
+        first = decoder.generate(PROMPT, 1).tokens
+        written = [(layer.attention.cache.k.clone(), layer.attention.cache.v.clone())
+                   for layer in model.layers.values()]
+        model(tokens, input_pos=positions(0, len(PROMPT)))  # the plain cached forward, over the whole cache
+        for (k, v), layer in zip(written, model.layers.values()):
+            cache = layer.attention.cache
+            assert type(cache).__name__ == "KVCache"  # the prefill's view of it is gone
+            torch.testing.assert_close(k[:, :, : len(PROMPT)], cache.k[:, :, : len(PROMPT)], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(v[:, :, : len(PROMPT)], cache.v[:, :, : len(PROMPT)], atol=1e-6, rtol=1e-5)
+    finally:
+        decoder.close()
+    assert first == [int(full.argmax())]
+
+
+@pytest.mark.slow
+def test_run_says_each_phase_and_reports_rates_apart(model, tmp_path):
+    """What infer-tp does, in this process: the first token is told before the decode step is
+    compiled, and the report holds the prefill and decode rates with compile time and threads apart."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.data.tokenizer import Tokenizer
+    from titanctl.tools.generate import run
+
+    args = ARGS.replace(vocab_size=Tokenizer().vocab_size, max_seq_len=256)
+    small = Transformer(args)
+    initialize_weights(small, seed=3)
+    dcp.save({k: v.detach().clone() for k, v in small.state_dict().items()}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    write_metadata(tmp_path, args, step=1, weights_only=True, dtype="float32")
+    said: list[str] = []
+    threads = torch.get_num_threads()
+    try:
+        report = run(tmp_path, "To be, or not to be", max_new_tokens=64, temperature=0, compile=None, say=said.append)
+    finally:
+        torch.set_num_threads(threads)
+    order = [next(i for i, text in enumerate(said) if text.startswith(start))
+             for start in ("loading", "prefill of", "first token", "compiling the decode step", "decoding up to")]
+    assert order == sorted(order), said
+    data = report.as_dict()
+    assert data["compiled"] and data["compile_seconds"] > 0  # 64 new tokens: compiled by default
+    assert data["cache_length"] == cache_length(len(data["prompt_tokens"]) + 64, 256) > 64
+    assert data["first_token_seconds"] > 0
+    assert data["prefill_tokens_per_second"] > 0 and data["decode_tokens_per_second"] > 0
+    assert set(data["threads"]) == {"prefill", "decode"}
+    eager = generate(small, data["prompt_tokens"], 64, temperature=0, stop_tokens=Tokenizer().stop_tokens)
+    assert data["tokens"] == eager.tokens
+
+
+def test_cache_length_rounds_up_within_the_context():
+    """infer-tp's cache: prompts of nearby lengths share one shape (one compiled decode step)."""
+    assert cache_length(1, 4096) == cache_length(CACHE_BUCKET, 4096) == CACHE_BUCKET
+    assert cache_length(CACHE_BUCKET + 1, 4096) == 2 * CACHE_BUCKET
+    needed = 3 * CACHE_BUCKET - 5
+    assert cache_length(needed, 4096) == 3 * CACHE_BUCKET
+    assert cache_length(needed, needed + 2) == needed + 2  # never past the model's context
+    assert cache_length(needed, needed) == needed
 
 
 def test_top_k_1_is_greedy(model):

@@ -149,6 +149,7 @@ def debug_plan():
     return plan(str(DEBUG), cfg, 4, H100, top=12, exact=2, compile_options=(False,))
 
 
+@pytest.mark.slow  # the plan's exact estimates run in a forked child
 def test_every_printed_layout_passes_the_trainers_validation(debug_plan):
     assert len(debug_plan.layouts) == 12
     kinds = set()
@@ -162,6 +163,7 @@ def test_every_printed_layout_passes_the_trainers_validation(debug_plan):
     assert steps == sorted(steps)
 
 
+@pytest.mark.slow  # the plan's exact estimates run in a forked child
 def test_the_finalists_memory_is_estimate_memorys(debug_plan):
     exact = [layout for layout in debug_plan.layouts if layout.exact_memory is not None]
     assert len(exact) == 2
@@ -173,6 +175,7 @@ def test_the_finalists_memory_is_estimate_memorys(debug_plan):
     assert 0.5 < first.fast_memory / first.exact_memory < 2
 
 
+@pytest.mark.slow  # the plan's exact estimates run in a forked child
 def test_the_json_rows_have_the_issues_fields(debug_plan):
     rows = debug_plan.to_json()
     for row in rows:
@@ -185,6 +188,7 @@ def test_the_json_rows_have_the_issues_fields(debug_plan):
     assert [r["memory_exact"] for r in rows[:2]] == [True, True]
 
 
+@pytest.mark.slow  # the plan's exact estimates run in a forked child
 def test_every_layout_that_fits_is_timed_and_refusals_are_counted(debug_plan):
     r = debug_plan.rejected
     assert any("DDP" in reason for reason in r), r  # DDP x TP, DDP x PP: the trainer's refusals

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -22,8 +23,11 @@ def infer_tp(
     seed: int | None = typer.Option(
         None, "--seed", min=0, max=2**64 - 1, help="Sampling seed, 0 to 2^64-1 (default: random, printed)."
     ),
-    compile: bool = typer.Option(
-        False, "--compile/--no-compile", help="torch.compile the decode step (pays off for long generations)."
+    compile: bool | None = typer.Option(
+        None, "--compile/--no-compile",
+        help="torch.compile the decode step, after the first token (its time is reported apart; inductor's "
+        "cache makes later runs faster). Default: compile from --max-new-tokens 64 on, else decode eagerly.",
+        show_default=False,
     ),
     config: Path | None = typer.Option(
         None, "--config",
@@ -40,38 +44,52 @@ def infer_tp(
     from titanctl.config.recipe import check_overrides
 
     check_overrides("infer-tp", ctx.args)  # before torch is imported and any checkpoint is looked at
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    rank0 = os.environ.get("RANK", "0") == "0"
+
+    def say(text: str) -> None:  # progress of the phases that may take seconds, as they start
+        console.print(f"infer-tp: {text}", style="dim", markup=False, soft_wrap=True)
+        console.file.flush()
+
+    if rank0:
+        say("importing torch...")
     from titanctl.tools.generate import run
 
     report = run(
         checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-        config=config, overrides=ctx.args, compile=compile,
+        config=config, overrides=ctx.args, compile=compile, say=say,
     )
     if report.rank != 0:
         return
-    _print(report)
+    _print(console, report)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report.as_dict(), indent=1))
 
 
-def _print(report) -> None:
-    from rich.console import Console
-
+def _print(console, report) -> None:
     from titanctl.safe_io import shown
 
     result, sampling = report.generation, report.sampling
-    console = Console(highlight=False)
     # Prompt and generated text as they are, but an escape sequence a token decodes to is not obeyed.
     console.print(f"[dim]{shown(report.prompt, True)}[/dim]{shown(report.text, True)}", soft_wrap=True)
     decode_tps = result.decode_tokens_per_second
     how = "greedy" if sampling.greedy else (
         f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'off'}, seed {report.seed}")
-    compiled = f", compiled in {result.compile_seconds:.1f} s" if result.compile_seconds else ""
+    step = "compiled" if report.compiled else "eager"
+    compiled = f"; compiled in {result.compile_seconds:.1f} s, not counted" if result.compile_seconds else ""
+    threads = result.threads
+    on = "" if not threads else (
+        f", {threads['decode']} thread(s)" if threads["prefill"] == threads["decode"]
+        else f", {threads['prefill']} / {threads['decode']} threads")
     console.print(
         f"[bold]{len(result.tokens)} tokens in {result.prefill_seconds + result.decode_seconds:.3f} s: "
         f"{result.tokens_per_second:.1f} tokens/s[/bold] (prefill of {len(result.prompt_tokens)} tokens "
-        f"{1000 * result.prefill_seconds:.1f} ms, decode "
+        f"{1000 * result.prefill_seconds:.1f} ms, {result.prefill_tokens_per_second:.0f} tokens/s; {step} decode "
         f"{'-' if decode_tps is None else f'{decode_tps:.1f}'} tokens/s{compiled}), "
-        f"tensor parallel {report.tensor_parallel_degree}, {how}, stopped by {result.stop_reason.replace('_', ' ')}",
+        f"tensor parallel {report.tensor_parallel_degree}{on}, {how}, "
+        f"stopped by {result.stop_reason.replace('_', ' ')}",
         soft_wrap=True,
     )

@@ -20,9 +20,15 @@ checked against the unshortened computation in the tests (``shortcuts`` says whi
   shortcut, two depths by two counts give it at both, or for 1F1B (no term in depth x count)
   three runs, the larger count at the shallower depth only (``shortcuts.runs_to_make``);
 - steps: the second step is the first with Adam's state alive from its start (``_steady_state``);
-  pipelines, whose first step also infers shapes, run both;
+  a pipeline's second step (its first also sets the stages up) runs up to its first schedule action
+  only, and each action's peak is the first step's plus what was alive then and not in the first
+  step (``_second_pipeline_step``; under gradient accumulation it runs whole);
 - gradient accumulation: at most two microbatches per step (the second already accumulates into
   existing gradients).
+
+Each op of a run costs less than under torch's own classes, with the same result (tests): the fake
+tensors' dispatch cache keys are built directly (``fake.FastKeyFakeTensorMode``) and the trackers
+account each op in fewer steps (``tracker._StepPeaks.__torch_dispatch__``).
 
 DDP is the one layout that is modelled rather than run: its C++ reducer reads tensor data, so it is
 estimated as one replica plus its gradient buckets.
@@ -61,11 +67,13 @@ from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import balanced_routing
 from titanctl.parallel.layouts.reductions import clip_grad_norm, global_mean_loss
 from titanctl.parallel.runtime.env import init_process
-from titanctl.tools.memory.pipeline_peers import answer_for_fake_peers, label_actions
+from titanctl.tools.memory.fake import fake_tensor_mode
+from titanctl.tools.memory.pipeline_peers import answer_for_fake_peers, is_schedule_action, label_actions
 from titanctl.tools.memory.shortcuts import ac_period, plan_runs, runs_to_make
 from titanctl.tools.memory.tracker import (
     DDP_BUCKETS,
     PHASES,
+    FirstActionReached,
     NullTracker,
     Peak,
     anchor_layer,
@@ -228,6 +236,7 @@ class _Run:
     optimizer_state: dict[str, int]  # bytes per optimizer state name after the first step
     pipeline_microbatches: int
     steps: int
+    second_step_derived: bool = False  # see _second_pipeline_step
 
 
 def _local_bytes(t) -> int:
@@ -239,13 +248,15 @@ def _local_bytes(t) -> int:
 
 def _run_steps(
     cfg: JobConfig, dims, args, device, *, accum: int, steps: int, period: int, fake_mode=None, marker=None,
-    track: bool = True,
+    track: bool = True, derive_second_step: bool = False,
 ) -> _Run:
     """Build this rank's model parts and run ``steps`` training steps under a memory tracker.
 
     With ``fake_mode`` everything happens on fake tensors; without, on real ones. ``marker(step)``
     returns a context wrapped around each step (profiler ranges for validation). ``track=False``
     runs the same steps untracked (the ranks of a validation that measure nothing).
+    ``derive_second_step``: a pipeline's second step runs only up to its first schedule action,
+    the rest is derived from the first step's (``_second_pipeline_step``).
     """
     fake = fake_mode is not None
     built = build_model_parts(
@@ -291,6 +302,8 @@ def _run_steps(
             run.start = tracker.current()
             for step in range(1, steps + 1):
                 tracker.step = step
+                if step == 2 and derive_second_step and _second_step_derivable(built.pipeline, accum, tracker):
+                    tracker.stop_at_first_action = 2
                 if step > 1:
                     microbatches = batch()
                     tracker.track_step_inputs([t for mb in microbatches for t in mb])
@@ -302,7 +315,12 @@ def _run_steps(
                 with marker(step) if marker else contextlib.nullcontext():
                     # The trainer's step (Trainer.train_step), less data loading and logging.
                     tracker.phase = "forward"
-                    loss = forward_backward(microbatches)
+                    try:
+                        loss = forward_backward(microbatches)
+                    except FirstActionReached:
+                        _second_pipeline_step(tracker, sum(run.optimizer_state.values()))
+                        run.second_step_derived = True
+                        break
                     if step == 1:
                         run.after_backward = tracker.current()
                     tracker.phase = "clip_grad_norm"
@@ -321,6 +339,38 @@ def _run_steps(
                 tracker.next_step()
         run.peaks = dict(tracker.peaks)
     return run
+
+
+def _second_step_derivable(pipeline, accum: int, tracker) -> bool:
+    """Whether step 2 can be derived from step 1 (``_second_pipeline_step``): a pipeline whose
+    schedule runs once per step (with gradient accumulation, the second run frees what the set-up
+    left alive in the first, so that the first step's actions do not all find the same state), and
+    whose stages were all set up before the step's first action."""
+    return pipeline is not None and accum == 1 and not tracker.set_up_after_action
+
+
+def _second_pipeline_step(tracker, optimizer_state: int) -> None:
+    """Step 2 of a pipeline from step 1's schedule actions, and its own start up to its first action.
+
+    From its first action on, step 2 runs the same actions as step 1, on the same model, with the
+    same message buffers (set up by step 1 before its first action): what each of its ops finds
+    alive differs from step 1 only by what was alive when the step's first action began
+    (``tracker.action_start``): Adam's state, and what the first step's set-up left and the
+    previous step's schedule still holds. So each action's peak is step 1's plus that difference,
+    less Adam's state in the optimizer step, which step 1 creates at its start (as
+    ``_steady_state``). What step 2 does before its first action (new inputs, splitting them into
+    microbatches) was run (``tracker.stop_at_first_action``). Checked against running step 2, for
+    every schedule, in the tests.
+    """
+    first, second = tracker.action_start[1], tracker.action_start[2]
+    shift = {category: second.get(category, 0) - first.get(category, 0) for category in first.keys() | second.keys()}
+    for (step, phase, anchor), peak in list(tracker.peaks.items()):
+        if step != 1 or not is_schedule_action(anchor.partition("@")[2]):
+            continue
+        categories = {category: value + shift.get(category, 0) for category, value in peak.categories.items()}
+        if phase == "optimizer step":
+            categories["optimizer state"] -= optimizer_state
+        tracker.peaks[(2, phase, anchor)] = Peak(sum(categories.values()), categories, peak.module)
 
 
 class _ShapeOnlyGroupedMM(torch.autograd.Function):
@@ -451,6 +501,7 @@ class Plan:
     pipeline_microbatches: int
     layer_names: object = None  # pipelines run shallower: see shortcuts.stage_layer_names
     count_slope_at_one_depth: bool = False  # see shortcuts.count_slope_at_one_depth
+    derive_second_step: bool = True  # a pipeline's second step from its first (see _second_pipeline_step)
 
 
 def plan_estimate(
@@ -531,7 +582,6 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
     started = time.perf_counter()
 
 
-    fake_tensor_mode = _torch_compat.FAKE_TENSOR_MODE.get()
     dims, args, cfg = plan.dims, plan.args, plan.cfg
     run_dims = dataclasses.replace(dims)  # its own mesh, on the fake process group
     if dims.ddp_enabled:
@@ -568,6 +618,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
                 runs[n_layers, count] = _run_steps(
                     run_cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
                     period=plan.period, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True),
+                    derive_second_step=plan.derive_second_step,
                 )
     run = _combine(runs, plan)
     if run.steps == 1:

@@ -71,6 +71,14 @@ _SET_UP = {
 }
 
 
+_SET_UP_KINDS = frozenset(label.split(" ", 1)[0] for label in _SET_UP.values())
+
+
+def is_schedule_action(label: str) -> bool:
+    """Whether ``label`` (an anchor's part after "@") names a schedule action, not a stage's set-up."""
+    return bool(label) and label.split(" ", 1)[0] not in _SET_UP_KINDS
+
+
 def label_actions(pipeline, tracker) -> None:
     """Set ``tracker.action`` as each of this rank's stages starts a schedule action.
 
@@ -98,7 +106,7 @@ def label_actions(pipeline, tracker) -> None:
             def action(chunk_id, *args, _original=original, _kind=kind, _stage=stage.stage_index, **kwargs):
                 if _kind == "B" and not kwargs.get("full_backward", True):
                     _kind = "I"
-                tracker.action = f"{_kind}{_stage}.{place(chunk_id)}"
+                tracker.begin_action(f"{_kind}{_stage}.{place(chunk_id)}")
                 return _original(chunk_id, *args, **kwargs)
 
             setattr(stage, method, action)
@@ -112,7 +120,7 @@ def _labelling_set_up(tracker, stage_index: int):
         label = f"{_SET_UP[step]}{stage_index}"
 
         def set_up(*args, **kwargs):
-            tracker.action = label
+            tracker.begin_set_up(label)
             return original(*args, **kwargs)
 
         return set_up

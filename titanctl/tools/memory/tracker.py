@@ -12,7 +12,12 @@ activations, ...). They keep the peak of the total; we add what the report needs
 - several FSDP roots at once (pipeline stages are separate FSDP roots on one rank), and several
   top-level calls per step (a pipeline schedule calls each stage once per microbatch);
 - no accounting for DTensor's shape propagation, which runs on our fake tensors (see below);
-- no per-module peak refresh on every op (quadratic in depth; we do not use it).
+- no per-module peak refresh on every op (quadratic in depth; we do not use it);
+- each op accounted in fewer steps than torch's ``__torch_dispatch__`` takes, with the same result
+  (device queries answered as FakeTensorMode would, without dispatching to it; an op's outputs
+  registered without a pytree walk where they are a tensor or a flat tuple of them);
+- for a pipeline's second step, what was alive when each step's first schedule action began
+  (``begin_action``), and a way to end a step there (``stop_at_first_action``).
 """
 
 from __future__ import annotations
@@ -20,16 +25,27 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanctl._torch_compat import (
+    ACTIVE_FAKE_MODE,
+    ALL_GATHER_BASE_OP,
+    FAKE_TENSOR,
     FSDP_MEM_TRACKER,
+    FSDP_REF_TYPE,
+    FSDP_TRACKER_STATE,
+    MEM_REF_TYPE,
     MEM_TRACKER,
     MOD_TRACKER,
+    REDUCE_SCATTER_BASE_OP,
     SHARDING_PROPAGATION,
     TREE_FLATTEN,
+    TREE_MAP_ONLY,
+    WAIT_TENSOR_OP,
     patched,
 )
 from titanctl.parallel.layouts.weight_init import canonical_name
@@ -38,6 +54,9 @@ FSDPMemTracker = FSDP_MEM_TRACKER.get()
 MemTracker = MEM_TRACKER.get()
 ModTracker = MOD_TRACKER.get()
 tree_flatten = TREE_FLATTEN.get()
+tree_map_only = TREE_MAP_ONLY.get()
+active_fake_mode = ACTIVE_FAKE_MODE.get()
+FakeTensor = FAKE_TENSOR.get()
 
 TOTAL = "Total"
 
@@ -164,13 +183,52 @@ _LAYER = re.compile(r"^layers\.(\d+)(\.|$)")
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
+_META = torch.device("meta")
+_WAIT_TENSOR = WAIT_TENSOR_OP.get()
+
+
 class _StepPeaks:
     """Mixin over MemTracker / FSDPMemTracker: peaks per (step, phase, place in the model)."""
 
+    # torch's categories for what an op makes: in the optimizer step, in backward (outside AC's
+    # recomputation), else (set by the subclasses).
+    _OPT = _TEMP = _ACT = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _propagating or func is _DEVICE_QUERY:
+        """torch's trackers' accounting of an op (MemTracker.__torch_dispatch__ and FSDPMemTracker's),
+        in fewer steps: the same storages registered in the same order, the same categories."""
+        if func is _DEVICE_QUERY:
+            tensor = args[0] if len(args) == 1 else None
+            if type(tensor) is FakeTensor:  # FakeTensorMode's own answer, without dispatching to it
+                return _META if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if _propagating:
+            return func(*args, **(kwargs or {}))
+        if DTensor in types:  # let DTensor desugar into local ops, which are tracked
+            return NotImplemented
+        if func is _WAIT_TENSOR and active_fake_mode():
+            res = args[0]  # the fake kernel would return a new tensor; the real one returns its input
+        else:
+            res = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_mode_on_entry:  # DTensor's own shape propagation
+            return res
+        is_bw = self._mod_tracker.is_bw
+        reftype = self._OPT if self._in_opt else self._TEMP if is_bw and not self._in_ac else self._ACT
+        self._track_communication_buffers(func, args)
+        track = self._track
+        if isinstance(res, torch.Tensor):
+            track(reftype, res)
+        elif (type(res) is tuple or type(res) is list) and all(r is None or isinstance(r, torch.Tensor) for r in res):
+            for r in res:  # the pytree walk's leaves, in its order
+                if r is not None:
+                    track(reftype, r)
+        else:
+            tree_map_only(torch.Tensor, partial(track, reftype), res)
+        self._update_peak_stats(None)
+        return res
+
+    def _track_communication_buffers(self, func, args) -> None:
+        pass
 
     def _init_step_peaks(self, n_layers: int, period: int) -> None:
         self._mod_tracker = _LeafSafeModTracker()
@@ -185,6 +243,10 @@ class _StepPeaks:
         # The pipeline action running (set by tools.memory.pipeline.label_actions), appended to
         # anchors as "@action": "" outside any.
         self.action = ""
+        # Bytes per category when each step's first schedule action began (see begin_action).
+        self.action_start: dict[int, dict[str, int]] = {}
+        self.stop_at_first_action = 0  # a step that ends (FirstActionReached) where its first action begins
+        self.set_up_after_action = False  # a stage was set up after its step's first action had begun
 
     def _current_phase(self) -> str:
         if self._in_opt:
@@ -217,10 +279,14 @@ class _StepPeaks:
             if self._peak_mem.get(device, 0) < snap[TOTAL]:
                 self._peak_mem[device] = snap[TOTAL]
                 self._peak_mem_snap[device] = dict(snap)
+        # The deepest running module; of several equally deep (in backward, siblings whose gradients
+        # are pending together), the first by name, not by the order of a set.
         innermost, depth = "", -1
         for parent in self._mod_tracker.parents:
-            if parent != "Global" and parent.count(".") > depth:
-                innermost, depth = parent, parent.count(".")
+            if parent != "Global":
+                level = parent.count(".")
+                if level > depth or (level == depth and parent < innermost):
+                    innermost, depth = parent, level
         name, anchor = self._anchor(innermost) if innermost else ("", "")
         if self.action:
             anchor = f"{anchor}@{self.action}"
@@ -232,6 +298,20 @@ class _StepPeaks:
                 for k, v in snap.items():
                     merged[k] = merged.get(k, 0) + v
             self.peaks[key] = Peak(total, _by_category(merged), name)
+
+    def begin_action(self, label: str) -> None:
+        """A pipeline schedule action starts (``pipeline_peers.label_actions``)."""
+        if self.step not in self.action_start:
+            self.action_start[self.step] = self.current()
+            if self.step == self.stop_at_first_action:
+                raise FirstActionReached
+        self.action = label
+
+    def begin_set_up(self, label: str) -> None:
+        """A pipeline stage's first-step set-up starts (shape inference, message buffers)."""
+        if self.step in self.action_start:
+            self.set_up_after_action = True
+        self.action = label
 
     def current(self) -> dict[str, int]:
         """Bytes per category right now."""
@@ -263,6 +343,8 @@ class _StepPeaks:
 class StepMemTracker(_StepPeaks, MemTracker):
     """MemTracker for layouts without FSDP (single process, TP, PP)."""
 
+    _OPT, _TEMP, _ACT = (getattr(MEM_REF_TYPE.get(), name) for name in ("OPT", "TEMP", "ACT"))
+
     def __init__(self, parts, optimizer, inputs, n_layers: int, period: int) -> None:
         super().__init__()
         self._init_step_peaks(n_layers, period)
@@ -275,6 +357,20 @@ class StepMemTracker(_StepPeaks, MemTracker):
 
 class StepFSDPMemTracker(_StepPeaks, FSDPMemTracker):
     """FSDPMemTracker over one or several FSDP roots (several pipeline stages on one rank)."""
+
+    _OPT, _TEMP, _ACT, _ALL_GATHER, _REDUCE_SCATTER = (
+        getattr(FSDP_REF_TYPE.get(), name) for name in ("OPT", "TEMP", "ACT", "ALL_GATHER", "REDUCE_SCATTER")
+    )
+    _GATHERING = (FSDP_TRACKER_STATE.get().PRE_FW, FSDP_TRACKER_STATE.get().PRE_BW)
+    _REDUCING = FSDP_TRACKER_STATE.get().POST_BW
+    _ALL_GATHER_OP, _REDUCE_SCATTER_OP = ALL_GATHER_BASE_OP.get(), REDUCE_SCATTER_BASE_OP.get()
+
+    def _track_communication_buffers(self, func, args) -> None:
+        """FSDP's all-gather outputs and reduce-scatter inputs, as FSDPMemTracker.__torch_dispatch__."""
+        if func is self._ALL_GATHER_OP and self._fsdp_state in self._GATHERING:
+            self._update_and_maybe_create_winfos(args[0], self._ALL_GATHER, update_existing=True)
+        if func is self._REDUCE_SCATTER_OP and self._fsdp_state == self._REDUCING:
+            self._update_and_maybe_create_winfos(args[1], self._REDUCE_SCATTER, update_existing=True)
 
     def __init__(self, parts, optimizer, inputs, n_layers: int, period: int) -> None:
         super().__init__(parts[0], optimizer)
@@ -294,12 +390,26 @@ class StepFSDPMemTracker(_StepPeaks, FSDPMemTracker):
         return pre_forward
 
 
+class FirstActionReached(BaseException):
+    """A step run only up to its first pipeline action has reached it (``stop_at_first_action``).
+
+    A BaseException, so that the pipeline schedule's ``except Exception`` (which logs the schedule
+    as failed) lets it pass."""
+
+
 class NullTracker(contextlib.nullcontext):
     """The tracker's interface, tracking nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.step, self.phase, self.peaks, self.action = 0, "forward", {}, ""
+        self.action_start, self.stop_at_first_action, self.set_up_after_action = {}, 0, False
+
+    def begin_action(self, label: str) -> None:
+        self.action = label
+
+    def begin_set_up(self, label: str) -> None:
+        self.action = label
 
     def current(self) -> dict[str, int]:
         return {}
