@@ -63,6 +63,15 @@ def test_a_read_only_folder_is_refused(tmp_path):
     assert "not writable" in line or "cannot" in line, line
 
 
+def wait_until_stopped(pid: int) -> None:
+    """Until the kernel reports ``pid`` stopped (state T in /proc/PID/stat)."""
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+    time.sleep(0.2)  # and a moment more for a write that the kernel was completing
+
+
 def test_one_run_per_dump_folder_and_a_dead_owner_is_taken_over(tmp_path):
     out = tmp_path / "run"
     first = subprocess.Popen([*TITANCTL, "train", *TINY, "--training.steps", "100000", "--job.dump_folder", str(out)],
@@ -74,6 +83,7 @@ def test_one_run_per_dump_folder_and_a_dead_owner_is_taken_over(tmp_path):
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
             time.sleep(0.1)
         first.send_signal(signal.SIGSTOP)  # holds the lock, changes nothing while we look
+        wait_until_stopped(first.pid)  # the signal is delivered asynchronously: a write may still be under way
         before = snapshot(out)
         line = one_error_line(titanctl("train", *TINY, "--training.steps", "1", "--job.dump_folder", str(out)))
         assert f"is in use by another run (host {os.uname().nodename}, PID {first.pid}" in line, line

@@ -15,7 +15,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -26,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import titanctl.checkpoint.formats.hf as hf_format
 from tests.unit.hf_reference import per_expert_layout, unit_scale_
+from tests.unit.test_checkpoint_trust import cli
 from tests.unit.test_deepseek_v3_parity import tiny_config
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
 from titanctl.checkpoint.fp8_blocks import dequantize
@@ -160,15 +160,6 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(got[name], want[name]), name
 
 
-def cli(args: list, capsys) -> subprocess.CompletedProcess:
-    """The titanctl CLI in this process (the binary's main())."""
-    from titanctl.cli.app import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(args, exit_.value.code, captured.out, captured.err)
 
 
 # ----------------------------------------------------------------------------- reading and converting

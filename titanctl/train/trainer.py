@@ -451,7 +451,7 @@ class Trainer:
         moe = load_metrics(expert_load) if expert_load else {}
         # Multi-token prediction: the last step's mean over depths (collectives: every rank reads it).
         mtp_loss = None
-        if self.forward_backward.predicts_ahead:
+        if self.model_args.mtp_layers:
             mtp_loss = global_mean_loss(self.forward_backward.mtp_loss, self.dims).item()
         row = {
             "step": self.step,

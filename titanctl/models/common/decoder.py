@@ -156,11 +156,13 @@ class Transformer(nn.Module):
         logits = self.output(h)
         if not mtp or self.mtp is None:
             return logits
-        return logits, self._predict_ahead(tokens, h, rope, attn_mask)
+        return logits, self.predict_ahead(tokens, h, rope, attn_mask)
 
-    def _predict_ahead(
+    def predict_ahead(
         self, tokens: torch.Tensor, h: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None
     ) -> list[torch.Tensor]:
+        """Each prediction depth's logits (B, T, vocab), from the tokens and the main model's hidden
+        states ``h`` after its final norm (see ``forward``)."""
         depth_logits = []
         for k, depth in self.mtp.items():
             # Position i takes token i + k + 1 (rolled: the last k + 1 positions wrap around to the
