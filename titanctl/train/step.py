@@ -93,7 +93,7 @@ class ForwardBackward:
             with cp_ctx:
                 predict_ahead = backward and self.predicts_ahead
                 with self.autocast:
-                    out = self.model_parts[0](inputs, **model_kwargs, **({"mtp": True} if predict_ahead else {}))
+                    out = self.model_parts[0](inputs, mtp=predict_ahead, **model_kwargs)
                 logits, depth_logits = out if predict_ahead else (out, [])
                 # Equal-length microbatches: the mean of their means is the global-batch mean.
                 loss = self.loss_fn(logits, labels) * scale
