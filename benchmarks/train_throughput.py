@@ -46,6 +46,7 @@ from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.models.registry import model_args_from_config
 from titanctl.models.shapes import num_params
+from titanctl.parallel.converters.onednn_linear import linear_kernel
 from titanctl.parallel.layouts.build import build_model_parts
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.train.loss import build_loss_fn, cross_entropy_loss
@@ -127,6 +128,51 @@ def alternating_rates(steps: dict, batch_tokens: int, rounds: int, steps_per_rou
     return first, rates
 
 
+def best_gemm_rate(model: torch.nn.Module, tokens: int) -> float:
+    """FLOP/s of this CPU's fastest fp32 product (MKL through torch, or oneDNN) over the model's
+    linear shapes at ``tokens`` rows: forward, input-gradient and weight-gradient forms."""
+    onednn = torch.ops.titanctl.onednn_mm_t if hasattr(torch.ops, "titanctl") else None
+    best = 0.0
+    for n, k in {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}:
+        x, w, dy = torch.randn(tokens, k), torch.randn(n, k), torch.randn(tokens, n)
+        products = [lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x]
+        if onednn is not None:
+            products += [lambda: onednn(x, w), lambda: onednn(dy, w.t())]
+        for product in products:
+            product()
+            start = time.perf_counter()
+            for _ in range(5):
+                product()
+            best = max(best, 5 * 2 * tokens * n * k / (time.perf_counter() - start))
+    return best
+
+
+def attention_seconds(args, batch: int, seq_len: int) -> float:
+    """Seconds of torch's causal attention kernel (forward and backward) over all layers at the model's
+    shapes: titanctl and transformers both call it."""
+    head_dim = args.dim // args.n_heads
+    q = torch.randn(batch, args.n_heads, seq_len, head_dim, requires_grad=True)
+    kv = [torch.randn(batch, args.n_kv_heads, seq_len, head_dim, requires_grad=True) for _ in range(2)]
+
+    def layer():
+        torch.nn.functional.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True).sum().backward()
+
+    layer()
+    start = time.perf_counter()
+    for _ in range(3):
+        layer()
+    return (time.perf_counter() - start) / 3 * args.n_layers
+
+
+def step_floor(model: torch.nn.Module, args, batch: int, seq_len: int) -> tuple[float, float, float]:
+    """(linear FLOPs, their seconds at this CPU's best product rate, attention seconds in torch's kernel):
+    no step of this model built on torch's attention is faster than the two seconds together. Linears:
+    6 FLOPs per weight per token (forward, both gradients)."""
+    tokens = batch * seq_len
+    linear = 6 * tokens * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return linear, linear / best_gemm_rate(model, tokens), attention_seconds(args, batch, seq_len)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes/llama3_debug.toml"))
@@ -138,7 +184,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="titanctl with compile.enable on/off (default: the recipe's)")
-    parser.add_argument("--linear", choices=["onednn", "aten"], default=None,
+    parser.add_argument("--linear", choices=["auto", "onednn", "aten"], default=None,
                         help="titanctl's training.cpu_linear (default: the recipe's)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--float8", action="store_true", help="also time titanctl with float8 linears")
@@ -230,7 +276,8 @@ def main() -> None:
     print(f"CPU {cpu}, {os.cpu_count()} cores, bf16 units: {units}; load average {load_before} -> {load_average()}")
     print(f"model {cfg.model.flavor} ({num_params(args) / 1e6:.1f}M params), batch {opts.batch} x {opts.seq_len}, "
           f"{opts.dtype}{' autocast' if dtype != torch.float32 else ''}, {torch.get_num_threads()} threads; "
-          f"titanctl: compile {'on' if cfg.compile.enable else 'off'}, linear kernel {cfg.training.cpu_linear}")
+          f"titanctl: compile {'on' if cfg.compile.enable else 'off'}, "
+          f"linear kernel {linear_kernel(cfg.training.cpu_linear)} (training.cpu_linear = {cfg.training.cpu_linear})")
     for name in steps:
         rate = statistics.median(rates[name])
         print(f"{name:24s}{rate:10,.0f} tokens/s   first step {first[name]:6.2f} s "
@@ -240,6 +287,12 @@ def main() -> None:
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
     print(f"ratio titanctl/transformers = {ratio('titanctl', 'transformers'):.3f}")
+    linear, linear_s, attention_s = step_floor(ours, args, opts.batch, opts.seq_len)
+    theirs_step = opts.batch * opts.seq_len / statistics.median(rates["transformers"])
+    print(f"floor: linears {linear / 1e9:.1f} GFLOP at this CPU's best product rate ({linear / linear_s / 1e9:.0f} "
+          f"GFLOP/s) {linear_s * 1e3:.0f} ms + torch's attention kernel {attention_s * 1e3:.0f} ms; transformers' "
+          f"step {theirs_step * 1e3:.0f} ms: a step on torch's attention beats it by at most "
+          f"{theirs_step / (linear_s + attention_s):.2f}x (nothing else counted)")
     for name in steps:
         if name.startswith("titanctl+"):
             print(f"ratio {name}/titanctl = {ratio(name, 'titanctl'):.3f}")

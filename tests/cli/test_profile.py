@@ -17,7 +17,7 @@ from titanctl.errors import ProfilingError
 from titanctl.train.step_profiler import maybe_profile, schedule_for
 
 TINY = ["--steps", "3", "--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4"]
-# The linears' products: torch's (MKL), or oneDNN's under training.cpu_linear = "onednn" (the default).
+# The linears' products: torch's (MKL), or oneDNN's where training.cpu_linear (default "auto") picks it.
 MATMULS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
 
 

@@ -11,7 +11,13 @@ from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.converters import onednn_linear
-from titanctl.parallel.converters.onednn_linear import OneDNNLinear, onednn_available, onednn_mm_t, use_onednn_linears
+from titanctl.parallel.converters.onednn_linear import (
+    OneDNNLinear,
+    linear_kernel,
+    onednn_available,
+    onednn_mm_t,
+    use_onednn_linears,
+)
 from titanctl.parallel.layouts.build import build_model_parts
 from titanctl.parallel.layouts.dims import ParallelDims
 
@@ -108,3 +114,17 @@ def test_the_build_converts_cpu_linears_by_config(kernel, expected):
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert len(linears) == 8  # 7 per block + the output layer
     assert {type(m) for m in linears} == {expected}
+
+
+@pytest.mark.parametrize("capability, onednn_cap, expected", [
+    ("AVX512", None, "onednn"), ("AVX512", "AVX512_CORE_BF16", "onednn"), ("AVX512", "AVX2", "aten"),
+    ("AVX2", None, "aten"), ("DEFAULT", None, "aten"),
+])
+def test_auto_picks_onednn_only_where_it_runs_avx512(monkeypatch, capability, onednn_cap, expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    if onednn_cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_cap)
+    assert linear_kernel("auto") == expected
+    assert linear_kernel("aten") == "aten" and linear_kernel("onednn") == "onednn"

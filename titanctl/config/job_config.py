@@ -203,12 +203,13 @@ class Training:
     )
     gc_freq: int = opt(50, "Run Python's garbage collector every N steps.", min=1)
     cpu_linear: str = opt(
-        "onednn",
-        "Kernel of fp32 linear layers on CPU: onednn (oneDNN, AVX-512 wherever the CPU has it) or aten "
-        "(torch's default, MKL, which on AMD CPUs runs without AVX-512 at about half the speed). Same "
-        "math; results differ only in the last bits. Tensor-parallel (DTensor) weights and bf16/fp16 compute "
-        "always use torch's own kernels (oneDNN already, where the CPU has bf16 units).",
-        choices=("onednn", "aten"),
+        "auto",
+        "Kernel of fp32 linear layers on CPU: onednn (oneDNN, AVX-512 wherever the CPU has it), aten "
+        "(torch's default, MKL, which on AMD CPUs runs without AVX-512), or auto: onednn where torch runs "
+        "AVX-512 kernels, aten on AVX2-only CPUs (where MKL's AVX2 code is the faster). Same math; results "
+        "differ only in the last bits. Tensor-parallel (DTensor) weights and bf16/fp16 compute always use "
+        "torch's own kernels (oneDNN already, where the CPU has bf16 units).",
+        choices=("auto", "onednn", "aten"),
     )
 
 

@@ -19,6 +19,7 @@ lowering of ``mkldnn._linear_pointwise`` expects frozen inference weights) and f
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,23 @@ from titanctl._torch_compat import ONEDNN_LINEAR, UNSAFE_VIEW
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and ONEDNN_LINEAR.problem() is None
+
+
+def linear_kernel(setting: str) -> str:
+    """The kernel ``training.cpu_linear`` picks: ``auto`` is oneDNN where it runs AVX-512 and MKL otherwise.
+
+    On AVX2 code paths MKL's fp32 products win (train_throughput.py, 2 threads: 1.11x transformers with
+    MKL, 1.00x with oneDNN); with AVX-512, oneDNN's win where MKL keeps to AVX2 (Zen 5: 1.63x against
+    1.14x) and tie where it does not. The ISA is what torch runs (``ATEN_CPU_CAPABILITY`` caps it) and
+    what oneDNN may use (``ONEDNN_MAX_CPU_ISA``), read at run time.
+    """
+    if setting != "auto":
+        return setting
+    onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and (
+        onednn_cap in ("ALL", "DEFAULT") or onednn_cap.startswith(("AVX512", "AVX10"))
+    )
+    return "onednn" if avx512 and onednn_available() else "aten"
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import build_model
 from titanctl.parallel.converters.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
-from titanctl.parallel.converters.onednn_linear import use_onednn_linears
+from titanctl.parallel.converters.onednn_linear import linear_kernel, use_onednn_linears
 from titanctl.parallel.layouts.activation_checkpoint import apply_ac
 from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
 from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
@@ -149,7 +149,7 @@ def build_model_parts(
     float8 = None
     if cfg.float8.enable_float8_linear:
         float8 = convert_to_float8(model, cfg.float8, tp=dims.tp, device=torch.device(device))
-    if cfg.training.cpu_linear == "onednn" and torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu" and linear_kernel(cfg.training.cpu_linear) == "onednn":
         use_onednn_linears(model)  # the linears float8 left plain
     if dims.pp > 1:
         pipeline = build_pipeline(
