@@ -312,3 +312,24 @@ def test_dcp_checkpoint_of_another_model_is_refused(model, tmp_path):
     with pytest.raises(CheckpointError, match="has shape"):  # refused before a model of its size is built
         source = find_checkpoint(tmp_path)
         load_weights(build_model(source.args, torch.device("cpu")), source)
+
+
+@pytest.mark.parametrize("backend", ["MATH", "FLASH_ATTENTION"])
+def test_one_position_attends_by_kv_group_as_grouped_query_attention(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from titanctl.models.common.attention import cached_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1, 16)
+    k, v = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.arange(40)[None, :] <= 29  # (1, S): 30 positions written
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        got = cached_attention(q, k, v, mask)
+        # Head h belongs to key/value head h // 4: other keys for group 1 change only its 4 heads.
+        k2 = k.clone()
+        k2[:, 1] = torch.randn(2, 40, 16)
+        changed = (cached_attention(q, k2, v, mask) != got).flatten(2).any(-1)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert changed[:, :4].logical_not().all() and changed[:, 4:].all()

@@ -68,6 +68,22 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q (B, H, T, head_dim) over a KV cache k, v (B, H_kv, S, head_dim) under ``mask`` (T, S).
+
+    One new position per head (decoding): the heads that share a key/value head attend as that head's
+    rows, (B, H_kv, H/H_kv, head_dim) over k, v, the same products without grouped-query attention. torch's
+    math kernel (the compiled decode step's, where it is the faster) repeats K and V for every head first:
+    the whole cache copied per layer and token.
+    """
+    batch, heads, length, head_dim = q.shape
+    groups = k.shape[1]
+    if length != 1 or groups == heads:
+        return attention(q, k, v, mask, causal=False)
+    out = attention(q.reshape(batch, groups, heads // groups, head_dim), k, v, mask, causal=False)
+    return out.reshape(batch, heads, 1, head_dim)
+
+
 _compiled_flex_attention = None
 
 
@@ -135,7 +151,7 @@ class Attention(nn.Module):
         q, k = self.rotate(q, rope), self.rotate(k, rope)
         if input_pos is not None:  # decoding: the new positions attend to every cached one, masked by position
             keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
-            out = attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos), causal=False)
+            out = cached_attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos))
         else:
             out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
         # out: (B, H, T, head_dim)
