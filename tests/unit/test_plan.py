@@ -140,6 +140,21 @@ def test_more_pipeline_microbatches_shrink_the_bubble():
     assert planner.evaluate(interleaved, 32).time.bubble < planner.evaluate(c, 32).time.bubble
 
 
+def test_a_pipeline_on_shared_cores_costs_the_ranks_mean_work():
+    """Processes that share cores (cores_per_process < 1): the ranks' mean work is what a step costs, not
+    the busiest rank's (the last stage's output layer and loss spread over the cores while others wait)."""
+    cfg = recipe_config(DEBUG)
+    from titanctl.tools.plan.search import Planner
+
+    c = Candidate(1, 2, 1, 2, 1, 1, 16, 1, pp_schedule="1F1B", pp_microbatch_size=4, ac="none")
+    own_cores = dataclasses.replace(H100, host_runs_ahead=False)
+    shared = dataclasses.replace(own_cores, cores_per_process=0.5)
+    busiest = Planner("llama3_debug", cfg, own_cores).evaluate(c, 32).time
+    mean = Planner("llama3_debug", cfg, shared).evaluate(c, 32).time
+    assert mean.compute < 0.95 * busiest.compute
+    assert mean.step >= 0.5 * (busiest.compute + busiest.exposed_comm)  # the critical path at a whole core
+
+
 # ------------------------------------------------------------------------------- the plan
 
 

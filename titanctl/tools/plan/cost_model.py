@@ -212,8 +212,7 @@ class CostModel:
         recompute = {"none": 0.0, "selective_op": 0.5, "selective_2": 0.5, "full": 1.0}[c.ac]
         tp_forwards = 1 + {"none": 0.0, "selective_op": 0.0, "selective_2": 0.5, "full": 1.0}[c.ac]
 
-        best = None
-        busy = []  # per microbatch, of each rank viewed
+        per_view = []  # per microbatch, of each rank viewed: (compute, exposed, comm, terms, view)
         for view in ranks.views(c.pp, c.pp_schedule):
             terms: dict[str, float] = {}
             compute = exposed = comm = 0.0
@@ -310,28 +309,32 @@ class CostModel:
                 exposed += p2p * (1 - 0.5 * hides)
                 comm += p2p
                 term("pp send/recv (exposed)", p2p * (1 - 0.5 * hides))
-            busy.append(compute + exposed)
-            if best is None or compute + exposed > best[0] + best[1]:
-                best = (compute, exposed, comm, terms, view)
+            per_view.append((compute, exposed, comm, terms, view))
 
-        compute, exposed, comm, terms, view = best
+        busiest = max(per_view, key=lambda p: p[0] + p[1])
+        compute, exposed, comm, terms, view = busiest
+        shared_cores = c.pp > 1 and d.cores_per_process < 1
+        if shared_cores:
+            # Processes share the host's cores: while a rank waits, the others run faster, so the ranks'
+            # mean work (every core busy) is what the step costs at least; the bubble below adds the rest.
+            compute, exposed, comm = (statistics.fmean(p[i] for p in per_view) for i in range(3))
+            terms = {name: statistics.fmean(p[3].get(name, 0.0) for p in per_view)
+                     for name in {name for p in per_view for name in p[3]}}
         runs = c.grad_accum * c.microbatches  # microbatches this rank runs per optimizer step
         out.compute, out.exposed_comm, out.comm_total = compute * runs, exposed * runs, comm * runs
         for name, seconds in terms.items():
             out.add(name, seconds * runs)
         if c.pp > 1:
-            chunk = (compute + exposed) / v
+            chunk = (busiest[0] + busiest[1]) / v
             factor = {"GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 1.0, "LoopedBFS": 1.0,
                       "InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 6, "DualPipeV": 1 / 6}[c.pp_schedule]
             hops = 2 * (c.pp - 1) * collective_time(d, "p2p", tokens * shape.dim * elem / c.tp, 2, pp_inter)
             out.bubble = ((c.pp - 1) * chunk * factor + hops) * c.grad_accum
-            if d.cores_per_process < 1:
-                # Processes share the host's cores: while a rank waits, the others run faster. The step
-                # takes the longer of the ranks' mean work (every core busy) and the critical path run
-                # at a whole core's speed (the first and last ranks stand for the mean).
-                mean_work = statistics.fmean(busy) * runs
-                critical = (out.compute + out.exposed_comm + out.bubble) * d.cores_per_process
-                out.bubble = max(0.0, max(mean_work, critical) - out.compute - out.exposed_comm)
+            if shared_cores:
+                # ... or the critical path (the busiest rank's work and the bubble) run at a whole core's
+                # speed, if longer (the first and last ranks stand for the mean).
+                critical = ((busiest[0] + busiest[1]) * runs + out.bubble) * d.cores_per_process
+                out.bubble = max(0.0, critical - out.compute - out.exposed_comm)
             out.add("pp bubble", out.bubble)
         # Per step: AdamW over this rank's shard and gradient clipping (one all-reduce of the norm).
         local = self._local_params(c, view)
