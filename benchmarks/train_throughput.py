@@ -18,12 +18,17 @@ picks (native) and as on an AVX2-only CPU (``ISA_ENV["avx2"]``: torch's vectoriz
 generated code at AVX2 width, oneDNN and MKL capped at AVX2), and prints both ratios; on a CPU without
 AVX-512 the two are the same and only native runs. ``--isa native`` / ``avx2`` run one.
 
+Last, a floor: the step's linear FLOPs at the fastest product rate this CPU reaches on the model's shapes
+(MKL or oneDNN) plus torch's attention kernel as measured; transformers' step over it is the most any
+step on torch's kernels could gain here.
+
 ``--float8`` and ``--norm fused_rmsnorm`` add titanctl variants (float8 linears; the fused norm),
 each printed as a ratio to plain titanctl. On a CPU float8 is emulated: its ratio shows the
 emulation's overhead, not a speed-up.
 
     PYTHONPATH=. .venv/bin/python benchmarks/train_throughput.py [--isa both|native|avx2] [--rounds 5]
-        [--dtype bfloat16] [--compile | --no-compile] [--linear onednn|aten] [--threads N] [--seq-len 256] [--batch 8]
+        [--dtype bfloat16] [--compile | --no-compile] [--linear auto|onednn|aten] [--threads N]
+        [--seq-len 256] [--batch 8]
         [--recipe recipes/llama3_debug.toml] [--float8] [--norm fused_rmsnorm]
 """
 
