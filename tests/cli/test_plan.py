@@ -56,3 +56,21 @@ def test_bad_input_is_one_line(tmp_path, args, needle):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+
+
+def test_calibrate_measures_this_machine_and_plans_with_it(tmp_path):
+    """--calibrate writes a cluster file of measured figures (2 processes here), which plans read back."""
+    from titanctl.tools.plan import devices
+
+    cluster = tmp_path / "cpu2.toml"
+    proc = run(["plan", "--calibrate", "--gpus", "2", "--cluster", str(cluster)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    figures = devices.load_cluster(cluster)
+    assert figures["name"] == "cpu" and figures["gpus_per_node"] == 2 and figures["target"] == "cpu"
+    assert 0 < figures["matmul_efficiency"] <= 1 and figures["memory_bandwidth_gbps"] > 0
+    assert 0.3 < figures["compute_scale"] < 5  # a training step against the cost model's sum for it
+    assert set(figures["collectives"]) == set(devices.COLLECTIVES)
+    proc = run(["plan", "--config", DEBUG, "--gpus", "2", "--cluster", str(cluster), "--json", "--exact", "0"],
+               tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert all(row["step_s"] > 0 for row in json.loads(proc.stdout))

@@ -245,3 +245,14 @@ def test_the_recipes_activation_checkpointing_can_be_kept():
     assert ac_modes_from("none,full", recipe_config(DEBUG)) == ("none", "full")
     with pytest.raises(ConfigError, match="--ac 'some'"):
         ac_modes_from("some", recipe_config(DEBUG))
+
+
+def test_compute_scale_multiplies_the_compute_terms_only():
+    cfg = recipe_config(DEBUG)
+    from titanctl.tools.plan.search import Planner
+
+    c = Candidate(1, 4, 1, 1, 1, 1, 8, 1, ac="none")
+    one = Planner("llama3_debug", cfg, H100).evaluate(c, 32).time
+    two = Planner("llama3_debug", cfg, dataclasses.replace(H100, compute_scale=2.0)).evaluate(c, 32).time
+    assert two.compute == pytest.approx(2 * one.compute)
+    assert two.comm_total == pytest.approx(one.comm_total)

@@ -15,7 +15,10 @@ processes on one host:
   bandwidth);
 - overlap: an all-gather issued asynchronously while matmuls run: how much of the shorter one hides;
 - DTensor's host time: a linear on a sharded weight and an RMSNorm on a sharded activation, against
-  the same plain ops (tensor and context parallel run on DTensors).
+  the same plain ops (tensor and context parallel run on DTensors);
+- a whole training step of a one-block Llama (eager fp32, titanctl's own model, linears and optimizer
+  as train builds them), against what the cost model makes of the figures above for it: the ratio,
+  ``compute_scale``, carries what the kernel-level figures miss when N processes train side by side.
 
 The peak that efficiencies divide by is the trainer's own MFU peak (``titanctl.train.peak``: cores
 x clock x FLOPs per cycle of the process's share of the cores). Everything is written to the cluster
@@ -24,6 +27,7 @@ file's ``[device]`` table (``devices.cluster_toml``).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -39,6 +43,9 @@ from titanctl.tools.plan.devices import Device, Link, cluster_toml
 _MATMUL_SHAPES = [(m, n, k) for m in (256, 2048) for n, k in ((64, 256), (256, 256), (768, 256), (256, 768),
                                                              (1024, 1024))]
 _ATTENTION_SHAPES = [(8, 16, 256, 16), (2, 16, 1024, 64)]  # (batch, heads, seq, head_dim)
+# The step probe: a one-block Llama unlike the recipes' debug models (dim 384, 6 heads of 64, 2 KV heads).
+_PROBE = {"dim": 384, "n_layers": 1, "n_heads": 6, "n_kv_heads": 2, "vocab_size": 2048}
+_PROBE_BATCH, _PROBE_SEQ = 2, 512
 _SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20]  # bytes of the whole (gathered) tensor
 
 
@@ -227,6 +234,58 @@ def _measure_overlap(dtype) -> float:
     return max(0.0, min(1.0, (t_c + t_m - t_both) / min(t_c, t_m)))
 
 
+def _probe_args():
+    from titanctl.models.llama.args import ModelArgs
+
+    return ModelArgs(**_PROBE, max_seq_len=_PROBE_SEQ)
+
+
+def _measure_step() -> float:
+    """Seconds of one training step (forward, backward, AdamW) of the probe model, as train runs it eagerly."""
+    import torch
+    import torch.nn.functional as F
+
+    from titanctl.models.registry import build_model
+    from titanctl.parallel.converters.onednn_linear import linear_kernel, use_onednn_linears
+    from titanctl.parallel.layouts.weight_init import initialize_weights
+
+    model = build_model(_probe_args())
+    initialize_weights(model, seed=0)
+    if linear_kernel("auto") == "onednn":
+        use_onednn_linears(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, _PROBE["vocab_size"], (_PROBE_BATCH, _PROBE_SEQ + 1))
+
+    def step():
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    _barrier()
+    return _timed(step, min_seconds=0.5)
+
+
+def predicted_probe_step(device: Device) -> float:
+    """What the cost model predicts for the probe's step on ``device`` (its compute_scale left out)."""
+    import dataclasses
+
+    from titanctl.models.common.flops import active_params
+    from titanctl.models.registry import spec_of
+    from titanctl.tools.plan.candidates import Candidate
+    from titanctl.tools.plan.cost_model import CostModel, Setting
+    from titanctl.tools.plan.memory_model import Ranks
+    from titanctl.tools.plan.workload import model_shape
+
+    args = _probe_args()
+    shape = model_shape(args)
+    attention = (spec_of(args).flops_per_token(args, _PROBE_SEQ) - 6 * active_params(args)) / args.n_layers
+    setting = Setting(dataclasses.replace(device, compute_scale=1.0), "float32", _PROBE_SEQ, attention,
+                      2 * args.kv_heads * args.head_dim)
+    single = Candidate(1, 1, 1, 1, 1, 1, _PROBE_BATCH, 1, ac="none")
+    return CostModel(shape, setting).step_time(single, Ranks(shape), 4, 4, "default").step
+
+
 def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     import warnings
 
@@ -250,6 +309,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     result["collectives"] = _measure_collectives(world) if world > 1 else {}
     result["overlap"] = _measure_overlap(torch.float32) if world > 1 else 0.0
     result.update(_measure_dtensor(world) if world > 1 else {"dtensor_linear": 0.0, "dtensor_op": 0.0})
+    result["probe_step"] = _measure_step()
     for dtype, name in ((torch.float32, "peak_float32"), (torch.bfloat16, "peak_bfloat16")):
         peak = cpu_peak(dtype, threads=torch.get_num_threads())
         result[name] = None if peak is None else peak.tflops
@@ -324,6 +384,8 @@ def calibrate(processes: int, path: Path, log=print) -> str:
                            start_method="spawn")
         ranks = json.loads(Path(result_path).read_text())
     device = device_from_measurements(ranks, processes)
+    device = dataclasses.replace(device, compute_scale=statistics.median(r["probe_step"] for r in ranks)
+                                 / predicted_probe_step(device))
     comments = [f"titanctl plan --calibrate with {processes} process(es), {datetime.date.today().isoformat()}, "
                 f"{time.perf_counter() - started:.0f} s; {_cpu_name()}"]
     path.write_text(cluster_toml(device, comments))
@@ -331,6 +393,7 @@ def calibrate(processes: int, path: Path, log=print) -> str:
             f"half-dim {device.matmul_half_dim:.0f}), memory {device.memory_bandwidth_gbps:.1f} GB/s, all-gather "
             f"{device.link('all_gather', False).gbps:.2f} GB/s + {device.link('all_gather', False).latency_us:.0f} us, "
             f"overlap {device.overlap:.2f}, {device.op_overhead_us:.1f} us per op, "
+            f"compute x{device.compute_scale:.2f} (a training step against its figures), "
             f"DTensor +{device.dtensor_linear_us:.0f} "
             f"us per linear and +{device.dtensor_op_us:.0f} us per op")
 

@@ -15,7 +15,9 @@ Compute, per block and microbatch on one rank:
   them in turn (time = device + host); DTensor adds host time to TP's split linears and sequence-
   parallel norms and to CP's ring attention calls (measured by --calibrate);
 - the output layer and the loss (logits in fp32), the embedding; per step, the optimizer
-  (AdamW reads and writes 28 bytes per local parameter) and gradient clipping.
+  (AdamW reads and writes 28 bytes per local parameter) and gradient clipping;
+- every compute term above times the device's ``compute_scale``: 1 for presets; measured by --calibrate
+  (a whole training step of a small model against this sum for it).
 
 Communication, each collective timed over the link its ranks share (within a node, or across the
 network: a group whose ranks span nodes runs at the network's speed) as latency x steps + bytes x
@@ -239,7 +241,8 @@ class CostModel:
                     host_time += ring
                     if not d.host_runs_ahead:
                         term("cp ring host time", count * ring)
-                block_compute = max(device_time, host_time) if d.host_runs_ahead else device_time + host_time
+                block_compute = (max(device_time, host_time) if d.host_runs_ahead else device_time + host_time)
+                block_compute *= d.compute_scale
                 block_exposed = block_comm = 0.0
                 if c.tp > 1:  # 2 all-gathers + 2 reduce-scatters of the activations per forward, same backward
                     gather = tokens * shape.dim * (1 if c.float8 else elem)
@@ -297,11 +300,11 @@ class CostModel:
             if view.last:
                 out_f = shape.vocab // c.tp
                 f, bw = self.linear_fwd_bwd(tokens, out_f, shape.dim, False)
-                loss = f + bw + self.elementwise(tokens * out_f * 4 * 6) + self.host(30)
+                loss = (f + bw + self.elementwise(tokens * out_f * 4 * 6) + self.host(30)) * d.compute_scale
                 compute += loss
                 term("compute: output and loss", loss)
             if view.first:
-                emb = self.elementwise(tokens * shape.dim * elem * 3) + self.host(6)
+                emb = (self.elementwise(tokens * shape.dim * elem * 3) + self.host(6)) * d.compute_scale
                 compute += emb
                 term("compute: embedding", emb)
             if c.pp > 1:  # sends of activations forward and gradients backward, per stage held
@@ -338,7 +341,7 @@ class CostModel:
             out.add("pp bubble", out.bubble)
         # Per step: AdamW over this rank's shard and gradient clipping (one all-reduce of the norm).
         local = self._local_params(c, view)
-        optimizer = self.elementwise(local * (28 + 4 + 4)) + self.host(3 * 40)
+        optimizer = (self.elementwise(local * (28 + 4 + 4)) + self.host(3 * 40)) * d.compute_scale
         norm = collective_time(d, "all_reduce", 4, c.world_size, spans_nodes(d, 1, c.world_size))
         out.compute += optimizer
         out.add("compute: optimizer and clipping", optimizer)

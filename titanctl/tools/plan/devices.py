@@ -58,6 +58,9 @@ class Device:
     # forward and backward on a sharded weight, and of one elementwise op on a DTensor, beyond plain ops.
     dtensor_linear_us: float = 150.0
     dtensor_op_us: float = 40.0
+    # Measured compute of a training step / what the figures above predict for it (calibration's step
+    # probe); it multiplies every compute term. 1 for presets: their figures are all there is.
+    compute_scale: float = 1.0
     host_runs_ahead: bool = True  # GPUs: the host queues kernels while earlier ones run
     # Compute units per process: 1 for GPUs; a CPU host running more processes than cores shares
     # them, so a process that waits (a pipeline bubble) leaves its share to the others.
@@ -230,7 +233,8 @@ def resolve_device(name: str | None, cluster: Path | None, figures: dict) -> Dev
                 "with --cluster FILE.toml"
             )
         raise ConfigError(f"device {device_name!r} has no figures for {', '.join(missing)}: {how}")
-    for key in ("peak_bf16_tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_gbps", "inter_node_gbps"):
+    for key in ("peak_bf16_tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_gbps", "inter_node_gbps",
+                "compute_scale"):
         if fields[key] <= 0:
             raise ConfigError(f"device {device_name!r}: {key} must be positive, got {fields[key]}")
     return Device(**fields)
