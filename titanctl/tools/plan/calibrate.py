@@ -33,6 +33,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -235,9 +236,9 @@ def _measure_overlap(dtype) -> float:
 
 
 def _probe_args():
-    from titanctl.models.llama.args import ModelArgs
+    from titanctl.models.registry import flavor_args
 
-    return ModelArgs(**_PROBE, max_seq_len=_PROBE_SEQ)
+    return flavor_args("debugmodel").replace(**_PROBE, max_seq_len=_PROBE_SEQ)
 
 
 def _measure_step() -> float:
@@ -318,6 +319,11 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     if rank == 0:
         Path(result_path).write_text(json.dumps(gathered))
     dist.destroy_process_group()
+    # As titanctl.cli.console.finish: gloo processes that built a DeviceMesh abort at interpreter exit
+    # now and then (torch 2.13, "terminate called without an active exception"); leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
