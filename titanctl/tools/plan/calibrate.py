@@ -269,10 +269,6 @@ def _measure_step() -> float:
 
 def predicted_probe_step(device: Device) -> float:
     """What the cost model predicts for the probe's step on ``device`` (its compute_scale left out)."""
-    import dataclasses
-
-    from titanctl.models.common.flops import active_params
-    from titanctl.models.registry import spec_of
     from titanctl.tools.plan.candidates import Candidate
     from titanctl.tools.plan.cost_model import CostModel, Setting
     from titanctl.tools.plan.memory_model import Ranks
@@ -280,9 +276,7 @@ def predicted_probe_step(device: Device) -> float:
 
     args = _probe_args()
     shape = model_shape(args)
-    attention = (spec_of(args).flops_per_token(args, _PROBE_SEQ) - 6 * active_params(args)) / args.n_layers
-    setting = Setting(dataclasses.replace(device, compute_scale=1.0), "float32", _PROBE_SEQ, attention,
-                      2 * args.kv_heads * args.head_dim)
+    setting = Setting.of_model(dataclasses.replace(device, compute_scale=1.0), "float32", args, _PROBE_SEQ)
     single = Candidate(1, 1, 1, 1, 1, 1, _PROBE_BATCH, 1, ac="none")
     return CostModel(shape, setting).step_time(single, Ranks(shape), 4, 4, "default").step
 

@@ -85,6 +85,17 @@ class Setting:
     attention_flops_per_token_layer: float  # forward + backward, as the model counts them
     kv_width: int  # key + value channels per token (all heads)
 
+    @classmethod
+    def of_model(cls, device: Device, dtype: str, args, seq_len: int) -> Setting:
+        """The setting of a model (its ModelArgs) at ``seq_len`` tokens per sequence."""
+        from titanctl.models.common.flops import active_params
+        from titanctl.models.registry import spec_of
+
+        attention = (spec_of(args).flops_per_token(args, seq_len) - 6 * active_params(args)) / args.n_layers
+        mla = args.mla
+        kv = args.n_heads * (mla.qk_head_dim + mla.v_head_dim) if mla is not None else 2 * args.kv_heads * args.head_dim
+        return cls(device, dtype, seq_len, attention, kv)
+
 
 def collective_time(device: Device, kind: str, nbytes: float, n: int, inter_node: bool) -> float:
     """Ring-algorithm time of one collective over ``n`` ranks; ``nbytes``: the whole (gathered) tensor."""
@@ -241,7 +252,7 @@ class CostModel:
                     host_time += ring
                     if not d.host_runs_ahead:
                         term("cp ring host time", count * ring)
-                block_compute = (max(device_time, host_time) if d.host_runs_ahead else device_time + host_time)
+                block_compute = max(device_time, host_time) if d.host_runs_ahead else device_time + host_time
                 block_compute *= d.compute_scale
                 block_exposed = block_comm = 0.0
                 if c.tp > 1:  # 2 all-gathers + 2 reduce-scatters of the activations per forward, same backward

@@ -126,7 +126,6 @@ class Planner:
     """One recipe on one device kind: enumerates, filters and times layouts."""
 
     def __init__(self, recipe_path: str, cfg: JobConfig, device: Device):
-        from titanctl.models.common.flops import active_params
         from titanctl.models.registry import model_args_from_config, spec_of
         from titanctl.tools.memory.estimate import resolve_vocab_size
 
@@ -139,11 +138,8 @@ class Planner:
         self.shape = model_shape(self.args)
         seq = cfg.training.seq_len
         self.flops_per_token = spec_of(self.args).flops_per_token(self.args, seq)
-        attention = (self.flops_per_token - 6 * active_params(self.args)) / self.args.n_layers
-        a = self.args
-        kv = a.n_heads * (a.mla.qk_head_dim + a.mla.v_head_dim) if a.mla is not None else 2 * a.kv_heads * a.head_dim
         self.dtype = cfg.training.mixed_precision_param
-        self.cost = CostModel(self.shape, Setting(device, self.dtype, seq, attention, kv))
+        self.cost = CostModel(self.shape, Setting.of_model(device, self.dtype, self.args, seq))
         self.ranks = memory_model.Ranks(self.shape)
 
     @property
