@@ -3,7 +3,8 @@
 Compute, per block and microbatch on one rank:
 - matmuls: every linear's forward and its two backward matmuls (input and weight gradients), each
   timed as max(FLOPs / (peak x efficiency(M, N, K)), bytes moved / memory bandwidth), where
-  efficiency = matmul_efficiency x prod(x / (x + matmul_half_dim)) over the three dims: small dims
+  efficiency = matmul_efficiency (Float8 linears: float8_matmul_efficiency of the fp8 peak)
+  x prod(x / (x + matmul_half_dim)) over the three dims: small dims
   (a TP-split head, a short microbatch, few tokens per expert) fill the device's tiles poorly;
 - attention: the FLOPs the model counts for it (spec.flops_per_token minus 6 x active parameters) /
   (peak x attention_efficiency);
@@ -29,7 +30,8 @@ network: a group whose ranks span nodes runs at the network's speed) as latency 
   HSDP adds an all-reduce of the sharded gradients over the replicas; DDP an all-reduce of all
   gradients, bucketed behind backward;
 - TP with sequence parallel: two all-gathers and two reduce-scatters of the block's activations
-  forward, the same backward (and again for recomputed forwards); exposed unless async TP;
+  forward, the same backward (and again for recomputed forwards); exposed, but for the share
+  ``async_tp_overlap`` x ``overlap`` that async TP hides behind its split matmuls;
 - CP: all-gathers of keys and of values forward and backward, reduce-scatters of their gradients;
 - EP: all-to-all dispatch and combine of each MoE layer's routed tokens, forward and backward;
 - PP: point-to-point sends of activations and gradients at every stage boundary.
@@ -131,7 +133,8 @@ class CostModel:
             return 0.0
         peak = d.peak_tflops(self.s.dtype, float8) * 1e12
         half = d.matmul_half_dim
-        efficiency = d.matmul_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+        efficiency = (d.float8_matmul_efficiency if float8 and d.peak_fp8_tflops else d.matmul_efficiency)
+        efficiency *= (m / (m + half)) * (n / (n + half)) * (k / (k + half))
         elem = 1 if float8 else (4 if self.s.dtype == "float32" else 2)
         flops_time = 2 * m * n * k / (peak * efficiency)
         bytes_time = elem * (m * k + k * n + m * n) / (d.memory_bandwidth_gbps * 1e9)
@@ -260,7 +263,7 @@ class CostModel:
                     one = (collective_time(d, "all_gather", gather, c.tp, tp_inter)
                            + collective_time(d, "reduce_scatter", tokens * shape.dim * elem, c.tp, tp_inter))
                     tp_comm = 2 * one * (tp_forwards + 1)
-                    tp_exposed = tp_comm * (1 - 0.8 * hides) if c.async_tp else tp_comm
+                    tp_exposed = tp_comm * (1 - d.async_tp_overlap * hides) if c.async_tp else tp_comm
                     block_comm += tp_comm
                     block_exposed += tp_exposed
                     term("tp collectives (exposed)", count * tp_exposed)

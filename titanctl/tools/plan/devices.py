@@ -7,11 +7,15 @@ cluster file (``--cluster FILE.toml``: one ``[device]`` table with the same keys
 Figures are per GPU (per process for a CPU "device": the calibration measures what one of N
 processes sharing the host gets). Bandwidths are per direction, in GB/s (1e9 bytes/s).
 
-The efficiencies of GPU presets are assumptions, not measurements (the README lists them):
-large bf16 GEMMs reach about 70-80% of the dense peak on H100/A100 in cuBLAS; FlashAttention-2
-reaches about 35-50% of the peak forward and backward; NCCL ring collectives reach about 80% of
-the link's bandwidth as bus bandwidth on large messages. ``--calibrate`` replaces them with
-measured ones on the machine it runs on.
+The efficiencies of GPU presets are assumptions, not measurements of this project (the README
+lists them): large bf16 GEMMs reach about 70-80% of the dense peak on H100/A100 in cuBLAS;
+FlashAttention-2 reaches about 35-50% of the peak forward and backward; NCCL ring collectives reach
+about 80% of the link's bandwidth as bus bandwidth on large messages. Three are set by torchtitan's
+published H100 measurements (``published.py``; ``benchmarks/plan_published.py`` compares all 18):
+Float8 matmuls at 0.60 of the fp8 peak (Float8 bought 1.28x on the 8B), async TP hiding a quarter
+of TP's collectives (1.057x on the 70B), and FSDP's prefetch hiding 97% of what fits behind compute
+(8 -> 128 GPUs cost the 8B 1.8%). ``--calibrate`` replaces them with measured ones on the machine
+it runs on.
 """
 
 from __future__ import annotations
@@ -49,10 +53,12 @@ class Device:
     gpus_per_node: int
     # Efficiencies (0-1) and overheads: assumptions for GPUs, measured by --calibrate.
     matmul_efficiency: float = 0.75  # of the peak, for large matmuls
+    float8_matmul_efficiency: float = 0.60  # of the fp8 peak, for large Float8 matmuls (scaled, from bf16)
     matmul_half_dim: float = 96.0  # a matmul dim this size halves the efficiency (tiles, waves)
     attention_efficiency: float = 0.40  # FLOPs counted as the model counts them / (time x peak)
     collective_efficiency: float = 0.80  # bus bandwidth / link bandwidth for the preset links
-    overlap: float = 0.90  # share of overlappable communication hidden behind compute
+    overlap: float = 0.97  # share of overlappable communication hidden behind compute
+    async_tp_overlap: float = 0.25  # share of TP's collectives that async TP hides behind its matmuls
     op_overhead_us: float = 6.0  # host time per kernel launched
     # DTensor (TP's sharded weights, SP's sharded norms, CP's attention): extra host time of one linear's
     # forward and backward on a sharded weight, and of one elementwise op on a DTensor, beyond plain ops.
@@ -153,7 +159,7 @@ def _check_number(key: str, value, where: str):
         raise ConfigError(f"{key} = {value!r}{where} must not be negative")
     if key.endswith("efficiency") and not 0 < value <= 1:
         raise ConfigError(f"{key} = {value!r}{where} must be a fraction in (0, 1]")
-    if key == "overlap" and value > 1:
+    if key.endswith("overlap") and value > 1:
         raise ConfigError(f"{key} = {value!r}{where} must be a fraction in [0, 1]")
     return float(value)
 
