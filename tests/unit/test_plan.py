@@ -190,6 +190,27 @@ def test_the_finalists_memory_is_estimate_memorys(debug_plan):
     assert 0.5 < first.fast_memory / first.exact_memory < 2
 
 
+@pytest.mark.slow  # each exact estimate runs a step on fake tensors (1-2 s)
+@pytest.mark.parametrize("recipe, global_batch, candidate", [
+    ("llama3_8b", 8, Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="full")),
+    ("llama3_8b", 16, Candidate(1, 8, 1, 1, 1, 1, 1, 2, ac="full")),
+    ("llama3_8b", 16, Candidate(1, 8, 1, 1, 1, 1, 2, 1, ac="selective_op")),
+    ("llama3_8b", 8, Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="selective_2")),
+    ("llama3_8b", 8, Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="none")),
+    ("llama3_8b", 8, Candidate(1, 4, 2, 1, 1, 1, 2, 1, ac="selective_op")),
+    ("llama3_8b", 8, Candidate(1, 4, 1, 1, 2, 1, 2, 1, ac="none")),
+    ("llama3_8b", 8, Candidate(2, 4, 1, 1, 1, 1, 1, 1, ac="full")),
+    ("qwen3_moe_30b_a3b", 8, Candidate(1, 8, 1, 1, 1, 8, 1, 1, ac="full")),
+], ids=lambda v: v.describe() + " " + v.ac if isinstance(v, Candidate) else str(v))
+def test_the_fast_path_is_near_the_exact_estimate(recipe, global_batch, candidate):
+    from titanctl.tools.plan.search import Planner
+
+    path = REPO / "recipes" / f"{recipe}.toml"
+    planner = Planner(str(path), recipe_config(path), H100)
+    exact, _ = planner.exact_memory(candidate, global_batch)
+    assert planner.fast_memory(candidate) / exact == pytest.approx(1, abs=0.06)
+
+
 @pytest.mark.slow  # the plan's exact estimates run in a forked child
 def test_the_json_rows_have_the_issues_fields(debug_plan):
     rows = debug_plan.to_json()

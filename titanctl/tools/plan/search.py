@@ -157,6 +157,7 @@ class Planner:
         return memory_model.estimate(
             self.shape, self.ranks, c, seq_len=t.seq_len, param_dtype=t.mixed_precision_param,
             reduce_dtype=t.mixed_precision_reduce, reshard_after_forward=p.fsdp_reshard_after_forward, reserve_gib=0.0,
+            loss_parallel=not p.disable_loss_parallel,
         ).total
 
     def evaluate(self, c: Candidate, global_batch: int, fast_memory: float | None = None) -> Layout:
