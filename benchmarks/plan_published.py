@@ -73,19 +73,24 @@ def main() -> int:
     device = grand_teton(PRESETS[args.device])
 
     predictions = predict(device)
-    print(f"{'published (docs/performance.md table)':46} {'model':>6} {'layout':44} {'published':>9} "
-          f"{'predicted':>9} {'ratio':>6}")
-    ratios = []
-    for m, predicted in predictions:
-        ratio = predicted / m.tokens_per_second_per_gpu
-        ratios.append(ratio)
+    print(f"{'published (docs/performance.md table)':30} {'model':>5} {'layout':44} {'tokens/s per GPU':>24}"
+          f" {'memory GiB':>18}")
+    print(f"{'':81} {'published':>9} {'predicted':>9} {'ratio':>5} {'published':>9} {'fast':>5} {'ratio':>5}")
+    ratios, memory = [], []
+    for p in predictions:
+        m = p.measurement
+        ratios.append(p.tokens_per_second_per_gpu / m.tokens_per_second_per_gpu)
+        memory.append(p.memory_gib / m.memory_gib)
         name = Path(m.recipe).stem.removeprefix("llama3_")
-        print(f"{m.table:46} {name:>6} {m.layout.describe()[:44]:44} {m.tokens_per_second_per_gpu:9,.0f} "
-              f"{predicted:9,.0f} {ratio:6.2f}")
+        print(f"{m.table:30} {name:>5} {m.layout.describe()[:44]:44} {m.tokens_per_second_per_gpu:9,.0f} "
+              f"{p.tokens_per_second_per_gpu:9,.0f} {ratios[-1]:5.2f} {m.memory_gib:9.1f} {p.memory_gib:5.1f} "
+              f"{memory[-1]:5.2f}")
     median = statistics.median(ratios)
     spread = [r / median - 1 for r in ratios]
-    print(f"\npredicted / published: median {median:.2f}, from {min(ratios):.2f} to {max(ratios):.2f} "
+    print(f"\ntokens/s, predicted / published: median {median:.2f}, from {min(ratios):.2f} to {max(ratios):.2f} "
           f"({min(spread):+.0%} to {max(spread):+.0%} around the median)")
+    print(f"memory, fast estimate / published: {min(memory):.2f} to {max(memory):.2f} (published: what the "
+          "allocator reserved, allocated memory plus its slack)")
     print(f"\n{'what a technique buys':46} {'published':>9} {'predicted':>9}")
     for name, (published, predicted) in gains(predictions).items():
         print(f"{name:46} {published:9.3f} {predicted:9.3f}")

@@ -233,8 +233,9 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
             one_block = max(one_block, k)
         if c.pp > 1:
             # Each chunk in flight holds one of this rank's stages' activations, and the stage's input and
-            # output (received and sent) until its backward.
-            kept = (kept / stages_per_rank + 2 * shape.dim * act) * chunks_in_flight(c, view.rank, stages_per_rank)
+            # output (received and sent, sequence-sharded under TP) until its backward.
+            per_chunk = kept / stages_per_rank + 2 * shape.dim / c.tp * act
+            kept = per_chunk * chunks_in_flight(c, view.rank, stages_per_rank)
         candidates = [MemoryBreakdown(state, at_block, tokens * (kept + recompute), 0.0, reserve_gib * GIB)]
         if not accumulating and not (c.fsdp and gathered_whole):
             # The last block's backward: one block's activations left, every gradient made.

@@ -28,6 +28,7 @@ class Measurement:
     global_batch: int  # sequences per step
     layout: Candidate
     tokens_per_second_per_gpu: float
+    memory_gib: float  # the most any GPU's caching allocator reserved (allocated + its slack)
 
 
 def _c(dp_shard: int, tp: int, pp: int, cp: int, local_batch: int, *, ac: str, compile: bool = True,
@@ -38,28 +39,27 @@ def _c(dp_shard: int, tp: int, pp: int, cp: int, local_batch: int, *, ac: str, c
 
 _8B, _70B, _405B = "recipes/llama3_8b.toml", "recipes/llama3_70b.toml", "recipes/llama3_405b.toml"
 _OP = "selective_op"
+_3D = {"ac": "full", "async_tp": True, "schedule": "1F1B"}
 MEASUREMENTS: tuple[Measurement, ...] = (
-    Measurement("1: FSDP", _8B, 8192, 16, _c(8, 1, 1, 1, 2, ac=_OP, compile=False, float8=False), 5762),
-    Measurement("1: FSDP + compile", _8B, 8192, 16, _c(8, 1, 1, 1, 2, ac=_OP, float8=False), 6667),
-    Measurement("1: FSDP + compile + Float8", _8B, 8192, 16, _c(8, 1, 1, 1, 2, ac=_OP), 8532),
-    Measurement("3: FSDP", _8B, 8192, 256, _c(128, 1, 1, 1, 2, ac=_OP, compile=False, float8=False), 5605),
-    Measurement("3: FSDP + compile", _8B, 8192, 256, _c(128, 1, 1, 1, 2, ac=_OP, float8=False), 6514),
-    Measurement("3: FSDP + compile + Float8", _8B, 8192, 256, _c(128, 1, 1, 1, 2, ac=_OP), 8380),
-    Measurement("2: FSDP 8, CP 1", _8B, 32768, 8, _c(8, 1, 1, 1, 1, ac="full"), 3890),
-    Measurement("2: FSDP 4, CP 2", _8B, 65536, 4, _c(4, 1, 1, 2, 1, ac="full"), 2540),
-    Measurement("2: FSDP 2, CP 4", _8B, 131072, 2, _c(2, 1, 1, 4, 1, ac="full"), 1071),
-    Measurement("2: FSDP 1, CP 8", _8B, 262144, 1, _c(1, 1, 1, 8, 1, ac="full"), 548),
-    Measurement("4: 2D", _70B, 8192, 512, _c(32, 8, 1, 1, 16, ac="full"), 829),
-    Measurement("4: 2D + AsyncTP", _70B, 8192, 512, _c(32, 8, 1, 1, 16, ac="full", async_tp=True), 876),
-    Measurement("5: 1F1B", _405B, 8192, 256, _c(8, 8, 8, 1, 32, ac="full", async_tp=True, schedule="1F1B",
-                                                 microbatch=4), 100),
-    Measurement("5: Interleaved 1F1B", _405B, 8192, 256, _c(8, 8, 8, 1, 32, ac="full", async_tp=True,
-                                                             schedule="Interleaved1F1B", microbatch=4), 128),
-    Measurement("6: FSDP 8, CP 1", _405B, 32768, 64, _c(8, 8, 8, 1, 8, ac="full", async_tp=True, schedule="1F1B"), 76),
-    Measurement("6: FSDP 4, CP 2", _405B, 65536, 32, _c(4, 8, 8, 2, 8, ac="full", async_tp=True, schedule="1F1B"), 47),
-    Measurement("6: FSDP 2, CP 4", _405B, 131072, 16, _c(2, 8, 8, 4, 8, ac="full", async_tp=True, schedule="1F1B"),
-                31),
-    Measurement("6: FSDP 1, CP 8", _405B, 262144, 8, _c(1, 8, 8, 8, 8, ac="full", async_tp=True, schedule="1F1B"), 16),
+    Measurement("1: FSDP", _8B, 8192, 16, _c(8, 1, 1, 1, 2, ac=_OP, compile=False, float8=False), 5762, 82.4),
+    Measurement("1: FSDP + compile", _8B, 8192, 16, _c(8, 1, 1, 1, 2, ac=_OP, float8=False), 6667, 77.0),
+    Measurement("1: FSDP + compile + Float8", _8B, 8192, 16, _c(8, 1, 1, 1, 2, ac=_OP), 8532, 76.8),
+    Measurement("3: FSDP", _8B, 8192, 256, _c(128, 1, 1, 1, 2, ac=_OP, compile=False, float8=False), 5605, 67.0),
+    Measurement("3: FSDP + compile", _8B, 8192, 256, _c(128, 1, 1, 1, 2, ac=_OP, float8=False), 6514, 62.0),
+    Measurement("3: FSDP + compile + Float8", _8B, 8192, 256, _c(128, 1, 1, 1, 2, ac=_OP), 8380, 61.8),
+    Measurement("2: FSDP 8, CP 1", _8B, 32768, 8, _c(8, 1, 1, 1, 1, ac="full"), 3890, 83.9),
+    Measurement("2: FSDP 4, CP 2", _8B, 65536, 4, _c(4, 1, 1, 2, 1, ac="full"), 2540, 84.2),
+    Measurement("2: FSDP 2, CP 4", _8B, 131072, 2, _c(2, 1, 1, 4, 1, ac="full"), 1071, 84.0),
+    Measurement("2: FSDP 1, CP 8", _8B, 262144, 1, _c(1, 1, 1, 8, 1, ac="full"), 548, 84.5),
+    Measurement("4: 2D", _70B, 8192, 512, _c(32, 8, 1, 1, 16, ac="full"), 829, 71.9),
+    Measurement("4: 2D + AsyncTP", _70B, 8192, 512, _c(32, 8, 1, 1, 16, ac="full", async_tp=True), 876, 67.6),
+    Measurement("5: 1F1B", _405B, 8192, 256, _c(8, 8, 8, 1, 32, **_3D, microbatch=4), 100, 82.5),
+    Measurement("5: Interleaved 1F1B", _405B, 8192, 256,
+                _c(8, 8, 8, 1, 32, **{**_3D, "schedule": "Interleaved1F1B"}, microbatch=4), 128, 72.7),
+    Measurement("6: FSDP 8, CP 1", _405B, 32768, 64, _c(8, 8, 8, 1, 8, **_3D), 76, 75.3),
+    Measurement("6: FSDP 4, CP 2", _405B, 65536, 32, _c(4, 8, 8, 2, 8, **_3D), 47, 75.9),
+    Measurement("6: FSDP 2, CP 4", _405B, 131072, 16, _c(2, 8, 8, 4, 8, **_3D), 31, 77.1),
+    Measurement("6: FSDP 1, CP 8", _405B, 262144, 8, _c(1, 8, 8, 8, 8, **_3D), 16, 84.9),
 )
 
 # Ratios of two measurements (numerator table, denominator table): what one technique buys.
@@ -78,8 +78,15 @@ def grand_teton(base: Device = PRESETS["h100"]) -> Device:
     return dataclasses.replace(base, name="h100 (Grand Teton)", memory_gib=96.0, memory_bandwidth_gbps=2400.0)
 
 
-def predict(device: Device) -> list[tuple[Measurement, float]]:
-    """(measurement, predicted tokens/s per GPU) for every published measurement."""
+@dataclass(frozen=True)
+class Prediction:
+    measurement: Measurement
+    tokens_per_second_per_gpu: float
+    memory_gib: float  # the fast memory path's peak (the busiest rank, allocated: no allocator slack)
+
+
+def predict(device: Device) -> list[Prediction]:
+    """The cost model's and the fast memory path's figures for every published measurement."""
     from titanctl.tools.plan.search import Planner, recipe_config
 
     planners: dict[tuple[str, int], Planner] = {}
@@ -90,12 +97,14 @@ def predict(device: Device) -> list[tuple[Measurement, float]]:
             cfg = recipe_config(REPO / m.recipe)
             cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=m.seq_len))
             planners[key] = Planner(m.recipe, cfg, device)
-        out.append((m, planners[key].evaluate(m.layout, m.global_batch).tokens_per_second_per_device))
+        layout = planners[key].evaluate(m.layout, m.global_batch)
+        out.append(Prediction(m, layout.tokens_per_second_per_device, layout.fast_memory / 2**30))
     return out
 
 
-def gains(predictions: list[tuple[Measurement, float]]) -> dict[str, tuple[float, float]]:
+def gains(predictions: list[Prediction]) -> dict[str, tuple[float, float]]:
     """name -> (published ratio, predicted ratio) for each entry of GAINS."""
-    by_table = {m.table: (m.tokens_per_second_per_gpu, p) for m, p in predictions}
+    by_table = {p.measurement.table: (p.measurement.tokens_per_second_per_gpu, p.tokens_per_second_per_gpu)
+                for p in predictions}
     return {name: (by_table[a][0] / by_table[b][0], by_table[a][1] / by_table[b][1])
             for name, (a, b) in GAINS.items()}
