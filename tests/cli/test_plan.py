@@ -47,6 +47,7 @@ def test_the_table_shows_each_layout_and_how_to_run_it(tmp_path):
     (["--device", "tpu"], "unknown --device 'tpu'"),
     (["--device", "h100", "--gpus", "0"], "--gpus must be at least 1"),
     (["--device", "h100", "--gpus", "7", "--global-batch", "8"], "no layout of llama3 debugmodel uses 7 devices"),
+    (["--device", "h100", "--calibrate", "--cluster", "c.toml"], "--calibrate measures CPU processes over gloo"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
     argv = ["plan", "--config", DEBUG, *args]

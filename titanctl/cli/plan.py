@@ -16,9 +16,9 @@ def plan(
                                       "or cpu (figures from --calibrate)."),
     cluster: Path | None = typer.Option(None, "--cluster", help="Cluster file (TOML, a [device] table): the device's "
                                         "figures; --calibrate writes it."),
-    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's matmul, attention and memory "
-                                   "rates and its gloo collectives with --gpus processes (a minute or two), write them "
-                                   "to --cluster, then plan if --config is given."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine's CPU matmul, attention and "
+                                   "memory rates and its gloo collectives with --gpus processes (a minute or two), "
+                                   "write them to --cluster, then plan if --config is given (--device cpu)."),
     peak_tflops: float | None = typer.Option(None, "--peak-tflops", help="Dense bf16 TFLOP/s per device.", min=0),
     peak_fp8_tflops: float | None = typer.Option(None, "--peak-fp8-tflops", help="Dense fp8 TFLOP/s (0: none).", min=0),
     memory_gib: float | None = typer.Option(None, "--memory-gib", help="Memory per device, GiB.", min=0),
@@ -65,6 +65,10 @@ def plan(
 
         if cluster is None:
             raise ConfigError("--calibrate writes its measurements to --cluster FILE.toml: give one")
+        if device not in (None, "cpu"):
+            # The probes run on CPU processes over gloo: their figures would describe this host, not the GPU named.
+            raise ConfigError(f"--calibrate measures CPU processes over gloo (--device cpu), not --device {device}: "
+                              f"plan for {device} with its preset, or a cluster file with its measured figures")
         measured = run_calibration(gpus, cluster, log=None if as_json else typer.echo)
         if not as_json:
             typer.echo(f"wrote {cluster}: {measured}")
