@@ -211,6 +211,24 @@ def test_the_fast_path_is_near_the_exact_estimate(recipe, global_batch, candidat
     assert planner.fast_memory(candidate) / exact == pytest.approx(1, abs=0.06)
 
 
+@pytest.mark.slow  # one exact estimate (a few seconds)
+def test_a_pipelines_memory_is_its_busiest_ranks():
+    # estimate-memory runs rank 0; the last stage's logits make a later rank hold more, which the plan shows.
+    from titanctl.tools.plan.search import Layout, Planner
+
+    path = REPO / "recipes" / "llama3_8b.toml"
+    planner = Planner(str(path), recipe_config(path), H100)
+    flat = Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="full")
+    assert planner.fast_memory(flat, after_rank0=True) == 0
+    piped = Candidate(1, 2, 1, 4, 1, 1, 8, 1, pp_schedule="1F1B", ac="full")
+    exact, _ = planner.exact_memory(piped, 16)
+    later = planner.fast_memory(piped, after_rank0=True)
+    assert later > exact
+    layout = Layout(piped, planner.fast_memory(piped), None, 0.0, 0.0, exact, later_ranks_memory=later)
+    assert layout.memory == later and not layout.memory_is_exact
+    assert Layout(flat, 1.0, None, 0.0, 0.0, 2.0).memory_is_exact
+
+
 @pytest.mark.slow  # the plan's exact estimates run in a forked child
 def test_the_json_rows_have_the_issues_fields(debug_plan):
     rows = debug_plan.to_json()
@@ -221,7 +239,13 @@ def test_the_json_rows_have_the_issues_fields(debug_plan):
         assert row["tokens_per_second_per_device"] == pytest.approx(
             debug_plan.global_batch * debug_plan.seq_len / row["step_s"] / 4)
         assert 0 < row["mfu"] < 1 and math.isfinite(row["step_s"])
-    assert [r["memory_exact"] for r in rows[:2]] == [True, True]
+    # The first two got the exact estimate (rank 0); a pipeline's later rank can hold more (fast estimate).
+    assert all(layout.exact_memory is not None for layout in debug_plan.layouts[:2])
+    for row, layout in zip(rows, debug_plan.layouts):
+        assert row["memory_exact"] == layout.memory_is_exact
+        assert row["memory_gib"] == round(layout.memory / 2**30, 3)
+        if layout.exact_memory is not None and not layout.memory_is_exact:
+            assert row["pp"] > 1 and layout.memory == layout.later_ranks_memory > layout.exact_memory
 
 
 @pytest.mark.slow  # the plan's exact estimates run in a forked child

@@ -119,12 +119,14 @@ def print_plan(result) -> None:
         c, t = layout.candidate, layout.time
         batch = (f"{c.local_batch_size} x {c.grad_accum}" if c.pp == 1
                  else f"{c.microbatches} mb of {c.pp_microbatch_size}")
-        memory = _gib(layout.memory) + (" (exact)" if layout.exact_memory is not None else "")
+        exact = " (exact)" if layout.memory_is_exact else " (later rank)" if layout.exact_memory is not None else ""
+        memory = _gib(layout.memory) + exact
         table.add_row(str(i), c.describe(), batch, c.features(), memory, f"{t.step:.3f}",
                       f"{layout.tokens_per_second_per_device:,.0f}", f"{100 * layout.mfu:.1f}%", t.dominant)
     out.print(table)
     out.print("batch: local batch x gradient accumulation, or pipeline microbatches; memory: rank 0's peak from "
-              "estimate-memory (exact) or the fast estimate (the busiest pipeline rank), without the "
+              "estimate-memory (exact), or the fast estimate of the busiest pipeline rank (later rank: a pipeline "
+              f"rank after rank 0, which the exact estimate does not run, holds more), without the "
               f"{d.memory_reserve_gib:g} GiB reserve", soft_wrap=True)
     for i, layout in enumerate(result.layouts, 1):
         cmd = result.commands(layout)

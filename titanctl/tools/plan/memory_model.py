@@ -181,10 +181,11 @@ def _op_level_saved(block: Block, tp: int, dim: int) -> float:
 
 def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, param_dtype: str,
              reduce_dtype: str, reshard_after_forward: str, reserve_gib: float,
-             loss_parallel: bool = True) -> MemoryBreakdown:
-    """The fast estimate of the peak of the pipeline rank that holds the most: the larger of two
-    moments, the loss's backward (the last stage: every block's activations and the logits' tensors)
-    and the first recomputed block's backward (a block recomputed, FSDP's gathered blocks)."""
+             loss_parallel: bool = True, after_rank0: bool = False) -> MemoryBreakdown | None:
+    """The fast estimate of the peak of the pipeline rank that holds the most (``after_rank0``: of the
+    ranks after rank 0, None without a pipeline): the largest of the loss's backward (the last stage:
+    every block's activations and the logits' tensors), the first recomputed block's backward and the
+    last block's (every gradient made)."""
     act = _dtype_bytes(param_dtype)
     pbytes = _dtype_bytes(param_dtype)
     grad_bytes = 4 if reduce_dtype == "float32" else pbytes  # FSDP's unsharded gradients, in the reduce dtype
@@ -203,6 +204,8 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
     final_norm = ((2 * act + (8 if act == 2 else 0)) / c.tp + (act if c.tp > 1 else 0)) * shape.dim
     best = None
     for view in ranks.views(c.pp, c.pp_schedule):
+        if after_rank0 and view.rank == 0:
+            continue
         dense = sum(n * (b.params(c.tp, c.ep) - b.expert_params(c.ep)) for b, n in view.blocks)
         experts = sum(n * b.expert_params(c.ep) for b, n in view.blocks)
         root = (shape.embedding_params / c.tp if view.first else 0) + (

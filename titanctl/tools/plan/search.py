@@ -38,10 +38,19 @@ class Layout:
     mfu: float
     exact_memory: float | None = None  # bytes, estimate-memory's peak of rank 0 (finalists)
     exact_seconds: float = 0.0
+    # bytes, the fast path's peak of the pipeline ranks after rank 0, which the exact estimate does not run
+    # (the last stage holds the logits); 0 without a pipeline
+    later_ranks_memory: float = 0.0
 
     @property
     def memory(self) -> float:
-        return self.exact_memory if self.exact_memory is not None else self.fast_memory
+        if self.exact_memory is None:
+            return self.fast_memory
+        return max(self.exact_memory, self.later_ranks_memory)
+
+    @property
+    def memory_is_exact(self) -> bool:
+        return self.exact_memory is not None and self.exact_memory >= self.later_ranks_memory
 
 
 @dataclass
@@ -85,7 +94,7 @@ class Plan:
                 "rank": rank,
                 **layout.candidate.to_json(),
                 "memory_gib": round(layout.memory / GIB, 3),
-                "memory_exact": layout.exact_memory is not None,
+                "memory_exact": layout.memory_is_exact,
                 "memory_fast_gib": round(layout.fast_memory / GIB, 3),
                 "memory_capacity_gib": round(self.device.memory_gib - self.device.memory_reserve_gib, 3),
                 "step_s": t.step,
@@ -150,15 +159,17 @@ class Planner:
     def capacity(self) -> float:
         return (self.device.memory_gib - self.device.memory_reserve_gib) * GIB
 
-    def fast_memory(self, c: Candidate) -> float:
-        """The fast path's peak (bytes, without the device's reserve); compile, Float8 and async TP
-        are not modelled in memory (as estimate-memory, which runs them as bf16 eager)."""
+    def fast_memory(self, c: Candidate, after_rank0: bool = False) -> float:
+        """The fast path's peak (bytes, without the device's reserve; ``after_rank0``: of the pipeline ranks
+        after rank 0, 0 without a pipeline); compile, Float8 and async TP are not modelled in memory (as
+        estimate-memory, which runs them as bf16 eager)."""
         t, p = self.cfg.training, self.cfg.parallelism
-        return memory_model.estimate(
+        peak = memory_model.estimate(
             self.shape, self.ranks, c, seq_len=t.seq_len, param_dtype=t.mixed_precision_param,
             reduce_dtype=t.mixed_precision_reduce, reshard_after_forward=p.fsdp_reshard_after_forward, reserve_gib=0.0,
-            loss_parallel=not p.disable_loss_parallel,
-        ).total
+            loss_parallel=not p.disable_loss_parallel, after_rank0=after_rank0,
+        )
+        return 0.0 if peak is None else peak.total
 
     def evaluate(self, c: Candidate, global_batch: int, fast_memory: float | None = None) -> Layout:
         t = self.cfg.training
@@ -305,7 +316,8 @@ def plan(
                              "the fast estimate")
             else:
                 layout.exact_memory, layout.exact_seconds = peak, seconds
-                if peak > planner.capacity:
+                layout.later_ranks_memory = planner.fast_memory(layout.candidate, after_rank0=True)
+                if layout.memory > planner.capacity:
                     rejected["does not fit in memory (exact estimate)"] += 1
                     continue
         elif exact_done < exact and not out_of_time:
