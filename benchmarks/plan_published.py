@@ -64,7 +64,7 @@ def slower(layout, first) -> str:
 
 def main() -> int:
     from titanctl.tools.plan.devices import PRESETS
-    from titanctl.tools.plan.published import MEASUREMENTS, gains, grand_teton, predict
+    from titanctl.tools.plan.published import A100_MEASUREMENTS, MEASUREMENTS, gains, grand_teton, predict
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="h100", choices=sorted(PRESETS), help="preset whose assumptions to check")
@@ -91,6 +91,13 @@ def main() -> int:
           f"({min(spread):+.0%} to {max(spread):+.0%} around the median)")
     print(f"memory, fast estimate / published: {min(memory):.2f} to {max(memory):.2f} (published: what the "
           "allocator reserved, allocated memory plus its slack)")
+    a100 = predict(PRESETS["a100"], A100_MEASUREMENTS)
+    print("\nFSDP alone on 64 A100 80GB (the a100 preset; torchtitan's earlier table, eager bf16):")
+    for p in a100:
+        m = p.measurement
+        ratio = p.tokens_per_second_per_gpu / m.tokens_per_second_per_gpu
+        print(f"  Llama 3 {m.table:22} {m.layout.describe():14} published {m.tokens_per_second_per_gpu:6,.0f}  "
+              f"predicted {p.tokens_per_second_per_gpu:6,.0f}  ratio {ratio:.2f}")
     print(f"\n{'what a technique buys':46} {'published':>9} {'predicted':>9}")
     for name, (published, predicted) in gains(predictions).items():
         print(f"{name:46} {published:9.3f} {predicted:9.3f}")

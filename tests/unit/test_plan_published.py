@@ -12,7 +12,8 @@ from tests.conftest import REPO
 from titanctl.models.registry import model_args_from_config
 from titanctl.tools.memory.estimate import resolve_vocab_size
 from titanctl.tools.plan.candidates import check_candidate
-from titanctl.tools.plan.published import MEASUREMENTS, gains, grand_teton, predict
+from titanctl.tools.plan.devices import PRESETS
+from titanctl.tools.plan.published import A100_MEASUREMENTS, MEASUREMENTS, gains, grand_teton, predict
 from titanctl.tools.plan.search import recipe_config
 
 
@@ -21,7 +22,7 @@ def predictions():
     return predict(grand_teton())
 
 
-@pytest.mark.parametrize("m", MEASUREMENTS, ids=lambda m: m.table)
+@pytest.mark.parametrize("m", MEASUREMENTS + A100_MEASUREMENTS, ids=lambda m: m.table)
 def test_published_layouts_are_ones_the_trainer_accepts(m):
     cfg = recipe_config(REPO / m.recipe)
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=m.seq_len))
@@ -35,6 +36,13 @@ def test_predictions_are_one_factor_away_from_every_measurement(predictions):
     median = statistics.median(ratios)
     assert 1.0 <= median <= 1.35, ratios
     assert all(0.75 <= r / median <= 1.1 for r in ratios), [round(r / median, 3) for r in ratios]
+
+
+def test_fsdp_alone_on_a100_is_one_factor_away_for_the_8b_and_the_70b():
+    # The 70B's FSDP over 64 GPUs and a 25 GB/s network is predicted as well as the 8B's.
+    ratios = [p.tokens_per_second_per_gpu / p.measurement.tokens_per_second_per_gpu
+              for p in predict(PRESETS["a100"], A100_MEASUREMENTS)]
+    assert max(ratios) / min(ratios) < 1.1, ratios
 
 
 def test_the_fast_memory_path_is_below_what_the_allocator_reserved(predictions):

@@ -11,7 +11,7 @@ The efficiencies of GPU presets are assumptions, not measurements of this projec
 lists them): large bf16 GEMMs reach about 70-80% of the dense peak on H100/A100 in cuBLAS;
 FlashAttention-2 reaches about 35-50% of the peak forward and backward; NCCL ring collectives reach
 about 80% of the link's bandwidth as bus bandwidth on large messages. Three are set by torchtitan's
-published H100 measurements (``published.py``; ``benchmarks/plan_published.py`` compares all 18):
+published H100 measurements (``published.py``; ``benchmarks/plan_published.py`` compares them all):
 Float8 matmuls at 0.60 of the fp8 peak (Float8 bought 1.28x on the 8B), async TP hiding a quarter
 of TP's collectives (1.057x on the 70B), and FSDP's prefetch hiding 97% of what fits behind compute
 (8 -> 128 GPUs cost the 8B 1.8%). ``--calibrate`` replaces them with measured ones on the machine

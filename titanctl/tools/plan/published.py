@@ -1,11 +1,14 @@
-"""torchtitan's published H100 measurements, as layouts the cost model can predict.
+"""torchtitan's published H100 and A100 measurements, as layouts the cost model can predict.
 
 The GPU presets' efficiency assumptions cannot be measured without a GPU; these are the evidence
-they are checked against. Source: torchtitan's docs/performance.md (the TorchTitan paper's
-benchmarks, December 2024): Llama 3.1 8B, 70B and 405B on "Grand Teton" hosts of 8 H100 (96 GB
-HBM2e at 2.4 TB/s, 500 W power limit, NVLink within a host, 400 Gb/s RDMA per GPU), tokens per
-second per GPU read at iteration 90. The pipelines of that torchtitan split each local batch into
-as many microbatches as the pipeline degree (its default then), so they are written that way here.
+they are checked against. Sources, torchtitan's docs/performance.md:
+- ``MEASUREMENTS``, its December 2024 version (the TorchTitan paper's benchmarks): Llama 3.1 8B,
+  70B and 405B on "Grand Teton" hosts of 8 H100 (96 GB HBM2e at 2.4 TB/s, 500 W power limit, NVLink
+  within a host, 400 Gb/s RDMA per GPU), tokens per second per GPU read at iteration 90. The
+  pipelines of that torchtitan split each local batch into as many microbatches as the pipeline
+  degree (its default then), so they are written that way here.
+- ``A100_MEASUREMENTS``, its earlier version: Llama 3 8B and 70B with FSDP alone on 64 A100 80GB
+  (local batch 1, eager, bf16), no memory figures.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class Measurement:
     global_batch: int  # sequences per step
     layout: Candidate
     tokens_per_second_per_gpu: float
-    memory_gib: float  # the most any GPU's caching allocator reserved (allocated + its slack)
+    memory_gib: float | None  # the most any GPU's caching allocator reserved (allocated + its slack)
 
 
 def _c(dp_shard: int, tp: int, pp: int, cp: int, local_batch: int, *, ac: str, compile: bool = True,
@@ -62,6 +65,13 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("6: FSDP 1, CP 8", _405B, 262144, 8, _c(1, 8, 8, 8, 8, **_3D), 16, 84.9),
 )
 
+_EAGER = {"compile": False, "float8": False}
+A100_MEASUREMENTS: tuple[Measurement, ...] = (
+    Measurement("8B, selective layer", _8B, 8192, 64, _c(64, 1, 1, 1, 1, ac="selective_2", **_EAGER), 2904, None),
+    Measurement("8B, selective op", _8B, 8192, 64, _c(64, 1, 1, 1, 1, ac=_OP, **_EAGER), 2973, None),
+    Measurement("70B, full", _70B, 8192, 64, _c(64, 1, 1, 1, 1, ac="full", **_EAGER), 331, None),
+)
+
 # Ratios of two measurements (numerator table, denominator table): what one technique buys.
 GAINS = {
     "torch.compile (8B, 8 GPUs)": ("1: FSDP + compile", "1: FSDP"),
@@ -85,13 +95,13 @@ class Prediction:
     memory_gib: float  # the fast memory path's peak (the busiest rank, allocated: no allocator slack)
 
 
-def predict(device: Device) -> list[Prediction]:
-    """The cost model's and the fast memory path's figures for every published measurement."""
+def predict(device: Device, measurements: tuple[Measurement, ...] = MEASUREMENTS) -> list[Prediction]:
+    """The cost model's and the fast memory path's figures for each published measurement on ``device``."""
     from titanctl.tools.plan.search import Planner, recipe_config
 
     planners: dict[tuple[str, int], Planner] = {}
     out = []
-    for m in MEASUREMENTS:
+    for m in measurements:
         key = (m.recipe, m.seq_len)
         if key not in planners:
             cfg = recipe_config(REPO / m.recipe)
