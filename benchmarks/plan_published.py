@@ -35,21 +35,18 @@ def degrees(c) -> tuple[int, ...]:
 
 
 def rank_in_search(measurement, device, world_size: int):
-    """(1-based rank of the published layout or None, layouts ranked, the first, the published one, and the
-    1-based rank and layout of the best with the published degrees: any schedule, microbatches, features)."""
-    import dataclasses
+    """(1-based rank of the published layout or None, layouts ranked, the first, and the 1-based rank and
+    layout of the best with the published degrees: any schedule, microbatches, features)."""
+    from titanctl.tools.plan.published import measurement_config
+    from titanctl.tools.plan.search import ac_modes_from, plan
 
-    from titanctl.tools.plan.search import Planner, ac_modes_from, plan, recipe_config
-
-    cfg = recipe_config(REPO / measurement.recipe)
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=measurement.seq_len))
+    cfg = measurement_config(measurement)
     result = plan(measurement.recipe, cfg, world_size, device, global_batch=measurement.global_batch,
                   top=10**9, exact=0, ac_modes=ac_modes_from("recipe", cfg))
-    published = Planner(measurement.recipe, cfg, device).evaluate(measurement.layout, measurement.global_batch)
     rank = next((i for i, lay in enumerate(result.layouts, 1) if lay.candidate == measurement.layout), None)
     kind = next(((i, lay) for i, lay in enumerate(result.layouts, 1)
                  if degrees(lay.candidate) == degrees(measurement.layout)), (None, None))
-    return rank, len(result.layouts), result.layouts[0], published, kind
+    return rank, len(result.layouts), result.layouts[0], kind
 
 
 def describe(layout) -> str:
@@ -64,7 +61,7 @@ def slower(layout, first) -> str:
 
 def main() -> int:
     from titanctl.tools.plan.devices import PRESETS
-    from titanctl.tools.plan.published import A100_MEASUREMENTS, MEASUREMENTS, gains, grand_teton, predict
+    from titanctl.tools.plan.published import A100_MEASUREMENTS, gains, grand_teton, predict
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="h100", choices=sorted(PRESETS), help="preset whose assumptions to check")
@@ -104,11 +101,11 @@ def main() -> int:
 
     if args.no_search:
         return 0
-    by_table = {m.table: m for m in MEASUREMENTS}
+    by_table = {p.measurement.table: p for p in predictions}
     print("\nthe paper's best layouts among everything the planner considers (same model, sequence, global batch, AC):")
     for table, gpus in BEST:
-        m = by_table[table]
-        rank, total, first, published, (kind_rank, kind) = rank_in_search(m, device, gpus)
+        m, published = by_table[table].measurement, by_table[table].layout
+        rank, total, first, (kind_rank, kind) = rank_in_search(m, device, gpus)
         where = f"#{rank:,} of {total:,}" if rank else f"not among the {total:,} that fit"
         print(f"  {Path(m.recipe).stem} on {gpus} GPUs: #1 {describe(first)}")
         print(f"    published {describe(published)}: {where}, {slower(published, first)}")

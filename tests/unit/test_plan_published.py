@@ -8,13 +8,18 @@ import statistics
 
 import pytest
 
-from tests.conftest import REPO
 from titanctl.models.registry import model_args_from_config
 from titanctl.tools.memory.estimate import resolve_vocab_size
 from titanctl.tools.plan.candidates import check_candidate
 from titanctl.tools.plan.devices import PRESETS
-from titanctl.tools.plan.published import A100_MEASUREMENTS, MEASUREMENTS, gains, grand_teton, predict
-from titanctl.tools.plan.search import recipe_config
+from titanctl.tools.plan.published import (
+    A100_MEASUREMENTS,
+    MEASUREMENTS,
+    gains,
+    grand_teton,
+    measurement_config,
+    predict,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +29,7 @@ def predictions():
 
 @pytest.mark.parametrize("m", MEASUREMENTS + A100_MEASUREMENTS, ids=lambda m: m.table)
 def test_published_layouts_are_ones_the_trainer_accepts(m):
-    cfg = recipe_config(REPO / m.recipe)
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=m.seq_len))
+    cfg = measurement_config(m)
     args = model_args_from_config(cfg.model, resolve_vocab_size(cfg)[0], m.seq_len)
     check_candidate(cfg, m.layout, m.global_batch, args)
 

@@ -193,6 +193,11 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
     shard = c.dp_shard * c.cp if c.fsdp else 1
     expert_shard = max(1, c.dp_shard * c.cp // c.ep) if c.fsdp else 1
     gathered_whole = c.pp > 1 if reshard_after_forward == "default" else reshard_after_forward == "never"
+    # FSDP under a pipeline keeps parameters gathered and gradients unsharded until the step's end.
+    whole_stage = c.fsdp and gathered_whole
+    # Sharded fp32 gradients exist at the loss once a backward made them: with accumulation, or a
+    # pipeline's later microbatches (the first microbatch's loss comes before any).
+    accumulating = c.grad_accum > 1 or (c.microbatches > 1 and not whole_stage)
     tokens = (c.pp_microbatch_size if c.pp > 1 else c.local_batch_size) * seq_len / c.cp
     stages_per_rank = 1 if c.pp == 1 else _stages_per_rank(c)
     # Logits (compute dtype) and the log-softmax's fp32 output stay for the loss's backward, which
@@ -212,18 +217,14 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
             (shape.output_params / c.tp + shape.final_norm_params) if view.last else 0)
         stage = dense + experts + root
         stored = (dense + root) / shard + experts / expert_shard
-        # fp32 parameters and Adam's two moments; fp32 gradients once a backward made them (the first
-        # microbatch's loss comes before any: with accumulation, or a pipeline's later microbatches, after;
-        # FSDP under a pipeline keeps them unsharded instead, below).
-        accumulating = c.grad_accum > 1 or (c.microbatches > 1 and not (c.fsdp and gathered_whole))
+        # fp32 parameters and Adam's two moments, and the gradients once they exist.
         state = 12 * stored + (4 * stored if accumulating else 0)
         if c.ddp:
             state += 4 * stage  # the gradient buckets
         biggest = max(b.params(c.tp, c.ep) for b, _ in view.blocks)
         # FSDP's unsharded parameters and gradients at the loss and at a block's backward.
         at_loss = at_block = 0.0
-        if c.fsdp and gathered_whole:
-            # Under a pipeline parameters stay gathered and gradients unsharded until the step's end.
+        if whole_stage:
             at_loss = at_block = pbytes * stage + (grad_bytes * stage if c.microbatches > 1 else 0)
         elif c.fsdp:
             at_loss = pbytes * biggest  # the last block, prefetched for its backward
@@ -240,7 +241,7 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
             per_chunk = kept / stages_per_rank + 2 * shape.dim / c.tp * act
             kept = per_chunk * chunks_in_flight(c, view.rank, stages_per_rank)
         candidates = [MemoryBreakdown(state, at_block, tokens * (kept + recompute), 0.0, reserve_gib * GIB)]
-        if not accumulating and not (c.fsdp and gathered_whole):
+        if not accumulating and not whole_stage:
             # The last block's backward: one block's activations left, every gradient made.
             candidates.append(MemoryBreakdown(state + 4 * stored, at_block, tokens * (one_block + recompute), 0.0,
                                               reserve_gib * GIB))

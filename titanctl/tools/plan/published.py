@@ -88,27 +88,40 @@ def grand_teton(base: Device = PRESETS["h100"]) -> Device:
     return dataclasses.replace(base, name="h100 (Grand Teton)", memory_gib=96.0, memory_bandwidth_gbps=2400.0)
 
 
+def measurement_config(m: Measurement):
+    """The recipe's JobConfig at the measurement's sequence length."""
+    from titanctl.tools.plan.search import recipe_config
+
+    cfg = recipe_config(REPO / m.recipe)
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=m.seq_len))
+
+
 @dataclass(frozen=True)
 class Prediction:
     measurement: Measurement
-    tokens_per_second_per_gpu: float
-    memory_gib: float  # the fast memory path's peak (the busiest rank, allocated: no allocator slack)
+    layout: object  # search.Layout: the cost model's step and the fast memory path's peak
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.layout.tokens_per_second_per_device
+
+    @property
+    def memory_gib(self) -> float:
+        """The fast memory path's peak (the busiest rank, allocated: no allocator slack)."""
+        return self.layout.fast_memory / 2**30
 
 
 def predict(device: Device, measurements: tuple[Measurement, ...] = MEASUREMENTS) -> list[Prediction]:
     """The cost model's and the fast memory path's figures for each published measurement on ``device``."""
-    from titanctl.tools.plan.search import Planner, recipe_config
+    from titanctl.tools.plan.search import Planner
 
     planners: dict[tuple[str, int], Planner] = {}
     out = []
     for m in measurements:
         key = (m.recipe, m.seq_len)
         if key not in planners:
-            cfg = recipe_config(REPO / m.recipe)
-            cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=m.seq_len))
-            planners[key] = Planner(m.recipe, cfg, device)
-        layout = planners[key].evaluate(m.layout, m.global_batch)
-        out.append(Prediction(m, layout.tokens_per_second_per_device, layout.fast_memory / 2**30))
+            planners[key] = Planner(m.recipe, measurement_config(m), device)
+        out.append(Prediction(m, planners[key].evaluate(m.layout, m.global_batch)))
     return out
 
 
