@@ -7,8 +7,11 @@ within 15% of the measurement.
 Sequences of 128 tokens: gloo runs a reduce-scatter as an all-reduce on a full-size copy of the
 gradients, made inside the backend (no tracker sees it) and alive for as long as the collective is
 in flight, which depends on thread timing. With the debug model's embeddings and output layer
-(8.5 MiB of fp32 gradients) that copy is 12% of a 64-token step's peak on a busy machine; at 128
-tokens, where activations dominate as they do in real runs, it is under 8%.
+(8.5 MiB of fp32 gradients) that copy is up to 10% of a 64-token step's peak; at 128 tokens, where
+activations dominate as they do in real runs, it is not alive at the peak. gloo's threads also drop
+the last reference to some training tensors, a free no profiler records: the measurement counted
+such blocks until the end of the run, and a PP 2 x EP 2 MoE step measured 0.83-0.95 of the estimate
+by thread timing, until an address handed out again ended its earlier block (``peaks_per_step``).
 """
 
 from __future__ import annotations

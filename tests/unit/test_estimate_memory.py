@@ -387,3 +387,28 @@ def test_bad_requests_fail_in_one_line_with_exit_code_2(args, message):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+def test_validation_counts_blocks_freed_where_no_profiler_saw_it_once():
+    """--validate's count from the profiler's allocation events (time, +size/-size, address, thread).
+    Thread 1 trains; thread 2 is a gloo worker. A free on an unprofiled thread leaves no event: the
+    address handed out again ends the block that held it (the allocator's own total would keep both)."""
+    MiB = 2**20
+    events = [
+        (10, 4 * MiB, 0xA, 1),  # the training thread's tensor
+        (20, 1 * MiB, 0xB, 2),  # gloo scratch: every thread's count only
+        (30, -1 * MiB, 0xB, 2),
+        (40, 2 * MiB, 0xC, 1),  # freed below on the gloo thread, which records it
+        (50, -2 * MiB, 0xC, 2),
+        (60, 4 * MiB, 0xA, 1),  # 0xA again: its first block was freed unseen
+        (70, 3 * MiB, 0xD, 1),
+    ]
+    thread, process = memory.peaks_per_step(events, {1: (0, 55), 2: (55, 80)}, training_thread=1)
+    assert thread == {1: 6 * MiB, 2: 7 * MiB}
+    assert process == {1: 6 * MiB, 2: 7 * MiB}
+    thread, process = memory.peaks_per_step(events[:3], {1: (0, 35)}, training_thread=1)
+    assert thread == {1: 4 * MiB} and process == {1: 5 * MiB}
+    # the gloo thread reusing a training-thread address: that block was freed unseen too
+    thread, _ = memory.peaks_per_step([(10, 4 * MiB, 0xA, 1), (20, 1 * MiB, 0xA, 2), (30, 2 * MiB, 0xE, 1)],
+                                      {1: (25, 40)}, training_thread=1)
+    assert thread == {1: 2 * MiB}

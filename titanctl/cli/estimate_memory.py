@@ -140,7 +140,7 @@ def print_report(estimate, validation, rss: int) -> None:
         out.print(f"\n[bold]Validation[/bold]: the real step on {v.world_size} {v.device} process(es), rank 0")
         check = Table()
         for col in ("step", "estimated", "measured: tensors allocated", "estimated / measured",
-                    "tracker on real tensors", "allocator, process total"):
+                    "tracker on real tensors", "allocated, all threads"):
             check.add_column(col, justify="right")
         for step in sorted(v.allocated):
             est, mea = v.estimated.get(step, 0), v.allocated[step]

@@ -268,13 +268,19 @@ class Trainer:
         )
 
     def train(self) -> None:
-        stop_on_sigterm = elastic.sigterm_raises() if self.env.distributed else contextlib.nullcontext()
+        cause = "stopped by torchrun (SIGTERM: a rank failed, or a node left or joined)"
+        announce = elastic.once(lambda: self._say_where_the_run_stands(cause))
+        stop_on_sigterm = (
+            elastic.sigterm_raises(announce if self.is_logging_rank else None)
+            if self.env.distributed
+            else contextlib.nullcontext()
+        )
         try:
             with stop_on_sigterm:
                 self._train()
         except elastic.Terminated:
             if self.is_logging_rank:
-                self._say_where_the_run_stands("stopped by torchrun (SIGTERM: a rank failed, or a node left or joined)")
+                announce()
             self.close()
             elastic.die_of_sigterm()
         except TitanError as e:

@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,9 +143,15 @@ class Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
+def sigterm_raises(announce: Callable[[], None] | None = None) -> Iterator[None]:
     """Inside the block SIGTERM raises :class:`Terminated` in the main thread, so that the worker can
-    say where the run stands before it goes (see :func:`die_of_sigterm`)."""
+    say where the run stands before it goes (see :func:`die_of_sigterm`).
+
+    Python runs a signal handler only once the main thread is back in the interpreter, and a main
+    thread blocked in a collective whose peer died can stay in C++ until torchrun SIGKILLs it (30 s
+    later). So ``announce``, if given, runs on a watcher thread as soon as the signal arrives (the
+    interpreter's C-level handler writes it to a wakeup fd); wrap it in :func:`once` and call it
+    again from the ``except Terminated`` path, whichever comes first."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -154,10 +160,50 @@ def sigterm_raises() -> Iterator[None]:
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
+    watcher = _SignalWatcher(signal.SIGTERM, announce) if announce is not None else None
     try:
         yield
     finally:
+        if watcher is not None:
+            watcher.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+class _SignalWatcher:
+    """Calls ``action`` on a daemon thread when ``signum`` reaches the process (main thread only)."""
+
+    def __init__(self, signum: int, action: Callable[[], None]):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # the C handler must never block on it
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, args=(signum, action), daemon=True)
+        self._thread.start()
+
+    def _watch(self, signum: int, action: Callable[[], None]) -> None:
+        with os.fdopen(self._read, "rb", buffering=0) as pipe:
+            while byte := pipe.read(1):  # b"" once stop() closed the write end
+                if byte[0] == signum:
+                    action()
+
+    def stop(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._write)
+        self._thread.join(timeout=5)
+
+
+def once(action: Callable[[], None]) -> Callable[[], None]:
+    """``action`` on the first call only, whichever thread makes it; later calls wait for it to end."""
+    lock = threading.Lock()
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        with lock:
+            if not done:
+                done = True
+                action()
+
+    return call
 
 
 def die_of_sigterm() -> None:

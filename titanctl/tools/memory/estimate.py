@@ -145,7 +145,7 @@ class Validation:
     device: str
     tracked: dict[int, int]  # step -> peak seen by the tracker on real tensors
     allocated: dict[int, int]  # step -> peak of the tensors the training thread allocated (profiler)
-    allocated_process: dict[int, int]  # step -> the allocator's process total (+ gloo threads' buffers)
+    allocated_process: dict[int, int]  # step -> the same, of every thread (+ gloo threads' buffers)
     estimated: dict[int, int]  # step -> the estimate's peak for that step
 
     @property
@@ -730,17 +730,24 @@ def check_validation_world(world_size: int) -> None:
 
 
 def _allocator_peaks(prof) -> tuple[dict[int, int], dict[int, int]]:
-    """Per step: the most bytes the CPU allocator had handed out and not taken back, at once.
+    """Per step: the most bytes of CPU memory handed out and not yet taken back, at once.
 
-    Two counts, from ``torch.profiler``'s memory events: (1) the running sum of the allocations
-    and frees the profiler records, i.e. those made by the training thread (every tensor of the
-    step); (2) the allocator's own process-wide total, which also includes buffers that gloo's
-    worker threads allocate for the collectives they are running (CPU backend scratch space that
-    NCCL does not take from PyTorch's allocator, and whose amount depends on thread timing).
+    Two counts, from ``torch.profiler``'s allocation and free events: (1) the blocks the training
+    thread allocated (every tensor of the step); (2) those of every thread, i.e. also the buffers that
+    gloo's worker threads allocate for the collectives they run (CPU backend scratch space that NCCL
+    does not take from PyTorch's allocator, and whose amount depends on thread timing).
+
+    Some frees reach no profiler: those on a thread where profiling is off, e.g. where a gloo thread
+    drops the last reference to a tensor of the training thread. The allocator's own running total
+    (``total_allocated``) keeps such a block forever, so it grows with every unseen free, by an
+    amount that depends on thread timing. Here an address handed out again ends its earlier block,
+    which the allocator cannot have handed out twice; a block freed unseen whose address is not
+    reused stays counted, so the measurement can only err high.
     """
     allocation = _torch_compat.PROFILER_ALLOCATION_EVENT.get()
     windows: dict[int, tuple[int, int]] = {}
-    events: list[tuple[int, int, int, int]] = []  # (time, size (+/-), ptr, process total)
+    training_thread = None
+    events: list[tuple[int, int, int, int]] = []  # (time, size (+ allocated, - freed), address, thread)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
@@ -748,20 +755,31 @@ def _allocator_peaks(prof) -> tuple[dict[int, int], dict[int, int]]:
         if node.tag == allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
-                events.append((node.start_time_ns, fields.alloc_size, fields.ptr, fields.total_allocated))
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr, node.start_tid))
         elif node.name.startswith("titanctl-memory-step-"):
             windows[int(node.name.rsplit("-", 1)[1])] = (node.start_time_ns, node.end_time_ns)
-    events.sort(key=lambda e: e[0])
-    live: dict[int, int] = {}
-    live_total = 0
-    timeline = []  # (time, training-thread live bytes, process total)
-    for t, size, ptr, total in events:
+            training_thread = node.start_tid
+    return peaks_per_step(events, windows, training_thread)
+
+
+def peaks_per_step(
+    events: list[tuple[int, int, int, int]], windows: dict[int, tuple[int, int]], training_thread: int | None
+) -> tuple[dict[int, int], dict[int, int]]:
+    """The two counts of :func:`_allocator_peaks` from its events (time, size: + allocated, - freed,
+    address, thread) and each step's (begin, end) time."""
+    thread_blocks, process_blocks = _LiveBlocks(), _LiveBlocks()
+    timeline = []  # (time, training thread's live bytes, every thread's)
+    for t, size, ptr, tid in sorted(events, key=lambda e: e[0]):
         if size > 0:
-            live[ptr] = size
-            live_total += size
-        elif ptr in live:
-            live_total -= live.pop(ptr)
-        timeline.append((t, live_total, total))
+            process_blocks.allocate(ptr, size)
+            if tid == training_thread:
+                thread_blocks.allocate(ptr, size)
+            else:
+                thread_blocks.free(ptr)  # a reused address: the training thread's block there is gone
+        else:
+            process_blocks.free(ptr)
+            thread_blocks.free(ptr)  # wherever the last reference dropped
+        timeline.append((t, thread_blocks.total, process_blocks.total))
     thread, process = {}, {}
     for step, (begin, end) in windows.items():
         before = [e for e in timeline if e[0] < begin][-1:]
@@ -769,6 +787,22 @@ def _allocator_peaks(prof) -> tuple[dict[int, int], dict[int, int]]:
         thread[step] = max(e[1] for e in inside)
         process[step] = max(e[2] for e in inside)
     return thread, process
+
+
+class _LiveBlocks:
+    """Blocks handed out and not yet taken back, by address."""
+
+    def __init__(self):
+        self.sizes: dict[int, int] = {}
+        self.total = 0
+
+    def allocate(self, ptr: int, size: int) -> None:
+        self.free(ptr)  # its earlier block was freed where no profiler saw it
+        self.sizes[ptr] = size
+        self.total += size
+
+    def free(self, ptr: int) -> None:
+        self.total -= self.sizes.pop(ptr, 0)
 
 
 def rss_peak_bytes() -> int:
