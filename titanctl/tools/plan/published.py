@@ -19,6 +19,7 @@ from pathlib import Path
 
 from titanctl.tools.plan.candidates import Candidate
 from titanctl.tools.plan.devices import PRESETS, Device
+from titanctl.tools.plan.search import Layout, Planner, recipe_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -90,8 +91,6 @@ def grand_teton(base: Device = PRESETS["h100"]) -> Device:
 
 def measurement_config(m: Measurement):
     """The recipe's JobConfig at the measurement's sequence length."""
-    from titanctl.tools.plan.search import recipe_config
-
     cfg = recipe_config(REPO / m.recipe)
     return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, seq_len=m.seq_len))
 
@@ -99,7 +98,7 @@ def measurement_config(m: Measurement):
 @dataclass(frozen=True)
 class Prediction:
     measurement: Measurement
-    layout: object  # search.Layout: the cost model's step and the fast memory path's peak
+    layout: Layout  # the cost model's step and the fast memory path's peak
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -113,8 +112,6 @@ class Prediction:
 
 def predict(device: Device, measurements: tuple[Measurement, ...] = MEASUREMENTS) -> list[Prediction]:
     """The cost model's and the fast memory path's figures for each published measurement on ``device``."""
-    from titanctl.tools.plan.search import Planner
-
     planners: dict[tuple[str, int], Planner] = {}
     out = []
     for m in measurements:
