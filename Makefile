@@ -40,7 +40,7 @@ test-distributed: install
 
 # Another torch release, e.g. `make test-torch TORCH=2.15.0`: a scratch venv outside the repository
 # (TITANCTL_TORCH_VENVS, default ~/.cache/titanctl/torch-venvs) with that torch and constraints.txt's
-# other pins, then the in-process tests and a torchrun smoke run (docs/torch-versions.md).
+# other pins, then the in-process tests and a torchrun smoke run (docs/development.md).
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0"; exit 2; }
 	PYTHON=$(PYTHON) scripts/test_torch.sh $(TORCH)
