@@ -146,10 +146,10 @@ def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(
     proc = run("convert", step, tmp_path / "out", "--flavor", "debugmodel", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "16 key/value heads of 16, the model 4; set model.n_kv_heads = 16 in the recipe" in proc.stderr
-    recipe = tmp_path / "tt_debug.toml"
-    recipe.write_text('[model]\nflavor = "debugmodel"\nn_layers = 1\nn_kv_heads = 16\n')
-    proc = run("convert", step, tmp_path / "dcp", "--config", recipe)
-    assert f"model from --config {recipe}" in proc.stdout, proc.stdout
+    # The family's recipe with command-line overrides, as train takes them.
+    recipe = REPO / "recipes" / "llama3_debug.toml"
+    proc = run("convert", step, tmp_path / "dcp", "--config", recipe, "--model.n_layers", "1", "--model.n_kv_heads", "16")
+    assert f"model from --config {recipe} --model.n_layers 1 --model.n_kv_heads 16" in proc.stdout, proc.stdout
     for folder in ("hf", "dcp"):
         back, got = load_checkpoint(tmp_path / folder)
         assert got.kv_heads == 16

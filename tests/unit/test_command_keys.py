@@ -60,8 +60,8 @@ def test_every_command_that_takes_overrides_has_an_entry():
     from titanctl.cli.app import OVERRIDES, app
 
     with_overrides = {c.name for c in app.registered_commands if c.context_settings == OVERRIDES}
-    assert with_overrides == {"train", "estimate-memory", "profile", "infer-tp"}
-    assert with_overrides <= set(READS)
+    assert with_overrides == {"train", "estimate-memory", "profile", "infer-tp", "convert", "convert-checkpoint"}
+    assert with_overrides - {"convert-checkpoint"} <= set(READS)  # convert's long name: the same entry
 
 
 def test_train_reads_every_key():
@@ -98,6 +98,15 @@ def test_infer_tp_refuses_the_tensor_parallel_degree():
     )
 
 
+def test_convert_refuses_an_unread_override_before_looking_at_the_checkpoint(tmp_path):
+    from titanctl.cli.app import app
+
+    argv = ["convert", str(tmp_path / "missing"), str(tmp_path / "out"), "--config", RECIPE, "--training.steps", "3"]
+    with pytest.raises(ConfigError, match=r"^--training.steps is not read by convert \(it converts weights: only the "
+                                          r"model's shape is taken from the recipe\); it reads: model.name, "):
+        app(args=argv, prog_name="titanctl", standalone_mode=False)
+
+
 @pytest.mark.parametrize(
     "command, override, reason",
     [
@@ -109,6 +118,8 @@ def test_infer_tp_refuses_the_tensor_parallel_degree():
         ("estimate-memory", "--training.deterministic", "; it reads: model.*, optimizer.*, lr_scheduler.*, "),
         ("profile", "--training.steps=3", "(--steps sets it)"),
         ("profile", "--checkpoint.interval=3", "(checkpointing is off while profiling)"),
+        ("convert", "--training.steps=3", "(it converts weights: only the model's shape is taken from the recipe)"),
+        ("convert", "--model.tokenizer_path=t", "(--tokenizer-path gives the tokenizer of its output)"),
     ],
 )
 def test_an_unread_override_names_the_key_the_command_and_why(command, override, reason):
@@ -127,6 +138,7 @@ def test_an_unread_override_names_the_key_the_command_and_why(command, override,
         ("estimate-memory --validate", ["--training.seed", "3", "--comm.init_timeout_seconds", "9"]),
         ("profile", ["--metrics.log_freq", "2", "--checkpoint.initial_load_path", "x", "--profiling.save_traces_folder", "t"]),
         ("train", ["--parallelism.tensor_parallel_degree", "2", "--training.steps", "3", "--checkpoint.interval", "2"]),
+        ("convert", ["--model.name", "qwen3", "--model.n_layers", "2", "--training.seq_len", "64"]),
     ],
 )
 def test_a_read_override_is_applied(command, overrides):
@@ -243,6 +255,7 @@ def _scenarios(tmp: Path) -> list[tuple[str, str, list[str]]]:
                                 "--checkpoint.initial_load_path", str(train / "checkpoint" / "step-1")]),
         ("infer-tp", "infer-tp", ["infer-tp", "--checkpoint", str(plain), "--prompt", "To be", "--max-new-tokens",
                                   "2", "--temperature", "0", *TINY[:6]]),
+        ("convert", "convert", ["convert", str(plain), str(tmp / "converted"), *TINY[:6]]),
         ("estimate: pipeline", "estimate-memory", [*ESTIMATE, "--world-size", "2",
                                                    "--parallelism.pipeline_parallel_degree", "2",
                                                    "--activation_checkpoint.mode", "selective"]),
@@ -306,6 +319,7 @@ def test_every_key_a_command_declares_is_read_by_a_run(recorded):
     layouts = {k for k in estimates if _layout(k)}
     witnesses = {
         "infer-tp": by("infer-tp"),
+        "convert": by("convert"),
         "estimate-memory": estimates,
         "estimate-memory --validate": estimates | by("estimate: validate"),  # --validate estimates first
         "profile": by("profile") | layouts,

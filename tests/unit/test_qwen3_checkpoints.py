@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.unit.hf_reference import assert_round_trip_keeps_the_folder
 from tests.unit.test_qwen3_parity import ARGS, hf_qwen3, tokens
 from titanctl.checkpoint.convert import convert_checkpoint, open_checkpoint
 from titanctl.errors import CheckpointError
@@ -84,6 +85,8 @@ def test_hf_dcp_hf_is_bit_identical(transformers, hf_folder, tmp_path):
     convert_checkpoint(folder, tmp_path / "dcp", dst_format="dcp")
     convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
     assert_same_hf_checkpoint(transformers, folder, model, tmp_path / "back")
+    config = assert_round_trip_keeps_the_folder(folder, tmp_path / "back")  # config.json as saved, not 40960
+    assert config["max_position_embeddings"] == ARGS.max_seq_len and config["rope_theta"] == ARGS.rope_theta
 
 
 def test_hf_torchtitan_hf_is_bit_identical(transformers, hf_folder, tmp_path):
@@ -92,9 +95,10 @@ def test_hf_torchtitan_hf_is_bit_identical(transformers, hf_folder, tmp_path):
     folder, model = hf_folder
     tied = model.config.tie_word_embeddings
     convert_checkpoint(folder, tmp_path / "tt", dst_format="torchtitan")
-    # torchtitan's Qwen3 names are titanctl's; its loader wants the output layer also when tied.
+    # torchtitan 0.3's Qwen3 names (test_torchtitan_format has them all); its loader wants the output layer
+    # also when tied.
     stored = dcp.FileSystemReader(str(tmp_path / "tt")).read_metadata().state_dict_metadata
-    assert {"layers.0.attention.wq.weight", "layers.0.attention.q_norm.weight", "output.weight"} <= set(stored)
+    assert {"layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.q_norm.weight", "lm_head.weight"} <= set(stored)
     assert not (tmp_path / "tt" / "params.json").exists()  # Meta's keys cannot describe Qwen3
     with open_checkpoint(tmp_path / "tt") as source:
         assert source.format == "torchtitan" and source.origin == "config.json"

@@ -4,11 +4,16 @@ debugmodel included), and HF folders without config.json.
 
 The torchtitan folders here are written by the test itself with DCP, as torchtitan 0.3's
 CheckpointManager lays them out: the model state dict flat at the top level, beside the
-optimizer, lr_scheduler, dataloader and train_state entries of a full checkpoint.
+optimizer, lr_scheduler, dataloader and train_state entries of a full checkpoint. Qwen3, Qwen3-MoE
+and DeepSeek-V3 are checked against torchtitan 0.3.0's state dict as its source defines it. torchtitan
+itself is not imported: it cannot be installed beside this venv's datasets 5.2.0 (it pins
+datasets<4.8.0); scripts/check_torchtitan_interop.py runs its own CheckpointManager and models, in a
+scratch venv, on the same names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -17,10 +22,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.conftest import REPO
 from tests.unit.trained_model import loss_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint, save_state_dict
 from titanctl.checkpoint.formats import detect
-from titanctl.errors import CheckpointError
+from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 from titanctl.models.llama.model import Transformer
 
@@ -145,6 +151,11 @@ def test_a_model_without_config_needs_flavor_when_shapes_cannot_say(tmp_path):
     recipe.write_text('[model]\nflavor = "debugmodel"\nn_layers = 2\n')
     with pytest.raises(CheckpointError, match=r"has shape \(300, 64\), expected \(300, 256\) for the model from --config"):
         load_checkpoint(tmp_path / "tt", config=recipe)
+    # --section.key overrides change the recipe, and only its model's shape.
+    with pytest.raises(CheckpointError, match="--model.n_layers 2: --section.key options change the recipe of --config"):
+        load_checkpoint(tmp_path / "tt", overrides=["--model.n_layers", "2"])
+    with pytest.raises(ConfigError, match=r"training.steps is not read by convert \(it converts weights"):
+        load_checkpoint(tmp_path / "tt", config=recipe, overrides=["--training.steps", "3"])
 
 
 @pytest.mark.slow
@@ -276,29 +287,155 @@ def test_config_reads_a_folder_without_config(torchtitan_debugmodel, tmp_path, f
     assert_same(sd, torchtitan_debugmodel)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_moe_families_go_to_torchtitan_under_its_module_names_and_back(family, tmp_path):
-    """torchtitan's MoE (``moe.router.gate``, stacked ``moe.experts.w1/w2/w3``, ``moe.shared_experts``,
-    the ``moe.expert_bias`` buffer) and latent attention (``attention.wq_a`` ... ``wkv_b``) are titanctl's
-    names: written flat as torchtitan saves them, read back bit for bit (the expert bias included)."""
-    from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
-    from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
+# ---------------------------------------------------------------------------- Qwen3, Qwen3-MoE, DeepSeek-V3
 
-    flavors = {"qwen3_moe": QWEN3_MOE_FLAVORS, "deepseek_v3": DEEPSEEK_V3_FLAVORS}
-    args = flavors[family]["debugmodel"].replace(n_layers=2, vocab_size=300, max_seq_len=32)
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buffer.copy_(torch.randn(buffer.shape))
-    state = model.state_dict()
-    save_state_dict(state, args, tmp_path / "dcp")
-    convert_checkpoint(tmp_path / "dcp", tmp_path / "tt", dst_format="torchtitan")
-    assert set(stored(tmp_path / "tt")) == set(state)
-    assert "layers.1.moe.experts.w1" in state and "layers.1.moe.router.gate.weight" in state
-    back = convert_checkpoint(tmp_path / "tt", tmp_path / "back", dst_format="dcp")
-    assert back.origin == "config.json" and back.args == args.replace(max_seq_len=back.args.max_seq_len)
-    loaded, _ = load_checkpoint(tmp_path / "back")
-    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+
+def torchtitan_03_state_dict(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """torchtitan 0.3.0's model state dict for the model ``args``: its name -> (titanctl's name, shape).
+
+    Written from torchtitan 0.3.0's source, module by module (not from titanctl's name tables):
+    ``models/common/decoder.py`` Decoder (tok_embeddings, layers, norm, lm_head) and TransformerBlock
+    (attention, feed_forward or moe, attention_norm, ffn_norm); ``models/common/attention.py``
+    GQAttention (qkv_linear, wo, q_norm, k_norm; FusedQKVLinear saves its wqkv split into
+    qkv_linear.wq/wk/wv); ``models/deepseek_v3/model.py`` Attention (MLA: wq or wq_a/q_norm/wq_b,
+    wkv_a, kv_norm, wkv_b, wo); ``models/common/feed_forward.py`` FeedForward (w1, w2, w3);
+    ``models/common/moe.py`` MoE (router.gate, routed_experts.inner_experts.w1_EFD [E, F, D],
+    w2_EDF [E, D, F], w3_EFD [E, F, D], shared_experts, the persistent buffer expert_bias_E);
+    ``models/deepseek_v3/mtp.py`` MTPTransformerBlock (mtp_layers.{k}: a block plus enorm, hnorm,
+    eh_proj [D, 2D], mtp_norm).
+    """
+    d, hd, vocab, heads = args.dim, args.head_dim, args.vocab_size, args.n_heads
+    table = {"tok_embeddings.weight": ("tok_embeddings.weight", (vocab, d)), "norm.weight": ("norm.weight", (d,)),
+             "lm_head.weight": ("output.weight", (vocab, d))}
+
+    def block(theirs: str, ours: str, layer_id: int) -> None:
+        def add(their_name: str, our_name: str, shape: tuple[int, ...]) -> None:
+            table[theirs + their_name] = (ours + our_name, shape)
+
+        if args.mla is None:
+            for w, n in (("wq", heads), ("wk", args.kv_heads), ("wv", args.kv_heads)):
+                add(f"attention.qkv_linear.{w}.weight", f"attention.{w}.weight", (n * hd, d))
+            add("attention.wo.weight", "attention.wo.weight", (d, heads * hd))
+            if args.qk_norm:
+                add("attention.q_norm.weight", "attention.q_norm.weight", (hd,))
+                add("attention.k_norm.weight", "attention.k_norm.weight", (hd,))
+        else:
+            mla = args.mla
+            qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+            if mla.q_lora_rank:
+                add("attention.wq_a.weight", "attention.wq_a.weight", (mla.q_lora_rank, d))
+                add("attention.q_norm.weight", "attention.q_norm.weight", (mla.q_lora_rank,))
+                add("attention.wq_b.weight", "attention.wq_b.weight", (heads * qk, mla.q_lora_rank))
+            else:
+                add("attention.wq.weight", "attention.wq.weight", (heads * qk, d))
+            add("attention.wkv_a.weight", "attention.wkv_a.weight", (mla.kv_lora_rank + mla.qk_rope_head_dim, d))
+            add("attention.kv_norm.weight", "attention.kv_norm.weight", (mla.kv_lora_rank,))
+            add("attention.wkv_b.weight", "attention.wkv_b.weight",
+                (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
+            add("attention.wo.weight", "attention.wo.weight", (d, heads * mla.v_head_dim))
+        if args.is_moe_layer(layer_id):
+            e, f = args.moe.num_experts, args.moe.hidden_dim
+            add("moe.router.gate.weight", "moe.router.gate.weight", (e, d))
+            add("moe.routed_experts.inner_experts.w1_EFD", "moe.experts.w1", (e, f, d))
+            add("moe.routed_experts.inner_experts.w2_EDF", "moe.experts.w2", (e, d, f))
+            add("moe.routed_experts.inner_experts.w3_EFD", "moe.experts.w3", (e, f, d))
+            add("moe.expert_bias_E", "moe.expert_bias", (e,))
+            if args.moe.num_shared_experts:
+                shared = f * args.moe.num_shared_experts
+                for w, shape in (("w1", (shared, d)), ("w2", (d, shared)), ("w3", (shared, d))):
+                    add(f"moe.shared_experts.{w}.weight", f"moe.shared_experts.{w}.weight", shape)
+        else:
+            f = args.ffn_hidden_dim
+            for w, shape in (("w1", (f, d)), ("w2", (d, f)), ("w3", (f, d))):
+                add(f"feed_forward.{w}.weight", f"feed_forward.{w}.weight", shape)
+        add("attention_norm.weight", "attention_norm.weight", (d,))
+        add("ffn_norm.weight", "ffn_norm.weight", (d,))
+
+    for i in range(args.n_layers):
+        block(f"layers.{i}.", f"layers.{i}.", i)
+    for k in range(args.mtp_layers):  # titanctl keeps a depth's block after the main ones, its own four apart
+        block(f"mtp_layers.{k}.", f"layers.{args.n_layers + k}.", args.n_layers + k)
+        for theirs, ours, shape in (("enorm", "enorm", (d,)), ("hnorm", "hnorm", (d,)), ("eh_proj", "eh_proj", (d, 2 * d)),
+                                    ("mtp_norm", "norm", (d,))):
+            table[f"mtp_layers.{k}.{theirs}.weight"] = (f"mtp.{k}.{ours}.weight", shape)
+    return table
+
+
+def family_case(case: str) -> tuple[ModelArgs, str | None, list[str]]:
+    """A tiny model of the case, and the family's recipe plus the overrides that describe it (None: no recipe can)."""
+    from titanctl.models.registry import get_spec
+
+    family = case.split(":")[0]
+    layers, depths = (3, 1) if family == "deepseek_v3" else (2, 0)  # DeepSeek-V3: 1 dense layer, 2 MoE, 1 depth
+    args = get_spec(family).flavors["debugmodel"].replace(n_layers=layers, mtp_layers=depths, vocab_size=300,
+                                                          max_seq_len=32)
+    overrides = ["--model.n_layers", str(layers), "--training.seq_len", "32"]
+    overrides += ["--model.mtp_layers", str(depths)] if depths else []
+    if case == "deepseek_v3:q_lora_rank=0":  # torchtitan's own DeepSeek-V3 debugmodel and 16B: queries from wq
+        return args.replace(mla=dataclasses.replace(args.mla, q_lora_rank=0)), None, []
+    return args, str(REPO / "recipes" / f"{family}_debug.toml"), overrides
+
+
+def random_weights(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor random (norms and the expert bias too: a swapped name cannot pass), a tied output the embedding."""
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in Transformer(args).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    state = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return state
+
+
+def read_stored(folder) -> dict[str, torch.Tensor]:
+    out = {k: torch.empty(e.size, dtype=e.properties.dtype) for k, e in stored(folder).items()}
+    dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+    return out
+
+
+def read_back(folder, **kwargs) -> tuple[dict[str, torch.Tensor], ModelArgs, str, list[str]]:
+    """What titanctl reads from a folder: (canonical state dict, model, where the model came from, notes)."""
+    with open_checkpoint(folder, **kwargs) as source:
+        return dict(source.iter_tensors()), source.args, source.origin, source.notes
+
+
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3:q_lora_rank=0"])
+def test_families_go_to_torchtitan_03s_names_and_back_bit_for_bit(case, tmp_path):
+    """titanctl -> torchtitan writes exactly torchtitan 0.3.0's state dict (names, shapes, bits) and reads it
+    back; torchtitan's own full save of it (no config) comes back through --config and overrides."""
+    args, recipe, overrides = family_case(case)
+    state = random_weights(args, seed=0)
+    table = torchtitan_03_state_dict(args)
+    assert sorted(ours for ours, _ in table.values()) == sorted(state)  # the table covers the model, once each
+    want = {k: v for k, v in state.items() if not (args.tie_embeddings and k == "output.weight")}  # read: tie dropped
+
+    save_state_dict(state, args, tmp_path / "tt", "torchtitan")  # convert --to torchtitan's writer
+    assert {k: tuple(e.size) for k, e in stored(tmp_path / "tt").items()} == {k: s for k, (_, s) in table.items()}
+    written = read_stored(tmp_path / "tt")
+    assert [theirs for theirs, (ours, _) in table.items() if not torch.equal(written[theirs], state[ours])] == []
+    got, got_args, origin, _ = read_back(tmp_path / "tt")
+    assert origin == "config.json" and got_args == args.replace(max_seq_len=got_args.max_seq_len)
+    assert_same(got, want)
+    if recipe is None:
+        return
+
+    # torchtitan's own save (model and training state) holds no config: the recipe and its overrides say which model.
+    model_sd = {theirs: state[ours] for theirs, (ours, _) in table.items()}
+    dcp.save({**model_sd, **training_state(model_sd)}, checkpoint_id=str(tmp_path / "step-3"), no_dist=True)
+    if args.moe is not None:  # dense Qwen3's shapes name its flavor; MoE shapes name none
+        with pytest.raises(CheckpointError, match="n_heads cannot be inferred from shapes: give --flavor or --config"):
+            load_checkpoint(tmp_path / "step-3")
+    got, got_args, origin, notes = read_back(tmp_path / "step-3", config=recipe, overrides=overrides)
+    assert origin == f"--config {recipe} {' '.join(overrides)}" and got_args == args
+    assert notes[0].startswith("torchtitan 0.3 names (") and notes[1].startswith("full training checkpoint")
+    assert_same(got, want)
+    # titanctl's own names, as torchtitan <= 0.2 saved these modules, are read too.
+    write_torchtitan(tmp_path / "old", state, names="<=0.2")
+    assert_same(read_back(tmp_path / "old", config=recipe, overrides=overrides)[0], want)
+
+
+def test_every_family_in_torchtitans_format_has_its_names():
+    from titanctl.models.registry import all_specs
+
+    assert {spec.name: "torchtitan" in spec.formats for spec in all_specs()} == {
+        spec.name: spec.torchtitan is not None for spec in all_specs()}

@@ -4,7 +4,7 @@ Every conversion is: open the source (its format told or detected), settle the m
 (the source's own config, or ``--flavor``/``--config`` with the vocabulary taken from the
 embedding), check every tensor against it before writing anything, then stream the
 tensors one by one into the writer of the target format, inside a temporary folder that
-is renamed to the destination only when complete. See docs/conversion.md.
+is renamed to the destination only when complete. See docs/checkpoints.md.
 
 torch and the format modules are imported inside the functions, after the cheap checks
 of SRC and DST, so a mistyped path fails at once.
@@ -26,6 +26,7 @@ import torch
 
 from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
+from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
 from titanctl.checkpoint.locate import Located, locate
 from titanctl.checkpoint.reader import one_line
 from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
@@ -72,20 +73,28 @@ def _check_format(fmt: str | None, flag: str) -> None:
 
 
 def resolve_args(
-    source: Source, flavor: str | None = None, config: str | os.PathLike | None = None
+    source: Source,
+    flavor: str | None = None,
+    config: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
 ) -> tuple[ModelArgs, str]:
-    """The model to check the source against, and where it came from (for messages)."""
+    """The model to check the source against, and where it came from (for messages). ``overrides``:
+    ``--section.key VALUE`` changes to the recipe ``config`` (e.g. ``--model.n_layers 2``)."""
     if flavor and config:
         raise CheckpointError("give --flavor or --config, not both")
+    if overrides and not config:
+        raise CheckpointError(
+            f"{' '.join(overrides)}: --section.key options change the recipe of --config; give --config too"
+        )
     if flavor:
         try:
             base, origin = flavor_args(flavor), f"--flavor {flavor}"
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
     elif config:
-        cfg = load_config(config)
+        cfg = load_config(config, overrides, command="convert")
         base = model_args_from_config(cfg.model, 1, cfg.training.seq_len)
-        origin = f"--config {config}"
+        origin = f"--config {config}" + (f" {' '.join(overrides)}" if overrides else "")
     else:
         args, origin = source.own_args()
         if args is None:
@@ -109,6 +118,7 @@ def open_checkpoint(
     *,
     flavor: str | None = None,
     config: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
     dequantize_to: torch.dtype = torch.float32,
 ) -> Source:
     """A checked, ready-to-read source: ``with open_checkpoint(path) as src: src.load(name)``.
@@ -121,7 +131,7 @@ def open_checkpoint(
     source = open_source(located.folder, located.format)
     source.dequantize_to = dequantize_to
     try:
-        args, origin = resolve_args(source, flavor, config)
+        args, origin = resolve_args(source, flavor, config, overrides)
         source.bind(args, origin)
         source.origin = origin
     except BaseException:
@@ -184,14 +194,8 @@ def _check_destination(dst: Path, src: Path | None) -> None:
         raise CheckpointError(f"cannot use destination {dst}: {e.strerror or e}") from None
 
 
-# How a Hugging Face output stores a Mixture-of-Experts model's experts: transformers 5's packed tensors
-# (mlp.experts.gate_up_proj, down_proj), or one tensor per expert as older checkpoints (and 4.x) do.
-HF_EXPERT_LAYOUTS = ("packed", "per-expert")
-
-
 def _check_options(
     fmt: str, shards: int | None, max_shard_size: int | str | None, tokenizer_path: str | os.PathLike | None = None,
-    hf_experts: str | None = None,
 ) -> None:
     if shards is not None and fmt != "meta":
         raise CheckpointError("--shards applies to --to meta only")
@@ -199,11 +203,6 @@ def _check_options(
         raise CheckpointError("--max-shard-size applies to --to hf only")
     if tokenizer_path and fmt not in TOKENIZER_FORMATS:
         raise CheckpointError(f"--tokenizer-path applies to --to {', '.join(TOKENIZER_FORMATS)} only, not {fmt}")
-    if hf_experts is not None:
-        if fmt != "hf":
-            raise CheckpointError("--hf-experts applies to --to hf only")
-        if hf_experts not in HF_EXPERT_LAYOUTS:
-            raise CheckpointError(f"--hf-experts {hf_experts!r} is not a layout; valid: {', '.join(HF_EXPERT_LAYOUTS)}")
 
 
 def _prepare_destination(dst: Path, src: Path | None) -> Path:
@@ -290,18 +289,17 @@ def write_checkpoint(
     extra_metadata: dict | None = None,
     tokenizer_path: str | os.PathLike | None = None,
     notes: list[str] | None = None,
-    hf_experts: str | None = None,
 ) -> list[str]:
     """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
 
     hf and torchtune outputs also get the tokenizer files (see ``tokenizer_export``); a dcp
-    output records the tokenizer path. What is worth telling the user is appended to `notes`.
+    output records the tokenizer path. A Hugging Face source's config.json travels with the weights:
+    a dcp output stores it, an hf output writes it back (``hf_carried_config``). What is worth telling
+    the user is appended to `notes`.
     """
     _check_format(fmt, "--to")
-    _check_options(fmt, shards, max_shard_size, tokenizer_path, hf_experts)
+    _check_options(fmt, shards, max_shard_size, tokenizer_path)
     spec = spec_of(source.args)
-    if hf_experts is not None and not spec.hf.per_expert:
-        raise CheckpointError(f"--hf-experts applies to Mixture-of-Experts models; {spec.name} has no experts")
     if fmt not in ("dcp", "hf", *spec.formats):
         raise CheckpointError(
             f"{spec.name} has no {fmt} checkpoint format; write one of {', '.join(('dcp', 'hf', *spec.formats))}"
@@ -314,6 +312,7 @@ def write_checkpoint(
         tokenizer, recorded_path, said = resolve_tokenizer(source, source.args, tokenizer_path, fmt == "dcp")
         if said:
             notes.append(said)
+    source_config = source.extra_metadata().get(HF_CONFIG_KEY) if fmt in ("dcp", "hf") else None
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
     tmp = _prepare_destination(dst, src_folder)
@@ -327,11 +326,14 @@ def write_checkpoint(
             options["max_shard_size"] = parse_size(max_shard_size)
         if tokenizer is not None:  # config.json names the exported tokenizer's ids
             options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
-        options["per_expert"] = hf_experts == "per-expert"
+        options["source_config"] = source_config
+        options["notes"] = notes
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
         options["extra"] = {"converted_from": source.format, **(extra_metadata or {})}
+        if source_config is not None:
+            options["extra"][HF_CONFIG_KEY] = source_config
         if recorded_path is not None:
             options["extra"]["tokenizer_path"] = recorded_path
     try:
@@ -360,12 +362,12 @@ def convert_checkpoint(
     dst_format: str | None = None,
     flavor: str | None = None,
     config: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
     dtype: str | torch.dtype | None = None,
     shards: int | None = None,
     max_shard_size: int | str | None = None,
     progress: ProgressSink | None = None,
     tokenizer_path: str | os.PathLike | None = None,
-    hf_experts: str | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -381,13 +383,13 @@ def convert_checkpoint(
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None:
-        _check_options(dst_format, shards, max_shard_size, tokenizer_path, hf_experts)
+        _check_options(dst_format, shards, max_shard_size, tokenizer_path)
     dst = Path(dst)
 
     start = time.perf_counter()
     dequantize_to = torch_dtype or FP8_DEFAULT_DTYPE
     with open_checkpoint(
-        located.folder, located.format, flavor=flavor, config=config, dequantize_to=dequantize_to
+        located.folder, located.format, flavor=flavor, config=config, overrides=overrides, dequantize_to=dequantize_to
     ) as source:
         fmt = dst_format or ("hf" if source.format == "dcp" else "dcp")
         notes = list(source.notes)
@@ -395,7 +397,7 @@ def convert_checkpoint(
             notes.insert(0, f"read {located.folder.name}, the newest complete checkpoint in {src}")
         files = write_checkpoint(
             source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-            tokenizer_path=tokenizer_path, notes=notes, hf_experts=hf_experts,
+            tokenizer_path=tokenizer_path, notes=notes,
         )
         return ConversionReport(
             src=Path(src),

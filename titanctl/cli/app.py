@@ -93,8 +93,8 @@ def _register() -> None:
 
     command("train", train.train, context_settings=OVERRIDES)
     command("download-tokenizer", download_tokenizer.download_tokenizer)
-    command("convert-checkpoint", convert.convert)
-    command("convert", convert.convert, help="Alias of convert-checkpoint.")
+    command("convert-checkpoint", convert.convert, context_settings=OVERRIDES)
+    command("convert", convert.convert, help="Alias of convert-checkpoint.", context_settings=OVERRIDES)
     command("estimate-memory", estimate_memory.estimate_memory, context_settings=OVERRIDES)
     command("plan", plan.plan)
     command("profile", profile.profile, context_settings=OVERRIDES)

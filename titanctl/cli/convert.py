@@ -17,6 +17,7 @@ def _size(nbytes: int) -> str:
 
 
 def convert(
+    ctx: typer.Context,
     # readable=False: titanctl checks SRC itself and says what is wrong in one line.
     src: Path = typer.Argument(..., readable=False, help="Checkpoint folder to read."),
     dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
@@ -29,7 +30,11 @@ def convert(
     flavor: str | None = typer.Option(
         None, "--flavor", help="Model flavor (debugmodel, 8B, 70B, 405B) instead of SRC's own config."
     ),
-    config: Path | None = typer.Option(None, "--config", help="Recipe TOML whose model section to use instead."),
+    config: Path | None = typer.Option(
+        None, "--config",
+        help="Recipe TOML whose model section to use instead; --section.key VALUE options override it "
+        "(e.g. --model.n_layers 2).",
+    ),
     dtype: str | None = typer.Option(
         None, "--dtype",
         help="Cast weights: fp32, bf16 or fp16. Default: keep (block-quantized FP8 weights, as DeepSeek-V3's, "
@@ -39,11 +44,6 @@ def convert(
     max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."
     ),
-    hf_experts: str | None = typer.Option(
-        None, "--hf-experts",
-        help="Experts of a Mixture-of-Experts hf output: packed (transformers 5's mlp.experts.gate_up_proj, "
-        "the default) or per-expert (mlp.experts.{e}.gate_proj.weight, ..., as older checkpoints).",
-    ),
     tokenizer_path: Path | None = typer.Option(
         None,
         "--tokenizer-path",
@@ -51,7 +51,14 @@ def convert(
         "output, recorded in a dcp output. Default: the one SRC records, else the bundled one if its vocabulary fits.",
     ),
 ) -> None:
-    """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats."""
+    """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats.
+
+    Extra --section.key VALUE options override the --config recipe: the model's shape (model.name, flavor,
+    n_layers, n_kv_heads, mtp_layers, norm_type) and training.seq_len; any other key is an error.
+    """
+    from titanctl.config.recipe import check_overrides
+
+    check_overrides("convert", ctx.args)  # before torch is imported and any checkpoint is looked at
     from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
     from titanctl.safe_io import visible
 
@@ -64,12 +71,12 @@ def convert(
             dst_format=to_format,
             flavor=flavor,
             config=config,
+            overrides=ctx.args,
             dtype=dtype,
             shards=shards,
             max_shard_size=max_shard_size,
             progress=bar,
             tokenizer_path=tokenizer_path,
-            hf_experts=hf_experts,
         )
     except KeyboardInterrupt:
         bar.stop()

@@ -39,6 +39,11 @@ READS: dict[str, tuple[str, ...]] = {
     "estimate-memory": _ESTIMATE,
     # --validate also runs the real step on the current processes.
     "estimate-memory --validate": (*_ESTIMATE, "training.seed", "comm.init_timeout_seconds"),
+    # The model of a checkpoint that does not say which (--config): its shape, and the RoPE table's length.
+    "convert": (
+        "model.name", "model.flavor", "model.n_layers", "model.n_kv_heads", "model.mtp_layers", "model.norm_type",
+        "training.seq_len",
+    ),
     "infer-tp": (
         "model.*",  # the tokenizer; the model too when the checkpoint does not say which (plain DCP)
         "training.seq_len",  # the context of such a model
@@ -77,6 +82,11 @@ NOT_READ: dict[str, dict[str, str]] = {
     "estimate-memory --validate": {
         **_ESTIMATE_NOT_READ,
         "comm.*": "its two steps use comm.init_timeout_seconds only",
+    },
+    "convert": {
+        "*": "it converts weights: only the model's shape is taken from the recipe",
+        "model.*": "the recipe gives the model's shape (name, flavor, n_layers, n_kv_heads, mtp_layers) only",
+        "model.tokenizer_path": "--tokenizer-path gives the tokenizer of its output",
     },
     "infer-tp": {
         "*": "it only generates text",

@@ -35,11 +35,11 @@ class HFFormat:
     config_from_args: Callable[[ModelArgs, int | None], dict[str, Any]]
     args_from_config: Callable[[dict[str, Any], int | None, str], ModelArgs]
     # Packed tensors: {titanctl layer suffix: (HF layer suffix, dim, index, parts)}: the titanctl
-    # weight is slice `index` of `parts` equal slices of the HF tensor along `dim` (Qwen3-MoE's
-    # experts.gate_up_proj holds w1 then w3). Written packed.
+    # weight is slice `index` of `parts` equal slices of the HF tensor along `dim` (transformers 5's
+    # in-memory experts.gate_up_proj holds w1 then w3). Read only.
     packed: Mapping[str, tuple[str, int, int, int]] = field(default_factory=dict)
-    # Older checkpoints' one tensor per expert: {titanctl layer suffix: HF layer suffix with {e}}; the
-    # titanctl weight stacks them on dim 0. Read only.
+    # One tensor per expert, the Hub's layout: {titanctl layer suffix: HF layer suffix with {e}}; the
+    # titanctl weight stacks them on dim 0. Read and written.
     per_expert: Mapping[str, str] = field(default_factory=dict)
     # titanctl layer suffixes of state the format does not store (read as zeros, not written).
     not_stored: tuple[str, ...] = ()
@@ -51,6 +51,22 @@ class HFFormat:
     # (bos, eos) ids the family's convention derives from the vocabulary size, for a config.json
     # written without a tokenizer; None for a family whose ids only its tokenizer knows.
     special_ids: Callable[[int], tuple[int | None, int | None]] = lambda vocab_size: (None, None)
+
+
+@dataclass(frozen=True)
+class TorchtitanNames:
+    """The family in torchtitan 0.3's checkpoints: its model state dict's names where they are not
+    titanctl's (``titanctl.models.common.torchtitan_names`` has the shared pieces). A name in none of
+    these is the same in both, with the same shape.
+
+    ``layer_names`` by the suffix after ``layers.{i}.``, ``top_names`` whole. ``mtp_names``: the suffix
+    after titanctl's ``mtp.{k}.`` -> after torchtitan's ``mtp_layers.{k}.``, which also holds the
+    depth's block (titanctl's ``layers.{n_layers + k}``), named as any layer's.
+    """
+
+    layer_names: Mapping[str, str]
+    top_names: Mapping[str, str]
+    mtp_names: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,9 +94,8 @@ class ModelSpec:
     # Checkpoint formats beyond DCP and Hugging Face that the family exists in (meta, torchtune,
     # torchtitan): `convert` refuses the others for this family.
     formats: tuple[str, ...] = ()
-    # torchtitan 0.3 stores this family under renamed keys (attention.qkv_linear.*, lm_head) beside
-    # Meta's params.json; otherwise under titanctl's names beside a Hugging Face config.json.
-    torchtitan_renamed: bool = False
+    # torchtitan 0.3's names of the family's weights (a family with "torchtitan" in formats has them).
+    torchtitan: TorchtitanNames | None = None
     # torchtune's names, (per-layer suffixes, top-level names): titanctl -> torchtune, for the family
     # whose torchtune builders titanctl writes for (one family: torchtune's format has no family field).
     torchtune_names: tuple[Mapping[str, str], Mapping[str, str]] | None = None
