@@ -3,10 +3,10 @@ file by file and tensor by tensor, bitwise what `titanctl convert --to hf` makes
 DCP checkpoint of the same step.
 
 Two runs cover the ways tensors leave a sharded model: pipeline stages on different ranks (stage 1's
-tensors are sent to rank 0), with Qwen3-MoE's packed experts; and FSDP x TP (2-D `_StridedShard`
+tensors are sent to rank 0), with Qwen3-MoE's experts (one tensor per expert); and FSDP x TP (2-D `_StridedShard`
 DTensors gathered on 4 ranks) with Qwen3's tied embedding, which Hugging Face stores once. DDP, HSDP,
 CP, interleaved PP, PP x TP with a bf16 export and FSDP with float8 all-gathers were checked the same
-way by hand (see docs/checkpointing.md); one process is tests/unit/test_hf_save.py.
+way by hand (see docs/checkpoints.md); one process is tests/unit/test_hf_save.py.
 """
 
 from __future__ import annotations
@@ -77,5 +77,5 @@ def test_hf_save_of_a_sharded_run_equals_convert_of_its_dcp_step(tmp_path, case)
     if "tied" in case:
         assert "lm_head.weight" not in ours
     else:
-        assert "model.layers.1.mlp.experts.gate_up_proj" in ours  # packed, from the second stage
+        assert "model.layers.1.mlp.experts.7.gate_proj.weight" in ours  # one tensor per expert, from stage 1
     print(f"\nHF SAVE {case:24s} procs {nproc}  {seconds:5.1f} s")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from titanctl.checkpoint.hf_carried_config import CHANGED_KEYS
 
 
 @torch.no_grad()
@@ -22,8 +26,8 @@ def unit_scale_(model: nn.Module, gen: torch.Generator) -> None:
 
 
 def per_expert_layout(packed: dict[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:
-    """A packed Hugging Face state dict (transformers 5's experts.gate_up_proj / down_proj) in the
-    older one-tensor-per-expert names; ``hidden`` is the experts' hidden width."""
+    """A packed Hugging Face state dict (transformers 5's in-memory experts.gate_up_proj / down_proj)
+    in the one-tensor-per-expert names its save_pretrained writes; ``hidden`` is the experts' hidden width."""
     out = {}
     for name, tensor in packed.items():
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -38,3 +42,27 @@ def per_expert_layout(packed: dict[str, torch.Tensor], hidden: int) -> dict[str,
         else:
             out[name] = tensor
     return out
+
+
+def assert_round_trip_keeps_the_folder(source: Path, exported: Path) -> dict:
+    """``exported`` (HF -> ... -> HF of ``source``, a folder transformers saved) holds the same tensors,
+    bit for bit under the same names, the same index (weight_map's names, metadata) when the source has
+    one, and the same config.json but for the keys titanctl documents (``CHANGED_KEYS``). Returns the
+    exported config."""
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v for path in sorted(folder.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+    before, after = tensors(source), tensors(exported)
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    if (source / "model.safetensors.index.json").is_file():
+        theirs, ours = (json.loads((f / "model.safetensors.index.json").read_text()) for f in (source, exported))
+        assert ours["weight_map"].keys() == theirs["weight_map"].keys() and ours["metadata"] == theirs["metadata"]
+    theirs, ours = (json.loads((f / "config.json").read_text()) for f in (source, exported))
+    absent = object()
+    changed = {key for key in theirs.keys() | ours.keys() if theirs.get(key, absent) != ours.get(key, absent)}
+    assert changed <= CHANGED_KEYS.keys(), {k: (theirs.get(k), ours.get(k)) for k in changed - CHANGED_KEYS.keys()}
+    return ours

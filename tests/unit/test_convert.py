@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.unit.hf_reference import assert_round_trip_keeps_the_folder
 from tests.unit.test_hf_parity import sharpen
 from titanctl.checkpoint import convert as conv
 from titanctl.checkpoint.convert import (
@@ -175,14 +176,14 @@ def test_hf_export_loads_in_transformers_and_matches(model, sources, transformer
 
 @pytest.mark.slow
 def test_export_without_the_qk_permutation_would_not_match(model, sources, transformers, tmp_path, monkeypatch):
-    from titanctl.checkpoint.formats import hf as hf_format
+    from titanctl.checkpoint import hf_names
 
-    real = hf_format.to_hf_tensor
+    real = hf_names.to_hf_tensor
 
     def rename_only(name, tensor, args):
         return real(name, tensor, args)[0], tensor
 
-    monkeypatch.setattr(hf_format, "to_hf_tensor", rename_only)
+    monkeypatch.setattr(hf_names, "to_hf_tensor", rename_only)
     convert_checkpoint(sources["meta"], tmp_path / "hf", dst_format="hf")
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     delta = (logits(model, ARGS.vocab_size) - logits(theirs, ARGS.vocab_size)).abs().max().item()
@@ -215,6 +216,30 @@ def test_checkpoint_written_by_transformers_imports_and_matches(transformers, tm
     assert ours.args.ffn_hidden_dim == 200 and ours.args.rope_scaling == RopeScaling(4.0, 1.0, 4.0, 32)
     delta = (logits(ours, 384) - logits(theirs.eval(), 384)).abs().max().item()
     assert delta <= 1e-4, f"max |Δlogit| = {delta:.3g}"
+    # And back: the same folder, config.json included (not the 16 x 32 context or the ids Llama 3's
+    # vocabulary would give a config written from the model's arguments).
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf", max_shard_size="150KB")
+    back = assert_round_trip_keeps_the_folder(tmp_path / "hf", tmp_path / "back")
+    assert (back["max_position_embeddings"], back["bos_token_id"], back["eos_token_id"]) == (128, 1, 2)
+    # transformers 4.x reads RoPE from rope_theta and rope_scaling only (5.x wrote rope_parameters).
+    assert back["rope_theta"] == 50000.0
+    assert back["rope_scaling"] == {k: v for k, v in back["rope_parameters"].items() if k != "rope_theta"}
+
+
+def test_a_carried_config_is_written_only_while_it_describes_the_model():
+    from titanctl.checkpoint.hf_carried_config import export_config
+    from titanctl.checkpoint.hf_names import hf_config
+
+    source = {**hf_config(ARGS), "max_position_embeddings": 77, "transformers_version": "5.23.0"}
+    notes: list[str] = []
+    kept = export_config(ARGS, source, dtype="bfloat16", token_ids=None, default_token_ids=(None, None), notes=notes)
+    without_version = {k: v for k, v in source.items() if k != "transformers_version"}
+    assert kept == {**without_version, "dtype": "bfloat16", "torch_dtype": "bfloat16"} and not notes
+    trained = ARGS.replace(rope_theta=1234.0)  # e.g. a run that changed it: the source's config no longer says it
+    fresh = export_config(trained, source, dtype="float32", token_ids=None, default_token_ids=(None, None), notes=notes)
+    assert fresh == hf_config(trained) and fresh["max_position_embeddings"] != 77
+    assert notes == ["config.json written from the model's arguments: the source's config.json, carried in the "
+                     "checkpoint, describes another model (its rope_parameters, rope_theta differ)"]
 
 
 # ----------------------------------------------------------------------------- Meta model-parallel shards
@@ -374,6 +399,19 @@ def test_destination_must_be_new_or_empty(sources, tmp_path):
     assert (empty / "config.json").is_file()
     with pytest.raises(CheckpointError, match="is the source folder|not empty"):
         convert_checkpoint(sources["meta"], sources["meta"], dst_format="meta")
+
+
+def test_a_config_json_too_large_to_carry_is_refused(sources, tmp_path):
+    """A dcp output carries the source's config.json in titanctl.json, which is read back with a limit."""
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(sources["hf"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "padding": "x" * (1 << 20)}))
+    with pytest.raises(CheckpointError, match=r"config.json is larger than 1 MiB: not a model's config"):
+        convert_checkpoint(folder, tmp_path / "dcp", dst_format="dcp")
+    assert not (tmp_path / "dcp").exists() and not list(tmp_path.glob(".dcp.partial-*"))
 
 
 def test_failure_mid_write_leaves_nothing(sources, tmp_path, monkeypatch):

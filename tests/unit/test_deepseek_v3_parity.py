@@ -2,7 +2,8 @@
 read through the family's Hugging Face names: Multi-head Latent Attention (with and without q LoRA,
 both RoPE layouts), YaRN, a dense first layer, shared experts and group-limited sigmoid routing with the
 expert bias. The router equals transformers' on random scores; Hugging Face state dicts (packed and
-per-expert experts) and folders convert to titanctl and back bit for bit; the YaRN frequencies equal
+per-expert experts) convert to titanctl and back to the per-expert layout bit for bit, and a folder that
+save_pretrained wrote comes back from DCP as it was (tensors, names, config.json); the YaRN frequencies equal
 transformers'; decoding with the latent cache and document masking equal the plain forward; the debug
 flavor trains."""
 
@@ -16,9 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.hf_reference import per_expert_layout, unit_scale_
-from tests.unit.test_qwen3_checkpoints import safetensors_of
-from tests.unit.test_qwen3_moe_checkpoints import packed_folder
+from tests.unit.hf_reference import assert_round_trip_keeps_the_folder, per_expert_layout, unit_scale_
 from tests.unit.trained_model import SEQ, tokens_of, windows
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
@@ -149,35 +148,38 @@ def test_the_bias_picks_the_group_and_the_experts_not_their_weights():
     assert torch.equal(weights, torch.full((3, 2), 0.5 * 2.5))  # unbiased scores, renormalized, scaled
 
 
-def test_hf_state_dict_round_trip_is_bit_identical_in_both_expert_layouts(theirs):
+def test_hf_state_dict_round_trip_is_bit_identical_from_both_expert_layouts(theirs):
     args = args_of(theirs)
     packed = theirs.state_dict()
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in packed
     ours = from_hf_state_dict(packed, args)
     assert torch.equal(ours["layers.1.moe.expert_bias"], packed["model.layers.1.mlp.gate.e_score_correction_bias"])
-    back = to_hf_state_dict(ours, args)
-    assert back.keys() == packed.keys() and all(torch.equal(back[k], packed[k]) for k in packed)
     per_expert = per_expert_layout(packed, args.moe.hidden_dim)
     assert "model.layers.2.mlp.experts.7.up_proj.weight" in per_expert
-    from_old = from_hf_state_dict(per_expert, args)
-    assert from_old.keys() == ours.keys() and all(torch.equal(from_old[k], ours[k]) for k in ours)
-    back = to_hf_state_dict(from_old, args)
-    assert back.keys() == packed.keys() and all(torch.equal(back[k], packed[k]) for k in packed)
+    from_per_expert = from_hf_state_dict(per_expert, args)
+    assert from_per_expert.keys() == ours.keys() and all(torch.equal(from_per_expert[k], ours[k]) for k in ours)
+    back = to_hf_state_dict(ours, args)  # the layout save_pretrained writes
+    assert back.keys() == per_expert.keys() and all(torch.equal(back[k], per_expert[k]) for k in per_expert)
 
 
 def test_folder_round_trip_and_transformers_loads_the_export(theirs, tmp_path):
     import transformers
 
-    packed_folder(theirs, tmp_path / "hf")
-    convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="200KB")  # shards + index, one tensor per expert
+    # As DeepseekV3Config's default writes it: a prediction depth declared, its weights not saved.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+    report = convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
+    assert not any("multi-token" in note for note in report.notes), report.notes
     state, args = load_checkpoint(tmp_path / "dcp")  # ModelArgs through titanctl.json: MLA and YaRN included
-    assert args == args_of(theirs).replace(max_seq_len=args.max_seq_len)
+    assert args == args_of(theirs).replace(max_seq_len=args.max_seq_len, mtp_layers=0)
     convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
-    before, after = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "back")
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (config["model_type"], config["n_group"], config["q_lora_rank"]) == (
-        "deepseek_v3", 4, theirs.config.q_lora_rank)
+    config = assert_round_trip_keeps_the_folder(tmp_path / "hf", tmp_path / "back")
+    assert (config["bos_token_id"], config["eos_token_id"], config["num_nextn_predict_layers"]) == (0, 1, 1)
+    assert config["max_position_embeddings"] == 4096 * 40 and config["rope_theta"] == 10000.0
+    if args.yarn is not None:  # transformers 4.x reads YaRN from rope_scaling only
+        yarn = {key: value for key, value in config["rope_parameters"].items() if key != "rope_theta"}
+        assert config["rope_scaling"] == {**yarn, "type": "yarn"}
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, theirs(IDS).logits)

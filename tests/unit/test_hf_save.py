@@ -115,15 +115,29 @@ def test_a_failed_write_leaves_no_folder_and_says_why(llama_run, monkeypatch):
     assert listing(root) == {"step-4", "step-4-hf"}
 
 
-def test_qwen3_tied_last_save_writes_no_lm_head(tmp_path):
-    """Only the final step in HF (save_format dcp): the tied output layer is the embedding, stored once."""
+def test_qwen3_tied_last_save_writes_no_lm_head_and_the_source_config(tmp_path):
+    """Only the final step in HF (save_format dcp): the tied output layer is the embedding, stored once.
+    The run starts from a folder transformers saved: its config.json comes back (documented keys aside),
+    through the DCP step too."""
+    import transformers
+
+    from tests.unit.test_qwen3_parity import hf_qwen3
+    from titanctl.checkpoint.hf_carried_config import CHANGED_KEYS
+    from titanctl.data.tokenizer import Tokenizer
+    from titanctl.models.registry import model_args_from_config
+
+    cfg = config(tmp_path / "run", *QWEN3_TIED)
+    args = model_args_from_config(cfg.model, Tokenizer().vocab_size, cfg.training.seq_len)
+    hf_qwen3(transformers, args.replace(max_seq_len=512)).save_pretrained(tmp_path / "hf")  # not 40960, nor 32
     train(tmp_path / "run", *QWEN3_TIED, "--training.steps", "2", "--checkpoint.last_save_in_hf",
-          "--checkpoint.keep_latest_k", "0")
+          "--checkpoint.keep_latest_k", "0", "--checkpoint.initial_load_path", str(tmp_path / "hf"))
     root = tmp_path / "run" / "checkpoint"
     assert listing(root) == {"step-2", "step-2-hf"}
     saved = load_file(root / "step-2-hf" / "model-00001-of-00001.safetensors")
     assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
-    assert json.loads((root / "step-2-hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    source, written = (json.loads((f / "config.json").read_text()) for f in (tmp_path / "hf", root / "step-2-hf"))
+    assert written["tie_word_embeddings"] is True and written["max_position_embeddings"] == 512
+    assert {k for k in source.keys() | written.keys() if source.get(k) != written.get(k)} <= CHANGED_KEYS.keys()
     convert_checkpoint(root / "step-2", tmp_path / "converted", dst_format="hf")
     assert_same_folder(root / "step-2-hf", tmp_path / "converted")
 

@@ -107,7 +107,7 @@ def test_official_names_round_trip_and_the_shared_copies_are_skipped():
     theirs = to_hf_state_dict(ours, model.args)
     n = model.args.n_layers
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.weight", "mlp.experts.gate_up_proj"):
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.weight", "mlp.experts.0.gate_proj.weight"):
         assert f"model.layers.{n}.{name}" in theirs, name
     assert not any(k.startswith(f"model.layers.{n + 1}.") for k in theirs)
     # The release also stores the shared weights with the depth: read from the main model instead.

@@ -1,11 +1,13 @@
-"""Qwen3-MoE checkpoints: a folder with transformers 5's packed experts (gate_up_proj [E, 2F, D], as its
-model holds them) converts HF -> DCP -> HF bit for bit, gives transformers' logits in titanctl, and
-transformers loads titanctl's export; the one-tensor-per-expert layout (which transformers 5.23's
-save_pretrained still writes) reads to the same weights; the expert bias, which Hugging Face does not
-store, reads as zeros and is not written."""
+"""Qwen3-MoE checkpoints: a folder that transformers 5.23's save_pretrained wrote (one tensor per expert,
+the Hub's layout) converts HF -> DCP -> HF bit for bit, names, index and config.json included, gives
+transformers' logits in titanctl, and transformers loads titanctl's export; a folder of transformers 5's
+packed experts (gate_up_proj [E, 2F, D], as its model holds them) reads to the same weights and exports in
+the Hub's layout; a folder holding both layouts is a one-line refusal; the expert bias, which Hugging Face
+does not store, reads as zeros and is not written."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.unit.hf_reference import per_expert_layout
+from tests.unit.hf_reference import assert_round_trip_keeps_the_folder, per_expert_layout
 from tests.unit.test_moe_layer import ARGS, theirs  # noqa: F401 - the module fixture
 from tests.unit.test_qwen3_checkpoints import safetensors_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
@@ -22,7 +24,6 @@ from titanctl.errors import CheckpointError
 from titanctl.models.common.decoder import Transformer
 
 TOL = 1e-4
-
 
 
 def packed_folder(model, folder):
@@ -36,17 +37,17 @@ def packed_folder(model, folder):
 def test_hf_to_dcp_to_hf_is_bit_identical_and_equals_transformers(theirs, tmp_path):  # noqa: F811
     import transformers
 
-    packed_folder(theirs, tmp_path / "hf")
-    assert "model.layers.0.mlp.experts.gate_up_proj" in safetensors_of(tmp_path / "hf")
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # shards + index, one tensor per expert
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in safetensors_of(tmp_path / "hf")
     convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
     state, args = load_checkpoint(tmp_path / "dcp")
     assert args.family == "qwen3_moe" and args.moe == ARGS.moe
     assert not state["layers.0.moe.expert_bias"].any()
     convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
-    before, after = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "back")
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 8, 2)
+    config = assert_round_trip_keeps_the_folder(tmp_path / "hf", tmp_path / "back")
+    # What the model does not use or titanctl's args do not hold comes back as the source had it.
+    assert (config["intermediate_size"], config["max_position_embeddings"], config["num_local_experts"]) == (96, 64, 8)
+    assert (config["num_experts"], config["rope_theta"]) == (8, ARGS.rope_theta)  # for transformers 4.x
     ours = Transformer(args.replace(max_seq_len=64))
     ours.load_state_dict(state, strict=True)
     reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
@@ -56,57 +57,52 @@ def test_hf_to_dcp_to_hf_is_bit_identical_and_equals_transformers(theirs, tmp_pa
         assert torch.equal(reloaded(ids).logits, theirs(ids).logits)
 
 
-def test_per_expert_layout_reads_to_the_same_weights(theirs, tmp_path):  # noqa: F811
-    theirs.save_pretrained(tmp_path / "saved")  # transformers 5.23 writes one tensor per expert
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in safetensors_of(tmp_path / "saved")
+def test_a_bf16_folder_exports_as_bf16(theirs, tmp_path):  # noqa: F811
+    """The expert bias, which the folder lacks, reads as float32 zeros: the export's dtype is its tensors'."""
+    copy.deepcopy(theirs).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
+    config = assert_round_trip_keeps_the_folder(tmp_path / "hf", tmp_path / "back")
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+
+
+def test_packed_and_per_expert_folders_read_to_the_same_weights(theirs, tmp_path):  # noqa: F811
+    theirs.save_pretrained(tmp_path / "saved")
     packed_folder(theirs, tmp_path / "packed")
-    per_expert = per_expert_layout(safetensors_of(tmp_path / "packed"), ARGS.moe.hidden_dim)
-    (tmp_path / "old").mkdir()
-    save_file(per_expert, str(tmp_path / "old" / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "old" / "config.json").write_text((tmp_path / "packed" / "config.json").read_text())
     new, _ = load_checkpoint(tmp_path / "packed")
-    for folder in ("old", "saved"):
-        old, _ = load_checkpoint(tmp_path / folder)
-        assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
-    # The in-memory conversions agree with the folder ones, both ways.
+    old, _ = load_checkpoint(tmp_path / "saved")
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    # The in-memory conversions agree with the folder ones, both ways, in the layout save_pretrained writes.
+    per_expert = per_expert_layout(theirs.state_dict(), ARGS.moe.hidden_dim)
     assert all(torch.equal(from_hf_state_dict(per_expert, ARGS)[k], new[k]) for k in new)
     back = to_hf_state_dict(new, ARGS)
-    assert back.keys() == safetensors_of(tmp_path / "packed").keys()
+    saved = safetensors_of(tmp_path / "saved")
+    assert back.keys() == saved.keys() and all(torch.equal(back[k], saved[k]) for k in saved)
 
 
-def test_per_expert_layout_is_written_on_request_as_transformers_saves_it(theirs, tmp_path):  # noqa: F811
-    import transformers
-
-    theirs.save_pretrained(tmp_path / "saved")  # transformers 5.23's own one-tensor-per-expert files
+def test_a_packed_folder_exports_in_the_layout_transformers_saves(theirs, tmp_path):  # noqa: F811
+    theirs.save_pretrained(tmp_path / "saved")
     packed_folder(theirs, tmp_path / "packed")
     convert_checkpoint(tmp_path / "packed", tmp_path / "dcp", dst_format="dcp")
-    convert_checkpoint(tmp_path / "dcp", tmp_path / "out", dst_format="hf", hf_experts="per-expert")
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "out", dst_format="hf", max_shard_size="100KB")
     saved, written = safetensors_of(tmp_path / "saved"), safetensors_of(tmp_path / "out")
-    assert "model.layers.0.mlp.experts.7.down_proj.weight" in written
     assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in written)
     assert saved.keys() == written.keys() and all(torch.equal(saved[k], written[k]) for k in saved)
-    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
-    ids = torch.randint(0, ARGS.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, theirs(ids).logits)
-    # And back: the per-expert folder converts to the packed one bit for bit.
-    convert_checkpoint(tmp_path / "out", tmp_path / "repacked", dst_format="hf", hf_experts="packed")
-    packed, repacked = safetensors_of(tmp_path / "packed"), safetensors_of(tmp_path / "repacked")
-    assert packed.keys() == repacked.keys() and all(torch.equal(packed[k], repacked[k]) for k in packed)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # the experts of one layer spread over shards
+    assert index["metadata"] == {"total_parameters": sum(p.numel() for p in theirs.parameters()),
+                                 "total_size": sum(t.nbytes for t in saved.values())}
 
 
-@pytest.mark.parametrize("fmt, layout, message", [
-    ("dcp", "per-expert", "--hf-experts applies to --to hf only"),
-    ("hf", "split", "--hf-experts 'split' is not a layout; valid: packed, per-expert"),
-])
-def test_hf_experts_option_errors(theirs, tmp_path, fmt, layout, message):  # noqa: F811
-    packed_folder(theirs, tmp_path / "packed")
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        convert_checkpoint(tmp_path / "packed", tmp_path / "out", dst_format=fmt, hf_experts=layout)
+def test_a_folder_holding_both_expert_layouts_is_refused(theirs, tmp_path):  # noqa: F811
+    theirs.save_pretrained(tmp_path / "both")
+    packed = {k: v.contiguous() for k, v in theirs.state_dict().items() if k.startswith("model.layers.1.mlp.experts.")}
+    assert packed.keys() == {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    save_file(packed, str(tmp_path / "both" / "packed.safetensors"))  # beside model.safetensors, no index
+    message = re.escape("layer 1 stores its experts in two layouts, packed ('model.layers.1.mlp.experts.")
+    with pytest.raises(CheckpointError, match=message + r".*and one tensor per expert \('model.layers.1.mlp.experts.0"):
+        convert_checkpoint(tmp_path / "both", tmp_path / "out", dst_format="dcp")
     assert not (tmp_path / "out").exists()
-
-
-def test_hf_experts_option_needs_experts(trained_debug, tmp_path):
-    with pytest.raises(CheckpointError, match="--hf-experts applies to Mixture-of-Experts models; llama3 has no experts"):
-        convert_checkpoint(trained_debug["folder"], tmp_path / "out", dst_format="hf", hf_experts="per-expert")
-    assert not (tmp_path / "out").exists()
+    mixed = {**per_expert_layout(theirs.state_dict(), ARGS.moe.hidden_dim), **packed}
+    with pytest.raises(CheckpointError, match=message):
+        from_hf_state_dict(mixed, ARGS)

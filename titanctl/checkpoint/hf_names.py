@@ -6,10 +6,14 @@ Pure functions, no ``transformers`` import. Conversion is one tensor at a time
 through it; ``iter_to_hf`` / ``iter_from_hf`` add the completeness checks over a
 stream, and the ``*_state_dict`` functions are the same over a dict.
 
-The one non-rename: Meta's RoPE rotates interleaved channel pairs ``(2i, 2i+1)`` of a
-head, Hugging Face's rotates halves ``(i, i + head_dim/2)``. So for a model in Meta's layout
+Two things are more than renames. Meta's RoPE rotates interleaved channel pairs ``(2i, 2i+1)``
+of a head, Hugging Face's rotates halves ``(i, i + head_dim/2)``: for a model in Meta's layout
 (Llama) the output rows of ``wq`` and ``wk`` are permuted within each head (``wk`` with the KV
-head count). A tied output layer is the embedding table: Hugging Face writes only the embedding.
+head count). And routed experts, stacked ``[E, ...]`` in titanctl, are written one tensor per
+expert (``mlp.experts.{e}.gate_proj.weight``, ...) as ``save_pretrained``, the Hub's checkpoints,
+vLLM, SGLang and transformers 4.x have them; reading also takes transformers 5's packed
+``mlp.experts.gate_up_proj`` / ``down_proj`` (its in-memory layout). A tied output layer is the
+embedding table: Hugging Face writes only the embedding.
 """
 
 from __future__ import annotations
@@ -101,14 +105,15 @@ def canonical_name_of(hf_name: str) -> str | None:
     return next((ours for spec in all_specs() if (ours := _ours_of(hf_name, spec.hf)) is not None), None)
 
 
-# ----------------------------------------------------------------------------- packed and per-expert tensors
+# ----------------------------------------------------------------------------- experts: one tensor each, or packed
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A titanctl weight's share of one Hugging Face tensor that is not simply renamed: slice
-    ``index`` of ``parts`` equal slices along ``dim`` (a packed tensor), or expert ``expert``'s
-    matrix of a weight stacked over experts (older per-expert checkpoints)."""
+    """A titanctl weight's share of one Hugging Face tensor that is not simply renamed: expert
+    ``expert``'s matrix of a weight stacked over experts (the Hub's one tensor per expert), or slice
+    ``index`` of ``parts`` equal slices along ``dim`` of a packed tensor (transformers 5's in-memory
+    ``mlp.experts.gate_up_proj``, which some folders hold; read only)."""
 
     name: str  # the titanctl weight
     dim: int = 0
@@ -140,15 +145,43 @@ def _expert_template(name: str, args: ModelArgs) -> tuple[str, str] | None:
 
 
 def stacked_over_experts(name: str, args: ModelArgs) -> bool:
-    """Whether the older one-tensor-per-expert Hugging Face layout splits this weight by expert."""
+    """Whether Hugging Face stores this titanctl weight as one tensor per expert."""
     return _expert_template(name, args) is not None
 
 
 def per_expert_tensors(name: str, stack: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
-    """A weight stacked over experts under that layout's names (``mlp.experts.{e}.gate_proj.weight``,
-    ...): one (name, matrix) per expert."""
+    """A weight stacked over experts under the Hub's names (``mlp.experts.{e}.gate_proj.weight``, ...):
+    one (name, matrix) per expert, each a view of ``stack``."""
     layer, template = _expert_template(name, args)
     return [(f"model.layers.{layer}.{template.format(e=e)}", stack[e]) for e in range(stack.shape[0])]
+
+
+def expert_layout(hf_name: str, args: ModelArgs) -> str | None:
+    """How a Hugging Face tensor stores routed experts: "one tensor per expert", "packed" (every
+    expert in one tensor), or None for a tensor that is no routed expert's."""
+    pieces = structured_pieces(hf_name, args)
+    if pieces:
+        return "packed" if pieces[0].expert is None else "one tensor per expert"
+    ours = _ours_of(hf_name, spec_of(args).hf, args.n_layers)
+    return "packed" if ours is not None and stacked_over_experts(ours, args) else None
+
+
+def check_one_expert_layout(hf_names: Iterable[str], args: ModelArgs) -> None:
+    """A one-line CheckpointError when a layer stores its experts both packed and one tensor per
+    expert (which of the two to read is not the reader's to guess)."""
+    seen: dict[str, dict[str, str]] = {}  # HF layer prefix -> {layout: first tensor seen}
+    for hf_name in hf_names:
+        layout = expert_layout(hf_name, args)
+        if layout is None:
+            continue
+        layer = _HF_LAYER.fullmatch(hf_name).group(1)
+        layouts = seen.setdefault(layer, {})
+        layouts.setdefault(layout, hf_name)
+        if len(layouts) == 2:
+            raise CheckpointError(
+                f"layer {layer} stores its experts in two layouts, packed ({layouts['packed']!r}) and one tensor "
+                f"per expert ({layouts['one tensor per expert']!r}): a checkpoint holds one of them"
+            )
 
 
 def not_stored(name: str, args: ModelArgs) -> bool:
@@ -157,30 +190,23 @@ def not_stored(name: str, args: ModelArgs) -> bool:
     return m is not None and m.group(2) in spec_of(args).hf.not_stored
 
 
-def hf_tensor_groups(names: Iterable[str], args: ModelArgs) -> list[tuple[str, list[str], int]]:
-    """(Hugging Face name, the titanctl weights it is made of in order, the dim they join on), in
-    the order of ``names``; a packed tensor comes where its last part does. State the format does
-    not store is left out."""
-    packed = spec_of(args).hf.packed
-    groups: list[tuple[str, list[str], int]] = []
-    waiting: dict[str, list[str | None]] = {}
-    for name in names:
-        if not_stored(name, args):
-            continue
-        m = _OURS_LAYER.fullmatch(name)
-        if m is None or m.group(2) not in packed:
-            groups.append((_hf_name(name, args), [name], 0))
-            continue
-        theirs, dim, index, parts = packed[m.group(2)]
-        hf = f"model.layers.{m.group(1)}.{theirs}"
-        members = waiting.setdefault(hf, [None] * parts)
-        members[index] = name
-        if all(members):
-            groups.append((hf, waiting.pop(hf), dim))
-    if waiting:
-        hf, members = next(iter(waiting.items()))
-        raise CheckpointError(f"{hf} needs {[n for n in members if n]} and the rest of its {len(members)} parts")
-    return groups
+def hf_names_of(name: str, args: ModelArgs) -> list[str]:
+    """The Hugging Face tensors a titanctl weight is written as: one per expert for routed experts
+    (as ``save_pretrained`` and the Hub store them), else its one renamed tensor; [] for state the
+    format does not store."""
+    if not_stored(name, args):
+        return []
+    template = _expert_template(name, args)
+    if template is not None:
+        layer, suffix = template
+        return [f"model.layers.{layer}.{suffix.format(e=e)}" for e in range(args.moe.num_experts)]
+    return [_hf_name(name, args)]
+
+
+def _shown_hf_name(name: str, args: ModelArgs) -> str:
+    """One name for messages: a weight stored per expert as its name template (``experts.{e}.``)."""
+    template = _expert_template(name, args)
+    return f"model.layers.{template[0]}.{template[1]}" if template else _hf_name(name, args)
 
 
 def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
@@ -239,30 +265,41 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[st
     return meta, (tensor if heads is None else _halves_to_interleaved(tensor, heads))
 
 
+def to_hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """One titanctl weight -> the Hugging Face tensors that store it (names and layout; dtype kept):
+    its renamed tensor, one matrix per expert for routed experts, none for state the format does
+    not store."""
+    if not_stored(name, args):
+        return []
+    if stacked_over_experts(name, args):
+        _check_shape(name, name, tensor, args)
+        return per_expert_tensors(name, tensor, args)
+    return [to_hf_tensor(name, tensor, args)]
+
+
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    convert = to_hf_tensor if to_hf else from_hf_tensor
     aliases = tied_weights(args)  # a tied output layer is the embedding: Hugging Face stores it once
-    missing = set(weight_shapes(args)) - set(aliases)  # titanctl names still to come
+    missing = {name for name in weight_shapes(args) if name not in aliases and (to_hf or not not_stored(name, args))}
     for name, tensor in pairs:
         if not to_hf and (name.endswith(IGNORED_HF_SUFFIXES) or shared_copy(name, args)):
             continue
         if (name if to_hf else _meta_name(name, args)) in aliases:
             continue
-        new_name, new_tensor = convert(name, tensor, args)
-        meta = name if to_hf else new_name
+        converted = to_hf_tensors(name, tensor, args) if to_hf else [from_hf_tensor(name, tensor, args)]
+        meta = name if to_hf else converted[0][0]
         if meta not in missing:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
         missing.discard(meta)
-        yield new_name, new_tensor
+        yield from converted
     if missing and complete:
-        names = sorted(missing if to_hf else (_hf_name(m, args) for m in missing))
+        names = sorted(missing if to_hf else (_shown_hf_name(m, args) for m in missing))
         more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
         raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(names[:3])}{more}")
 
 
 def iter_to_hf(pairs: Pairs, args: ModelArgs, complete: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs of renamed weights to Hugging Face; raises at the end if a weight
-    never came (``complete``)."""
+    """Stream (name, tensor) pairs of titanctl weights out as Hugging Face's (``to_hf_tensors``);
+    raises at the end if a weight never came (``complete``)."""
     return _convert_stream(pairs, args, to_hf=True, complete=complete)
 
 
@@ -273,24 +310,16 @@ def iter_from_hf(pairs: Pairs, args: ModelArgs, complete: bool = True) -> Iterat
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """titanctl weights under Hugging Face names and layouts (packed tensors packed)."""
-    aliases = tied_weights(args)
-    names = [name for name in sd if name not in aliases]
-    out = {}
-    for hf, members, dim in hf_tensor_groups(names, args):
-        if len(members) == 1 and hf == _hf_of(members[0], spec_of(args).hf, args.n_layers):
-            out.update(iter_to_hf([(members[0], sd[members[0]])], args, complete=False))
-        else:
-            out[hf] = torch.cat([sd[m] for m in members], dim=dim)
-    missing = set(weight_shapes(args)) - set(aliases) - set(names)
-    if missing:
-        raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(sorted(missing)[:3])}")
-    return out
+    """titanctl weights under Hugging Face names and layouts, as ``save_pretrained`` writes them:
+    routed experts one tensor per expert (views of the stack), a tied output layer left out."""
+    return dict(iter_to_hf(sd.items(), args))
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Every key ``load_state_dict`` wants, a tied alias included (as the embedding's tensor), and
-    state the format does not store as zeros."""
+    state the format does not store as zeros. Experts may come one tensor per expert or packed
+    (transformers 5's in-memory state dict), not both."""
+    check_one_expert_layout(sd, args)
     plain, stacks = {}, {}
     for key, tensor in sd.items():
         pieces = structured_pieces(key, args)
@@ -304,7 +333,10 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
                 stacks.setdefault(piece.name, {})[None] = tensor.narrow(piece.dim, piece.index * size, size)
     out = dict(iter_from_hf(plain.items(), args, complete=False))
     for name, by_expert in stacks.items():
-        out[name] = by_expert[None] if None in by_expert else torch.stack([by_expert[e] for e in sorted(by_expert)])
+        if None in by_expert:
+            out[name] = by_expert[None]
+        elif sorted(by_expert) == list(range(args.moe.num_experts)):
+            out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     shapes = weight_shapes(args)
     for name in shapes:
         if not_stored(name, args):
@@ -313,7 +345,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         out[alias] = out[of]
     missing = [name for name in shapes if name not in out]
     if missing:
-        names = sorted(hf for hf, _members, _dim in hf_tensor_groups(missing, args))
+        names = sorted(_shown_hf_name(name, args) for name in missing)
         more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
         raise CheckpointError(f"checkpoint lacks tensor(s) {', '.join(names[:3])}{more}")
     return out
@@ -365,14 +397,17 @@ def args_from_hf_config(
 __all__ = [
     "args_from_hf_config",
     "canonical_name_of",
+    "check_one_expert_layout",
     "shared_copy",
     "from_hf_state_dict",
     "from_hf_tensor",
     "hf_config",
+    "hf_names_of",
     "iter_from_hf",
     "iter_to_hf",
     "per_expert_tensors",
     "stacked_over_experts",
     "to_hf_state_dict",
     "to_hf_tensor",
+    "to_hf_tensors",
 ]

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, gather_checksums, record
+from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
 from titanctl.checkpoint.hf_save import hf_folder_name, hf_saves, run_tokenizer, write_hf_folder
 from titanctl.checkpoint.load_into_model import load_source_into
 from titanctl.checkpoint.load_plan import (
@@ -161,6 +162,9 @@ class CheckpointManager:
         self.log = log
         self.timings: list[SaveTiming] = []
         self._pending: _Pending | None = None
+        # The Hugging Face config.json the weights came from (set by load): kept in every DCP step and
+        # written back by Hugging Face saves (titanctl.checkpoint.hf_carried_config).
+        self.hf_config: dict[str, Any] | None = None
 
         check_config(cfg)
         if ck.async_mode == "async_with_pinned_mem" and device.type != "cuda":
@@ -253,7 +257,7 @@ class CheckpointManager:
             tmp.mkdir()
         failure = write_hf_folder(
             tmp, self.model, self.model_args, tokenizer=self._hf_tokenizer, dtype=getattr(torch, self.ck.export_dtype),
-            rank=self.rank, world_size=self.world_size, group=self._pg,
+            rank=self.rank, world_size=self.world_size, group=self._pg, source_config=self.hf_config,
         )
         if self.rank == 0:
             try:
@@ -312,6 +316,8 @@ class CheckpointManager:
             "tokenizer_path": str(Path(self.cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH).resolve()),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+        if self.hf_config is not None:
+            meta[HF_CONFIG_KEY] = self.hf_config
         writer = ChecksumWriter(str(tmp), sync_files=True)
         timing = SaveTiming(step, 0.0)
         self.timings.append(timing)
@@ -450,8 +456,10 @@ class CheckpointManager:
         for note in plan.notes:
             self.log(note)
         if isinstance(plan, ForeignPlan):
+            self.hf_config = plan.source.extra_metadata().get(HF_CONFIG_KEY)
             return self._read_foreign(plan)
         plan = self._verified(plan)
+        self.hf_config = plan.meta.get(HF_CONFIG_KEY)
         resumed = self._read(plan)
         step = plan.step
         if plan.meta.get("weights_only") and not plan.initial and step > 0:

@@ -46,7 +46,8 @@ def write_metadata(folder: Path, args: ModelArgs, *, step: int, weights_only: bo
 # Fields every titanctl.json has, and the type each must have; optional ones are checked when present.
 _REQUIRED = {"step": "count", "weights_only": "bool", "dtype": "str", "model_args": "dict"}
 _OPTIONAL = {"tokens_seen": "count", "dp_degree": "positive", "global_batch_size": "positive",
-             "world_size": "positive", "contents": "names", "checksums": "dict", "version": "count"}
+             "world_size": "positive", "contents": "names", "checksums": "dict", "version": "count",
+             "hf_config": "dict"}  # hf_config: the Hugging Face config.json the weights came from
 _KINDS = {
     "count": ("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "positive": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),

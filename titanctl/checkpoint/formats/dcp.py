@@ -38,6 +38,7 @@ from titanctl.checkpoint.formats.base import (
     check_complete,
     dtype_name,
 )
+from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, write_metadata
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.checkpoint.reader import DCP_INDEX, DCPFolder
@@ -114,7 +115,10 @@ class DCPSource(Source):
         self.reader.verify()  # every file against its checksum, before the first tensor is read
 
     def extra_metadata(self) -> dict[str, Any]:
-        return {"step": self.meta["step"]} if self.meta and isinstance(self.meta.get("step"), int) else {}
+        """The step, and the Hugging Face config.json the weights came from (``hf_carried_config``)."""
+        meta = self.meta or {}
+        kinds = {"step": int, HF_CONFIG_KEY: dict}
+        return {key: meta[key] for key, kind in kinds.items() if isinstance(meta.get(key), kind)}
 
     def _read_group(self, first: str) -> None:
         order = [i.name for i in self.infos]

@@ -5,9 +5,11 @@ Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.h
 weights (DeepSeek-V3's release: ``X.weight`` in float8 beside ``X.weight_scale_inv``) are paired
 with their scales from the headers and dequantized as each is loaded (``titanctl.checkpoint.fp8_blocks``)
 to the source's ``dequantize_to``;
-writing holds one output shard (``--max-shard-size``) at a time. The output is what
-``save_pretrained`` writes: ``model-00001-of-0000N.safetensors`` files and
-``model.safetensors.index.json`` (also when N is 1), which transformers 4.x and 5.x load.
+writing holds one output shard (``--max-shard-size``) and one source tensor at a time. The output
+is what ``save_pretrained`` writes: routed experts one tensor per expert (the Hub's layout; a folder
+of transformers 5's packed ``mlp.experts.gate_up_proj`` reads too), ``model-00001-of-0000N.safetensors``
+files and ``model.safetensors.index.json`` (also when N is 1), which transformers 4.x and 5.x load,
+and the source's own config.json where the model came from one (``titanctl.checkpoint.hf_carried_config``).
 """
 
 from __future__ import annotations
@@ -32,20 +34,19 @@ from titanctl.checkpoint.formats.base import (
     read_json,
 )
 from titanctl.checkpoint.fp8_blocks import DEFAULT_BLOCK, BlockScale, declared_block_size, dequantize, pair_scales
+from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY, carried, export_config
 from titanctl.checkpoint.hf_names import (
     IGNORED_HF_SUFFIXES,
     Piece,
     args_from_hf_config,
     canonical_name_of,
+    check_one_expert_layout,
     from_hf_tensor,
-    hf_config,
-    hf_tensor_groups,
+    hf_names_of,
     not_stored,
-    per_expert_tensors,
     shared_copy,
-    stacked_over_experts,
     structured_pieces,
-    to_hf_tensor,
+    to_hf_tensors,
 )
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.checkpoint.paths import check_inside, inside
@@ -53,12 +54,13 @@ from titanctl.checkpoint.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import spec_of
-from titanctl.models.shapes import weight_shapes
+from titanctl.models.shapes import num_params, weight_shapes
 from titanctl.safe_io import regular_file_size
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # the Hub's customary 5GB
+MAX_CARRIED_CONFIG_BYTES = 1 << 20  # published configs are a few kB
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -182,6 +184,7 @@ class HFSource(Source):
         self.args = args
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
+        check_one_expert_layout((key for key, *_ in self.raw), args)
         unused_depths = self._unused_prediction_depths(args)
         for key, path, shape, dtype in self.raw:
             if key.endswith(IGNORED_HF_SUFFIXES) or shared_copy(key, args) or _layer_of(key) in unused_depths:
@@ -211,17 +214,31 @@ class HFSource(Source):
                 f"{self.block[0]}x{self.block[1]} block scales (weight_scale_inv)"
             )
 
-    def _unused_prediction_depths(self, args: ModelArgs) -> range:
-        """The layers of the multi-token-prediction depths that config.json declares beyond the model's
-        own (``model.mtp_layers``; DeepSeek-V3 publishes one): left unread, with a note."""
+    def _unused_prediction_depths(self, args: ModelArgs) -> list[int]:
+        """The layers of multi-token-prediction depths that the files hold beyond the model's own
+        (``model.mtp_layers``; DeepSeek-V3 publishes one): left unread, with a note. A depth that
+        config.json declares without its weights (as transformers saves DeepSeek-V3) is no news."""
         config = self.folder / CONFIG_FILE
-        declared = (read_json(config).get("num_nextn_predict_layers") or 0) if config.is_file() else 0
-        unused = range(args.n_layers + args.mtp_layers, args.n_layers + int(declared))
+        declared = read_json(config).get("num_nextn_predict_layers") if config.is_file() else 0
+        if not isinstance(declared, int) or isinstance(declared, bool):  # a config read with --flavor is unchecked
+            declared = 0
+        depths = range(args.n_layers + args.mtp_layers, args.n_layers + declared)
+        unused = sorted({layer for key, *_ in self.raw if (layer := _layer_of(key)) in depths})
         if unused:
-            which = f"layer {unused.start}" if len(unused) == 1 else f"layers {unused.start}-{unused.stop - 1}"
+            which = f"layer {unused[0]}" if len(unused) == 1 else f"layers {', '.join(map(str, unused))}"
             self.notes.append(f"the checkpoint's multi-token-prediction {which} not loaded: this model has "
                               f"model.mtp_layers = {args.mtp_layers}")
         return unused
+
+    def extra_metadata(self) -> dict[str, Any]:
+        """config.json, carried into a DCP output and back into Hugging Face exports."""
+        config = self.folder / CONFIG_FILE
+        if not config.is_file():
+            return {}
+        if regular_file_size(config, what="config.json", error=CheckpointError) > MAX_CARRIED_CONFIG_BYTES:
+            # titanctl.json, which carries it, is read back with a size limit: no model's config is this big.
+            raise CheckpointError(f"{config} is larger than {MAX_CARRIED_CONFIG_BYTES >> 20} MiB: not a model's config")
+        return {HF_CONFIG_KEY: carried(read_json(config))}
 
     def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
         """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
@@ -310,8 +327,9 @@ class HFSource(Source):
 
 def write_order(names: list[str], args: ModelArgs) -> list[str]:
     """The order in which ``write`` loads the tensors of a source whose infos name ``names`` (the
-    ranks of a training run walk it together: ``titanctl.checkpoint.hf_save``)."""
-    return [member for _hf_name, members, _dim in hf_tensor_groups(names, args) for member in members]
+    ranks of a training run walk it together: ``titanctl.checkpoint.hf_save``): theirs, less the
+    state the format does not store."""
+    return [name for name in names if hf_names_of(name, args)]
 
 
 def write(
@@ -323,54 +341,53 @@ def write(
     progress: Progress,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     token_ids: tuple[int | None, int | None] | None = None,
-    per_expert: bool = False,
+    source_config: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> None:
-    """``token_ids``: (bos, eos) for config.json, the exported tokenizer's; default the family's
-    convention (``special_token_ids``). ``per_expert``: experts as one tensor each (the layout of
-    older checkpoints) instead of transformers 5's packed tensors. Tensors are loaded in ``write_order``."""
+    """``token_ids``: (bos, eos) of the tokenizer exported beside the weights, for config.json.
+    ``source_config``: the config.json the model came from (``hf_carried_config``), written back
+    when it still describes the model; else config.json is written from ``args``. Tensors are
+    loaded in ``write_order``, each once; its Hugging Face tensors (one per expert for routed
+    experts) fill the shards in order, so no shard exceeds ``max_shard_size`` unless one tensor does."""
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
-    # Plan the shards from shapes alone (greedy, in the source's order; a packed tensor where its
-    # last part comes).
-    sizes = {info.name: info.nbytes(dtype) for info in source.infos}
-    plan: list[list[tuple[list[str], str, int, int]]] = [[]]
+    # Plan the shards from shapes alone: (HF name, titanctl weight, bytes), greedy in the source's order.
+    plan: list[list[tuple[str, str, int]]] = [[]]
     size = 0
-    for hf_name, members, dim in hf_tensor_groups([info.name for info in source.infos], args):
-        nbytes = sum(sizes[m] for m in members)
-        if plan[-1] and size + nbytes > max_shard_size:
-            plan.append([])
-            size = 0
-        plan[-1].append((members, hf_name, dim, nbytes))
-        size += nbytes
+    for info in source.infos:
+        hf_names = hf_names_of(info.name, args)
+        for hf_name in hf_names:
+            nbytes = info.nbytes(dtype) // len(hf_names)
+            if plan[-1] and size + nbytes > max_shard_size:
+                plan.append([])
+                size = 0
+            plan[-1].append((hf_name, info.name, nbytes))
+            size += nbytes
     weight_map: dict[str, str] = {}
+    loaded, pending = None, {}  # the titanctl weight last loaded, and its HF tensors not yet written
     for index, shard in enumerate(plan, start=1):
         file = shard_name(index, len(plan))
         tensors = {}
-        for members, hf_name, dim, nbytes in shard:
-            if per_expert and all(stacked_over_experts(m, args) for m in members):
-                for member in members:
-                    for name, matrix in per_expert_tensors(member, cast(source.load(member), dtype), args):
-                        tensors[name] = matrix.contiguous()
-                        weight_map[name] = file
-                progress(hf_name, nbytes)
-                continue
-            if len(members) == 1:
-                _, tensor = to_hf_tensor(members[0], cast(source.load(members[0]), dtype), args)
-            else:
-                tensor = torch.cat([cast(source.load(m), dtype) for m in members], dim=dim)
-            tensors[hf_name] = tensor.contiguous()
+        for hf_name, name, nbytes in shard:
+            if name != loaded:
+                pending = dict(to_hf_tensors(name, cast(source.load(name), dtype), args))
+                loaded = name
+            tensors[hf_name] = pending.pop(hf_name).contiguous()
             weight_map[hf_name] = file
             progress(hf_name, nbytes)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         del tensors
-    out_dtypes = sorted({dtype_name(dtype or i.dtype) for i in source.infos})
-    bos, eos = token_ids if token_ids is not None else special_token_ids(args)
-    config = hf_config(
-        args, torch_dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", bos_token_id=bos, eos_token_id=eos
+    # Of the tensors written: an expert bias Hugging Face does not store reads as float32 zeros.
+    out_dtypes = sorted({dtype_name(dtype or i.dtype) for i in source.infos if hf_names_of(i.name, args)})
+    config = export_config(
+        args, source_config, dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", token_ids=token_ids,
+        default_token_ids=special_token_ids(args), notes=notes,
     )
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     total = sum(n for shard in plan for *_, n in shard)
-    index_data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    # As save_pretrained writes it: the parameters (saved buffers such as an expert bias are not) and bytes.
+    metadata = {"total_parameters": num_params(args), "total_size": total}
+    index_data = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
 
 

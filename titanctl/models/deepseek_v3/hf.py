@@ -1,5 +1,6 @@
-"""DeepSeek-V3 as Hugging Face's ``DeepseekV3ForCausalLM``: names (experts packed as transformers 5
-holds them, or one tensor per expert), and config.json.
+"""DeepSeek-V3 as Hugging Face's ``DeepseekV3ForCausalLM``: names (routed experts one tensor per expert,
+as the published checkpoint and ``save_pretrained`` store them; transformers 5's packed tensors read
+too, as for Qwen3-MoE), and config.json.
 
 transformers' DeepSeek-V3 rotates the rope slice of each head in DeepSeek's interleaved pairs
 (``rope_interleave``, true by default), as titanctl does: the weights load by renaming alone. Its
@@ -41,7 +42,7 @@ MLA_NAMES = {
 MOE_NAMES = {
     "moe.router.gate.weight": "mlp.gate.weight",
     "moe.expert_bias": "mlp.gate.e_score_correction_bias",
-    "moe.experts.w2": "mlp.experts.down_proj",  # (E, dim, hidden), as titanctl's
+    "moe.experts.w2": "mlp.experts.down_proj",  # packed (E, dim, hidden), as titanctl's: read only
     "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",

@@ -1,5 +1,9 @@
-"""Qwen3-MoE as Hugging Face's ``Qwen3MoeForCausalLM``: names (experts packed as transformers 5 writes
-them, or one tensor per expert as older checkpoints do) and config.json."""
+"""Qwen3-MoE as Hugging Face's ``Qwen3MoeForCausalLM``: names and config.json.
+
+Routed experts are one tensor per expert on disk (``mlp.experts.{e}.gate_proj.weight``, ...), as
+``save_pretrained`` writes them and the Hub, vLLM, SGLang and transformers 4.x read them: exports
+write that. Folders holding transformers 5's in-memory packed tensors (``mlp.experts.gate_up_proj``
+[E, 2F, D], ``mlp.experts.down_proj`` [E, D, F]) read too."""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ from titanctl.models.spec import HFFormat
 
 MOE_NAMES = {
     "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.experts.w2": "mlp.experts.down_proj",  # (E, dim, hidden), as titanctl's
+    "moe.experts.w2": "mlp.experts.down_proj",  # packed (E, dim, hidden), as titanctl's: read only
 }
-# transformers 5: gate_up_proj (E, 2 * hidden, dim), the gate's rows first.
+# transformers 5's packed gate_up_proj (E, 2 * hidden, dim), the gate's rows first: read only.
 PACKED = {
     "moe.experts.w1": ("mlp.experts.gate_up_proj", 1, 0, 2),
     "moe.experts.w3": ("mlp.experts.gate_up_proj", 1, 1, 2),
 }
+# The Hub's layout, read and written.
 PER_EXPERT = {
     "moe.experts.w1": "mlp.experts.{e}.gate_proj.weight",
     "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
