@@ -250,6 +250,32 @@ def create_new(path: Path, *, what: str, mode: int = 0o644, error: type[TitanErr
     return os.fdopen(fd, "wb")
 
 
+def cannot_create_in(folder: Path) -> str | None:
+    """Why this process cannot create a file in ``folder`` (the system's reason), or None.
+
+    Tried rather than asked: ``os.access`` says yes to root for a folder without write permission
+    (where root can indeed write) but also where root cannot (NFS with root squashed), and it
+    answers for the real user, not the effective one. A probe file is created and removed again."""
+    probe = Path(folder) / f".titanctl-write-probe-{os.getpid()}"
+    for attempt in range(2):
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOEXEC, 0o600)
+        except FileExistsError:
+            if attempt:
+                return f"{visible(str(probe))} cannot be replaced"
+            try:  # a leftover of a killed process that had this PID
+                os.unlink(probe)
+            except OSError as e:
+                return e.strerror or str(e)
+            continue
+        except OSError as e:
+            return e.strerror or str(e)
+        os.close(fd)
+        os.unlink(probe)
+        return None
+    return None
+
+
 def replace_atomically(path: Path, data: bytes, *, what: str, error: type[TitanError] = TitanError) -> None:
     """Write ``data`` to a fresh temporary file beside ``path`` and rename it over ``path``: a link
     at ``path`` is replaced by the file, never written through."""

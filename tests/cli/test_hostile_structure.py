@@ -207,6 +207,16 @@ def test_deeply_nested_trace_json_is_one_line(tmp_path):
     assert re.search(r"rank0_trace\.json: JSON nested too deeply to be a trace or a dump", error_line(proc))
 
 
+def test_a_deeply_nested_row_of_an_hf_folder_is_one_line_before_training(tmp_path):
+    """The row's 10^5-deep list killed training with SIGSEGV and no output (issue 46)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + deep_json({"text": "x"}) + "\n")
+    proc, peak = run(["train", *TRUSTED_RUN, "--training.dataset", f"hf:{folder}", "--job.dump_folder", tmp_path / "run"])
+    assert re.search(r"corpus/train\.jsonl: line 2 nests deeper than 64 levels$", error_line(proc))
+    assert peak < PEAK_MIB and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # ----------------------------------------------------------------------------- files larger than they should be
 
 

@@ -147,6 +147,13 @@ def test_local_errors_name_the_offending_value(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(DataError, match=r"bad\.jsonl:1: not valid JSON"):
         list(load_documents("local", str(bad)))
+    deep = "[" * 100_000 + "]" * 100_000  # RecursionError in Python's parser: a traceback before
+    bad.write_text('{"text": "ok"}\n' + deep + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: nests too deep to read"):
+        list(load_documents("local", str(bad)))
+    (tmp_path / "bad.json").write_text(deep)
+    with pytest.raises(DataError, match=r"bad\.json: nests too deep to read"):
+        list(load_documents("local", str(tmp_path / "bad.json")))
 
 
 def test_a_path_implies_local(tmp_path):

@@ -162,9 +162,8 @@ def test_exhausted_stream_raises_data_error(tmp_path, tok):
 
 
 def test_missing_text_field_and_bad_names_are_data_errors(folder, tmp_path, tok):
-    source = load_documents(f"hf:{folder}", text_field="body")
     with pytest.raises(DataError, match="has no 'body' column \\(columns: text, id\\); set text_field"):
-        next(iter(source))
+        load_documents(f"hf:{folder}", text_field="body")  # before any work: the columns are known
     with pytest.raises(DataError, match="Bad split: validation"):
         load_documents(f"hf:{folder}", split="validation")
     with pytest.raises(DataError, match="folder '/no/such/folder' does not exist"):

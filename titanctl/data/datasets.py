@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from titanctl.errors import DataError
+from titanctl.safe_io import visible
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "assets" / "corpus"
 TEXT_FIELD = "text"
@@ -97,7 +98,13 @@ class HFStreamingSource(DocumentSource):
                 f"streaming dataset {self.description} has no {self.text_field!r} column "
                 f"(columns: {', '.join(map(str, row))}); set text_field"
             )
-        return row[self.text_field]
+        text = row[self.text_field]
+        if text is not None and not isinstance(text, str):  # a damaged row: refused, as local files' are
+            raise DataError(
+                f"streaming dataset {self.description}: a row's {self.text_field!r} is "
+                f"{type(text).__name__} {visible(repr(text)[:80])}, not text"
+            )
+        return text
 
 
 def load_documents(
@@ -197,12 +204,23 @@ def _stream(
         raise DataError(f"cannot load {target} {where}: {reason}; {hint}")
     import datasets  # only hub datasets load it (and pyarrow): bundled and local files stay light
 
+    from titanctl.data.hf_folder import check_files, check_text_column
+
     try:
-        dataset = datasets.load_dataset(target, name=config or None, split=split, streaming=True)
+        # load_dataset(..., streaming=True) in two steps: a local folder's files are checked
+        # between them, before datasets reads any of them.
+        builder = datasets.load_dataset_builder(target, name=config or None)
+        if not hub:
+            check_files(Path(target), builder, split, text_field)
+        dataset = builder.as_streaming_dataset(split=split)
+    except DataError:
+        raise
     except Exception as e:  # ConnectionError, hub HTTP errors, missing cache when offline, bad split
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"cannot load {target} {where}: {first}; {hint}") from None
-    return HFStreamingSource(name, dataset, f"{target}:{config}:{split}", text_field)
+        raise DataError(f"cannot load {target} {where}: {visible(first)}; {hint}") from None
+    description = f"{target}:{config}:{split}"
+    check_text_column(getattr(dataset, "features", None), text_field, visible(description))
+    return HFStreamingSource(name, dataset, description, text_field)
 
 
 def _hub_unreachable(timeout_s: float = 2.0) -> str | None:
@@ -295,6 +313,8 @@ def _read_json(path: Path) -> Iterator[str]:
         raise DataError(f"cannot read {path}: {e}") from None
     try:
         whole = json.loads(raw)
+    except RecursionError:
+        raise DataError(f"{path}: nests too deep to read") from None
     except json.JSONDecodeError:
         yield from _read_jsonl(path)
         return
@@ -330,6 +350,8 @@ def _parse_json(line: str, where: str) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:  # Python's parser stops at its recursion limit: safe, but not a document
+        raise DataError(f"{where}: nests too deep to read") from None
 
 
 def _content_fingerprint(files: list[Path]) -> str:

@@ -37,6 +37,7 @@ import numpy as np
 from titanctl.data.datasets import HFStreamingSource
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import DataError
+from titanctl.safe_io import visible
 
 _STREAM_CHUNK_DOCS = 16  # documents pulled from a shard per refill: bounds the leftover tokens it saves
 
@@ -114,12 +115,20 @@ class _Shard:
         if self._rows is None:
             self._rows = iter(self._open())
         texts = []
-        for row in self._rows:
-            text = self.source.text_of(row)
-            if text:
-                texts.append(text)
-            if len(texts) == _STREAM_CHUNK_DOCS:
-                break
+        try:
+            for row in self._rows:
+                text = self.source.text_of(row)
+                if text:
+                    texts.append(text)
+                if len(texts) == _STREAM_CHUNK_DOCS:
+                    break
+        except DataError:
+            raise
+        except Exception as e:  # raised in datasets or pyarrow by what a file holds (hub files are not checked first)
+            raise DataError(
+                f"cannot read streaming dataset {self.source.description} (virtual shard {self.index} of "
+                f"{self.count}): {_one_line(e)}"
+            ) from None
         if not texts:
             raise DataError(
                 f"streaming dataset {self.source.description} ran out of documents "
@@ -155,3 +164,8 @@ class _Shard:
             raise DataError(f"streaming loader state of shard {self.index} is damaged")
         self._resume, self.buffer = stream, buffer
         self.dataset, self._rows = None, None  # reopen at the restored position
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return visible(f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__)

@@ -22,20 +22,32 @@ import socket
 from pathlib import Path
 
 from titanctl.errors import ConfigError, TitanError
-from titanctl.safe_io import open_for_append, open_no_follow, parse_json, read_text, replace_atomically
+from titanctl.safe_io import (
+    cannot_create_in,
+    open_for_append,
+    open_no_follow,
+    parse_json,
+    read_bytes,
+    read_text,
+    replace_atomically,
+    visible,
+)
 
 LOCK_BYTES = 4096  # host, PID and start time: a few dozen bytes
 METRICS_BYTES = 1 << 30  # ~3 M rows
 LOCK_FILE = ".titanctl.lock"
 METRICS_FILE = "metrics.jsonl"
+FLIGHT_RECORDER_FOLDER = "flight_recorder"
 
 
-def prepare(folder: Path, subfolders: list[str] = ()) -> None:
+def prepare(folder: Path, subfolders: list[str] = (), written: dict[str, str] | None = None) -> None:
     """Create the dump folder if needed, or say in one line why it cannot hold a run.
 
     ``subfolders`` (relative to it: checkpoints, TensorBoard, traces) must not lead through a
     symbolic link: a folder that ships ``checkpoint`` as a link to ``~`` would have titanctl write
-    there and prune what it finds."""
+    there and prune what it finds. Those that this run writes into (``written``: subfolder -> what
+    it holds, see ``folders_written``) must be writable now: a read-only checkpoint folder
+    otherwise failed at the first save, after the steps before it were trained for nothing."""
     key = f"job.dump_folder {str(folder)!r}"
     for parent in [folder, *folder.parents]:
         if parent.exists() and not parent.is_dir():
@@ -45,14 +57,49 @@ def prepare(folder: Path, subfolders: list[str] = ()) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{key} cannot be created: {e.strerror or e}; choose a writable folder") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} is not writable by this user; choose a writable folder")
+    reason = cannot_create_in(folder)
+    if reason:
+        raise ConfigError(f"{key} cannot be written ({reason}); choose a writable folder")
     for sub in subfolders:
         path = folder
         for part in Path(sub).parts:
             path = path / part
             if path.is_symlink():
                 raise ConfigError(f"{path} is a symbolic link; titanctl does not write through links: remove it")
+    for sub, what in (written or {}).items():
+        _check_writable(folder / sub, what)
+
+
+def folders_written(cfg, distributed: bool) -> dict[str, str]:
+    """The subfolders of the dump folder that a run of ``cfg`` (a JobConfig) writes into, and what they hold."""
+    written = {}
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.create_seed_checkpoint:
+        written[cfg.checkpoint.folder] = "checkpoint folder"
+    if cfg.metrics.enable_tensorboard:
+        written[cfg.metrics.save_tb_folder] = "TensorBoard folder"
+    if cfg.profiling.enable_profiling:
+        written[cfg.profiling.save_traces_folder] = "profiler trace folder"
+    if cfg.profiling.enable_memory_snapshot:
+        written[cfg.profiling.save_memory_snapshot_folder] = "memory snapshot folder"
+    if distributed and cfg.comm.trace_buf_size:
+        written[FLIGHT_RECORDER_FOLDER] = "Flight Recorder folder"  # the hang watchdog's dumps
+    return written
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """``path`` is a folder this process can create files in, or one it can create: else one line."""
+    existing = path
+    while not os.path.lexists(existing):  # where the run's mkdir will create it
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {visible(str(path))}: {visible(str(existing))} is a file; move it away")
+    reason = cannot_create_in(existing)
+    if reason:
+        where = "" if existing == path else f" (in {visible(str(existing))})"
+        raise ConfigError(
+            f"{what} {visible(str(path))} cannot be written{where}: {reason}; make it writable or choose "
+            "another job.dump_folder"
+        )
 
 
 class RunLock:
@@ -149,14 +196,16 @@ def supersede_metrics(folder: Path, start_step: int) -> str | None:
     A resumed run re-trains the steps after its checkpoint: their earlier rows (from the attempt
     that died) move to ``metrics.superseded.jsonl``. A run that starts at step 0 in a folder with
     rows of an earlier run moves that file to ``metrics.<time>.jsonl`` and starts a new one.
-    Nothing is deleted. Returns what was done, for the console.
+    A line that is not a row of ours (not UTF-8, not JSON, no step that is an integer >= 0, such as
+    ``"step": 1e999``) stays where it is, and the note says which. Nothing is deleted. Returns what
+    was done, for the console.
     """
     path = folder / METRICS_FILE
     if not os.path.lexists(path):
         return None
     if path.is_symlink():
         raise ConfigError(f"{path} is a symbolic link; titanctl does not write through links: remove it")
-    lines = read_text(path, what="metrics file", max_bytes=METRICS_BYTES, error=ConfigError).splitlines(keepends=True)
+    lines = read_bytes(path, what="metrics file", max_bytes=METRICS_BYTES, error=ConfigError).splitlines(keepends=True)
     if not lines:
         return None
     if start_step == 0:
@@ -164,19 +213,31 @@ def supersede_metrics(folder: Path, start_step: int) -> str | None:
         kept = folder / f"metrics.{stamp}.jsonl"
         os.replace(path, kept)
         return f"{path} held an earlier run's rows: moved to {kept.name}; this run starts a new {METRICS_FILE}"
-    keep, drop = [], []
-    for line in lines:
-        (drop if _step(line) > start_step else keep).append(line)
-    if not drop:
-        return None
-    with open_for_append(folder / "metrics.superseded.jsonl", what="metrics file", error=ConfigError) as f:
-        f.writelines(drop)
-    replace_atomically(path, "".join(keep).encode(), what="metrics file", error=ConfigError)
-    return f"{len(drop)} row(s) after step {start_step} of the interrupted attempt moved to metrics.superseded.jsonl"
+    keep, drop, unreadable = [], [], []
+    for number, line in enumerate(lines, 1):
+        step = _step(line)
+        if step is None and line.strip():
+            unreadable.append(number)
+        (drop if step is not None and step > start_step else keep).append(line)
+    notes = []
+    if drop:
+        with open_for_append(folder / "metrics.superseded.jsonl", what="metrics file", error=ConfigError) as f:
+            f.write(b"".join(drop).decode("utf-8"))  # the rows moved are ours: UTF-8 by construction
+        replace_atomically(path, b"".join(keep), what="metrics file", error=ConfigError)
+        notes.append(f"{len(drop)} row(s) after step {start_step} of the interrupted attempt moved to "
+                     "metrics.superseded.jsonl")
+    if unreadable:
+        shown_lines = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+        notes.append(f"{len(unreadable)} line(s) of {visible(str(path))} hold no readable step (line "
+                     f"{shown_lines}): kept where they are")
+    return "; ".join(notes) or None
 
 
-def _step(line: str) -> int:
+def _step(line: bytes) -> int | None:
+    """The step of one of our rows; None for anything else."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        return 0  # not a row of ours: keep it where it is
+        row = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None

@@ -49,7 +49,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.flight_recorder_folder = self.dump_folder / "flight_recorder"
+        self.flight_recorder_folder = self.dump_folder / run_folder.FLIGHT_RECORDER_FOLDER
         self.env = init_process(
             cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size, self.flight_recorder_folder
         )
@@ -77,7 +77,7 @@ class Trainer:
                 run_folder.prepare(self.dump_folder, [
                     c.checkpoint.folder, c.metrics.save_tb_folder, c.profiling.save_traces_folder,
                     c.profiling.save_memory_snapshot_folder, self.flight_recorder_folder.name,
-                ])
+                ], written=run_folder.folders_written(c, self.env.distributed))
                 lock = run_folder.RunLock(self.dump_folder)
                 outcome = ("ok", lock.acquire())
             except TitanError as e:
