@@ -7,11 +7,11 @@ import gzip
 import json
 import os
 import socket
-import subprocess
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 
 
 def snapshot(root):
@@ -21,7 +21,7 @@ def snapshot(root):
 
 def run(args, cwd, **env):
     full_env = {**os.environ, **OFFLINE_ENV, **env}
-    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=full_env, timeout=120, cwd=cwd)
+    return titanctl_run([*args], env=full_env, timeout=120, cwd=cwd)
 
 
 def refused(args, tmp_path, **env):
@@ -193,8 +193,7 @@ def test_download_tokenizer_says_what_it_does_and_fails_fast_when_the_hub_is_unr
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     before = snapshot(tmp_path)
-    proc = subprocess.run([*TITANCTL, "download-tokenizer", "--local-dir", str(tmp_path / "tok")],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    proc = titanctl_run(["download-tokenizer", "--local-dir", str(tmp_path / "tok")], env=env, timeout=120, cwd=cwd)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout.strip() == (f"contacting http://127.0.0.1:{port} for original/tokenizer.model of "
                                    "meta-llama/Llama-3.1-8B")
@@ -207,7 +206,7 @@ def test_download_tokenizer_says_what_it_does_and_fails_fast_when_the_hub_is_unr
 def test_download_tokenizer_default_repo_is_the_documented_one():
     from titanctl.tools.download import DEFAULT_REPO_ID
 
-    for doc in ("README.md", "docs/conversion.md"):
+    for doc in ("README.md", "docs/checkpoints.md"):
         text = (REPO / doc).read_text()
         assert f"--repo-id {DEFAULT_REPO_ID}" in text
         assert "Meta-Llama-3.1-8B" not in text
@@ -215,11 +214,9 @@ def test_download_tokenizer_default_repo_is_the_documented_one():
 
 def test_download_tokenizer_model_picks_the_familys_repository(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    proc = subprocess.run([*TITANCTL, "download-tokenizer", "--model", "qwen3", "--local-dir", str(tmp_path / "tok")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = titanctl_run(["download-tokenizer", "--model", "qwen3", "--local-dir", str(tmp_path / "tok")], env=env, timeout=120)
     assert proc.returncode == 2 and "tokenizer.json of Qwen/Qwen3-0.6B-Base" in proc.stderr, proc.stderr
-    proc = subprocess.run([*TITANCTL, "download-tokenizer", "--model", "gpt2"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = titanctl_run(["download-tokenizer", "--model", "gpt2"], env=env, timeout=120)
     from titanctl.models.registry import FAMILIES
 
     assert proc.returncode == 2 and proc.stderr.strip() == (

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 
 RECIPE = str(REPO / "recipes" / "llama3_debug.toml")
 
 
 def run(args, cwd):
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
+    return titanctl_run([*args], env=env, timeout=300, cwd=cwd)
 
 
 def refused(args, tmp_path) -> str:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 from titanctl.checkpoint.convert import load_checkpoint, save_state_dict
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
@@ -18,8 +18,7 @@ ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ma
 
 
 def run(*args, check=True):
-    proc = subprocess.run([*TITANCTL, *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **OFFLINE_ENV}, timeout=300)
+    proc = titanctl_run([*map(str, args)], env={**os.environ, **OFFLINE_ENV}, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
 
 TINY = ["--config", "recipes/llama3_debug.toml", "--model.n_layers", "1", "--training.seq_len", "32",
@@ -21,7 +22,7 @@ TINY = ["--config", "recipes/llama3_debug.toml", "--model.n_layers", "1", "--tra
 
 
 def titanctl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, cwd=REPO,
+    return titanctl_run([*args], cwd=REPO,
                           env={**os.environ, **OFFLINE_ENV}, timeout=timeout)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 
 MARKER = "SECRET_MARKER_5b1e0c"  # in the environment and in outside files: must never be printed
@@ -29,7 +30,7 @@ STEP = Path("checkpoint") / "step-2"
 
 def titanctl(*args, cwd=None, timeout=120, **env) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **OFFLINE_ENV, "TITANCTL_TEST_SECRET": MARKER, **env}
-    return subprocess.run([*TITANCTL, *map(str, args)], capture_output=True, text=True, env=full_env,
+    return titanctl_run([*map(str, args)], env=full_env,
                           timeout=timeout, cwd=cwd)
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, TITANCTL, TRUSTED_RUN
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, TRUSTED_RUN
 from tests.unit.test_checkpoint_trust import (
     STEP,
     clone,
@@ -90,7 +91,7 @@ def titanctl_bounded(args: list, timeout: float) -> tuple[subprocess.CompletedPr
     """The titanctl binary with a time limit (where a hang was the bug): (process, seconds it took)."""
     start = time.monotonic()
     try:
-        proc = subprocess.run([*TITANCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        proc = titanctl_run([*map(str, args)], timeout=timeout,
                               env={**os.environ, **OFFLINE_ENV})
     except subprocess.TimeoutExpired:
         pytest.fail(f"titanctl {' '.join(map(str, args[:2]))} did not exit within {timeout} s")
@@ -317,8 +318,7 @@ def test_a_meta_shard_that_is_a_raw_pickle_is_refused_in_one_line(foreign, tmp_p
     rewrite(folder / "consolidated.00.pth", pickle.dumps({"tok_embeddings.weight": torch.zeros(2, 2)}, protocol=4))
     before = tree_hash(folder)
     env = {**os.environ, **OFFLINE_ENV, "PYTHONWARNINGS": "default"}
-    proc = subprocess.run([*TITANCTL, "convert", str(folder), str(tmp_path / "out"), "--to", "hf"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = titanctl_run(["convert", str(folder), str(tmp_path / "out"), "--to", "hf"], env=env, timeout=120)
     assert re.search(r"consolidated\.00\.pth is a bare pickle, not a torch\.save file", error_line(proc))
     assert "Warning" not in proc.stderr
     assert tree_hash(folder) == before and not (tmp_path / "out").exists()

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 
 ESC = "\x1b]0;PWNED\x07"  # sets the terminal's title where obeyed
 MARKUP = "[/red] [/]"
@@ -21,7 +22,7 @@ TINY = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_b
 
 def titanctl(*args, cwd=None) -> subprocess.CompletedProcess:
     env = {**os.environ, **OFFLINE_ENV}
-    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
+    return titanctl_run([*args], env=env, timeout=300, cwd=cwd)
 
 
 def assert_nothing_obeyed(proc):
@@ -70,8 +71,8 @@ def test_convert_shows_names_from_the_command_and_the_checkpoint_as_text(trained
 def test_a_dump_folder_that_is_not_utf8_is_one_line(tmp_path):
     folder = os.fsencode(tmp_path) + b"/out\xff"
     env = {**os.environ, **OFFLINE_ENV}
-    proc = subprocess.run([*map(os.fsencode, TITANCTL), b"train", *map(os.fsencode, TINY), b"--job.dump_folder", folder],
-                          capture_output=True, env=env, timeout=120)
+    proc = titanctl_run([b"train", *map(os.fsencode, TINY), b"--job.dump_folder", folder], env=env, timeout=120,
+                        text=False)
     err = proc.stderr.decode()
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
     assert "is not UTF-8" in err and "\\xff" in err and not os.path.exists(folder)

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 
 RUN = ["train", "--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
        "--training.mixed_precision_param", "float32", "--compile.enable", "false", "--metrics.log_freq", "1",
@@ -22,8 +23,7 @@ OUTSIDE = b"precious bytes that are not titanctl's\n"
 
 def train(folder, steps: int) -> subprocess.CompletedProcess:
     env = {**os.environ, **OFFLINE_ENV}
-    return subprocess.run([*TITANCTL, *RUN, "--training.steps", str(steps), "--job.dump_folder", str(folder)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return titanctl_run([*RUN, "--training.steps", str(steps), "--job.dump_folder", str(folder)], env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

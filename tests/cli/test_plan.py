@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 
 DEBUG = str(REPO / "recipes" / "llama3_debug.toml")
 
 
 def run(args, cwd):
-    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env={**os.environ, **OFFLINE_ENV},
+    return titanctl_run([*args], env={**os.environ, **OFFLINE_ENV},
                           timeout=300, cwd=cwd)
 
 

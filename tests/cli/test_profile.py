@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import torchrun
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ProfilingError
@@ -23,7 +23,7 @@ MATMULS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
 
 def run(args, check=True):
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    proc = titanctl_run([*args], env=env, timeout=600, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 from titanctl.train.peak import cpu_peak
 
 TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "4"]
@@ -17,7 +18,7 @@ TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_b
 
 def run(args, tmp_path=None, check=True, env=None):
     env = {**os.environ, **OFFLINE_ENV, **(env or {})}
-    proc = subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=600)
+    proc = titanctl_run([*args], env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -29,7 +30,7 @@ def rows(folder):
 
 @pytest.fixture(scope="session")
 def debug_run(tmp_path_factory, repo):
-    """The README's smoke test: 20 steps of the debug recipe."""
+    """20 steps of the debug recipe (as docs/training.md's first example runs it)."""
     out = tmp_path_factory.mktemp("debug_run")
     proc = run(["train", "--config", str(repo / "recipes/llama3_debug.toml"), "--training.steps", "20",
                 "--job.dump_folder", str(out)])
@@ -37,8 +38,8 @@ def debug_run(tmp_path_factory, repo):
 
 
 def documented_metric_keys(repo) -> set[str]:
-    """The keys of README's metrics.jsonl table that a CPU run logs (CUDA-only rows left out)."""
-    lines = (repo / "README.md").read_text().split("| key | meaning |\n| --- | --- |\n", 1)[1].splitlines()
+    """The keys of docs/training.md's metrics.jsonl table that a CPU run logs (CUDA-only rows left out)."""
+    lines = (repo / "docs" / "training.md").read_text().split("| key | meaning |\n| --- | --- |\n", 1)[1].splitlines()
     keys = set()
     for line in lines:
         if not line.startswith("|"):

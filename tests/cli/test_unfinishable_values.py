@@ -5,12 +5,12 @@ last layer was ignored, and the run trained on)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 
 QUICK_S = 60  # each case answers in a few seconds; what it replaces ran for minutes or forever
 
@@ -18,7 +18,7 @@ QUICK_S = 60  # each case answers in a few seconds; what it replaces ran for min
 def refused(*args, cwd=None) -> str:
     env = {**os.environ, **OFFLINE_ENV}
     start = time.monotonic()
-    proc = subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
+    proc = titanctl_run([*args], env=env, timeout=300, cwd=cwd)
     assert time.monotonic() - start < QUICK_S
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -2,37 +2,44 @@
 parallelism reproduces the single-process losses (fp32, 1e-5 relative), on real torchrun + gloo.
 
 The data is many short documents, so every window holds several: the mask must follow document
-boundaries that fall inside a TP rank's heads, a pipeline microbatch and a CP rank's shard."""
+boundaries that fall inside a TP rank's heads, a pipeline microbatch and a CP rank's shard. The runs
+share the torchrun worlds of tests/distributed/worlds.py."""
 
 from __future__ import annotations
 
 import json
-import time
+from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import TINY_RUN, WORKERS, losses, max_rel_diff, torchrun
+from tests.distributed.harness import TINY_RUN, losses, max_rel_diff
+from tests.distributed.worlds import ROOT, register
 
-WORKER = [str(WORKERS / "train_worker.py")]
 WORDS = "the of and to in a is that for it as with was on be by at this had not are but from or have".split()
+
+
+def write_documents(root: Path) -> None:
+    # 3 to 24 words each: about 5 to 30 tokens, so a 65-token window holds several documents.
+    docs = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(3 + (i * 5) % 22)) for i in range(600)]
+    (root / "short_documents.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+
+RUN = [*TINY_RUN, "--model.n_layers", "2", "--training.steps", "3",
+       "--training.dataset_path", f"{ROOT}/short_documents.jsonl", "--model.attn_mask_type", "block_causal"]
+REFERENCE = register(__name__, "single", 1, [*RUN, "--training.local_batch_size", "8"], always=True,
+                     prepare=write_documents)
 
 
 @pytest.fixture(scope="module")
 def run_args(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("short_documents")
-    path = folder / "docs.jsonl"
-    # 3 to 24 words each: about 5 to 30 tokens, so a 65-token window holds several documents.
-    docs = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(3 + (i * 5) % 22)) for i in range(600)]
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return [*TINY_RUN, "--model.n_layers", "2", "--training.steps", "3", "--training.dataset_path", str(path),
-            "--model.attn_mask_type", "block_causal"]  # fmt: skip
+    root = tmp_path_factory.mktemp("short_documents")
+    write_documents(root)
+    return [arg.replace(ROOT, str(root)) for arg in RUN]
 
 
 @pytest.fixture(scope="module")
-def reference(run_args, tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    torchrun(1, WORKER, [*run_args, "--training.local_batch_size", "8", "--job.dump_folder", str(out)])
-    return losses(out)
+def reference(worlds):
+    return losses(worlds.folder(REFERENCE))
 
 
 def test_windows_hold_several_documents(run_args):
@@ -60,13 +67,13 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_block_causal_layout_matches_single_process(run_args, reference, tmp_path, name, nproc, local_batch, overrides):
-    start = time.perf_counter()
-    torchrun(nproc, WORKER, [*run_args, "--training.local_batch_size", str(local_batch), *overrides,
-                             "--job.dump_folder", str(tmp_path)])
-    seconds = time.perf_counter() - start
-    got = losses(tmp_path)
+CASES = [register(__name__, name, nproc, [*RUN, "--training.local_batch_size", str(local_batch), *overrides],
+                  prepare=write_documents) for name, nproc, local_batch, overrides in LAYOUTS]
+
+
+@pytest.mark.parametrize("world_case", CASES, ids=[layout[0] for layout in LAYOUTS])
+def test_block_causal_layout_matches_single_process(reference, worlds, world_case):
+    got = losses(worlds.folder(world_case))
     diff = max_rel_diff(got, reference)
-    print(f"\nBLOCK_CAUSAL {name:6s} procs {nproc}  max rel loss diff {diff:.2e}  {seconds:5.1f} s")
-    assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{reference}"
+    print(f"\nBLOCK_CAUSAL {world_case:40s} max rel loss diff {diff:.2e}")
+    assert diff <= 1e-5, f"{world_case}: max relative loss difference {diff:.2e}\n{got}\n{reference}"

@@ -19,6 +19,7 @@ decay, so the first steps' learning rates do not depend on the run's length):
   makes a Hugging Face folder whose logits in transformers match ours, and `titanctl infer-tp`
   reads the checkpoint unchanged; a float8 FSDP run resumed from a checkpoint repeats the
   uninterrupted run's losses bit for bit.
+The runs share the torchrun worlds of tests/distributed/worlds.py.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import WORKERS, losses, max_rel_diff, torchrun
 from tests.distributed.workers.float8_probe import check_float8_all_gathers, check_no_float8_all_gathers
+from tests.distributed.worlds import register
 
 RUN = [
     "--model.n_layers", "2", "--training.seq_len", "64", "--training.global_batch_size", "8",
@@ -53,16 +56,18 @@ TP2 = (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_de
 PP2_FULL_AC = (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
                    "--parallelism.pipeline_parallel_schedule", "GPipe",
                    "--parallelism.pipeline_parallel_microbatch_size", "8", "--activation_checkpoint.mode", "full"])
-CLI = ["-m", "titanctl", "train"]
-# Trains like the CLI and also reports what FSDP's float8 settings did (float8_rank{r}.json).
-PROBED = [str(WORKERS / "sync_train_worker.py")]
 LINEARS = 14  # 2 blocks x 7; the output layer stays high precision
 
 
-def train(folder, layout, args, target=CLI) -> tuple[list[float], str]:
+def case(name: str, layout, args, probe: bool = False, always: bool = False) -> str:
+    """A run in the torchrun world of its layout's size; ``probe``: it also reports what FSDP's float8
+    settings did (float8_rank{r}.json, see workers/sync_train_worker.py)."""
     nproc, layout_args = layout
-    proc = torchrun(nproc, target, [*args, *layout_args, "--job.dump_folder", str(folder)])
-    return losses(folder), proc.stdout
+    return register(__name__, name, nproc, [*args, *layout_args], probe=probe, always=always)
+
+
+def train(worlds, key: str) -> tuple[list[float], str]:
+    return losses(worlds.folder(key)), worlds.stdout(key)
 
 
 def probe_reports(folder, nproc: int) -> list[dict]:
@@ -74,18 +79,22 @@ def mean_rel_diff(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) / abs(y) for x, y in zip(a, b)) / len(a)
 
 
+RUNS = {
+    "bf16": case("bf16", ONE, BF16, always=True),
+    "float8": case("float8", ONE, [*BF16, *FLOAT8], always=True),
+    "fsdp_bf16": case("fsdp_bf16", FSDP2, BF16, always=True),
+    # A final checkpoint (the interval is never reached before the last step).
+    "fsdp_float8": case("fsdp_float8", FSDP2, [*BF16, *FSDP_FLOAT8, "--checkpoint.enable_checkpoint",
+                                               "--checkpoint.interval", "1000"], always=True),
+}
+FP32_RUNS = {"plain": case("fp32_plain", ONE, FP32, always=True),
+             "float8": case("fp32_float8", ONE, [*FP32, *FLOAT8], always=True)}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("float8")
-    return {
-        "bf16": train(root / "bf16", ONE, BF16),
-        "float8": train(root / "float8", ONE, [*BF16, *FLOAT8]),
-        "fsdp_bf16": train(root / "fsdp_bf16", FSDP2, BF16),
-        # A final checkpoint (the interval is never reached before the last step).
-        "fsdp_float8": train(root / "fsdp_float8", FSDP2, [*BF16, *FSDP_FLOAT8, "--checkpoint.enable_checkpoint",
-                                                           "--checkpoint.interval", "1000"]),
-        "root": root,
-    }
+def runs(worlds):
+    return {**{name: train(worlds, key) for name, key in RUNS.items()}, "folders": {
+        name: worlds.folder(key) for name, key in RUNS.items()}}
 
 
 def check_tracks(float8: list[float], bf16: list[float]) -> None:
@@ -113,21 +122,20 @@ def test_float8_fsdp2_with_float8_all_gathers_tracks_bf16(runs):
 
 
 @pytest.fixture(scope="module")
-def fp32_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("float8_fp32")
-    return {"plain": train(root / "plain", ONE, FP32)[0], "float8": train(root / "float8", ONE, [*FP32, *FLOAT8])[0]}
+def fp32_runs(worlds):
+    return {name: losses(worlds.folder(key)) for name, key in FP32_RUNS.items()}
 
 
 @pytest.mark.parametrize(
-    "layout, note",
+    "world_case, note",
     [
-        (TP2, "float8 with tensor parallel on gloo: activations are all-gathered in high precision"),
-        (PP2_FULL_AC, None),
+        (case("tp2", TP2, [*FP32, *FLOAT8]), "float8 with tensor parallel on gloo: activations are all-gathered in high precision"),
+        (case("pp2_full_ac", PP2_FULL_AC, [*FP32, *FLOAT8]), None),
     ],
     ids=["tp2", "pp2_full_ac"],
 )
-def test_float8_layouts_equal_float8_in_one_process(tmp_path, fp32_runs, layout, note):
-    layout_losses, stdout = train(tmp_path, layout, [*FP32, *FLOAT8])
+def test_float8_layouts_equal_float8_in_one_process(worlds, fp32_runs, world_case, note):
+    layout_losses, stdout = train(worlds, world_case)
     assert max_rel_diff(fp32_runs["float8"], fp32_runs["plain"]) > 1e-4  # what float8 itself changes
     assert max_rel_diff(layout_losses, fp32_runs["float8"]) <= 1e-4
     assert "float8: 14 linear layers in float8" in stdout
@@ -144,17 +152,25 @@ HSDP2X2_AC_EVERY_2 = (4, ["--training.local_batch_size", "2", "--parallelism.dat
                           "--float8.enable_fsdp_float8_all_gather"])  # float8 all-gathers, scales not precomputed
 
 
+MICROBATCHES_OF_2 = case("fp32_float8_microbatches_of_2", (1, ["--training.local_batch_size", "2"]), [*FP32, *FLOAT8],
+                         always=True)
+
+
 @pytest.fixture(scope="module")
-def float8_microbatches_of_2(tmp_path_factory):
+def float8_microbatches_of_2(worlds):
     """Float8 in one process, the global batch of 8 in 4 microbatches of 2 sequences."""
-    return train(tmp_path_factory.mktemp("float8_mb2"), (1, ["--training.local_batch_size", "2"]), [*FP32, *FLOAT8])[0]
+    return losses(worlds.folder(MICROBATCHES_OF_2))
 
 
-@pytest.mark.parametrize("layout", [DDP2_OP_AC, HSDP2X2_AC_EVERY_2], ids=["ddp2_op_ac", "hsdp2x2_ac_every_2"])
+@pytest.mark.parametrize("world_case, layout", [
+    (case("ddp2_op_ac", DDP2_OP_AC, [*FP32, *FLOAT8], probe=True), DDP2_OP_AC),
+    (case("hsdp2x2_ac_every_2", HSDP2X2_AC_EVERY_2, [*FP32, *FLOAT8], probe=True), HSDP2X2_AC_EVERY_2),
+], ids=["ddp2_op_ac", "hsdp2x2_ac_every_2"])
 def test_float8_data_parallel_equals_float8_with_the_same_microbatches(
-    tmp_path, fp32_runs, float8_microbatches_of_2, layout
+    worlds, fp32_runs, float8_microbatches_of_2, world_case, layout
 ):
-    layout_losses, stdout = train(tmp_path, layout, [*FP32, *FLOAT8], target=PROBED)
+    layout_losses, stdout = train(worlds, world_case)
+    tmp_path = worlds.folder(world_case)
     # Float8 rounding amplifies the last-bit differences of another summation order over 10 steps:
     # DDP 2 measured 1.4e-4 at worst on a Zen 4 (AVX-512) and under 1e-4 on a Zen 3 (AVX2), while
     # float8 itself moves the run from the plain one by 6.4e-4.
@@ -169,15 +185,20 @@ def test_float8_data_parallel_equals_float8_with_the_same_microbatches(
             assert report["weights"] == ["Parameter"] * LINEARS and report["all_gathers"] == {}
 
 
-def test_float8_context_parallel(tmp_path, fp32_runs):
+CP2 = case("cp2", (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
+          [*FP32, *FLOAT8], probe=True)
+
+
+@pytest.mark.parametrize("world_case", [CP2], ids=["cp2"])
+def test_float8_context_parallel(worlds, fp32_runs, world_case):
     """CP 2 shards FSDP over cp but, without the two FSDP float8 settings, all-gathers plain weights.
 
     Each rank casts its own half of every sequence with its own dynamic scale, so CP 2 cannot equal
     float8 in one process exactly (measured: 1.8e-4 at worst, 4.5e-5 on average); it must stay
     closer to it than to the plain run, from which float8 moves it (5.4e-4 at worst, 1.5e-4 on average).
     """
-    cp = (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"])
-    layout_losses, stdout = train(tmp_path, cp, [*FP32, *FLOAT8], target=PROBED)
+    layout_losses, stdout = train(worlds, world_case)
+    tmp_path = worlds.folder(world_case)
     assert max_rel_diff(layout_losses, fp32_runs["plain"]) > 1e-4
     assert mean_rel_diff(layout_losses, fp32_runs["float8"]) < mean_rel_diff(layout_losses, fp32_runs["plain"]) / 2
     assert max_rel_diff(layout_losses, fp32_runs["float8"]) <= 5e-4
@@ -200,8 +221,9 @@ def test_float8_fsdp_resume_repeats_the_uninterrupted_losses_bit_for_bit(tmp_pat
     assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)], (first, again)
 
 
-def test_float8_compile_equals_float8_eager(tmp_path, fp32_runs):
-    compiled, stdout = train(tmp_path, ONE, [*FP32, *FLOAT8, "--compile.enable"])
+@pytest.mark.parametrize("world_case", [case("compile", ONE, [*FP32, *FLOAT8, "--compile.enable"])], ids=["compile"])
+def test_float8_compile_equals_float8_eager(worlds, fp32_runs, world_case):
+    compiled, stdout = train(worlds, world_case)
     assert max_rel_diff(compiled, fp32_runs["float8"]) <= 1e-4
     assert "float8: 14 linear layers in float8" in stdout
 
@@ -219,7 +241,7 @@ def test_float8_tp_styles_run_on_a_one_rank_mesh(tmp_path):
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    proc = titanctl_run([*args], env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -231,7 +253,7 @@ def test_float8_checkpoint_holds_plain_weights_that_convert_and_infer_tp_read(ru
     from titanctl.checkpoint.convert import load_checkpoint
     from titanctl.models.llama.model import Transformer
 
-    step = runs["root"] / "fsdp_float8" / "checkpoint" / "step-20"
+    step = runs["folders"]["fsdp_float8"] / "checkpoint" / "step-20"
     entries = FileSystemReader(str(step)).read_metadata().state_dict_metadata
     state, args = load_checkpoint(step)
     with torch.device("meta"):

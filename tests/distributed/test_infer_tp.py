@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import WORKERS, torchrun
 from tests.distributed.workers.gen_checkpoint import make_checkpoints
 from tests.distributed.workers.gen_worker import SAMPLING
@@ -56,7 +57,7 @@ def reference(checkpoints):
 
 def cli(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([*TITANCTL, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    return titanctl_run([*args], env=env, timeout=300, cwd=REPO)
 
 
 def test_greedy_tp2_equals_one_process(checkpoints, reference, tmp_path):

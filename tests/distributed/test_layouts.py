@@ -1,24 +1,23 @@
 """Every parallel layout reproduces the single-process run: same initial weights bit for bit,
-per-step losses within 1e-5 relative (fp32), on real torchrun + gloo."""
+per-step losses within 1e-5 relative (fp32), on real torchrun + gloo. The cases of each process
+count share one torchrun world (tests/distributed/worlds.py)."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, WORKERS, losses, max_rel_diff, torchrun
+from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, torchrun
+from tests.distributed.worlds import register
 
-WORKER = [str(WORKERS / "train_worker.py")]
+REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_size", "8"], always=True)
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    torchrun(1, WORKER, [*TINY_RUN, "--training.local_batch_size", "8", "--job.dump_folder", str(out)])
-    return losses(out), torch.load(out / "init_rank0.pt")
+def reference(worlds):
+    folder = worlds.folder(REFERENCE)
+    return losses(folder), torch.load(folder / "init_rank0.pt")
 
 
 def gathered_weights(folder, nproc):
@@ -63,21 +62,25 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_layout_matches_single_process(reference, tmp_path, name, nproc, local_batch, overrides):
+CASES = [register(__name__, name, nproc, [*TINY_RUN, "--training.local_batch_size", str(local_batch), *overrides])
+         for name, nproc, local_batch, overrides in LAYOUTS]
+BF16 = register(__name__, "fsdp2_bf16", 2, [*TINY_RUN, "--training.local_batch_size", "4",
+                                            "--training.mixed_precision_param", "bfloat16"])
+
+
+@pytest.mark.parametrize("world_case, nproc", [(case, layout[1]) for case, layout in zip(CASES, LAYOUTS)],
+                         ids=[layout[0] for layout in LAYOUTS])
+def test_layout_matches_single_process(reference, worlds, world_case, nproc):
     ref_losses, ref_weights = reference
-    start = time.perf_counter()
-    torchrun(nproc, WORKER, [*TINY_RUN, "--training.local_batch_size", str(local_batch), *overrides,
-                             "--job.dump_folder", str(tmp_path)])
-    seconds = time.perf_counter() - start
-    weights = gathered_weights(tmp_path, nproc)
+    folder = worlds.folder(world_case)
+    weights = gathered_weights(folder, nproc)
     assert weights.keys() == ref_weights.keys()
     for key, tensor in ref_weights.items():
         assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
-    got = losses(tmp_path)
+    got = losses(folder)
     diff = max_rel_diff(got, ref_losses)
-    print(f"\nLAYOUT {name:32s} procs {nproc}  max rel loss diff {diff:.2e}  {seconds:5.1f} s")
-    assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
+    print(f"\nLAYOUT {world_case:40s} procs {nproc}  max rel loss diff {diff:.2e}")
+    assert diff <= 1e-5, f"{world_case}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
 
 
 def test_torchrun_runs_the_cli_itself(reference, tmp_path):
@@ -88,11 +91,10 @@ def test_torchrun_runs_the_cli_itself(reference, tmp_path):
     assert max_rel_diff(losses(tmp_path), ref_losses) <= 1e-5
 
 
-def test_bf16_mixed_precision_within_bf16_tolerance(reference, tmp_path):
+@pytest.mark.parametrize("world_case", [BF16])
+def test_bf16_mixed_precision_within_bf16_tolerance(reference, worlds, world_case):
     ref_losses, _ = reference
-    torchrun(2, WORKER, [*TINY_RUN, "--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16",
-                         "--job.dump_folder", str(tmp_path)])
-    assert max_rel_diff(losses(tmp_path), ref_losses) <= 1e-2
+    assert max_rel_diff(losses(worlds.folder(world_case)), ref_losses) <= 1e-2
 
 
 @pytest.mark.parametrize(

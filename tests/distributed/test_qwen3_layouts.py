@@ -11,26 +11,24 @@ DeepSeek-V3's debug model (latent attention, a dense first layer, grouped routin
 checks under TP 2, EP 2 x TP 2, EP 2 x FSDP 2, EP 2 x CP 2, EP 2 x PP 2 and HSDP, and with a
 multi-token-prediction depth under TP 2 and EP 2 x FSDP 2.
 
-This file is also the torchrun script of its runs (see the bottom): tests/distributed/workers/
-train_worker.py plus that gradient dump, and pp_worker.py (every schedule, one launch) with Qwen3's args.
+The layout cases of each process count share one torchrun world (tests/distributed/worlds.py), which
+also writes those gradients. This file is the torchrun script of pp_worker.py (every schedule, one
+launch) with Qwen3's args (see the bottom).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import REPO
 from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, rows, torchrun
+from tests.distributed.worlds import register
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
 
-WORKER = [__file__, "train"]
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 QWEN3_UNTIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
 # Qwen3-MoE (8 experts, top-2): every parameter's gradient, routers included, is compared too, with
@@ -50,21 +48,16 @@ FLAVORS = {"tied": QWEN3, "untied": QWEN3_UNTIED, "moe": QWEN3_MOE, "deepseek": 
 PP_STEPS = 4  # pp_worker's default is 3: one more, so a wrong gradient shows in 3 losses
 
 
-def train(nproc: int, local_batch: int, flavor: list[str], overrides: list[str], folder) -> float:
-    start = time.perf_counter()
-    torchrun(nproc, WORKER, [*TINY_RUN, *flavor, "--training.local_batch_size", str(local_batch), *overrides,
-                             "--job.dump_folder", str(folder)])
-    return time.perf_counter() - start
+REFERENCES = {name: register(__name__, f"single_{name}", 1, [*TINY_RUN, *flavor, "--training.local_batch_size", "8"],
+                             grads=True, always=True) for name, flavor in FLAVORS.items()}
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, tuple[list[float], dict, dict, list]]:
-    """One process, 8 sequences a step: the tied debugmodel, the untied one (pipeline layouts) and the MoE one."""
+def references(worlds) -> dict[str, tuple[list[float], dict, dict, list]]:
+    """One process, 8 sequences a step: the tied debugmodel, the untied one (pipeline layouts), the MoE ones."""
     out = {}
-    for name, flavor in FLAVORS.items():
-        folder = tmp_path_factory.mktemp(f"qwen3_single_{name}")
-        seconds = train(1, 8, flavor, [], folder)
-        print(f"\nQWEN3 REFERENCE {name:24s} procs 1  {seconds:5.1f} s")
+    for name, key in REFERENCES.items():
+        folder = worlds.folder(key)
         out[name] = losses(folder), gathered(folder, 1, "init"), gathered(folder, 1, "grads"), expert_loads(folder)
     return out
 
@@ -140,27 +133,35 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, ref, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_qwen3_layout_matches_single_process(references, tmp_path, name, ref, nproc, local_batch, overrides):
+CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.local_batch_size", str(local_batch),
+                                         *overrides], grads=True)
+         for name, ref, nproc, local_batch, overrides in LAYOUTS]
+
+
+@pytest.mark.parametrize("world_case, ref, nproc, overrides",
+                         [(case, ref, nproc, overrides) for case, (_, ref, nproc, _, overrides) in zip(CASES, LAYOUTS)],
+                         ids=[layout[0] for layout in LAYOUTS])
+def test_qwen3_layout_matches_single_process(references, worlds, world_case, ref, nproc, overrides):
     ref_losses, ref_weights, ref_grads, ref_loads = references[ref]
-    seconds = train(nproc, local_batch, FLAVORS[ref], overrides, tmp_path)
-    weights = gathered(tmp_path, nproc, "init")
+    folder = worlds.folder(world_case)
+    name = world_case.split("::")[1]
+    weights = gathered(folder, nproc, "init")
     assert weights.keys() == ref_weights.keys()
     for key, tensor in ref_weights.items():
         assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
-    grad_diff, worst = max_grad_diff(gathered(tmp_path, nproc, "grads"), ref_grads)
-    got = losses(tmp_path)
+    grad_diff, worst = max_grad_diff(gathered(folder, nproc, "grads"), ref_grads)
+    got = losses(folder)
     diff = max_rel_diff(got, ref_losses)
-    print(f"\nQWEN3 LAYOUT {name:27s} procs {nproc}  max rel loss diff {diff:.2e}  "
-          f"grad diff {grad_diff:.1e} ({worst})  {seconds:5.1f} s")
+    print(f"\nQWEN3 LAYOUT {name:45s} procs {nproc}  max rel loss diff {diff:.2e}  "
+          f"grad diff {grad_diff:.1e} ({worst})")
     assert len(got) >= 4 and got[-1] != got[0]
     assert grad_diff <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
-    assert expert_loads(tmp_path) == ref_loads, f"{name}: tokens per expert differ from one process"
+    assert expert_loads(folder) == ref_loads, f"{name}: tokens per expert differ from one process"
     if ref in ("moe", "deepseek", "deepseek_mtp"):
         moe_layers = 3 if ref == "deepseek" else 4  # DeepSeek-V3's first layer is dense; the MTP block is MoE
         assert all(load and len(load) == moe_layers for load in ref_loads)  # every MoE layer, every step
-        experts = json.loads((tmp_path / "experts_rank0.json").read_text())
+        experts = json.loads((folder / "experts_rank0.json").read_text())
         ep = int(overrides[overrides.index(EP2[0]) + 1]) if EP2[0] in overrides else 1
         assert all(mesh.get("ep", 1) == ep for mesh in experts.values()) and (experts or ep == 1), experts
 
@@ -193,7 +194,7 @@ def pp_args():
 def pp_results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("qwen3_pp") / "result.json"
     start = time.perf_counter()
-    torchrun(2, [__file__, "pp"], ["--schedules", ",".join(SCHEDULES), "--out", str(out)], timeout=300)
+    torchrun(2, [__file__], ["--schedules", ",".join(SCHEDULES), "--out", str(out)], timeout=300)
     results = json.loads(out.read_text())
     print(f"\nQWEN3 torchrun with {len(SCHEDULES)} pipeline schedules: {time.perf_counter() - start:.1f} s "
           f"(reference {results['reference_seconds']:.1f} s)")
@@ -217,46 +218,9 @@ def test_qwen3_pipeline_schedule_matches_one_process(pp_results, schedule):
 # ---------------------------------------------------------------- the torchrun script
 
 
-def dump_first_step_gradients(folder: Path) -> None:
-    """Make every Trainer write grads_rank{r}.pt ({canonical name: full fp32 gradient}) after its
-    first step's backward, before clipping (whose factor carries the fp32 rounding of the norm)."""
-    from torch.distributed.tensor import DTensor
+if __name__ == "__main__":  # pp_worker with a Qwen3 model
+    from tests.distributed.workers import pp_worker
 
-    from titanctl.parallel.layouts.weight_init import canonical_name
-    from titanctl.train.step import ForwardBackward
-
-    forward_backward = ForwardBackward.__call__
-
-    def call(self, microbatches):
-        loss = forward_backward(self, microbatches)
-        if not getattr(self, "gradients_dumped", False):
-            self.gradients_dumped = True
-            grads = {}
-            for part in self.model_parts:
-                for name, param in part.named_parameters():  # a tied table once, with both uses' sum
-                    grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-                    grads[canonical_name(name)] = grad.float().cpu().clone()
-            torch.save(grads, folder / f"grads_rank{os.environ['RANK']}.pt")
-            experts = {canonical_name(name): dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape))
-                       for part in self.model_parts for name, param in part.named_parameters()
-                       if name.endswith("experts.w1") and isinstance(param, DTensor)}
-            (folder / f"experts_rank{os.environ['RANK']}.json").write_text(json.dumps(experts))
-        return loss
-
-    ForwardBackward.__call__ = call
-
-
-if __name__ == "__main__":
-    mode = sys.argv.pop(1)
-    if mode == "pp":  # pp_worker with a Qwen3 model
-        from tests.distributed.workers import pp_worker
-
-        pp_worker.ARGS = pp_args()
-        pp_worker.STEPS = PP_STEPS
-        pp_worker.main()
-    else:  # train_worker, which also writes the first step's gradients
-        from tests.distributed.workers import train_worker
-
-        dump_first_step_gradients(Path(sys.argv[sys.argv.index("--job.dump_folder") + 1]))
-        train_worker.main()
-        train_worker.finish(0)
+    pp_worker.ARGS = pp_args()
+    pp_worker.STEPS = PP_STEPS
+    pp_worker.main()

@@ -9,6 +9,7 @@ divided by tp·pp·cp) would be 2x off in the TP, PP and CP layouts.
 
 The FSDP 2 layout trains float8 with float8 all-gathers and precomputed scales (the GPU recipes'
 settings), and checks that both really ran: the numbers alone cannot tell (see float8_probe.py).
+The runs share the torchrun world of 2 processes (tests/distributed/worlds.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import json
 import pytest
 import torch
 
-from tests.distributed.harness import TINY_RUN, WORKERS, torchrun
+from tests.distributed.harness import TINY_RUN
 from tests.distributed.workers.float8_probe import check_float8_all_gathers
+from tests.distributed.worlds import register
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.llama.model import Transformer
 
-WORKER = [str(WORKERS / "sync_train_worker.py")]
 GLOBAL_BATCH, SEQ_LEN, N_LAYERS, PEAK = 8, 64, 4, 0.5  # as TINY_RUN; a fixed peak makes MFU checkable
 STEPS, LOG_FREQ = 4, 2
 
@@ -49,11 +50,15 @@ def flops_per_token_by_hand() -> float:
     return 6 * n + 12 * N_LAYERS * args.n_heads * args.head_dim * SEQ_LEN
 
 
-@pytest.mark.parametrize("name, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_tps_and_mfu_are_per_device(tmp_path, name, overrides):
-    args = [*TINY_RUN, "--training.steps", str(STEPS), "--metrics.log_freq", str(LOG_FREQ),
-            "--metrics.peak_tflops", str(PEAK), *overrides, "--job.dump_folder", str(tmp_path)]
-    torchrun(2, WORKER, args)
+CASES = [register(__name__, name, 2, [*TINY_RUN, "--training.steps", str(STEPS), "--metrics.log_freq", str(LOG_FREQ),
+                                       "--metrics.peak_tflops", str(PEAK), *overrides], probe=True)
+         for name, overrides in LAYOUTS]
+
+
+@pytest.mark.parametrize("world_case, name", [(case, layout[0]) for case, layout in zip(CASES, LAYOUTS)],
+                         ids=[layout[0] for layout in LAYOUTS])
+def test_tps_and_mfu_are_per_device(worlds, world_case, name):
+    tmp_path = worlds.folder(world_case)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     windows = json.loads((tmp_path / "log_windows_rank0.json").read_text())
     assert [r["step"] for r in rows] == [w["step"] for w in windows] == [2, 4]

@@ -1,15 +1,14 @@
 """Validation under every kind of layout equals one process: the same val_loss (within 1e-5 relative,
-fp32) at the same steps, and the training losses still equal one process too, on real torchrun + gloo."""
+fp32) at the same steps, and the training losses still equal one process too, on real torchrun + gloo
+(the torchrun worlds of tests/distributed/worlds.py)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.distributed.harness import max_rel_diff, rows, torchrun
+from tests.distributed.harness import max_rel_diff, rows
+from tests.distributed.worlds import register
 
-TRAIN = ["-m", "titanctl", "train"]
 RUN = [
     "--model.n_layers", "2",
     "--training.seq_len", "32",
@@ -39,11 +38,12 @@ def tensorboard_validation(folder) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars("validation/loss")}
 
 
+REFERENCE = register(__name__, "single", 1, [*RUN, "--training.local_batch_size", "8"], always=True)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    torchrun(1, TRAIN, [*RUN, "--training.local_batch_size", "8", "--job.dump_folder", str(out)])
-    return out
+def reference(worlds):
+    return worlds.folder(REFERENCE)
 
 
 # (id, processes, local batch, overrides); the global batch is 8 sequences everywhere.
@@ -56,18 +56,19 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, nproc, local_batch, overrides", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_validation_loss_matches_single_process(reference, tmp_path, name, nproc, local_batch, overrides):
-    start = time.perf_counter()
-    torchrun(nproc, TRAIN, [*RUN, "--training.local_batch_size", str(local_batch), *overrides,
-                            "--job.dump_folder", str(tmp_path)])
-    seconds = time.perf_counter() - start
-    ref, got = validation_losses(reference), validation_losses(tmp_path)
+CASES = [register(__name__, name, nproc, [*RUN, "--training.local_batch_size", str(local_batch), *overrides])
+         for name, nproc, local_batch, overrides in LAYOUTS]
+
+
+@pytest.mark.parametrize("world_case", CASES, ids=[layout[0] for layout in LAYOUTS])
+def test_validation_loss_matches_single_process(reference, worlds, world_case):
+    folder = worlds.folder(world_case)
+    ref, got = validation_losses(reference), validation_losses(folder)
     assert list(ref) == list(got) == [3, 4] and ref[3] != ref[4]
     diff = max_rel_diff(list(got.values()), list(ref.values()))
-    print(f"\nVALIDATION {name:20s} procs {nproc}  max rel val_loss diff {diff:.2e}  {seconds:5.1f} s")
-    assert diff <= 1e-5, f"{name}: {got} vs one process {ref}"
+    print(f"\nVALIDATION {world_case:40s} max rel val_loss diff {diff:.2e}")
+    assert diff <= 1e-5, f"{world_case}: {got} vs one process {ref}"
     # Training is undisturbed by the evaluations in between, under this layout too.
-    assert max_rel_diff([r["loss"] for r in rows(tmp_path)], [r["loss"] for r in rows(reference)]) <= 1e-5
-    scalars = tensorboard_validation(tmp_path)
+    assert max_rel_diff([r["loss"] for r in rows(folder)], [r["loss"] for r in rows(reference)]) <= 1e-5
+    scalars = tensorboard_validation(folder)
     assert list(scalars) == [3, 4] and all(scalars[s] == pytest.approx(got[s], rel=1e-6) for s in got)

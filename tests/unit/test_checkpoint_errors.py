@@ -10,14 +10,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 from tests.unit.test_checkpoint import TINY, train
 
 ARGS = [*TINY, "--training.steps", "4"]
@@ -150,8 +150,7 @@ def outcomes(good, tmp_path_factory):
 
     def run(item):
         case, extra, before = item
-        proc = subprocess.run([*TITANCTL, "train", *ARGS, "--job.dump_folder", str(case), *extra],
-                              capture_output=True, text=True, env={**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"},
+        proc = titanctl_run(["train", *ARGS, "--job.dump_folder", str(case), *extra], env={**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"},
                               timeout=300)
         return proc, before, tree_hash(case)
 

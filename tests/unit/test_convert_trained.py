@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 from tests.unit.trained_model import N_LAYERS, SEQ, loss_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.data.datasets import load_documents
@@ -77,12 +77,10 @@ def test_training_starts_from_a_converted_checkpoint(trained, tmp_path, monkeypa
     convert_checkpoint(tmp_path / "meta", tmp_path / "imported", dst_format="dcp")
     convert_checkpoint(tmp_path / "meta", tmp_path / "hf", dst_format="hf")
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [*TITANCTL, "train", "--config", str(REPO / "recipes" / "llama3_debug.toml"), "--training.steps", "1",
+    proc = titanctl_run(["train", "--config", str(REPO / "recipes" / "llama3_debug.toml"), "--training.steps", "1",
          "--training.seq_len", str(SEQ), "--training.local_batch_size", "4", "--model.n_layers", str(N_LAYERS), "--job.dump_folder", str(out),
          "--checkpoint.enable_checkpoint", "--checkpoint.initial_load_path", str(tmp_path / "imported"),
-         "--metrics.enable_tensorboard", "false", "--compile.enable", "false"],
-        capture_output=True, text=True, env={**os.environ, **OFFLINE_ENV}, timeout=300,
+         "--metrics.enable_tensorboard", "false", "--compile.enable", "false"], env={**os.environ, **OFFLINE_ENV}, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     step1 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

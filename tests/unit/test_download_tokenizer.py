@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.tools.download import repo_file
 
@@ -90,8 +91,7 @@ def run(args, tmp_path, hub_url: str | None = None, **env):
         full_env.pop("HF_HUB_OFFLINE")
         full_env.pop("TRANSFORMERS_OFFLINE")
         full_env["HF_ENDPOINT"] = hub_url
-    return subprocess.run(
-        [*TITANCTL, "download-tokenizer", *args], capture_output=True, text=True, env=full_env, timeout=120,
+    return titanctl_run(["download-tokenizer", *args], env=full_env, timeout=120,
         cwd=tmp_path,
     )
 

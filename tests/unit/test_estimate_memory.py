@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import REPO
 from titanctl.config.recipe import load_config
 from titanctl.models.llama import LLAMA3_FLAVORS
 from titanctl.models.shapes import num_params
@@ -33,7 +33,7 @@ def estimate(recipe: str, world_size: int, overrides: list[str], **kwargs) -> me
 @pytest.mark.slow
 def test_405b_on_512_ranks_is_plausible():
     """The flagship estimate's numbers (its time is no test's business: a few seconds, see
-    docs/estimate-memory.md; benchmarks/estimate_memory_time.py times the pipelined one)."""
+    docs/memory-and-planning.md; benchmarks/estimate_memory_time.py times the pipelined one)."""
     e = estimate("recipes/llama3_405b.toml", 512, [])
     assert e.layout == "dp_shard 64 x tp 8" and e.vocab_size == 128_256 and e.layers_run == [4, 5]
     assert e.target_device == "cuda"
@@ -380,9 +380,7 @@ def test_short_pipelines_run_every_microbatch():
     ],
 )
 def test_bad_requests_fail_in_one_line_with_exit_code_2(args, message):
-    proc = subprocess.run(
-        [*TITANCTL, "estimate-memory", "--config", "recipes/llama3_debug.toml", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+    proc = titanctl_run(["estimate-memory", "--config", "recipes/llama3_debug.toml", *args], cwd=REPO, timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -12,7 +12,8 @@ import tiktoken
 import torch
 from tiktoken.load import load_tiktoken_bpe
 
-from tests.conftest import OFFLINE_ENV, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV
 from titanctl.checkpoint.convert import convert_checkpoint, save_state_dict
 from titanctl.checkpoint.tokenizer_export import bpe_vocab_and_merges
 from titanctl.data.datasets import load_documents
@@ -89,10 +90,8 @@ def test_pipeline_greedy_text_equals_infer_tp(export, transformers, tmp_path):
     pipe = transformers.pipeline("text-generation", model=str(export), dtype=torch.float32)
     for i, prompt in enumerate(PROMPTS):
         out = tmp_path / f"infer{i}.json"
-        proc = subprocess.run(
-            [*TITANCTL, "infer-tp", "--checkpoint", str(export), "--prompt", prompt, "--max-new-tokens",
-             str(MAX_NEW), "--temperature", "0", "--out", str(out)],
-            capture_output=True, text=True, env={**os.environ, **OFFLINE_ENV}, timeout=300,
+        proc = titanctl_run(["infer-tp", "--checkpoint", str(export), "--prompt", prompt, "--max-new-tokens",
+             str(MAX_NEW), "--temperature", "0", "--out", str(out)], env={**os.environ, **OFFLINE_ENV}, timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         ours = json.loads(out.read_text())
@@ -177,9 +176,9 @@ def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_on
     assert meta["tokenizer_path"] == str(own.resolve())
     assert meta["model_args"]["vocab_size"] == 3256
     # The tokenizer lies outside the checkpoint: not read unless the user names it.
-    convert = [*TITANCTL, "convert", str(step), str(tmp_path / "hf"), "--to", "hf"]
+    convert = ["convert", str(step), str(tmp_path / "hf"), "--to", "hf"]
     env = {**os.environ, **OFFLINE_ENV}
-    proc = subprocess.run(convert, capture_output=True, text=True, env=env, timeout=300)
+    proc = titanctl_run(convert, env=env, timeout=300)
     assert proc.returncode == 2 and "is outside the checkpoint folder" in proc.stderr, proc.stderr[-2000:]
     proc = subprocess.run([*convert, "--tokenizer-path", str(own)], capture_output=True, text=True, env=env,
                           timeout=300)

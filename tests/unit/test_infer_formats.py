@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
 from tests.unit.test_hf_tokenizer import train_qwen_style
 from tests.unit.test_qwen3_parity import unit_scale
 from titanctl.checkpoint.convert import convert_checkpoint
@@ -139,10 +139,8 @@ def test_qwen3_hf_folder_with_its_tokenizer_equals_transformers(qwen):
 def test_qwen3_cli_equals_transformers(qwen, tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*TITANCTL, "infer-tp", "--checkpoint", str(qwen.folder), "--prompt", PROMPT, "--temperature", "0",
-         "--max-new-tokens", str(NEW), "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=REPO,
+    proc = titanctl_run(["infer-tp", "--checkpoint", str(qwen.folder), "--prompt", PROMPT, "--temperature", "0",
+         "--max-new-tokens", str(NEW), "--out", str(out)], env=env, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())

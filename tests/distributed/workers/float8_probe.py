@@ -3,7 +3,8 @@
 The float8 all-gather and the precomputed scale give the same numbers as the plain path, so losses
 cannot tell whether they ran: this looks at the objects instead. ``Float8Probe(trainer)`` before
 ``trainer.train()`` (it patches the instance and torchao, reading no tensor on the host in the
-loop), ``probe.report()`` after (a collective: every rank calls it); the tests check reports with
+loop), ``probe.report()`` after (a collective: every rank calls it), then ``probe.close()`` (torchao
+as it was, for the next run of the process); the tests check reports with
 ``check_float8_all_gathers`` and ``check_no_float8_all_gathers``. The report:
 
 - ``weights``: the type of every float8 linear's weight, as its FSDP shard holds it (the local
@@ -40,6 +41,7 @@ class Float8Probe:
         self.weights = [type(_local(m.weight)).__name__ for part in self.linears for m in part]
         self.events: list[list] = []
         self.all_gathers: dict[int, list[int]] = {}
+        self._restore: list = []  # (owner, name, original) of each patched global
         self._patch_optimizer()
         self._patch_precompute()
         self._patch_pre_all_gather()
@@ -61,6 +63,7 @@ class Float8Probe:
     def _patch_precompute(self) -> None:
         f8 = torchao_float8()
         precompute = f8.precompute_float8_dynamic_scale_for_fsdp
+        self._restore.append((f8, "precompute_float8_dynamic_scale_for_fsdp", precompute))
         parts = self.trainer.model_parts
 
         def recorded(module):
@@ -77,6 +80,7 @@ class Float8Probe:
     def _patch_pre_all_gather(self) -> None:
         wrapper = torchao_float8().fsdp_utils.WeightWithDynamicFloat8CastTensor
         pre_all_gather = wrapper.fsdp_pre_all_gather
+        self._restore.append((wrapper, "fsdp_pre_all_gather", pre_all_gather))
         probe = self
 
         @functools.wraps(pre_all_gather)  # FSDP reads the hook's signature to decide how to call it
@@ -90,6 +94,11 @@ class Float8Probe:
             return outputs, metadata
 
         wrapper.fsdp_pre_all_gather = recorded
+
+    def close(self) -> None:
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+        self._restore.clear()
 
     def _final_scales_equal(self) -> bool | None:
         weights = [m.weight for part in self.linears for m in part]

@@ -49,9 +49,9 @@ def time_log_windows(trainer: Trainer) -> list[dict]:
     return windows
 
 
-def main() -> None:
-    cfg = load_config(None, sys.argv[1:])
-    trainer = Trainer(cfg)
+def train_probed(trainer: Trainer) -> None:
+    """``trainer.train()`` with the records this module's docstring lists."""
+    cfg = trainer.cfg
     windows = time_log_windows(trainer)
     probe = Float8Probe(trainer) if cfg.float8.enable_float8_linear else None
     with record_host_syncs() as syncs:
@@ -64,6 +64,11 @@ def main() -> None:
     (out / f"log_windows_rank{rank}.json").write_text(json.dumps(windows))
     if probe is not None:
         (out / f"float8_rank{rank}.json").write_text(json.dumps(probe.report()))
+        probe.close()
+
+
+def main() -> None:
+    train_probed(Trainer(load_config(None, sys.argv[1:])))
 
 
 if __name__ == "__main__":

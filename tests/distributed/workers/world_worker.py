@@ -1,0 +1,120 @@
+"""Train many cases in one torchrun world, one after another (tests/distributed/worlds.py).
+
+    torchrun --nproc_per_node N world_worker.py PLAN.json
+
+PLAN.json lists {"key", "args", "grads", "folder"}. Each case is a Trainer of its own on the same
+process group, exactly as ``titanctl train ARGS --job.dump_folder FOLDER`` would build it, plus
+init_rank{r}.pt (every parameter gathered whole before the first step) and, with "grads", the first
+step's gradients before clipping (grads_rank{r}.pt) and the experts' meshes (experts_rank{r}.json);
+with "probe", what sync_train_worker.py records.
+What the case prints goes to FOLDER/stdout_rank{r}.txt and stderr_rank{r}.txt. Rank 0 writes FOLDER/done once every rank finished the case. A case that raises writes
+error_rank{r}.txt and ends the world: its peers may be waiting in a collective it never joins.
+"""
+
+import contextlib
+import gc
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.distributed.workers.sync_train_worker import train_probed
+from titanctl.cli.console import finish
+from titanctl.config.recipe import load_config
+from titanctl.parallel.layouts.weight_init import canonical_name
+from titanctl.train.step import ForwardBackward
+from titanctl.train.trainer import Trainer
+
+GRADS_TO: list[Path | None] = [None]  # the running case's folder when it dumps its first gradients
+
+
+def full(tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()).float().cpu().clone()
+
+
+def dump_first_step_gradients() -> None:
+    """Every ForwardBackward writes its first call's gradients (a tied table once, with both uses' sum)."""
+    forward_backward = ForwardBackward.__call__
+
+    def call(self, microbatches):
+        loss = forward_backward(self, microbatches)
+        folder = GRADS_TO[0]
+        if folder is not None and not getattr(self, "gradients_dumped", False):
+            self.gradients_dumped = True
+            rank = os.environ.get("RANK", "0")
+            grads = {canonical_name(name): full(param.grad)
+                     for part in self.model_parts for name, param in part.named_parameters()}
+            torch.save(grads, folder / f"grads_rank{rank}.pt")
+            experts = {canonical_name(name): dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape))
+                       for part in self.model_parts for name, param in part.named_parameters()
+                       if name.endswith("experts.w1") and isinstance(param, DTensor)}
+            (folder / f"experts_rank{rank}.json").write_text(json.dumps(experts))
+        return loss
+
+    ForwardBackward.__call__ = call
+
+
+def run_case(case: dict) -> None:
+    folder = Path(case["folder"])
+    cfg = load_config(None, [*case["args"], "--job.dump_folder", str(folder)])
+    GRADS_TO[0] = folder if case["grads"] else None
+    trainer = Trainer(cfg)
+    weights = {canonical_name(name): full(param) for part in trainer.model_parts for name, param in part.named_parameters()}
+    torch.save(weights, folder / f"init_rank{trainer.env.rank}.pt")
+    if case["probe"]:
+        train_probed(trainer)
+    else:
+        trainer.train()
+
+
+@contextlib.contextmanager
+def output_to(folder: Path, rank: int):
+    """The process's stdout and stderr (file descriptors, so C++ and rich's console too) into the case's files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(folder / f"{name}_rank{rank}.txt", "wb") as f:
+            os.dup2(f.fileno(), fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    dump_first_step_gradients()
+    for case in plan:
+        print(f"[world] case {case['key']}", flush=True)
+        try:
+            with output_to(Path(case["folder"]), rank):
+                run_case(case)
+        except BaseException:
+            Path(case["folder"]).mkdir(parents=True, exist_ok=True)
+            Path(case["folder"], f"error_rank{rank}.txt").write_text(traceback.format_exc())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            Path(case["folder"], "done").touch()
+        torch._dynamo.reset()  # a later case's compiled blocks are compiled for it, not guarded out
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
+    finish(0)  # destroy the process group, then os._exit (gloo aborts at exit otherwise)

@@ -1,0 +1,102 @@
+"""Many training cases, few torchrun launches.
+
+Every case registered for N processes runs in one torchrun world of N processes, one case after
+another (workers/world_worker.py). A launch costs each process its interpreter, torch import, gloo
+rendezvous and threads; a case in a running world costs only its build and its steps. The layout
+tests of every family register their cases here at import, and the first test that asks for a case
+of N processes runs the world of N with every selected case of that size.
+
+A case's folder holds what a lone ``train_worker.py`` run writes (metrics.jsonl, init_rank{r}.pt),
+the first step's gradients when asked (grads_rank{r}.pt, experts_rank{r}.json), what
+workers/sync_train_worker.py records when asked, each rank's stdout and stderr, and ``done``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.distributed.harness import WORKERS, torchrun
+
+
+@dataclass(frozen=True)
+class Case:
+    key: str
+    nproc: int
+    args: tuple[str, ...]
+    grads: bool  # also dump the first step's gradients
+    probe: bool  # train as workers/sync_train_worker.py does: host syncs, log windows, float8's all-gathers
+    always: bool  # a reference: run with its world whatever is selected
+    prepare: Callable[[Path], None] | None  # writes the files its args name under ROOT, before the world runs
+
+
+_CASES: dict[str, Case] = {}
+SECONDS_PER_CASE = 90  # a generous bound per case on a loaded 2-core machine; the world's timeout adds them
+
+
+ROOT = "{ROOT}"  # in a case's args: the worlds' folder (where ``prepare`` wrote the case's files)
+
+
+def register(module: str, name: str, nproc: int, args: list[str], grads: bool = False, probe: bool = False,
+             always: bool = False, prepare: Callable[[Path], None] | None = None) -> str:
+    """Declare a case (at import, before any world runs); returns its key."""
+    key = f"{module.rsplit('.', 1)[-1]}::{name}"
+    assert key not in _CASES, f"case {key} registered twice"
+    _CASES[key] = Case(key, nproc, tuple(args), grads, probe, always, prepare)
+    return key
+
+
+class Worlds:
+    """Runs each world once, on first demand, and hands out its cases' folders."""
+
+    def __init__(self, root: Path, selected: set[str]):
+        self.root = root
+        self.selected = selected
+        self.logs: dict[int, str] = {}
+
+    def folder(self, key: str) -> Path:
+        case = _CASES[key]
+        if case.nproc not in self.logs:
+            self._run(case.nproc, key)
+        folder = self._folder(key)
+        errors = sorted(folder.glob("error_rank*.txt"))
+        if errors:
+            raise AssertionError(f"{key} failed in its world:\n" + "\n".join(e.read_text()[-4000:] for e in errors))
+        if not (folder / "done").exists():
+            raise AssertionError(f"{key} did not run: the world of {case.nproc} processes ended before it\n"
+                                 f"{self.logs[case.nproc][-6000:]}")
+        return folder
+
+    def stdout(self, key: str) -> str:
+        """What every rank of the case printed, rank 0 first (as torchrun's output holds it)."""
+        folder = self.folder(key)
+        return "".join(path.read_text() for path in sorted(folder.glob("stdout_rank*.txt")))
+
+    def _folder(self, key: str) -> Path:
+        return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", key)
+
+    def _run(self, nproc: int, asked: str) -> None:
+        cases = [c for c in _CASES.values()
+                 if c.nproc == nproc and (c.always or c.key in self.selected or c.key == asked)]
+        for prepare in dict.fromkeys(c.prepare for c in cases if c.prepare is not None):
+            prepare(self.root)
+        plan = [{"key": c.key, "args": [a.replace(ROOT, str(self.root)) for a in c.args], "grads": c.grads,
+                 "probe": c.probe, "folder": str(self._folder(c.key))} for c in cases]
+        plan_file = self.root / f"world{nproc}.json"
+        plan_file.write_text(json.dumps(plan))
+        start = time.perf_counter()
+        proc = torchrun(nproc, [str(WORKERS / "world_worker.py")], [str(plan_file)],
+                        timeout=60 + SECONDS_PER_CASE * len(cases), check=False)
+        self.logs[nproc] = proc.stdout + proc.stderr
+        print(f"\nWORLD of {nproc} process(es): {len(cases)} cases in {time.perf_counter() - start:.1f} s "
+              f"(exit {proc.returncode})")
+
+
+def selected_cases(items) -> set[str]:
+    """The case keys that the session's selected tests take as their ``world_case`` parameter."""
+    return {item.callspec.params["world_case"] for item in items
+            if "world_case" in getattr(getattr(item, "callspec", None), "params", {})}
