@@ -12,7 +12,7 @@ one fails that test with the list of what moved, before any user's run does.
 
 Where torch releases differ, an entry names the releases it belongs to (``torch_versions``, e.g.
 "<2.15"), the helper at the bottom picks the way this torch needs, and only the entries of this
-torch are looked up. docs/torch-versions.md lists the releases checked and what differs.
+torch are looked up. docs/development.md (torch versions) lists the releases checked and what differs.
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ def test_a_lost_node_shrinks_the_job_and_a_new_node_grows_it_again(reference, tm
     out, port = tmp_path / "run", free_port()
     args = ["--test-step-delay", "0.3", *RUN, "--training.local_batch_size", "2", "--training.global_batch_size", "-1",
             "--job.dump_folder", str(out)]
-    fresh_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what scale-up needs (see the README)
+    fresh_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # what scale-up needs (see docs/fault-tolerance.md)
     node_a = start(elastic_node_cmd(port, *args), tmp_path / "a.log", fresh_store)
     others = []
     try:

@@ -80,7 +80,7 @@ def test_every_recipe_chooses_a_norm(repo):
 
 
 def test_on_cpu_rms_norm_runs_the_elementwise_ops_forward_and_backward():
-    """What README and model.norm_type's help say of the CPU: torch 2.13 has fused rms_norm kernels
+    """What docs/performance.md and model.norm_type's help say of the CPU: torch 2.13 has fused rms_norm kernels
     for CUDA only; on CPU aten::_fused_rms_norm decomposes into pow, mean, add, rsqrt and mul, and
     autograd differentiates those (no _fused_rms_norm_backward). If this fails, torch gained a CPU
     kernel: update the docs."""

@@ -187,7 +187,7 @@ def test_seeds_up_to_2_pow_64_draw_and_small_seeds_keep_their_numbers():
 
 @pytest.mark.slow
 def test_first_loss_is_ln_vocab_plus_half_the_logit_variance():
-    """Why the debug recipe's first loss is ~8.86, not ln(4352) = 8.38 (README, "make train").
+    """Why the debug recipe's first loss is ~8.86, not ln(4352) = 8.38 (docs/training.md, "make train").
 
     The final RMSNorm gives unit-RMS features and output.weight is drawn with std dim^-1/2 (truncated
     at 3 std), so each logit is ~N(0, sigma^2) with sigma ~0.99. For Gaussian logits the expected

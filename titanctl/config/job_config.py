@@ -1,7 +1,7 @@
 """The job config: one dataclass per section, every field documented.
 
 Key names follow torchtitan's JobConfig where it has the concept. Each field's help
-text is in its metadata so that `--help`-style output and the README table come from
+text is in its metadata so that `--help`-style output and docs/config.md come from
 one place.
 """
 
@@ -170,7 +170,7 @@ class Training:
     datasets: list[DatasetEntry] = opt(
         [],
         "A data mixture, replacing dataset/dataset_path: [[training.datasets]] tables with name or path, "
-        "weight, and for hf: datasets config, split, text_field (README: Data mixtures). On the command "
+        "weight, and for hf: datasets config, split, text_field (docs/data.md: Data mixtures). On the command "
         "line: a TOML inline array, e.g. '[{name = \"bundled\", weight = 0.7}, {path = \"code\", weight = 0.3}]'.",
     )
     stream_shards: int = opt(
@@ -379,7 +379,8 @@ class Metrics:
 class Validation:
     enabled: bool = opt(
         False,
-        "Evaluate the mean next-token loss and perplexity on held-out data while training (README: Validation).",
+        "Evaluate the mean next-token loss and perplexity on held-out data while training "
+        "(docs/training.md: Validation).",
     )
     freq: int = opt(100, "Validate every N steps, and at the last step.", min=1)
     steps: int = opt(

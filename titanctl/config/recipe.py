@@ -418,7 +418,7 @@ def to_toml(cfg: JobConfig) -> str:
 
 
 def reference_table() -> str:
-    """A Markdown table of every key, its default and its help (for the README)."""
+    """A Markdown table of every key, its default and its help (for docs/config.md)."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     defaults = JobConfig()
     for key, (_, f) in field_specs().items():

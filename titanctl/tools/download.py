@@ -25,7 +25,7 @@ from titanctl.data.tokenizer import TOKENIZER_CONFIG, Tokenizer
 from titanctl.errors import DataError
 
 DEFAULT_LOCAL_DIR = Path("assets/tokenizer")
-DEFAULT_REPO_ID = "meta-llama/Llama-3.1-8B"  # the id the README and docs/conversion.md use
+DEFAULT_REPO_ID = "meta-llama/Llama-3.1-8B"  # the id the README and docs/checkpoints.md use
 PROBE_TIMEOUT_S = 5.0  # a reachable Hub answers a TCP connect in well under a second
 
 

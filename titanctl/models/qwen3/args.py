@@ -34,7 +34,7 @@ QWEN3_FLAVORS: dict[str, ModelArgs] = {
     # with the bundled 4352-token tokenizer.
     "debugmodel": qwen3_args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn=768, tied=True, head_dim=32,
                              vocab_size=-1),
-    # The same with its own output layer: pipeline stages cannot share the embedding (see README).
+    # The same with its own output layer: pipeline stages cannot share the embedding (see docs/models.md).
     "debugmodel_untied": qwen3_args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn=768, tied=False,
                                     head_dim=32, vocab_size=-1),
     "0.6B": qwen3_args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn=3072, tied=True),

@@ -2,7 +2,7 @@
 
 A decoded token on a small model needs ``2 x n_layers + 1`` collectives of a few KiB each. Over gloo
 each is a TCP round trip through the process group's worker threads, 0.2-1.6 ms on a virtual machine
-(``docs/infer-tp.md``), more than the token's arithmetic. Ranks on one host can instead meet in a
+(``docs/generation.md``), more than the token's arithmetic. Ranks on one host can instead meet in a
 shared memory segment, as the CPU backends of vLLM and DeepSpeed inference do: each rank copies its
 piece into its own slot, publishes a sequence number, and spins until every other rank has published
 the same one, then reads all slots. No thread is woken and no system call is made.

@@ -1,4 +1,4 @@
-"""Seconds per optimizer step of a layout on a device, term by term (the README explains each).
+"""Seconds per optimizer step of a layout on a device, term by term (docs/memory-and-planning.md explains each).
 
 Compute, per block and microbatch on one rank:
 - matmuls: every linear's forward and its two backward matmuls (input and weight gradients), each

@@ -7,9 +7,9 @@ cluster file (``--cluster FILE.toml``: one ``[device]`` table with the same keys
 Figures are per GPU (per process for a CPU "device": the calibration measures what one of N
 processes sharing the host gets). Bandwidths are per direction, in GB/s (1e9 bytes/s).
 
-The efficiencies of GPU presets are assumptions, not measurements of this project (the README
-lists them): large bf16 GEMMs reach about 70-80% of the dense peak on H100/A100 in cuBLAS;
-FlashAttention-2 reaches about 35-50% of the peak forward and backward; NCCL ring collectives reach
+The efficiencies of GPU presets are assumptions, not measurements of this project
+(docs/memory-and-planning.md lists them): large bf16 GEMMs reach about 70-80% of the dense peak on
+H100/A100 in cuBLAS; FlashAttention-2 reaches about 35-50% of the peak forward and backward; NCCL ring collectives reach
 about 80% of the link's bandwidth as bus bandwidth on large messages. Three are set by torchtitan's
 published H100 measurements (``published.py``; ``benchmarks/plan_published.py`` compares them all):
 Float8 matmuls at 0.60 of the fp8 peak (Float8 bought 1.28x on the 8B), async TP hiding a quarter
