@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import tiktoken
@@ -180,8 +179,7 @@ def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_on
     env = {**os.environ, **OFFLINE_ENV}
     proc = titanctl_run(convert, env=env, timeout=300)
     assert proc.returncode == 2 and "is outside the checkpoint folder" in proc.stderr, proc.stderr[-2000:]
-    proc = subprocess.run([*convert, "--tokenizer-path", str(own)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = titanctl_run([*convert, "--tokenizer-path", str(own)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"note: tokenizer: --tokenizer-path {own}" in proc.stdout, proc.stdout
     back = Tokenizer(tmp_path / "hf" / "tokenizer.json")
