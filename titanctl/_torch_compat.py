@@ -414,6 +414,17 @@ MEM_TRACKER_HOOKS = (
     _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_in_opt"),
     _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_mod_tracker"),
     _private("torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker", _MEM, instance_attr="_root_mod"),
+    # A frozen parameter (a LoRA run's base) refuses gradient hooks: the tracker's registration of a
+    # module's parameters is overridden to hook only those that train.
+    _private("torch.distributed._tools.mem_tracker.MemTracker._track_module_params_and_buffers", _MEM),
+    _private("torch.distributed._tools.mem_tracker.MemTracker", _MEM, instance_attr="_param_to_grad_hook_handles"),
+)
+# How a tensor-parallel style splits a linear's parameters, overridden for a LoRA linear so that its
+# adapters are split with the weight they add to (torch's styles split by parameter kind only).
+_LORA_TP = "lora.enable with parallelism.tensor_parallel_degree > 1"
+LORA_TP_PARTITION = (
+    _private("torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn", _LORA_TP),
+    _private("torch.distributed.tensor.parallel.RowwiseParallel._partition_linear_fn", _LORA_TP),
 )
 # The trackers' accounting of each op (their __torch_dispatch__), which titanctl's subclasses do in fewer
 # steps with the same result: torch's categories and FSDP's states, the methods that register an op's

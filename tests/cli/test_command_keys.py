@@ -38,7 +38,7 @@ def test_infer_tp_refuses_the_tensor_parallel_degree_before_looking_at_the_check
     assert line == (
         "error: --parallelism.tensor_parallel_degree is not read by infer-tp (its tensor-parallel degree is the "
         "world size); it reads: model.name, model.flavor, model.n_layers, model.n_kv_heads, model.norm_type, "
-        "model.tokenizer_path, model.mtp_layers, training.seq_len, comm.init_timeout_seconds"
+        "model.tokenizer_path, model.mtp_layers, training.seq_len, sft.chat_template_path, comm.init_timeout_seconds"
     )
 
 

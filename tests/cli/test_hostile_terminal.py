@@ -1,5 +1,6 @@
 """What comes from input reaches the terminal as text: escape sequences are shown, never obeyed, and
-rich markup in it is printed, not applied (it crashed with MarkupError)."""
+rich markup in it is printed, not applied (it crashed with MarkupError), and so are emoji codes (a chat
+split named bundled:train: was printed with a tram)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV
 
 ESC = "\x1b]0;PWNED\x07"  # sets the terminal's title where obeyed
-MARKUP = "[/red] [/]"
+MARKUP = "[/red] [/] :train:"
 HOSTILE = f"{ESC}{MARKUP}\x1b[2J"
 TINY = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.mixed_precision_param", "float32", "--compile.enable", "false", "--training.steps", "1"]
@@ -36,7 +37,7 @@ def test_description_and_dump_folder_are_shown_as_text(tmp_path):
                     "--job.dump_folder", str(tmp_path / f"out{HOSTILE}"))
     assert proc.returncode == 0, proc.stderr
     assert_nothing_obeyed(proc)
-    assert "run \\x1b]0;PWNED\\x07[/red] [/]\\x1b[2J" in proc.stdout  # visible, markup printed as is
+    assert "run \\x1b]0;PWNED\\x07[/red] [/] :train:\\x1b[2J" in proc.stdout  # visible, markup printed as is
 
 
 def test_an_error_naming_hostile_input_is_one_visible_line(tmp_path):

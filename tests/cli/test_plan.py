@@ -48,6 +48,9 @@ def test_the_table_shows_each_layout_and_how_to_run_it(tmp_path):
     (["--device", "h100", "--gpus", "0"], "--gpus must be at least 1"),
     (["--device", "h100", "--gpus", "7", "--global-batch", "8"], "no layout of llama3 debugmodel uses 7 devices"),
     (["--device", "h100", "--calibrate", "--cluster", "c.toml"], "--calibrate measures CPU processes over gloo"),
+    # Issue 46/47: no answer in 120 s; and a cluster file's missing folder found only after 30 s of measuring.
+    (["--device", "h100", "--gpus", "1000000000000"], "is more devices than any cluster holds"),
+    (["--calibrate", "--gpus", "2", "--cluster", "missing/dir/c.toml"], "folder missing/dir does not exist"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
     argv = ["plan", "--config", DEBUG, *args]

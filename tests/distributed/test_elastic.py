@@ -203,11 +203,18 @@ def two_node_cmd(node_rank: int, port: int, *args: str) -> list[str]:
 SHORT = [*RUN[:8], "--training.steps", "4", *RUN[10:16], "--compile.enable", "false"]
 
 
-def test_two_nodes_on_localhost_equal_one_process(tmp_path):
-    """FSDP 2 x TP 2 over two torchrun invocations (2 ranks each) matches one process."""
-    single = tmp_path / "single"
+@pytest.fixture(scope="module")
+def short_single(tmp_path_factory) -> Path:
+    """SHORT in one process: what the two-node and Slurm runs must equal."""
+    single = tmp_path_factory.mktemp("short_single")
     torchrun(1, ["-m", "titanctl", "train", "--config", "recipes/llama3_debug.toml"],
              [*SHORT, "--training.local_batch_size", "8", "--job.dump_folder", str(single)])
+    return single
+
+
+def test_two_nodes_on_localhost_equal_one_process(short_single, tmp_path):
+    """FSDP 2 x TP 2 over two torchrun invocations (2 ranks each) matches one process."""
+    single = short_single
     out, port = tmp_path / "two_nodes", free_port()
     args = [*SHORT, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(out)]
     nodes = [start(two_node_cmd(r, port, *args), tmp_path / f"node{r}.log") for r in (0, 1)]
@@ -228,12 +235,10 @@ def test_two_nodes_on_localhost_equal_one_process(tmp_path):
 FAKE_SLURM = Path(__file__).parent / "fake_slurm"
 
 
-def test_slurm_script_runs_two_nodes_with_fake_srun(tmp_path):
+def test_slurm_script_runs_two_nodes_with_fake_srun(short_single, tmp_path):
     """The sbatch script itself, on two fake nodes: GPUs per node from Slurm's variables, restarts
     on, c10d rendezvous on the head node, and the result equals one process."""
-    single = tmp_path / "single"
-    torchrun(1, ["-m", "titanctl", "train", "--config", "recipes/llama3_debug.toml"],
-             [*SHORT, "--training.local_batch_size", "8", "--job.dump_folder", str(single)])
+    single = short_single
     out, slurm_log = tmp_path / "slurm_run", tmp_path / "slurm.log"
     slurm_env = {
         "PATH": f"{FAKE_SLURM}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",

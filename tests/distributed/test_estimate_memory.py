@@ -29,6 +29,8 @@ LLAMA = ["--config", "recipes/llama3_debug.toml"]
 # The debug Qwen3-MoE routes by its real router in the measured run and as balanced in the estimate.
 MOE = ["--config", "recipes/qwen3_moe_debug.toml"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# gpt-oss: attention sinks written out (fp32 scores of every head), sliding-window masks, biased experts.
+GPT_OSS = ["--config", "recipes/gpt_oss_debug.toml"]
 
 
 @pytest.mark.parametrize(
@@ -41,8 +43,9 @@ EP2 = ["--parallelism.expert_parallel_degree", "2"]
         (2, [*MOE, *EP2]),
         (4, [*MOE, *EP2, "--parallelism.pipeline_parallel_degree", "2",
              "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+        (2, [*GPT_OSS, *EP2]),
     ],
-    ids=["fsdp2", "tp2", "fsdp2_tp2_bf16", "moe_one_process", "moe_ep2", "moe_ep2_pp2"],
+    ids=["fsdp2", "tp2", "fsdp2_tp2_bf16", "moe_one_process", "moe_ep2", "moe_ep2_pp2", "gpt_oss_ep2"],
 )
 def test_estimate_is_within_15_percent_of_the_real_step(nproc, overrides):
     proc = torchrun(

@@ -76,10 +76,30 @@ def test_greedy_tp2_equals_one_process(checkpoints, reference, tmp_path):
     assert data["text"].startswith(" fox jumps over the lazy dog")
 
 
+def gpt_oss_folder(folder: Path) -> list[int]:
+    """A transformers-saved gpt-oss folder (window 4, sinks, biases, YaRN) over the bundled tokenizer's
+    ids; returns generate()'s greedy tokens for PROMPT: prompt and generation span more than two windows."""
+    from transformers import GenerationConfig
+
+    from tests.unit.test_gpt_oss_parity import tiny_model
+    from titanctl.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer()
+    model = tiny_model(vocab_size=tokenizer.vocab_size, sliding_window=4)
+    model.save_pretrained(folder)
+    ids = tokenizer.encode(PROMPT, bos=True, eos=False)
+    assert len(ids) + MAX_NEW > 2 * 4
+    config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        return model.generate(torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()
+
+
 def test_tp2_sampling_and_hf_checkpoint(checkpoints, reference, tmp_path):
     dcp_folder, hf_folder = checkpoints
+    gpt_oss_want = gpt_oss_folder(tmp_path / "gpt_oss")
     torchrun(2, [str(WORKERS / "gen_worker.py")],
-             [str(dcp_folder), str(hf_folder), PROMPT, str(MAX_NEW), str(tmp_path)], timeout=300)
+             [str(dcp_folder), str(hf_folder), PROMPT, str(MAX_NEW), str(tmp_path), str(tmp_path / "gpt_oss")],
+             timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]  # every rank decoded the same tokens
     got = ranks[0]
@@ -90,6 +110,7 @@ def test_tp2_sampling_and_hf_checkpoint(checkpoints, reference, tmp_path):
     assert got["greedy_compiled"] == got["hf_greedy_compiled"] == reference["greedy"]
     assert got["dcp_over_shared_memory"] and not got["dcp_decode_uses_process_group"]
     assert not got["hf_over_shared_memory"] and got["hf_decode_uses_process_group"]
+    assert got["gpt_oss_greedy"] == gpt_oss_want  # sliding windows, sinks and biases under TP 2
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

@@ -94,7 +94,8 @@ def test_infer_tp_refuses_the_tensor_parallel_degree():
     assert str(e.value) == (
         "--parallelism.tensor_parallel_degree is not read by infer-tp (its tensor-parallel degree is the world "
         "size); it reads: model.name, model.flavor, model.n_layers, model.n_kv_heads, model.norm_type, "
-        "model.tokenizer_path, model.mtp_layers, training.seq_len, comm.init_timeout_seconds"  # not attn_mask_type
+        "model.tokenizer_path, model.mtp_layers, training.seq_len, sft.chat_template_path, "
+        "comm.init_timeout_seconds"  # not attn_mask_type
     )
 
 
@@ -250,15 +251,23 @@ def _scenarios(tmp: Path) -> list[tuple[str, str, list[str]]]:
                             "--checkpoint.interval", "1", "--checkpoint.last_save_model_weights_only",
                             "--profiling.enable_profiling", "--profiling.profile_freq", "2",
                             "--validation.enabled", "--validation.freq", "2", "--validation.steps", "1"]),
+        # LoRA adapters on the run's step-1 (float8, which the profile run takes, does not carry them).
+        ("train: lora", "train", ["train", *TINY, "--training.steps", "1", "--job.dump_folder", str(tmp / "lora"),
+                                  "--lora.enable", "--checkpoint.initial_load_path", str(train / "checkpoint" / "step-1")]),
+        # The chat fine-tuning recipe, from scratch (the [sft] keys; the shipped chat set for training and validation).
+        ("train: chat", "train", ["train", "--config", str(REPO / "recipes" / "qwen3_debug_sft.toml"), *TINY[2:],
+                                  "--training.seq_len", "128", "--training.steps", "1", "--job.dump_folder",
+                                  str(tmp / "chat"), "--checkpoint.initial_load_path", "", "--validation.steps", "1",
+                                  "--metrics.enable_tensorboard", "false"]),
         ("profile", "profile", ["profile", *TINY, "--steps", "2", "--job.dump_folder", str(tmp / "profile"),
                                 "--float8.enable_float8_linear", "--activation_checkpoint.mode", "selective",
                                 "--checkpoint.initial_load_path", str(train / "checkpoint" / "step-1")]),
         ("infer-tp", "infer-tp", ["infer-tp", "--checkpoint", str(plain), "--prompt", "To be", "--max-new-tokens",
-                                  "2", "--temperature", "0", *TINY[:6]]),
+                                  "2", "--temperature", "0", "--chat", *TINY[:6]]),  # --chat: the template's key
         ("convert", "convert", ["convert", str(plain), str(tmp / "converted"), *TINY[:6]]),
         ("estimate: pipeline", "estimate-memory", [*ESTIMATE, "--world-size", "2",
                                                    "--parallelism.pipeline_parallel_degree", "2",
-                                                   "--activation_checkpoint.mode", "selective"]),
+                                                   "--activation_checkpoint.mode", "selective", "--lora.enable"]),
         ("estimate: fsdp, tp, cp", "estimate-memory", [*ESTIMATE, "--world-size", "4",
                                                        "--parallelism.tensor_parallel_degree", "2",
                                                        "--parallelism.context_parallel_degree", "2"]),
@@ -316,14 +325,16 @@ def test_every_key_a_command_declares_is_read_by_a_run(recorded):
         return set().union(*(recorded[n][1] for n in names))
 
     estimates = by("estimate: pipeline", "estimate: fsdp, tp, cp")
-    layouts = {k for k in estimates if _layout(k)}
+    # The LoRA run's keys: profile builds its model with the trainer too (train: lora witnesses them).
+    layouts = {k for k in estimates if _layout(k)} | {k for k in by("train: lora") if k.startswith("lora.")}
+    layouts |= {k for k in by("train: chat") if k.startswith("sft.")}  # profile reads data as train does
     witnesses = {
         "infer-tp": by("infer-tp"),
         "convert": by("convert"),
         "estimate-memory": estimates,
         "estimate-memory --validate": estimates | by("estimate: validate"),  # --validate estimates first
         "profile": by("profile") | layouts,
-        "train": by("train", "profile") | layouts,  # profile runs the trainer (with float8, an initial load)
+        "train": by("train", "train: lora", "train: chat", "profile") | layouts,  # profile runs the trainer (with float8, an initial load)
     }
     assert set(witnesses) == set(READS)
     for command, seen in witnesses.items():

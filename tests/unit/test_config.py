@@ -108,7 +108,8 @@ def test_every_field_is_documented():
         assert line.rstrip("| ").split("|")[-1].strip(), line
 
 
-@pytest.mark.parametrize("recipe", ["llama3_debug", "llama3_8b", "llama3_70b", "llama3_405b"])
+@pytest.mark.parametrize("recipe", ["llama3_debug", "llama3_8b", "llama3_70b", "llama3_405b", "qwen3_debug_sft",
+                                    "qwen3_8b_sft"])
 def test_shipped_recipes_load(repo, recipe):
     cfg = load_config(repo / "recipes" / f"{recipe}.toml")
     assert cfg.model.flavor in ("debugmodel", "8B", "70B", "405B")

@@ -102,6 +102,34 @@ def test_second_step_equals_the_first_plus_adam_state():
     assert {k: v.total for k, v in runs[1].peaks.items()} == {k: v.total for k, v in runs[2].peaks.items()}
 
 
+@pytest.mark.slow
+def test_lora_holds_the_frozen_base_without_gradients_or_adam_state_as_measured():
+    """A LoRA run's estimate holds every base parameter, gradients and Adam's moments for the adapters
+    only, and agrees with the real step's peak (in process: --validate's measurement, one process)."""
+    import math
+
+    from titanctl.parallel.converters.lora import is_adapter, saved_shapes
+
+    common = [*TINY, "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none"]
+    lora = ["--lora.enable", "--lora.rank", "8", "--lora.target_modules", "attention,feed_forward"]
+    cfg = load_config(REPO / "recipes/llama3_debug.toml", [*common, *lora])
+    plan = memory.plan_estimate(cfg, 1)
+    e = memory.run_estimate(plan)
+    adapters = sum(math.prod(s) for n, s in saved_shapes(plan.args, cfg.lora).items() if is_adapter(n))
+    assert 0 < adapters < e.num_params / 20
+    assert e.parameter_bytes == 4 * (e.num_params + adapters)
+    assert e.gradient_bytes == 4 * adapters
+    assert e.optimizer_state["exp_avg"] == e.optimizer_state["exp_avg_sq"] == 4 * adapters
+    assert any("frozen base" in note for note in e.notes)
+    full = memory.run_estimate(memory.plan_estimate(load_config(REPO / "recipes/llama3_debug.toml", common), 1))
+    assert full.peak - e.peak > 0.5 * 12 * e.num_params  # no fp32 gradient, exp_avg, exp_avg_sq of the base
+    measured = memory.validate(plan, e)
+    ratios = {step: measured.estimated[step] / measured.allocated[step] for step in (1, 2)}
+    print(f"\nLORA estimate {e.peak / 2**20:.1f} MiB (full fine-tuning {full.peak / 2**20:.1f} MiB), measured "
+          f"{ {s: round(measured.allocated[s] / 2**20, 1) for s in (1, 2)} } MiB: ratios {ratios}")
+    assert all(abs(r - 1) <= 0.15 for r in ratios.values()), ratios
+
+
 def test_ddp_is_one_replica_plus_gradient_buckets():
     overrides = [*TINY, "--parallelism.data_parallel_replicate_degree", "2",
                  "--parallelism.data_parallel_shard_degree", "1"]

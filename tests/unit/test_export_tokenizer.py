@@ -46,7 +46,10 @@ def test_hf_export_is_a_complete_model_folder(export):
     names = {p.name for p in export.iterdir()}
     assert names == {"config.json", "generation_config.json", "model-00001-of-00001.safetensors",
                      "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json"}
+                     "special_tokens_map.json", "chat_template.jinja"}
+    # The bundled tokenizer's chat template travels with it: a chat-tuned export chats as it was trained.
+    bundled_template = DEFAULT_TOKENIZER_PATH.parent / "chat_template.jinja"
+    assert (export / "chat_template.jinja").read_bytes() == bundled_template.read_bytes()
     tok = Tokenizer()
     generation = json.loads((export / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 4096, "eos_token_id": sorted(tok.stop_tokens), "do_sample": False}
@@ -68,6 +71,13 @@ def test_autotokenizer_gives_titanctl_ids_on_the_whole_bundled_corpus(export, tr
     # By default <|begin_of_text|> comes first, as titanctl's bos=True; decoding gives the text back.
     assert theirs(docs[0])["input_ids"] == ours.encode(docs[0], bos=True, eos=False)
     assert theirs.decode(want[1]) == docs[1]
+    # transformers reads the chat template beside the tokenizer: the same ids as titanctl's chat encoding.
+    from titanctl.tools.chat_prompt import chat_prompt
+
+    messages = [{"role": "user", "content": "Who speaks first?"}]
+    ids = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert ids == chat_prompt(messages, None, ours, "").ids
 
 
 def test_the_tokenizer_json_is_read_back_by_titanctl_itself(export):
@@ -190,3 +200,19 @@ def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_on
     assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False, eos=False)
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 3000, "eos_token_id": sorted(tok.stop_tokens), "do_sample": False}
+
+
+def test_a_chat_template_linked_out_of_the_tokenizers_folder_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from titanctl.checkpoint.tokenizer_export import write_chat_template
+
+    carried = tmp_path / "checkpoint"
+    carried.mkdir()
+    (tmp_path / "secret").write_text("not a template")
+    (carried / "chat_template.jinja").symlink_to(tmp_path / "secret")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CheckpointError, match="outside"):
+        write_chat_template(out, SimpleNamespace(path=str(carried / "tokenizer.json")))
+    assert not (out / "chat_template.jinja").exists()

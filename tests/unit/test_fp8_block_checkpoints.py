@@ -32,6 +32,7 @@ from titanctl.checkpoint.fp8_blocks import dequantize
 from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_state_dict, to_hf_state_dict
 from titanctl.checkpoint.load_into_model import load_source_into
 from titanctl.checkpoint.load_plan import ForeignPlan, plan_load
+from titanctl.checkpoint.weights import find_checkpoint
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError
 from titanctl.models.common.decoder import Transformer
@@ -313,12 +314,31 @@ def broken(folder: Folder, tmp_path: Path, how: str) -> tuple[Path, str]:
         config["quantization_config"]["quant_method"] = "awq"
         (path / "config.json").write_text(json.dumps(config))
         message = r"quantization_config.quant_method 'awq' is not supported; titanctl reads 'fp8'"
+    elif how in SCALE_VALUES:  # issue 47: each converted with exit code 0 into NaN, inf, zero or negated weights
+        value, makes = SCALE_VALUES[how]
+        scales[key] = scales[key].clone()
+        rows, cols = scales[key].shape  # the last block: a partial one, and (0, 0) with 128x128 blocks
+        scales[key][-1, -1] = value
+        message = (rf"'{key}' in model-00002-of-00002.safetensors holds {value} at block \({rows - 1}, {cols - 1}\): "
+                   rf"a block scale "
+                   rf"must be finite and > 0, else '{key.removesuffix('_scale_inv')}' dequantizes to {makes}")
+    elif how == "scale-int64":  # issue 47: read as integers, an all-zero expert
+        scales[key] = torch.ones(scales[key].shape, dtype=torch.int64)
+        message = rf"'{key}' in model-00002-of-00002.safetensors is int64: block scales are real numbers"
+    elif how == "config-nan":  # issue 46: beside rope_parameters' theta, which is read, so it passed unseen
+        config = json.loads((path / "config.json").read_text())
+        config["rope_theta"] = float("nan")  # json writes NaN, which JSON does not allow and Python reads
+        (path / "config.json").write_text(json.dumps(config))
+        message = r"config.json: 'rope_theta' is nan: a config's numbers must be finite"
     save_file(scales, str(scales_file))
     index_file.write_text(json.dumps(index))
     return path, message
 
 
-REFUSALS = ("scale-shape", "missing-scale", "orphan-scale", "unknown-method")
+SCALE_VALUES = {"scale-nan": (float("nan"), "NaN weights"), "scale-inf": (float("inf"), "infinite weights"),
+                "scale-zero": (0.0, "zeros"), "scale-negative": (-1.0, "negated weights")}
+REFUSALS = ("scale-shape", "missing-scale", "orphan-scale", "unknown-method", *SCALE_VALUES, "scale-int64",
+            "config-nan")
 
 
 @pytest.mark.parametrize("how", REFUSALS)
@@ -340,6 +360,31 @@ def test_a_broken_fp8_folder_is_refused_in_one_line_before_anything_is_written(f
     cfg = load_config(None, ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path", str(src)])
     with pytest.raises(CheckpointError, match=message):
         plan_load(cfg, folder.args.replace(max_seq_len=64))
+    # infer-tp: refused when it reads the folder's model, before the model is built (the same reader).
+    with pytest.raises(CheckpointError, match=message):
+        find_checkpoint(src)
+
+
+def test_an_expert_that_is_not_fp8_among_fp8_ones_is_named_with_its_dtype(theirs, tmp_path):
+    """Issue 46: one expert stored in float32 (it held inf, which float8_e4m3fn cannot) without scales was
+    refused as "not one of each of 8 experts with equal shapes": the fault is its dtype, and is said so."""
+    config = fp8_config(theirs, [16, 16])
+    state = per_expert_layout(theirs.state_dict(), args_from_hf_config(config).moe.hidden_dim)
+    write_fp8_folder(tmp_path / "hf", state, config, (16, 16))
+    weights_file, scales_file = (tmp_path / "hf" / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
+    weights, scales = load_file(weights_file), load_file(scales_file)
+    odd = "model.layers.1.mlp.experts.3.up_proj.weight"
+    weights[odd] = torch.full(weights[odd].shape, float("inf"))
+    del scales[f"{odd}_scale_inv"]
+    save_file(weights, str(weights_file))
+    save_file(scales, str(scales_file))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    del index["weight_map"][f"{odd}_scale_inv"]
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = (rf"expert tensor '{odd}' is \(40, 72\) float32, but 'model.layers.1.mlp.experts.0.up_proj.weight' is "
+               r"\(40, 72\) float8 dequantized to bfloat16: every expert's must have the same shape and dtype")
+    with pytest.raises(CheckpointError, match=message):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "dcp")
 
 
 def test_a_failure_while_writing_leaves_no_destination_and_no_partial_folder(folder, tmp_path, monkeypatch):

@@ -333,3 +333,111 @@ def test_one_position_attends_by_kv_group_as_grouped_query_attention(backend):
         changed = (cached_attention(q, k2, v, mask) != got).flatten(2).any(-1)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert changed[:, :4].logical_not().all() and changed[:, 4:].all()
+
+
+# ------------------------------------------------------------------------------ long prompts and memory
+
+
+def long_prompt_model(family: str):
+    from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+    from titanctl.models.registry import build_model
+
+    args = ARGS.replace(max_seq_len=256) if family == "llama3" else \
+        DEEPSEEK_V3_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=256, max_seq_len=256)
+    m = build_model(args)
+    initialize_weights(m, seed=3)
+    return m.eval()
+
+
+class _AttentionShapes(torch.overrides.TorchFunctionMode):
+    """(queries, keys) of every attention call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.seen.append((args[0].shape[-2], args[1].shape[-2]))
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_a_long_prompt_prefills_in_chunks_over_the_written_positions_only(monkeypatch, family):
+    """Issue 47: a 43k-token prompt to a DeepSeek folder allocated 7.4 GB at once (one forward's mask,
+    prompt x cache, where latent attention read the whole cache; every layer's causal mask was kept
+    besides). Chunks bound queries x keys; each attends to the positions up to its end (latent attention
+    too); the cache and the tokens are the one forward's."""
+    import titanctl.tools.generate as generation
+
+    model = long_prompt_model(family)
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def prefill(elements: int):
+        monkeypatch.setattr(generation, "PREFILL_MASK_ELEMENTS", elements, raising=False)
+        decoder, shapes = Decoder(model, 192), _AttentionShapes()
+        try:
+            with shapes:  # the prefill alone
+                decoder.generate(prompt, 1)
+            caches = [{name: b[:, : len(prompt)].clone() if b.dim() == 3 else b[:, :, : len(prompt)].clone()
+                       for name, b in layer.attention.cache.named_buffers() if name != "positions"}
+                      for layer in model.layers.values()]
+            tokens = decoder.generate(prompt, 4).tokens
+        finally:
+            decoder.close()
+        return tokens, caches, set(shapes.seen)
+
+    whole_tokens, whole_caches, whole_shapes = prefill(2**27)
+    assert whole_shapes == {(150, 150)}  # one forward over the written prefix
+    tokens, caches, shapes = prefill(1)  # the smallest chunks: CACHE_BUCKET tokens
+    assert CACHE_BUCKET == 64 and shapes == {(64, 64), (64, 128), (22, 150)}
+    assert tokens == whole_tokens
+    for chunked, whole in zip(caches, whole_caches):
+        for name in whole:
+            torch.testing.assert_close(chunked[name], whole[name], atol=1e-5, rtol=1e-5)
+
+
+def test_the_memory_estimate_is_what_the_cache_allocates():
+    from titanctl.models.shapes import num_params
+    from titanctl.tools.generate import generation_bytes
+
+    for family in ("llama3", "deepseek_v3"):
+        model = long_prompt_model(family)
+        weights, cache = generation_bytes(model.args.replace(max_seq_len=192), tp=1)
+        assert weights == 4 * num_params(model.args)
+        model.setup_kv_cache(192)
+        allocated = sum(b.numel() * b.element_size() for layer in model.layers.values()
+                        for name, b in layer.attention.cache.named_buffers() if name != "positions")
+        model.clear_kv_cache()
+        # Latent attention: its cache, and one layer's keys and values expanded from it in each decode step.
+        assert cache == allocated if family == "llama3" else allocated < cache < 10 * allocated
+
+
+def test_a_generation_that_does_not_fit_in_memory_is_refused_before_loading(tmp_path, monkeypatch):
+    """Issue 47: the KV cache is sized by the prompt and --max-new-tokens; when it and the weights exceed the
+    memory available, one line says so before a weight is loaded."""
+    import torch.distributed.checkpoint as dcp
+
+    import titanctl.tools.generate as generation
+    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.data.tokenizer import Tokenizer
+    from titanctl.errors import ConfigError
+
+    args = ARGS.replace(vocab_size=Tokenizer().vocab_size, max_seq_len=256)
+    small = Transformer(args)
+    dcp.save({k: torch.zeros_like(v) for k, v in small.state_dict().items()}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    write_metadata(tmp_path, args, step=1, weights_only=True, dtype="float32")
+    weights = 4 * sum(p.numel() for p in small.parameters())  # float32
+    cache = 4 * args.n_layers * 2 * args.kv_heads * args.head_dim * 256  # keys and values: the whole context
+
+    def loaded(*a, **kw):
+        raise AssertionError("loaded the model")
+
+    monkeypatch.setattr(generation, "load_model", loaded)
+    monkeypatch.setattr(generation, "available_bytes", lambda: weights + cache - 1, raising=False)
+    with pytest.raises(ConfigError, match=r"the \d+-token prompt and --max-new-tokens 200 need a KV cache of 256 "
+                                          r"positions: 0.00 GiB beside the model's 0.00 GiB per process, but this host "
+                                          r"has available 0.00 GiB; give a shorter prompt or fewer new tokens"):
+        generation.run(tmp_path, "To be, or not to be", max_new_tokens=200, temperature=0)

@@ -18,7 +18,7 @@ from tests.unit.hf_reference import unit_scale_
 from tests.unit.test_parallel_dims import dims
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf_names import from_hf_state_dict, hf_config, to_hf_state_dict
-from titanctl.errors import ConfigError, ParallelError
+from titanctl.errors import CheckpointError, ConfigError, ParallelError
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from titanctl.models.registry import get_spec
@@ -64,7 +64,7 @@ def test_mtp_loss_equals_a_direct_computation_and_every_weight_learns():
     tokens, labels = window[:, :-1], window[:, 1:]
     logits, depth_logits = model(tokens, mtp=True)
     assert len(depth_logits) == 2 and torch.equal(logits, model(tokens))  # the main path is unchanged
-    step = SimpleNamespace(loss_fn=cross_entropy_loss)
+    step = SimpleNamespace(mean_loss_fn=cross_entropy_loss)
     ours = ForwardBackward.multi_token_loss(step, depth_logits, labels)
     with torch.no_grad():
         want = direct_mtp_loss(model, tokens, labels)
@@ -138,6 +138,36 @@ def test_folder_with_a_depth_converts_and_one_declaring_depths_it_lacks_reads_as
         assert loaded.keys() == want.keys()
         if with_depth:
             assert all(torch.equal(loaded[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("declared", [3, 10**9])
+def test_a_config_declaring_more_depths_than_it_stores_is_refused_before_sizing_them(tmp_path, monkeypatch, declared):
+    """Issue 47: num_nextn_predict_layers 10^9 beside one stored depth built a model of 10^9 blocks on the
+    meta device to count its parameters (no answer, memory past 2 GiB): the stored layers bound it first."""
+    import titanctl.checkpoint.model_args as model_args
+    from titanctl.checkpoint.weights import find_checkpoint
+
+    model = model_of(ARGS.replace(mtp_layers=1))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = hf_config(model.args)
+    config["num_nextn_predict_layers"] = declared
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.args).items()},
+              str(folder / "model.safetensors"))
+    real = model_args.num_params
+
+    def sized(args, *a, **kw):
+        assert args.mtp_layers <= 1, f"sized a model of {args.mtp_layers} prediction depths"
+        return real(args, *a, **kw)
+
+    monkeypatch.setattr(model_args, "num_params", sized)
+    message = (f"declares {declared:,} multi-token-prediction depth\\(s\\) after its 2 layers "
+               r"\(DeepSeek-V3's num_nextn_predict_layers\), but the checkpoint holds tensors of 3 layer\(s\)")
+    with pytest.raises(CheckpointError, match=message):  # infer-tp's reader
+        find_checkpoint(folder)
+    with pytest.raises(CheckpointError, match=message):
+        convert_checkpoint(folder, tmp_path / "dcp", dst_format="dcp")
 
 
 def test_a_model_without_depths_loads_a_checkpoint_with_one_and_says_so(tmp_path):

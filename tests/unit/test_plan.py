@@ -201,6 +201,11 @@ def test_the_finalists_memory_is_estimate_memorys(debug_plan):
     ("llama3_8b", 8, Candidate(1, 4, 1, 1, 2, 1, 2, 1, ac="none")),
     ("llama3_8b", 8, Candidate(2, 4, 1, 1, 1, 1, 1, 1, ac="full")),
     ("qwen3_moe_30b_a3b", 8, Candidate(1, 8, 1, 1, 1, 8, 1, 1, ac="full")),
+    # Attention sinks (the softmax written out, a chunk of queries at a time) and biased experts.
+    ("gpt_oss_20b", 8, Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="full")),
+    # A frozen base: fp32 parameters without gradients or Adam's state; the adapters' are small.
+    ("llama3_8b_lora", 8, Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="full")),
+    ("llama3_8b_lora", 16, Candidate(1, 4, 2, 1, 1, 1, 2, 1, ac="selective_op")),
 ], ids=lambda v: v.describe() + " " + v.ac if isinstance(v, Candidate) else str(v))
 def test_the_fast_path_is_near_the_exact_estimate(recipe, global_batch, candidate):
     from titanctl.tools.plan.search import Planner
@@ -275,6 +280,84 @@ def test_a_model_that_fits_nowhere_is_one_error():
         plan("llama3_405b", cfg, 8, H100, exact=0)
 
 
+@pytest.mark.parametrize("gpus, global_batch, needle", [
+    (10**12, None, "--gpus 1,000,000,000,000 is more devices than any cluster holds: the plan takes at most 1,048,576"),
+    (2**64, None, "--gpus 18,446,744,073,709,551,616 is more devices than any cluster holds"),
+    (8, 10**15, "a global batch of 1,000,000,000,000,000 sequences of 256 tokens .--global-batch. is 256,000,000,000,"
+                "000,000 tokens per step, beyond any real run's .* at most 1,073,741,824"),
+], ids=["gpus-10^12", "gpus-2^64", "global-batch-10^15"])
+def test_absurd_device_counts_and_batches_are_refused_before_enumerating(monkeypatch, gpus, global_batch, needle):
+    """Issue 46/47: these ran for hours (a loop to N per divisor list); refused before any layout is built."""
+    from titanctl.tools.plan import search
+
+    def enumerated(*args, **kwargs):
+        raise AssertionError("enumerated layouts for an absurd input")
+
+    monkeypatch.setattr(search, "enumerate_splits", enumerated)
+    with pytest.raises(ParallelError, match=needle):
+        plan(str(DEBUG), recipe_config(DEBUG), gpus, H100, global_batch=global_batch, exact=0)
+
+
+def test_divisors_are_found_up_to_the_square_root():
+    from titanctl.tools.plan.candidates import divisors
+
+    for n in (1, 2, 12, 36, 97, 720720):
+        assert divisors(n) == tuple(d for d in range(1, n + 1) if n % d == 0)
+    assert len(divisors(2**30)) == 31 and divisors(2**31 - 1) == (1, 2**31 - 1)  # a prime: 46k steps, not 2^31
+
+
+def test_timed_layouts_are_kept_to_the_fastest_that_can_be_shown(monkeypatch):
+    """Millions of layouts (DeepSeek-V3 671B on 65,536 GPUs: 10.9M, ~16 GB as a list) are timed in bounded
+    memory: the list is cut to the fastest top + exact, and what is shown is what sorting them all shows."""
+    import weakref
+
+    from titanctl.tools.plan import search
+
+    cfg = recipe_config(DEBUG)
+    options = dict(top=3, exact=0, compile_options=(False, True))
+    everything = plan(str(DEBUG), cfg, 8, H100, **options)
+    live, peak = [0], [0]
+    real = search.Planner.evaluate
+
+    def counted(self, *args, **kwargs):
+        layout = real(self, *args, **kwargs)
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(layout, lambda: live.__setitem__(0, live[0] - 1))
+        return layout
+
+    monkeypatch.setattr(search.Planner, "evaluate", counted)
+    monkeypatch.setattr(search, "CUT_AFTER", 0)
+    cut = plan(str(DEBUG), cfg, 8, H100, **options)
+    assert cut.considered == everything.considered > 1000
+    assert peak[0] <= 2 * 3 + 16 + 1, peak[0]  # 2 x (top + exact), and one set of degrees' variants beyond
+    assert [(layout.candidate, layout.time.step) for layout in cut.layouts] == \
+        [(layout.candidate, layout.time.step) for layout in everything.layouts]
+
+
+def test_a_calibration_this_host_cannot_run_is_refused_before_measuring(monkeypatch, tmp_path):
+    """Issue 47: 64 processes on 2 cores started 64 torch processes (past 2 GiB); a missing --cluster folder
+    failed after 30 s of measuring. Both are refused before a process starts."""
+    import torch.multiprocessing
+
+    def measured(*args, **kwargs):
+        raise AssertionError("started measuring")
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", measured)
+    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
+    with pytest.raises(ConfigError, match="--gpus 64: the calibration runs that many processes at once on this "
+                                          r"host's 2 core\(s\); at most 8 \(4 per core\)"):
+        calibrate.calibrate(64, tmp_path / "c.toml", log=None)
+    monkeypatch.setattr(calibrate, "available_bytes", lambda: 2**30)
+    with pytest.raises(ConfigError, match=r"--gpus 2: 2 measuring processes need about 1.2 GiB .* 1.0 GiB available"):
+        calibrate.calibrate(2, tmp_path / "c.toml", log=None)
+    monkeypatch.setattr(calibrate, "available_bytes", lambda: 2**40)
+    with pytest.raises(ConfigError, match=r"folder .*missing.dir does not exist"):
+        calibrate.calibrate(2, tmp_path / "missing" / "dir" / "c.toml", log=None)
+    with pytest.raises(ConfigError, match="is a folder"):
+        calibrate.calibrate(2, tmp_path, log=None)
+
+
 def test_no_exact_estimate_starts_past_the_time_budget():
     cfg = recipe_config(DEBUG)
     result = plan(str(DEBUG), cfg, 4, H100, top=2, exact=3, budget_seconds=0, compile_options=(False,))
@@ -301,3 +384,19 @@ def test_compute_scale_multiplies_the_compute_terms_only():
     two = Planner("llama3_debug", cfg, dataclasses.replace(H100, compute_scale=2.0)).evaluate(c, 32).time
     assert two.compute == pytest.approx(2 * one.compute)
     assert two.comm_total == pytest.approx(one.comm_total)
+
+
+def test_the_workload_counts_gpt_oss_expert_biases_as_expert_parameters():
+    from titanctl.models.gpt_oss.args import GPT_OSS_FLAVORS
+    from titanctl.models.shapes import num_params
+    from titanctl.tools.plan.workload import model_shape
+
+    args = GPT_OSS_FLAVORS["20b"]
+    shape = model_shape(args)
+    block = shape.blocks[0]
+    # w13 (2F x D), w2 (D x F) and the biases b13 (2F), b2 (D) of each expert; none of them a dense linear.
+    assert block.experts.params_per_expert == 3 * 2880 * 2880 + 2 * 2880 + 2880
+    assert not any(".experts." in lin.name for lin in block.linears)
+    total = sum(b.params(1, 1) for b in shape.blocks) + shape.embedding_params + shape.output_params
+    assert total + shape.final_norm_params == num_params(args)
+    assert block.params(1, 4) == block.params(1, 1) - 3 * block.expert_params(4)  # biases split with their experts

@@ -302,7 +302,10 @@ def torchtitan_03_state_dict(args: ModelArgs) -> dict[str, tuple[str, tuple[int,
     ``models/common/moe.py`` MoE (router.gate, routed_experts.inner_experts.w1_EFD [E, F, D],
     w2_EDF [E, D, F], w3_EFD [E, F, D], shared_experts, the persistent buffer expert_bias_E);
     ``models/deepseek_v3/mtp.py`` MTPTransformerBlock (mtp_layers.{k}: a block plus enorm, hnorm,
-    eh_proj [D, 2D], mtp_norm).
+    eh_proj [D, 2D], mtp_norm); ``models/gpt_oss/model.py`` Attention (sinks [H]; its FusedQKVLinear
+    splits the bias too: qkv_linear.wq/wk/wv.bias; wo with a bias), ``models/gpt_oss/moe.py``
+    GptOssGroupedExperts (mlp1_weight_EGD [E, 2F, D], mlp1_bias_EG [E, 2F], mlp2_weight_EDF [E, D, F],
+    mlp2_bias_ED [E, D]) and its router's gate with a bias (``models/gpt_oss/__init__.py``).
     """
     d, hd, vocab, heads = args.dim, args.head_dim, args.vocab_size, args.n_heads
     table = {"tok_embeddings.weight": ("tok_embeddings.weight", (vocab, d)), "norm.weight": ("norm.weight", (d,)),
@@ -316,6 +319,12 @@ def torchtitan_03_state_dict(args: ModelArgs) -> dict[str, tuple[str, tuple[int,
             for w, n in (("wq", heads), ("wk", args.kv_heads), ("wv", args.kv_heads)):
                 add(f"attention.qkv_linear.{w}.weight", f"attention.{w}.weight", (n * hd, d))
             add("attention.wo.weight", "attention.wo.weight", (d, heads * hd))
+            if args.attention_bias:
+                for w, n in (("wq", heads), ("wk", args.kv_heads), ("wv", args.kv_heads)):
+                    add(f"attention.qkv_linear.{w}.bias", f"attention.{w}.bias", (n * hd,))
+                add("attention.wo.bias", "attention.wo.bias", (d,))
+            if args.attention_sinks:
+                add("attention.sinks", "attention.sinks", (heads,))
             if args.qk_norm:
                 add("attention.q_norm.weight", "attention.q_norm.weight", (hd,))
                 add("attention.k_norm.weight", "attention.k_norm.weight", (hd,))
@@ -333,7 +342,16 @@ def torchtitan_03_state_dict(args: ModelArgs) -> dict[str, tuple[str, tuple[int,
             add("attention.wkv_b.weight", "attention.wkv_b.weight",
                 (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
             add("attention.wo.weight", "attention.wo.weight", (d, heads * mla.v_head_dim))
-        if args.is_moe_layer(layer_id):
+        if args.is_moe_layer(layer_id) and args.moe.expert_kind == "clamped_swiglu":
+            e, f = args.moe.num_experts, args.moe.hidden_dim
+            add("moe.router.gate.weight", "moe.router.gate.weight", (e, d))
+            add("moe.router.gate.bias", "moe.router.gate.bias", (e,))
+            add("moe.routed_experts.inner_experts.mlp1_weight_EGD", "moe.experts.w13", (e, 2 * f, d))
+            add("moe.routed_experts.inner_experts.mlp1_bias_EG", "moe.experts.b13", (e, 2 * f))
+            add("moe.routed_experts.inner_experts.mlp2_weight_EDF", "moe.experts.w2", (e, d, f))
+            add("moe.routed_experts.inner_experts.mlp2_bias_ED", "moe.experts.b2", (e, d))
+            add("moe.expert_bias_E", "moe.expert_bias", (e,))
+        elif args.is_moe_layer(layer_id):
             e, f = args.moe.num_experts, args.moe.hidden_dim
             add("moe.router.gate.weight", "moe.router.gate.weight", (e, d))
             add("moe.routed_experts.inner_experts.w1_EFD", "moe.experts.w1", (e, f, d))
@@ -399,7 +417,7 @@ def read_back(folder, **kwargs) -> tuple[dict[str, torch.Tensor], ModelArgs, str
         return dict(source.iter_tensors()), source.args, source.origin, source.notes
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3:q_lora_rank=0"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3:q_lora_rank=0", "gpt_oss"])
 def test_families_go_to_torchtitan_03s_names_and_back_bit_for_bit(case, tmp_path):
     """titanctl -> torchtitan writes exactly torchtitan 0.3.0's state dict (names, shapes, bits) and reads it
     back; torchtitan's own full save of it (no config) comes back through --config and overrides."""

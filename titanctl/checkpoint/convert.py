@@ -37,6 +37,7 @@ from titanctl.models.registry import flavor_args, model_args_from_config, spec_o
 from titanctl.safe_io import open_no_follow
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
+ADAPTER_FORMATS = ("peft",)  # written from a LoRA step's adapters alone (titanctl.checkpoint.lora_export)
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
 UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
@@ -68,8 +69,9 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def _check_format(fmt: str | None, flag: str) -> None:
-    if fmt is not None and fmt not in FORMATS:
-        raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(FORMATS)}")
+    valid = (*FORMATS, *ADAPTER_FORMATS) if flag == "--to" else FORMATS
+    if fmt is not None and fmt not in valid:
+        raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(valid)}")
 
 
 def resolve_args(
@@ -368,6 +370,8 @@ def convert_checkpoint(
     max_shard_size: int | str | None = None,
     progress: ProgressSink | None = None,
     tokenizer_path: str | os.PathLike | None = None,
+    merge_lora: bool = False,
+    lora_base: str | os.PathLike | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -376,15 +380,24 @@ def convert_checkpoint(
     dequantized to ``dtype``, by default to bfloat16 (DeepSeek's own ``fp8_cast_bf16``: what the
     model trains in, and twice the FP8 size rather than four times); the others keep theirs unless
     ``dtype`` is given.
+
+    A LoRA run's step (adapters only) converts with ``merge_lora`` (the base with the adapters folded in,
+    in any format; the base from ``lora_base`` or where the step records it) or to ``peft`` (the
+    adapters alone): ``titanctl.checkpoint.lora_export``.
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
-    if dst_format is not None:
+    if dst_format is not None and dst_format not in ADAPTER_FORMATS:
         _check_options(dst_format, shards, max_shard_size, tokenizer_path)
     dst = Path(dst)
+    lora = _lora_record(located)
+    if lora is not None or merge_lora or dst_format in ADAPTER_FORMATS or lora_base is not None:
+        return _convert_lora(located, Path(src), dst, lora, dst_format=dst_format, merge=merge_lora, base=lora_base,
+                             dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
+                             tokenizer_path=tokenizer_path)
 
     start = time.perf_counter()
     dequantize_to = torch_dtype or FP8_DEFAULT_DTYPE
@@ -412,6 +425,73 @@ def convert_checkpoint(
             files=files,
             notes=notes,
         )
+
+
+def _lora_record(located: Located) -> dict | None:
+    """The ``lora`` entry of a titanctl step folder's titanctl.json (None: no adapters, or another format)."""
+    from titanctl.checkpoint.lora_base import read_record
+    from titanctl.checkpoint.metadata import METADATA_FILE, read_metadata
+
+    if located.format != "dcp" or not (located.folder / METADATA_FILE).is_file():
+        return None
+    return read_record(read_metadata(located.folder), located.folder)
+
+
+def _convert_lora(
+    located: Located, src: Path, dst: Path, lora: dict | None, *, dst_format: str | None, merge: bool,
+    base: str | os.PathLike | None, dtype: torch.dtype | None, shards: int | None,
+    max_shard_size: int | str | None, progress: ProgressSink | None, tokenizer_path: str | os.PathLike | None,
+) -> ConversionReport:
+    """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
+    from titanctl.checkpoint.lora_base import base_folder, base_record, check_same_base
+    from titanctl.checkpoint.lora_export import MergedSource, read_adapters, write_peft
+    from titanctl.checkpoint.metadata import model_args_from_metadata
+
+    if lora is None:
+        what = "--merge-lora" if merge else "--lora-base" if dst_format not in ADAPTER_FORMATS else f"--to {dst_format}"
+        raise CheckpointError(f"{what} reads a LoRA run's step folder; {located.folder} holds no LoRA adapters")
+    if dst_format in ADAPTER_FORMATS and (merge or base is not None):
+        raise CheckpointError("--to peft writes the adapters alone: --merge-lora and --lora-base do not apply")
+    if not merge and dst_format not in ADAPTER_FORMATS:
+        raise CheckpointError(
+            f"{located.folder} holds LoRA adapters only (trained on {lora['base']['path']}): add --merge-lora "
+            "(the base with the adapters folded in) or use --to peft (the adapters for peft)"
+        )
+    start = time.perf_counter()
+    meta, record, adapters = read_adapters(located.folder)
+    args = model_args_from_metadata(meta, str(located.folder))
+    notes = [] if located.folder == src else [f"read {located.folder.name}, the newest complete checkpoint in {src}"]
+    if dst_format in ADAPTER_FORMATS:
+        tmp = _prepare_destination(dst, src)
+        try:
+            if record["base"]["format"] != "hf":
+                notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
+                             f"convert {record['base']['path']} BASE_HF --to hf` makes it")
+            write_peft(tmp, adapters, args, record, record["base"]["path"], dtype)
+            os.rename(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            _release(tmp)
+        nbytes = sum(t.numel() * (dtype or t.dtype).itemsize for t in adapters.values())
+        return ConversionReport(src, dst, "dcp", dst_format, args, "titanctl.json", len(adapters), nbytes,
+                                time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
+    folder = base_folder(record, base, located.folder)
+    base_located = _locate_source(folder, None)
+    check_same_base(record["base"], base_record(base_located.folder, base_located.format), located.folder)
+    source = open_source(base_located.folder, base_located.format)
+    source.dequantize_to = dtype or FP8_DEFAULT_DTYPE
+    with source:
+        source.bind(args, f"{located.folder}/titanctl.json")
+        merged = MergedSource(source, adapters, record, located.folder, meta)
+        merged.origin = "titanctl.json"
+        fmt = dst_format or "hf"
+        notes += [f"merged {len(record['targets'])} LoRA adapters into the base {base_located.folder}", *source.notes]
+        files = write_checkpoint(merged, dst, fmt, dtype=dtype, shards=shards, max_shard_size=max_shard_size,
+                                 progress=progress, tokenizer_path=tokenizer_path, notes=notes)
+        return ConversionReport(src, dst, "dcp", fmt, args, "titanctl.json", len(merged.infos),
+                                merged.total_bytes(dtype), time.perf_counter() - start, files, notes)
 
 
 def save_state_dict(

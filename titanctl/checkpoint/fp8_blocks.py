@@ -8,8 +8,12 @@ scale over its block, as DeepSeek's ``weight_dequant`` computes it: in float32, 
 dtype asked. Packed tensors (transformers 5's ``mlp.experts.gate_up_proj``) have leading dimensions;
 their scales (``gate_up_proj_scale_inv``) have the same leading dimensions.
 
-Pairing and every shape check read safetensors headers only; ``dequantize`` turns one weight into
-real numbers a block of rows at a time, so memory holds the output and one block row beside it.
+Pairing and every shape and dtype check read safetensors headers only; then every scale is read
+once (they are 1/(b0 x b1) of the weights) and must be finite and positive: a NaN, infinite, zero or
+negative scale would turn its block into NaN, infinite, zero or negated weights that convert writes
+and training or generation runs on. All of this happens when a folder is opened, the one path that
+``convert``, ``infer-tp`` and ``checkpoint.initial_load_path`` share. ``dequantize`` turns one weight
+into real numbers a block of rows at a time, so memory holds the output and one block row beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv, X.gate_up_proj ->
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's, and transformers' default when the config names none
 QUANT_METHOD = "fp8"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# What a scale may be stored as: real numbers (DeepSeek-V3 and transformers store float32). An integer
+# scale (an int64 tensor of ones, say) would read as a number but is no quantizer's output.
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 Stored = tuple[str, Path, tuple[int, ...], torch.dtype]  # (key, file, shape, dtype) from a header
 
@@ -49,10 +56,13 @@ def declared_block_size(config: dict[str, Any] | None, where: str) -> tuple[int,
     if not isinstance(quantization, dict):
         raise CheckpointError(f"{where}: quantization_config is {quantization!r}, not an object")
     method = quantization.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's: titanctl.checkpoint.mxfp4 pairs those tensors
+        return None
     if method != QUANT_METHOD:
         raise CheckpointError(
             f"{where}: quantization_config.quant_method {method!r} is not supported; titanctl reads "
-            f"{QUANT_METHOD!r} (block-wise float8 weights beside their weight{SCALE_SUFFIX} scales)"
+            f"{QUANT_METHOD!r} (block-wise float8 weights beside their weight{SCALE_SUFFIX} scales) and 'mxfp4' "
+            "(gpt-oss's FP4 *_blocks beside their *_scales)"
         )
     block = quantization.get("weight_block_size")
     if block is None:
@@ -75,13 +85,14 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[
 
 
 def pair_scales(stored: Iterable[Stored], block: tuple[int, int], folder: Path) -> dict[str, BlockScale]:
-    """{FP8 weight key: its scales} for the tensors of a folder, every pairing and shape checked
+    """{FP8 weight key: its scales} for the tensors of a folder, every pairing, shape and value checked
     (one-line errors naming the tensor and both shapes): an FP8 weight without scales, scales without
-    their weight or beside a weight that is not FP8, or scales of the wrong shape are refused."""
+    their weight or beside a weight that is not FP8, scales of the wrong shape or dtype, and scales
+    that are not all finite and positive are refused."""
     stored = list(stored)
     by_key = {key: (path, shape, dtype) for key, path, shape, dtype in stored}
     pairs: dict[str, BlockScale] = {}
-    for key, path, shape, _dtype in stored:
+    for key, path, shape, dtype in stored:
         if not key.endswith(SCALE_SUFFIX):
             continue
         weight_key = key.removesuffix(SCALE_SUFFIX)
@@ -95,6 +106,12 @@ def pair_scales(stored: Iterable[Stored], block: tuple[int, int], folder: Path) 
                                   f"{weight_dtype}, not FP8")
         if len(weight_shape) < 2:
             raise CheckpointError(f"FP8 tensor {weight_key!r} has shape {weight_shape}: block scales need a matrix")
+        if dtype not in SCALE_DTYPES:
+            stored_as = str(dtype).removeprefix("torch.")
+            raise CheckpointError(
+                f"tensor {key!r} in {where} is {stored_as}: block scales are real numbers (float32 as DeepSeek-V3 "
+                f"stores them), so {weight_key!r} cannot be dequantized with it"
+            )
         expected = scale_shape(weight_shape, block)
         if tuple(shape) != expected:
             raise CheckpointError(
@@ -106,7 +123,42 @@ def pair_scales(stored: Iterable[Stored], block: tuple[int, int], folder: Path) 
         if dtype in FP8_DTYPES and key not in pairs:
             raise CheckpointError(f"FP8 tensor {key!r} in {path.relative_to(folder)} (shape {shape}) has no "
                                   f"{key + SCALE_SUFFIX!r}: block-quantized weights need their scales")
+    check_scale_values(pairs, folder)
     return pairs
+
+
+def check_scale_values(pairs: dict[str, BlockScale], folder: Path) -> None:
+    """Every scale finite and > 0 (each is a block's largest |weight| over the FP8 maximum), read one
+    tensor at a time, each file opened once; a one-line error names the tensor, the block and the value."""
+    from safetensors import SafetensorError, safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for weight_key, scale in pairs.items():
+        by_file.setdefault(scale.path, []).append((scale.key, weight_key))
+    for path, keys in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key, weight_key in keys:
+                    scale = f.get_tensor(key)
+                    bad = ~(torch.isfinite(scale) & (scale > 0))
+                    if bad.any():
+                        block = tuple(bad.nonzero()[0].tolist())
+                        value = scale[block].item()
+                        raise CheckpointError(
+                            f"tensor {key!r} in {path.relative_to(folder)} holds {value} at block {block}: a block "
+                            f"scale must be finite and > 0, else {weight_key!r} dequantizes to "
+                            f"{_what_it_makes(value)}"
+                        )
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def _what_it_makes(value: float) -> str:
+    if value != value:
+        return "NaN weights"
+    if value in (float("inf"), float("-inf")):
+        return "infinite weights"
+    return "zeros" if value == 0 else "negated weights"
 
 
 def dequantize(
@@ -137,4 +189,7 @@ def dequantize(
     return out
 
 
-__all__ = ["DEFAULT_BLOCK", "BlockScale", "declared_block_size", "dequantize", "pair_scales", "scale_shape"]
+__all__ = [
+    "DEFAULT_BLOCK", "BlockScale", "check_scale_values", "declared_block_size", "dequantize", "pair_scales",
+    "scale_shape",
+]

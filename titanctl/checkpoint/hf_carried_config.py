@@ -26,7 +26,8 @@ HF_CONFIG_KEY = "hf_config"  # in titanctl.json and in a source's extra_metadata
 # Keys of a source's config.json that are not carried: they describe its files, not the model.
 DROPPED_KEYS = {
     "transformers_version": "the version of transformers that wrote the source's file; titanctl writes the export",
-    "quantization_config": "block-quantized FP8 weights are dequantized when read: the export is not quantized",
+    "quantization_config": "block-quantized FP8 and MXFP4 weights are dequantized when read: the export is not "
+                           "quantized",
     "auto_map": "names remote-code files of the source folder, which are not carried",
     "_name_or_path": "where the source was loaded from",
     "_commit_hash": "the source's Hub revision",

@@ -209,9 +209,20 @@ def _shown_hf_name(name: str, args: ModelArgs) -> str:
     return f"model.layers.{template[0]}.{template[1]}" if template else _hf_name(name, args)
 
 
+def transposed(meta_name: str, args: ModelArgs) -> bool:
+    """Whether Hugging Face's tensor of this titanctl weight holds its last two dimensions swapped."""
+    m = _OURS_LAYER.fullmatch(meta_name)
+    return m is not None and m.group(2) in spec_of(args).hf.transposed
+
+
 def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
+    """``tensor`` in titanctl's layout has the shape of ``meta_name``; the message names the shapes of
+    ``shown_name`` (a Hugging Face tensor of a transposed weight: its own order)."""
     expected = weight_shapes(args)[meta_name]
     if tuple(tensor.shape) != expected:
+        if shown_name != meta_name and transposed(meta_name, args):
+            raise CheckpointError(f"tensor {shown_name!r} has shape {tuple(tensor.mT.shape)}, expected "
+                                  f"{(*expected[:-2], expected[-1], expected[-2])} for this model")
         raise CheckpointError(
             f"tensor {shown_name!r} has shape {tuple(tensor.shape)}, expected {expected} for this model"
             f"{kv_heads_hint(meta_name, tuple(tensor.shape), expected, args)}"
@@ -253,13 +264,18 @@ def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str,
     """One titanctl (Meta-named) weight -> its Hugging Face name and layout. Dtype is kept."""
     hf = _hf_name(name, args)
     _check_shape(name, name, tensor, args)
+    if transposed(name, args):
+        return hf, tensor.mT  # a view: the writer makes it contiguous
     heads = _heads_of(name, args)
     return hf, (tensor if heads is None else _interleaved_to_halves(tensor, heads))
 
 
 def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
-    """One Hugging Face weight -> its titanctl (Meta) name and layout. Dtype is kept."""
+    """One Hugging Face weight -> its titanctl (Meta) name and layout. Dtype is kept (a transposed
+    weight comes back as a view of ``tensor``)."""
     meta = _meta_name(name, args)
+    if transposed(meta, args):
+        tensor = tensor.mT
     _check_shape(meta, name, tensor, args)
     heads = _heads_of(meta, args)
     return meta, (tensor if heads is None else _halves_to_interleaved(tensor, heads))
@@ -275,6 +291,15 @@ def to_hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tupl
         _check_shape(name, name, tensor, args)
         return per_expert_tensors(name, tensor, args)
     return [to_hf_tensor(name, tensor, args)]
+
+
+def to_hf_rows(name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
+    """A tensor whose rows are those of the titanctl weight ``name`` (a LoRA adapter's B factor,
+    (out, rank)): the weight's Hugging Face name, and the rows in Hugging Face's order (q/k rows
+    permuted for Meta's RoPE layout, as the weight's are). Dtype is kept."""
+    hf = _hf_name(name, args)
+    heads = _heads_of(name, args)
+    return hf, (rows if heads is None else _interleaved_to_halves(rows, heads))
 
 
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -409,5 +434,6 @@ __all__ = [
     "stacked_over_experts",
     "to_hf_state_dict",
     "to_hf_tensor",
+    "to_hf_rows",
     "to_hf_tensors",
 ]

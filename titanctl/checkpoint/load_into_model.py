@@ -14,6 +14,7 @@ source's read buffer: up to 256 MiB of look-ahead for a DCP source).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,27 +32,29 @@ class LoadReport:
     not_in_model: list[str] = field(default_factory=list)  # source tensors this model (stage) has no place for
 
 
-def _loadable(model: nn.Module) -> dict[str, torch.Tensor]:
+def _loadable(model: nn.Module, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The parameters and persistent buffers of `model` by canonical name: what its state dict holds
-    (an MoE's expert bias is a buffer that decides the routing), each tied tensor once."""
+    (an MoE's expert bias is a buffer that decides the routing), each tied tensor once; with ``keep``,
+    those whose name it accepts."""
     saved = {canonical_name(name) for name in model.state_dict(keep_vars=True)}
     tensors = {canonical_name(name): param for name, param in model.named_parameters()}
     tensors.update(
         (canonical_name(name), buffer) for name, buffer in model.named_buffers() if canonical_name(name) in saved
     )
-    return tensors
+    return tensors if keep is None else {name: t for name, t in tensors.items() if keep(name)}
 
 
 @torch.no_grad()
-def load_source_into(model: nn.Module, source: Source) -> LoadReport:
-    """Copy every parameter of `model` from the bound `source` (see the module docstring).
+def load_source_into(model: nn.Module, source: Source, keep: Callable[[str], bool] | None = None) -> LoadReport:
+    """Copy every parameter of `model` from the bound `source` (see the module docstring); with
+    ``keep``, those whose canonical name it accepts (a LoRA model's base, not its adapters).
 
     Raises ``CheckpointError`` before copying anything if the model has a parameter (or persistent
     buffer) the source lacks or one whose (global) shape differs.
     """
     if source.args is None:
         raise ValueError("bind the source first (open_checkpoint does)")
-    params = _loadable(model)
+    params = _loadable(model, keep)
     infos = {info.name: info for info in source.infos}
     for name, param in params.items():
         info = infos.get(name)

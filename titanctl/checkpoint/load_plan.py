@@ -16,6 +16,10 @@ this run's model (every shape checked before anything is built) and streamed int
 tensor by tensor at load, converted on the fly, with no converted copy on disk. Block-quantized FP8
 weights (DeepSeek-V3's release) are dequantized in float32 (the source's default ``dequantize_to``)
 and rounded once to the model's own dtype as each is copied in; their scales are checked when planned.
+
+A LoRA run (``lora.enable``) starts from two checkpoints: its base (``checkpoint.initial_load_path``, or
+the base its own newest step records) and, when it resumes, its own step, which holds the adapters,
+optimizer and step only: ``plan_load`` returns a ``LoRAPlan`` of both (``titanctl.checkpoint.lora_base``).
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from titanctl.checkpoint.formats import detect, open_source
 from titanctl.checkpoint.hf_save import newer_hf_saves_note, only_hf_saves_error
 from titanctl.checkpoint.locate import STEP_FOLDER as STEP_FOLDER  # re-exported (manager)
 from titanctl.checkpoint.locate import complete_checkpoints, locate
+from titanctl.checkpoint.lora_base import LoRAPlan, base_folder, check_lora_run, no_base, read_record
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
 from titanctl.checkpoint.reader import DCPFolder
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.shapes import weight_shapes
+from titanctl.parallel.converters.lora import saved_shapes
 
 # What a full checkpoint holds: the model's tensors at the top level, the other parts nested under their names.
 STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
@@ -86,14 +92,40 @@ class ForeignPlan:
 
 def plan_load(
     cfg: JobConfig, model_args: ModelArgs, *, before_step: int | None = None
-) -> LoadPlan | ForeignPlan | None:
+) -> LoadPlan | ForeignPlan | LoRAPlan | None:
     """What a run with ``cfg`` restores at start, checked against the model; None: nothing to restore.
 
-    ``before_step``: only the run's own steps older than it (a fallback after a damaged step).
+    ``before_step``: only the run's own steps older than it (a fallback after a damaged step; a LoRA
+    run's own step then comes alone, not as a LoRAPlan).
     Reads only small files (no process group, no model needed), so it can run before the model is
     built: a bad checkpoint fails fast, and a run that restores its weights can skip initializing them.
     """
     check_config(cfg)
+    if cfg.lora.enable:
+        check_lora_run(cfg)
+    plan = _plan_own_or_initial(cfg, model_args, before_step)
+    if cfg.lora.enable and before_step is None:
+        if plan is None:  # neither a step of its own (which records its base) nor a base to start from
+            raise no_base()
+        return _lora_plan(plan, cfg, model_args)
+    return plan
+
+
+def _lora_plan(plan: LoadPlan | ForeignPlan, cfg: JobConfig, model_args: ModelArgs) -> LoRAPlan:
+    """The base to load (and the run's own step, when ``plan`` is one): see the module docstring."""
+    if plan.initial:
+        return LoRAPlan(base=plan, notes=plan.notes)
+    record = read_record(plan.meta, plan.folder)
+    folder = resolve_checkpoint_path(base_folder(record, cfg.checkpoint.initial_load_path, plan.folder),
+                                     "the LoRA base")
+    base = _foreign_plan(folder, cfg, model_args) if not (folder / METADATA_FILE).exists() else \
+        _plan(folder, True, cfg, model_args)
+    return LoRAPlan(base=base, own=plan, recorded=record["base"], notes=[*plan.notes, *base.notes])
+
+
+def _plan_own_or_initial(
+    cfg: JobConfig, model_args: ModelArgs, before_step: int | None
+) -> LoadPlan | ForeignPlan | None:
     candidates, initial, may_fall_back = _candidates(cfg, before_step)
     damaged: list[CheckpointCorrupt] = []
     for folder in candidates:
@@ -175,8 +207,36 @@ def _plan(folder: Path, initial: bool, cfg: JobConfig, model_args: ModelArgs) ->
                 f"{step}: set checkpoint.load_step to a full checkpoint, or start a new dump folder "
                 f"with checkpoint.initial_load_path = {str(folder)!r}"
             )
-    check_model(folder, meta, source.entries, model_args)
+    record = read_record(meta, folder)
+    if record is not None or (cfg.lora.enable and not initial):
+        _check_lora_checkpoint(folder, record, initial, cfg)
+    expected = saved_shapes(model_args, cfg.lora) if record is not None else None
+    check_model(folder, meta, source.entries, model_args, expected)
     return LoadPlan(folder=folder, initial=initial, parts=parts, meta=meta, source=source)
+
+
+def _check_lora_checkpoint(folder: Path, record: dict | None, initial: bool, cfg: JobConfig) -> None:
+    """A LoRA step (adapters only) is no starting point, and a run resumes only what it trains."""
+    if record is not None and initial:
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {folder} holds LoRA adapters only (trained on {record['base']['path']}): "
+            f"start from a whole model, e.g. `titanctl convert {folder} OUT --to dcp --merge-lora`"
+        )
+    if record is None:
+        raise CheckpointError(
+            f"{folder} holds a whole model, saved without lora, which a LoRA run (lora.enable) does not resume: "
+            f"start a new job.dump_folder with checkpoint.initial_load_path = {str(folder)!r}"
+        )
+    if not cfg.lora.enable:
+        raise CheckpointError(
+            f"{folder} holds LoRA adapters (rank {record['rank']}, alpha {record['alpha']:g}): resume it with "
+            "lora.enable = true and its lora settings, or start a new job.dump_folder"
+        )
+    if record["alpha"] != cfg.lora.alpha:
+        raise CheckpointError(
+            f"{folder}'s adapters were trained with lora.alpha = {record['alpha']:g}, this run has "
+            f"{cfg.lora.alpha:g}: the same adapters would scale differently; keep lora.alpha"
+        )
 
 
 def _foreign_plan(folder: Path, cfg: JobConfig, model_args: ModelArgs) -> ForeignPlan:
@@ -211,9 +271,13 @@ def _check_same_model(saved: ModelArgs, args: ModelArgs, where: str) -> None:
             )
 
 
-def check_model(folder: Path, meta: dict[str, Any], entries: dict[str, Any], args: ModelArgs) -> None:
-    """Every model tensor present with the model's shape, and nothing else, before any read."""
-    expected = weight_shapes(args)
+def check_model(
+    folder: Path, meta: dict[str, Any], entries: dict[str, Any], args: ModelArgs,
+    expected: dict[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Every model tensor present with the model's shape, and nothing else, before any read.
+    ``expected``: the tensors the checkpoint holds when not the whole model's (a LoRA step's)."""
+    expected = weight_shapes(args) if expected is None else expected
     hint = _args_hint(meta, args)
     for key, shape in expected.items():
         entry = entries.get(key)

@@ -29,6 +29,11 @@ folder through ``titanctl.checkpoint.reader`` (no pickle outside an allow-list) 
 the checksums before any tensor is used; a damaged newest step of the run's own folder is
 replaced by the newest older one that verifies (``titanctl.checkpoint.load_plan``).
 
+LoRA runs (``lora.enable``) save and resume their adapters and the model's saved buffers only, with
+the optimizer, schedule, data position and step; each step's ``titanctl.json`` records the adapters and
+their frozen base under ``lora`` (``titanctl.checkpoint.lora_base``), whose weights a start or resume
+loads first from the base's own checkpoint, after checking its fingerprint.
+
 Async saves (``checkpoint.async_mode``) stage a CPU copy, then write in a background
 thread on their own gloo process group (async DCP on the default group deadlocked). The
 next training step does not wait for storage; the next save, and the end of training
@@ -74,6 +79,7 @@ from titanctl.checkpoint.load_plan import (
     plan_load,
     resolve_checkpoint_path,
 )
+from titanctl.checkpoint.lora_base import LORA_KEY, LoRAPlan, base_record, check_same_base
 from titanctl.checkpoint.metadata import write_metadata
 from titanctl.checkpoint.reader import DCP_INDEX, first_failure, one_line, quiet_dcp
 from titanctl.checkpoint.state import (
@@ -89,6 +95,8 @@ from titanctl.config.recipe import to_toml
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, TitanError
 from titanctl.models.common.args import ModelArgs
+from titanctl.parallel.converters.lora import LoRAConversion, is_adapter
+from titanctl.parallel.layouts.weight_init import canonical_name
 
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
@@ -151,6 +159,7 @@ class CheckpointManager:
         dp_degree: int,
         device: torch.device,
         log: Callable[[str], None] = print,
+        lora: LoRAConversion | None = None,
     ) -> None:
         self.cfg = cfg
         self.ck = ck = cfg.checkpoint
@@ -181,8 +190,16 @@ class CheckpointManager:
         writes_hf = ck.enable_checkpoint and (ck.save_format != "dcp" or ck.last_save_in_hf)
         self._hf_tokenizer = run_tokenizer(cfg.model.tokenizer_path, model_args) if writes_hf else None
         self.async_mode = ck.async_mode if ck.enable_checkpoint else "disabled"
-        # The run's state, one Stateful per part of STATE_PARTS: what DCP saves and loads.
+        # The run's state, one Stateful per part of STATE_PARTS: what DCP saves and loads. A LoRA run's
+        # model state is its adapters and saved buffers; its frozen base (``weights``) is only loaded.
+        self.lora = lora
+        self.lora_base: dict[str, str] | None = None  # the base's record, once loaded
         self.model = ModelState(model_parts)
+        self.weights = self.model  # what an initial checkpoint (a LoRA run's base) restores
+        if lora is not None:
+            buffers = {canonical_name(name) for part in model_parts for name, _ in part.named_buffers()}
+            self.model = ModelState(model_parts, keep=lambda key: is_adapter(key) or key in buffers)
+            self.weights = ModelState(model_parts, keep=lambda key: not is_adapter(key))
         self.train_state = TrainState(dp_degree)
         self.states: dict[str, Stateful] = {
             "model": self.model,
@@ -211,12 +228,12 @@ class CheckpointManager:
                 )
             )
 
-    def _dcp_state(self, parts: list[str], dtype: str | None = None) -> dict[str, Any]:
-        """What DCP saves or loads: the model's tensors at the top level (in `dtype` if given),
-        every other part of `parts` as its Stateful under its name."""
+    def _dcp_state(self, parts: list[str], dtype: str | None = None, model: ModelState | None = None) -> dict[str, Any]:
+        """What DCP saves or loads: the model's tensors at the top level (in `dtype` if given; those of
+        ``model``, default the run's own), every other part of `parts` as its Stateful under its name."""
         state: dict[str, Any] = {}
         if "model" in parts:
-            state.update(self.model.state_dict())
+            state.update((model or self.model).state_dict())
             if dtype is not None:
                 target = getattr(torch, dtype)
                 state = {k: v.to(target) if v.dtype != target else v for k, v in state.items()}
@@ -318,6 +335,8 @@ class CheckpointManager:
         }
         if self.hf_config is not None:
             meta[HF_CONFIG_KEY] = self.hf_config
+        if self.lora is not None:
+            meta[LORA_KEY] = {**self.lora.record(), "base": self.lora_base}
         writer = ChecksumWriter(str(tmp), sync_files=True)
         timing = SaveTiming(step, 0.0)
         self.timings.append(timing)
@@ -455,6 +474,26 @@ class CheckpointManager:
             return None
         for note in plan.notes:
             self.log(note)
+        if isinstance(plan, LoRAPlan):
+            return self._load_lora(plan)
+        return self._load(plan)
+
+    def _load_lora(self, plan: LoRAPlan) -> Resumed:
+        """The base's weights (its fingerprint checked against the one the run's step records), then
+        the run's own step when it resumes."""
+        record = base_record(plan.base.folder, plan.base_format, self._pg)
+        if plan.recorded is not None:
+            check_same_base(plan.recorded, record, plan.own.folder)
+        self.lora_base = record
+        resumed = self._load(plan.base)
+        if plan.own is None:
+            return resumed
+        base_config = self.hf_config
+        resumed = self._load(plan.own)
+        self.hf_config = self.hf_config or base_config
+        return resumed
+
+    def _load(self, plan: LoadPlan | ForeignPlan) -> Resumed:
         if isinstance(plan, ForeignPlan):
             self.hf_config = plan.source.extra_metadata().get(HF_CONFIG_KEY)
             return self._read_foreign(plan)
@@ -480,7 +519,7 @@ class CheckpointManager:
     def _read_foreign(self, plan: ForeignPlan) -> Resumed:
         """Another tool's weights, each full tensor read once per rank and sliced locally."""
         with plan.source as source:
-            load_source_into(self.model.module, source)
+            load_source_into(self.weights.module, source, keep=self.weights.keep)
         self.log(
             f"loaded initial checkpoint {plan.folder} ({plan.format}, converted on the fly, model from "
             f"{plan.source.origin or 'its files'}): model; training starts at step 0"
@@ -516,11 +555,12 @@ class CheckpointManager:
                 f"data setup or titanctl version?); skip it with checkpoint.exclude_from_loading = {part}"
             )
 
-        state = self._dcp_state(parts)
+        model = self.weights if plan.initial else self.model
+        state = self._dcp_state(parts, model=model)
         try:
             plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing)
             if "model" in parts:
-                self.model.load_state_dict({k: v for k, v in state.items() if k not in self.states})
+                model.load_state_dict({k: v for k, v in state.items() if k not in self.states})
         except TitanError as e:  # a Stateful's own check does not know the folder
             if str(e).startswith(str(folder)):
                 raise

@@ -47,7 +47,8 @@ def write_metadata(folder: Path, args: ModelArgs, *, step: int, weights_only: bo
 _REQUIRED = {"step": "count", "weights_only": "bool", "dtype": "str", "model_args": "dict"}
 _OPTIONAL = {"tokens_seen": "count", "dp_degree": "positive", "global_batch_size": "positive",
              "world_size": "positive", "contents": "names", "checksums": "dict", "version": "count",
-             "hf_config": "dict"}  # hf_config: the Hugging Face config.json the weights came from
+             "hf_config": "dict",  # hf_config: the Hugging Face config.json the weights came from
+             "lora": "dict"}  # lora: a LoRA step's adapters and base (titanctl.checkpoint.lora_base)
 _KINDS = {
     "count": ("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "positive": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),

@@ -19,7 +19,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import ROPE_LAYOUTS, SCORE_FUNCS, MLAArgs, ModelArgs, MoEArgs, RopeScaling, YarnScaling
+from titanctl.models.common.args import (
+    EXPERT_KINDS,
+    LAYER_TYPES,
+    ROPE_LAYOUTS,
+    SCORE_FUNCS,
+    MLAArgs,
+    ModelArgs,
+    MoEArgs,
+    RopeScaling,
+    YarnScaling,
+)
 from titanctl.models.common.norms import NORMS
 from titanctl.models.registry import FAMILIES
 from titanctl.models.shapes import num_params
@@ -60,11 +70,29 @@ def _brief(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
+def check_finite_numbers(data: Any, where: str) -> None:
+    """Every number in a checkpoint's JSON (config.json, params.json, an index) finite. Python's
+    ``json`` reads ``NaN``, ``Infinity`` and 1e999 (which no JSON standard allows) as floats, and a
+    NaN rope_theta or norm eps gives a model that computes NaN; refused here, when the file is read,
+    whichever key holds it and whichever command reads it."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:  # the nesting is bounded by the reader (safe_io.MAX_NESTING)
+        item, at = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise CheckpointError(f"{where}: {_brief(at, 80) if at else 'the file'} is {item}: a config's numbers "
+                                  "must be finite (JSON has no NaN or Infinity)")
+        if isinstance(item, dict):
+            stack.extend((value, f"{at}.{key}" if at else str(key)) for key, value in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((value, f"{at}[{i}]") for i, value in reversed(list(enumerate(item))))
+
+
 def check_args(args: ModelArgs, where: str) -> ModelArgs:
     """`args` (read from `where`) if every value is one the model can be built with; a one-line
     CheckpointError naming the value otherwise."""
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
         _int(getattr(args, name), name, where)
+    _int(args.mtp_layers, "mtp_layers", where, minimum=0)
     if args.n_kv_heads is not None:
         _int(args.n_kv_heads, "n_kv_heads", where)
     for name in ("norm_eps", "rope_theta"):
@@ -74,8 +102,9 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
     for name in ("explicit_head_dim", "explicit_ffn_hidden_dim"):  # set by families that publish them (Qwen3)
         if getattr(args, name) is not None:
             _int(getattr(args, name), name, where)
-    for name in ("depth_init", "qk_norm", "tie_embeddings"):
+    for name in ("depth_init", "qk_norm", "tie_embeddings", "attention_bias", "attention_sinks"):
         _one_of(getattr(args, name), name, where, (True, False))
+    _check_sliding_window(args, where)
     _one_of(args.family, "family", where, FAMILIES)
     _one_of(args.norm_type, "norm_type", where, NORMS)
     _one_of(args.rope_layout, "rope_layout", where, ROPE_LAYOUTS)
@@ -106,6 +135,10 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
                                   f"route moe.top_k {moe.top_k} from the moe.topk_group {moe.topk_group} best")
         _one_of(moe.score_func, "moe.score_func", where, SCORE_FUNCS)
         _one_of(moe.norm_topk_prob, "moe.norm_topk_prob", where, (True, False))
+        _one_of(moe.router_bias, "moe.router_bias", where, (True, False))
+        _one_of(moe.expert_kind, "moe.expert_kind", where, EXPERT_KINDS)
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            _positive(getattr(moe, name), f"moe.{name}", where)
         if moe.top_k > moe.num_experts:
             raise CheckpointError(f"{where}: moe.top_k {moe.top_k} exceeds moe.num_experts {moe.num_experts}")
     _check_mla(args, where)
@@ -119,6 +152,16 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
         if scaling.low_freq_factor == scaling.high_freq_factor:
             raise CheckpointError(f"{where}: rope_scaling low_freq_factor and high_freq_factor must differ")
     return args
+
+
+def _check_sliding_window(args: ModelArgs, where: str) -> None:
+    """gpt-oss's layer kinds: a tuple of LAYER_TYPES, and a window of >= 1 positions when any layer slides."""
+    if not isinstance(args.layer_types, tuple) or not all(t in LAYER_TYPES for t in args.layer_types):
+        raise CheckpointError(f"{where}: layer_types is {_brief(args.layer_types)}, expected a list of "
+                              f"{', '.join(LAYER_TYPES)}")
+    _int(args.sliding_window, "sliding_window", where, minimum=0)
+    if "sliding_attention" in args.layer_types and args.sliding_window < 1:
+        raise CheckpointError(f"{where}: sliding_window is {args.sliding_window}, but layer_types has sliding layers")
 
 
 def _check_mla(args: ModelArgs, where: str) -> None:
@@ -143,6 +186,7 @@ def _check_mla(args: ModelArgs, where: str) -> None:
         for name in ("mscale", "mscale_all_dim"):  # 0: not given
             if getattr(args.yarn, name) != 0:
                 _positive(getattr(args.yarn, name), f"yarn.{name}", where)
+        _one_of(args.yarn.truncate, "yarn.truncate", where, (True, False))
 
 
 def args_from_fields(raw: Any, where: str) -> ModelArgs:
@@ -168,12 +212,16 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
         if not isinstance(moe, dict) or set(moe) - fields or not {"num_experts", "top_k", "hidden_dim"} <= set(moe):
             raise CheckpointError(f"{where}: model_args.moe must be an object with {', '.join(sorted(fields))}")
         raw["moe"] = MoEArgs(**moe)
-    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling)):  # DeepSeek-V3's
+    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling)):  # DeepSeek-V3's (and gpt-oss's YaRN)
         if raw.get(key) is not None:
             fields = {f.name for f in dataclasses.fields(cls)}
-            if not isinstance(raw[key], dict) or set(raw[key]) != fields:
+            # YaRN's truncate came later: a titanctl.json without it meant true, the default.
+            optional = {"truncate"} if cls is YarnScaling else set()
+            if not isinstance(raw[key], dict) or not fields - optional <= set(raw[key]) <= fields:
                 raise CheckpointError(f"{where}: model_args.{key} must be an object with {', '.join(sorted(fields))}")
             raw[key] = cls(**raw[key])
+    if isinstance(raw.get("layer_types"), list):  # JSON has no tuples; ModelArgs is hashed
+        raw["layer_types"] = tuple(raw["layer_types"])
     return check_args(ModelArgs(**raw), where)
 
 
@@ -181,11 +229,11 @@ def check_declared(
     args: ModelArgs, stored: Iterable[tuple[str, tuple[int, ...]]], vocab_size: int | None, where: str
 ) -> None:
     """The model `where` declares against the (name, shape) pairs the checkpoint stores, in any
-    format's names (every shard's, for a sharded format): no more layers than it has, the dim of its
-    final norm, the vocabulary of its embedding, and at most twice as many parameters as it stores
-    values (an ``intermediate_size`` of 10^9 over tensors 768 wide; a few missing tensors are left for
-    the format's completeness check to name). Cheap and bounded by the files, so it runs before
-    anything sized by `args` is allocated."""
+    format's names (every shard's, for a sharded format): no more layers (prediction depths included)
+    than it has, the dim of its final norm, the vocabulary of its embedding, and at most twice as many
+    parameters as it stores values (an ``intermediate_size`` of 10^9 over tensors 768 wide; a few
+    missing tensors are left for the format's completeness check to name). Cheap and bounded by the
+    files, so it runs before anything sized by `args` is allocated."""
     layers: set[int] = set()
     norm: tuple[int, ...] | None = None
     values = 0
@@ -199,6 +247,11 @@ def check_declared(
     if args.n_layers > len(layers):
         raise CheckpointError(
             f"{where} declares n_layers {args.n_layers}, but the checkpoint holds tensors of {len(layers)} layer(s)"
+        )
+    if args.n_layers + args.mtp_layers > len(layers):  # each prediction depth is one more layer's tensors
+        raise CheckpointError(
+            f"{where} declares {args.mtp_layers:,} multi-token-prediction depth(s) after its {args.n_layers} layers "
+            f"(DeepSeek-V3's num_nextn_predict_layers), but the checkpoint holds tensors of {len(layers)} layer(s)"
         )
     if norm is not None and norm != (args.dim,):
         raise CheckpointError(f"{where} declares dim {args.dim}, but the checkpoint's final norm has shape {norm}")

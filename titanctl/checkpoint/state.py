@@ -9,6 +9,7 @@ the order of the part names, so no part depends on another having been loaded fi
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,16 +58,22 @@ class _PartsView(nn.Module):
 
 class ModelState(Stateful):
     """This rank's model parts (pipeline stages) as one state dict under canonical names, under
-    every layout and wrapper (FSDP, TP, compile, activation checkpointing)."""
+    every layout and wrapper (FSDP, TP, compile, activation checkpointing).
 
-    def __init__(self, parts: list[nn.Module]) -> None:
+    ``keep``: only the entries whose canonical name it accepts (a LoRA run saves its adapters and
+    buffers, not the frozen base; it loads the base alone from the base's checkpoint)."""
+
+    def __init__(self, parts: list[nn.Module], keep: Callable[[str], bool] | None = None) -> None:
         self.module = parts[0] if len(parts) == 1 else _PartsView(parts)
+        self.keep = keep
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.module)
+        state = get_model_state_dict(self.module)
+        return state if self.keep is None else {k: v for k, v in state.items() if self.keep(k)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.module, state_dict)
+        options = None if self.keep is None else StateDictOptions(strict=False)
+        set_model_state_dict(self.module, state_dict, options=options)
 
 
 class OptimizerState(Stateful):

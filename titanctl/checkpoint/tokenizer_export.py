@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from titanctl.checkpoint.formats.hf import special_token_ids
 from titanctl.checkpoint.paths import boundary, inside
+from titanctl.data.chat_template import MAX_TEMPLATE_BYTES, TEMPLATE_FILE
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, MAX_TOKENIZER_BYTES, Tokenizer
 from titanctl.errors import CheckpointError, DataError
 from titanctl.models.registry import spec_of
@@ -176,6 +177,7 @@ def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: To
         write_generation_config(folder, args, tokenizer)
         if tokenizer is not None:
             write_hf_tokenizer(folder, tokenizer, args.max_seq_len)
+            write_chat_template(folder, tokenizer)
     elif fmt == "torchtune" and tokenizer is not None:
         why_not = write_torchtune_tokenizer(folder, tokenizer)
         return [why_not] if why_not else []
@@ -183,7 +185,21 @@ def write_companion_files(folder: Path, fmt: str, args: ModelArgs, tokenizer: To
         (folder / _recorded_as(tokenizer)).write_bytes(tokenizer_bytes(tokenizer))
         if tokenizer.config_bytes is not None:  # it names the special tokens of the copy beside it
             (folder / TOKENIZER_CONFIG).write_bytes(tokenizer.config_bytes)
+        write_chat_template(folder, tokenizer)
     return []
+
+
+def write_chat_template(folder: Path, tokenizer: Tokenizer) -> None:
+    """The ``chat_template.jinja`` beside the tokenizer (the bundled one has one; transformers writes
+    one beside a Hugging Face tokenizer), copied beside the copy of the tokenizer: a chat-tuned
+    model exported with it answers ``apply_chat_template`` and ``infer-tp --chat`` as it was trained.
+    A link out of the tokenizer's folder is refused, as any file a checkpoint names."""
+    source = Path(tokenizer.path).parent
+    if not os.path.lexists(source / TEMPLATE_FILE):
+        return
+    path = inside(source, TEMPLATE_FILE, f"tokenizer folder {source}")
+    data = read_bytes(path, what="chat template", max_bytes=MAX_TEMPLATE_BYTES, error=CheckpointError)
+    (folder / TEMPLATE_FILE).write_bytes(data)
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -13,14 +13,14 @@ from titanctl.errors import ConfigError, ParallelError, TitanError
 from titanctl.parallel.runtime import elastic
 from titanctl.safe_io import shown
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, emoji=False)
 
 
 def wide_console(min_width: int) -> Console:
     """stdout; piped or captured, at least ``min_width`` columns, so tables are not squeezed into 80."""
-    out = Console(highlight=False)
+    out = Console(highlight=False, emoji=False)
     if not out.is_terminal:
-        out = Console(highlight=False, width=max(out.width, min_width))
+        out = Console(highlight=False, emoji=False, width=max(out.width, min_width))
     return out
 
 

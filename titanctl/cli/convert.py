@@ -25,7 +25,9 @@ def convert(
         None, "--from", help="Source format: meta, dcp, hf, torchtune or torchtitan. Default: told by SRC's files."
     ),
     to_format: str | None = typer.Option(
-        None, "--to", help="Target format: meta, dcp, hf, torchtune or torchtitan. Default: dcp, or hf when SRC is dcp."
+        None, "--to",
+        help="Target format: meta, dcp, hf, torchtune or torchtitan, or peft (a LoRA step's adapters, for peft). "
+        "Default: dcp, or hf when SRC is dcp.",
     ),
     flavor: str | None = typer.Option(
         None, "--flavor", help="Model flavor (debugmodel, 8B, 70B, 405B) instead of SRC's own config."
@@ -44,6 +46,17 @@ def convert(
     max_shard_size: str | None = typer.Option(
         None, "--max-shard-size", help="Largest safetensors file of an hf output, e.g. 5GB (the default)."
     ),
+    merge_lora: bool = typer.Option(
+        False, "--merge-lora",
+        help="SRC is a LoRA run's step (adapters only): write its base with the adapters folded in "
+        "(W + alpha / rank x B A), in any --to format. The base is the one the step records, checked by its "
+        "fingerprint.",
+    ),
+    lora_base: Path | None = typer.Option(
+        None, "--lora-base", readable=False,
+        help="Where the LoRA step's base is now, when it moved (its weights must be the ones the adapters were "
+        "trained on).",
+    ),
     tokenizer_path: Path | None = typer.Option(
         None,
         "--tokenizer-path",
@@ -51,7 +64,8 @@ def convert(
         "output, recorded in a dcp output. Default: the one SRC records, else the bundled one if its vocabulary fits.",
     ),
 ) -> None:
-    """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats.
+    """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats; export a LoRA
+    run's adapters for peft (--to peft) or merged into their base (--merge-lora).
 
     Extra --section.key VALUE options override the --config recipe: the model's shape (model.name, flavor,
     n_layers, n_kv_heads, mtp_layers, norm_type) and training.seq_len; any other key is an error.
@@ -77,6 +91,8 @@ def convert(
             max_shard_size=max_shard_size,
             progress=bar,
             tokenizer_path=tokenizer_path,
+            merge_lora=merge_lora,
+            lora_base=lora_base,
         )
     except KeyboardInterrupt:
         bar.stop()

@@ -16,7 +16,16 @@ def infer_tp(
         help="Checkpoint folder of any format convert reads (titanctl DCP, Hugging Face, Meta, torchtune, "
         "torchtitan), or a folder of step-N folders (the newest complete one is read).",
     ),
-    prompt: str = typer.Option(..., "--prompt", help="Text to continue."),
+    prompt: str = typer.Option(
+        ..., "--prompt",
+        help="Text to continue; with --chat, a conversation: a JSON list of {\"role\", \"content\"} messages (or "
+        "an object with messages and tools), or text that does not start with [ or { for one user message.",
+    ),
+    chat: bool = typer.Option(
+        False, "--chat",
+        help="Answer --prompt as a chat model: render it with the tokenizer's chat template (or "
+        "--sft.chat_template_path) and its generation prompt, and stop at the template's end of turn.",
+    ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="0 is greedy decoding."),
     top_k: int = typer.Option(200, "--top-k", min=0, help="Sample among the k likeliest tokens (0: all)."),
@@ -46,7 +55,7 @@ def infer_tp(
     check_overrides("infer-tp", ctx.args)  # before torch is imported and any checkpoint is looked at
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     rank0 = os.environ.get("RANK", "0") == "0"
 
     def say(text: str) -> None:  # progress of the phases that may take seconds, as they start
@@ -59,7 +68,7 @@ def infer_tp(
 
     report = run(
         checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-        config=config, overrides=ctx.args, compile=compile, say=say,
+        config=config, overrides=ctx.args, compile=compile, say=say, chat=chat,
     )
     if report.rank != 0:
         return

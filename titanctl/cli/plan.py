@@ -60,16 +60,27 @@ def plan(
     }
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1, got {gpus}")
-    if calibrate:
-        from titanctl.tools.plan.calibrate import calibrate as run_calibration
+    from titanctl.tools.plan import calibrate as calibration
+    from titanctl.tools.plan.search import ac_modes_from, check_tokens_per_step, check_world_size, recipe_config
+    from titanctl.tools.plan.search import plan as make_plan
 
+    # Everything that can be refused is, before minutes of measuring or enumerating.
+    if calibrate:
         if cluster is None:
             raise ConfigError("--calibrate writes its measurements to --cluster FILE.toml: give one")
         if device not in (None, "cpu"):
             # The probes run on CPU processes over gloo: their figures would describe this host, not the GPU named.
             raise ConfigError(f"--calibrate measures CPU processes over gloo (--device cpu), not --device {device}: "
                               f"plan for {device} with its preset, or a cluster file with its measured figures")
-        measured = run_calibration(gpus, cluster, log=None if as_json else typer.echo)
+        calibration.check_processes(gpus)
+        calibration.check_writable(cluster)
+    else:
+        check_world_size(gpus)
+    cfg = recipe_config(config) if config is not None else None
+    if cfg is not None and global_batch is not None:
+        check_tokens_per_step(global_batch, cfg.training.seq_len, "--global-batch")
+    if calibrate:
+        measured = calibration.calibrate(gpus, cluster, log=None if as_json else typer.echo)
         if not as_json:
             typer.echo(f"wrote {cluster}: {measured}")
         if config is None:
@@ -78,14 +89,10 @@ def plan(
     if config is None:
         raise ConfigError("give --config RECIPE.toml (recipes/*.toml)")
     resolved = resolve_device(device, cluster, figures)
-
-    from titanctl.tools.plan.search import ac_modes_from, recipe_config
-    from titanctl.tools.plan.search import plan as make_plan
-
-    cfg = recipe_config(config)
     result = make_plan(
         str(config), cfg, gpus, resolved, global_batch=global_batch, top=top, exact=exact,
         budget_seconds=budget_seconds, float8=float8, ac_modes=ac_modes_from(ac, cfg),
+        log=lambda text: typer.echo(f"plan: {text}", err=True),
     )
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))

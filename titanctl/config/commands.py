@@ -26,6 +26,7 @@ _ESTIMATE = (
     "activation_checkpoint.*",
     "compile.*",  # only to say in a note that blocks are estimated in eager mode
     "float8.enable_float8_linear",  # picks the target device; says in a note how float8 is modelled
+    "lora.*",  # the adapters it builds, and the frozen base without gradients or optimizer state
 )
 
 READS: dict[str, tuple[str, ...]] = {
@@ -48,6 +49,7 @@ READS: dict[str, tuple[str, ...]] = {
         "model.*",  # the tokenizer; the model too when the checkpoint does not say which (plain DCP)
         "training.seq_len",  # the context of such a model
         "comm.init_timeout_seconds",
+        "sft.chat_template_path",  # --chat: a template other than the tokenizer's (the one a model was tuned with)
     ),
 }
 
@@ -63,6 +65,7 @@ _ESTIMATE_NOT_READ = {
     "profiling.*": "it records no traces",
     "validation.*": "it estimates a training step, not an evaluation",
     "moe.*": "it takes routing as balanced, whatever balances it",
+    "sft.*": "it feeds random token ids",
 }
 
 # Refused keys, with the reason the error shows.
@@ -85,7 +88,8 @@ NOT_READ: dict[str, dict[str, str]] = {
     },
     "convert": {
         "*": "it converts weights: only the model's shape is taken from the recipe",
-        "model.*": "the recipe gives the model's shape (name, flavor, n_layers, n_kv_heads, mtp_layers) only",
+        "model.*": "the recipe gives the model's shape (name, flavor, n_layers, n_kv_heads, mtp_layers, "
+        "norm_type) only",
         "model.tokenizer_path": "--tokenizer-path gives the tokenizer of its output",
     },
     "infer-tp": {

@@ -55,6 +55,7 @@ MODEL_FLAVORS = {
     "qwen3": ("debugmodel", "debugmodel_untied", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
     "qwen3_moe": ("debugmodel", "30B-A3B", "235B-A22B"),
     "deepseek_v3": ("debugmodel", "16B", "671B"),
+    "gpt_oss": ("debugmodel", "20b", "120b"),
 }
 
 
@@ -146,11 +147,14 @@ class LRScheduler:
 class DatasetEntry:
     """One source of a data mixture: a ``[[training.datasets]]`` table of the recipe."""
 
-    name: str = opt("", "A dataset name: bundled, bundled_val, c4, local, or hf:<hub id or local folder>.")
+    name: str = opt(
+        "", "A dataset name: bundled, bundled_val, c4, local, hf:<hub id or local folder>, or chat:<file, folder "
+        "or hf:id> (chat fine-tuning data, see the sft section)."
+    )
     path: str = opt("", "A local json/jsonl/parquet/txt file or folder (instead of name).")
     weight: float = opt(1.0, "Share of the samples drawn from this source, relative to the others.", above=0)
     config: str = opt("", "hf: only: the dataset's configuration (datasets' `name`), e.g. en for allenai/c4.")
-    split: str = opt("train", "hf: only: the split to stream.")
+    split: str = opt("train", "hf: and chat: folders only: the split to read.")
     text_field: str = opt("text", "hf: only: the column holding the document text.")
 
     @property
@@ -163,8 +167,9 @@ class DatasetEntry:
 class Training:
     dataset: str = opt(
         "bundled",
-        "Dataset: bundled, bundled_val, c4, local (with dataset_path), or hf:<hub id or local folder> "
-        "(its train split, streamed).",
+        "Dataset: bundled, bundled_val, c4, local (with dataset_path), hf:<hub id or local folder> "
+        "(its train split, streamed), or chat:<jsonl/parquet file, folder or hf:id> (conversations for chat "
+        "fine-tuning, rendered with the tokenizer's chat template and packed; see the sft section).",
     )
     dataset_path: str = opt("", "A json/jsonl/parquet/txt file or folder; implies dataset=local.")
     datasets: list[DatasetEntry] = opt(
@@ -338,6 +343,35 @@ class Float8:
 
 
 @dataclass
+class LoRA:
+    enable: bool = opt(
+        False,
+        "Train low-rank adapters (LoRA) on a frozen base model: each targeted linear computes W x + "
+        "(alpha / rank) B A x with A (rank x in) and B (out x rank) trained, W frozen; B starts at zero, so "
+        "the first step's model is the base. The base comes from checkpoint.initial_load_path (required) "
+        "and is recorded (path and fingerprint) in every checkpoint, which holds only the adapters, the "
+        "optimizer and the step (docs/post-training.md: LoRA).",
+    )
+    rank: int = opt(8, "Rank r of every adapter.", min=1, max=65536)
+    alpha: float = opt(16.0, "The adapters' scale numerator: their output is multiplied by alpha / rank.", above=0)
+    dropout: float = opt(
+        0.0, "Dropout on the adapters' input while training (the frozen path sees none).", min=0, below=1
+    )
+    target_modules: list[str] = opt(
+        ["attention"],
+        "Linear layers that get an adapter, by name or run of dotted parts of a name: attention (every "
+        "attention projection), feed_forward, attention.wq, layers.0, output (untied models), moe.experts "
+        "(routed experts: per-expert A and B stacks), experts.w2. Each entry must name at least one.",
+    )
+    target_regex: str = opt(
+        "",
+        "A Python regular expression that the whole canonical name must match, over the family's linear "
+        "layers and routed expert stacks (e.g. layers\\.\\d+\\.attention\\.w[qv] or "
+        "layers\\.\\d+\\.moe\\.experts\\.w[13]); when set, it replaces target_modules.",
+    )
+
+
+@dataclass
 class MoEBalancing:
     load_balance_coeff: float = opt(
         0.0,
@@ -391,10 +425,41 @@ class Validation:
     )
     dataset: str = opt(
         "bundled_val",
-        "Held-out dataset: bundled_val (the bundled corpus's held-out split), bundled, or local (with "
-        "dataset_path); finite sources only.",
+        "Held-out dataset: bundled_val (the bundled corpus's held-out split), bundled, local (with "
+        "dataset_path), or chat:<file, folder or hf:id> (conversations, masked as training masks them); "
+        "finite sources only.",
     )
     dataset_path: str = opt("", "A json/jsonl/parquet/txt file or folder; implies dataset=local.")
+
+
+@dataclass
+class SFT:
+    train_on: str = opt(
+        "assistant",
+        "Chat data (training.dataset = chat:...): which tokens the loss learns. assistant: every assistant "
+        "turn, its end-of-turn token included (system, user and tool turns and the generation prompt never); "
+        "last_assistant: the last assistant turn only; all: every token (docs/post-training.md: Chat data).",
+        choices=("assistant", "last_assistant", "all"),
+    )
+    overlong: str = opt(
+        "drop",
+        "Chat data: a conversation longer than training.seq_len tokens is dropped (drop) or cut to its "
+        "first seq_len tokens (truncate; dropped if nothing to learn is left). Either way it is counted in "
+        "the line said at start.",
+        choices=("truncate", "drop"),
+    )
+    chat_template_path: str = opt(
+        "",
+        "Chat data: a Jinja chat template file to render conversations with, instead of the tokenizer's "
+        "own (chat_template.jinja or tokenizer_config.json beside model.tokenizer_path; the bundled "
+        "tokenizer has one). A template with {% generation %} marks says itself which text is the "
+        "assistant's.",
+    )
+    validation_split: str = opt(
+        "validation",
+        "Chat data: the split that validation.dataset = chat:<folder or hf:id> reads (a folder laid out "
+        "like a Hugging Face dataset; training reads train, or a mixture entry's split).",
+    )
 
 
 @dataclass
@@ -429,8 +494,10 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: LoRA = field(default_factory=LoRA)
     moe: MoEBalancing = field(default_factory=MoEBalancing)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    sft: SFT = field(default_factory=SFT)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

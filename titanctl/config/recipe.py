@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from titanctl.config import commands
-from titanctl.config.job_config import MODEL_FLAVORS, JobConfig
+from titanctl.config.job_config import MODEL_FLAVORS, SFT, JobConfig
 from titanctl.errors import ConfigError
 from titanctl.safe_io import parse_toml, read_bytes, regular_file_size
 
@@ -185,7 +185,7 @@ def load_config(
                 _set(cfg, f"{section}.{name}", value, from_text=False, where=f" in {path}")
     for key, value in pairs:
         _set(cfg, key, value, from_text=True, where=" on the command line")
-    validate(cfg)
+    validate(cfg, command)
     return cfg
 
 
@@ -279,8 +279,9 @@ def _check_in_dump_folder(key: str, value: str, default: str) -> None:
     )
 
 
-def validate(cfg: JobConfig) -> None:
-    """Check choices, ranges, folders and relations between keys that need no runtime facts."""
+def validate(cfg: JobConfig, command: str | None = None) -> None:
+    """Check choices, ranges, folders and relations between keys that need no runtime facts
+    (``command``: the running subcommand, when it reads a key otherwise than training does)."""
     for key, (_, f) in field_specs().items():
         section, name = key.split(".", 1)
         value = getattr(getattr(cfg, section), name)
@@ -320,6 +321,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"config key 'parallelism.data_parallel_shard_degree' = {shard} must be -1 or >= 1")
     _check_pipeline_keys(cfg.parallelism)
     _check_datasets(cfg.training)
+    _check_chat_masking(cfg, command)
     _check_hf_save_keys(cfg.checkpoint)
 
 
@@ -352,12 +354,40 @@ def _check_datasets(training) -> None:
                 f"(a local file or folder); got {got}"
             )
         extras = [k for k, default in _HF_ONLY.items() if getattr(entry, k) != default]
+        if entry.name.startswith("chat:"):  # a chat folder has splits too
+            extras = [k for k in extras if k != "split"]
         if extras and not entry.name.startswith("hf:"):
             verb = "applies" if len(extras) == 1 else "apply"
             raise ConfigError(f"{where}: {', '.join(extras)} {verb} only to hf: datasets, not to {entry.label!r}")
         if entry.label in labels:
             raise ConfigError(f"{where}: {entry.label!r} is already in the mixture; give it once, with one weight")
         labels.add(entry.label)
+
+
+def _check_chat_masking(cfg, command: str | None = None) -> None:
+    """Chat data packs several conversations into a window: each must see only itself. The [sft] keys
+    act only on chat data (set without any they would be ignored), but infer-tp --chat renders its
+    prompt with sft.chat_template_path."""
+    validation = cfg.validation.dataset if cfg.validation.enabled else ""
+    names = [cfg.training.dataset, validation, *(entry.name for entry in cfg.training.datasets)]
+    chat = next((name for name in names if name.startswith("chat:")), None)
+    defaults = SFT()
+    for f in dataclasses.fields(SFT):
+        value = getattr(cfg.sft, f.name)
+        if value == getattr(defaults, f.name) or (command == "infer-tp" and f.name == "chat_template_path"):
+            continue
+        if chat is None:
+            raise ConfigError(f"config key 'sft.{f.name}' = {value!r} acts on chat data only, and no dataset is "
+                              "chat:...; unset it, or give chat data (training.dataset = 'chat:FILE')")
+        if f.name == "validation_split" and not validation.startswith("chat:"):
+            raise ConfigError(f"config key 'sft.validation_split' = {value!r} is the split validation.dataset = "
+                              "'chat:...' reads, but validation reads no chat data; unset it")
+    if chat is not None and cfg.model.attn_mask_type != "block_causal":
+        raise ConfigError(
+            f"chat data ({chat!r}) packs several conversations into each window, which needs "
+            f"model.attn_mask_type = 'block_causal' (each conversation attends only to itself, its positions "
+            f"start at 0), not {cfg.model.attn_mask_type!r}"
+        )
 
 
 def _check_hf_save_keys(ck) -> None:

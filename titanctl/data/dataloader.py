@@ -12,7 +12,11 @@ Sample i draws from source c(i), a seeded hash of (seed, i) spread over the weig
   from the source is window perm_e[k % n_windows] of epoch e = k // n_windows, where perm_e is
   a permutation drawn from a private generator seeded by (seed, e) (in a mixture by
   (seed, source number, e));
-- streaming sources: the next window of virtual shard i mod N (streaming.py).
+- streaming sources: the next window of virtual shard i mod N (streaming.py);
+- chat sources (chat.py): the same as finite sources, over windows of whole conversations packed once.
+  With a chat source every microbatch is (inputs, labels, positions): labels hold IGNORE_INDEX where
+  nothing is learned, and positions restart at 0 where a conversation (or, for a text source in the
+  same mixture, a document) begins.
 
 Ranks: data-parallel rank r of degree d trains on the step's samples i with i mod d == r, in
 order, and its microbatch m holds the m-th local_batch_size of them. So the union over ranks of
@@ -41,6 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from titanctl.data.cache import cache_dir
+from titanctl.data.chat import ChatSource
+from titanctl.data.chat_pack import LABELS, POSITIONS, TOKENS, WINDOW_ROWS, text_windows_as_rows
 from titanctl.data.datasets import DocumentSource
 from titanctl.data.mixture import MixtureSampler, WeightedSource, label_of
 from titanctl.data.streaming import ShardedStream
@@ -50,13 +57,14 @@ from titanctl.errors import DataError
 _ENCODE_CHUNK_DOCS = 256  # documents per encode_batch call: enough to keep threads busy
 _CACHE_FORMAT = "titanctl-tokens-v1"  # bump when the packing of documents changes
 
-Microbatch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), each (local_batch_size, seq_len) int64
+# (inputs, labels), or with chat data (inputs, labels, positions); each (local_batch_size, seq_len) int64
+Microbatch = tuple[torch.Tensor, ...]
 
 
 class TokenWindowLoader:
     def __init__(
         self,
-        sources: DocumentSource | Sequence[WeightedSource],
+        sources: DocumentSource | ChatSource | Sequence[WeightedSource],
         tokenizer: Tokenizer,
         *,
         seq_len: int,
@@ -85,7 +93,7 @@ class TokenWindowLoader:
                 f"local_batch_size x data-parallel degree = "
                 f"{local_batch_size} x {dp_degree} = {per_microbatch}"
             )
-        if isinstance(sources, DocumentSource):
+        if isinstance(sources, (DocumentSource, ChatSource)):
             sources = [WeightedSource(label_of(sources), sources)]
         self.sources = list(sources)
         if not self.sources:
@@ -101,8 +109,27 @@ class TokenWindowLoader:
         mixed = len(self.sources) > 1
         self._sampler = MixtureSampler([s.weight for s in self.sources], seed) if mixed else None
         self._readers: list[_ShuffledWindows | ShardedStream] = []
+        # Chat data: every window in the (tokens, labels, positions) layout, text windows converted.
+        self.chat = any(getattr(entry.source, "chat", False) for entry in self.sources)
+        self.bos_id = tokenizer.bos_id
+        self.notes: list[str] = []  # what the trainer says at start (what became of chat rows)
+        chat_templates = []
         for j, entry in enumerate(self.sources):
             source = entry.source
+            if getattr(source, "chat", False):
+                key = (seed, j + 1) if mixed else (seed,)
+                windows = _ShuffledWindows.of(source.windows(tokenizer, seq_len), key)
+                self.notes.append(source.report.summary())
+                chat_templates.append(source.template_sha256)
+                needed = 1 if mixed else global_batch_size
+                if windows.n_windows < needed:
+                    raise DataError(
+                        f"chat dataset {source.description} packs into {windows.n_windows} windows of seq_len="
+                        f"{seq_len}, " + (f"fewer than one global batch of {global_batch_size}; " if not mixed else "")
+                        + "lower training.global_batch_size, or add data"
+                    )
+                self._readers.append(windows)
+                continue
             if source.streaming:
                 self._readers.append(
                     ShardedStream(source, tokenizer, seq_len, stream_shards, dp_rank, dp_degree)
@@ -132,6 +159,8 @@ class TokenWindowLoader:
         streams = [r for r in self._readers if isinstance(r, ShardedStream)]
         if streams:
             self.fingerprint["stream_shards"] = ",".join(str(r.n_shards) for r in streams)
+        if chat_templates:
+            self.fingerprint["chat_template"] = ",".join(chat_templates)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -153,7 +182,8 @@ class TokenWindowLoader:
         which = self._sampler.choose(ids) if self._sampler else np.zeros(len(ids), dtype=np.int64)
         mine = ids % self.dp_degree == self.dp_rank
         slot = np.cumsum(mine) - 1  # each of this rank's samples' row in `windows`
-        windows = np.empty((int(mine.sum()), self.seq_len + 1), dtype=np.int32)
+        shape = (WINDOW_ROWS, self.seq_len) if self.chat else (self.seq_len + 1,)
+        windows = np.empty((int(mine.sum()), *shape), dtype=np.int32)
         for j, reader in enumerate(self._readers):
             here = which == j
             n = int(here.sum())
@@ -161,13 +191,21 @@ class TokenWindowLoader:
                 continue
             keep = mine[here]
             if isinstance(reader, ShardedStream):
-                windows[slot[here][keep]] = reader.take(ids[here], keep)
+                taken = reader.take(ids[here], keep)
             else:
                 draws = self.drawn[j] + np.arange(n)  # the k-th, (k+1)-th, ... sample from source j
-                windows[slot[here][keep]] = reader.take(draws[keep])
+                taken = reader.take(draws[keep])
+            if self.chat and taken.ndim == 2:  # a text source in a chat mixture
+                taken = text_windows_as_rows(taken, self.bos_id)
+            windows[slot[here][keep]] = taken
             self.drawn[j] += n
         self.samples_consumed += self.global_batch_size
-        batch = torch.from_numpy(windows).to(torch.int64)  # (G / dp, seq_len + 1)
+        batch = torch.from_numpy(windows).to(torch.int64)  # (G / dp, seq_len + 1) or (G / dp, 3, seq_len)
+        if self.chat:
+            return [
+                (rows[:, TOKENS].contiguous(), rows[:, LABELS].contiguous(), rows[:, POSITIONS].contiguous())
+                for rows in batch.split(self.local_batch_size)
+            ]
         # Next-token prediction: labels are the inputs shifted left by one.
         return [
             (rows[:, :-1].contiguous(), rows[:, 1:].contiguous()) for rows in batch.split(self.local_batch_size)
@@ -210,7 +248,7 @@ class TokenWindowLoader:
 
 
 class _ShuffledWindows:
-    """Windows of a flat token array, visited in a fresh permutation each epoch."""
+    """Windows of a flat token array (or given windows), visited in a fresh permutation each epoch."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, key: tuple[int, ...]) -> None:
         self.n_tokens = len(tokens)
@@ -219,6 +257,14 @@ class _ShuffledWindows:
         self.windows = tokens[: self.n_windows * (seq_len + 1)].reshape(self.n_windows, seq_len + 1)
         self.key = key
         self._perms: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, windows: np.ndarray, key: tuple[int, ...]) -> _ShuffledWindows:
+        """Over whole windows already cut (chat: (n, WINDOW_ROWS, seq_len))."""
+        self = cls.__new__(cls)
+        self.windows, self.n_windows, self.n_tokens = windows, len(windows), windows[:, TOKENS].size
+        self.key, self._perms = key, {}
+        return self
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -271,14 +317,6 @@ def tokenize_finite(source: DocumentSource, tokenizer: Tokenizer) -> np.ndarray:
     if cache_file is not None:
         _write_atomically(cache_file, tokens)
     return tokens
-
-
-def cache_dir() -> Path | None:
-    """Where tokenized datasets are cached; None when TITANCTL_CACHE_DIR is set but empty."""
-    env = os.environ.get("TITANCTL_CACHE_DIR")
-    if env is not None:
-        return Path(env).expanduser() if env else None
-    return Path.home() / ".cache" / "titanctl"
 
 
 def _cache_file(source: DocumentSource, tokenizer: Tokenizer) -> Path | None:

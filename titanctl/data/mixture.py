@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from titanctl.config.job_config import Training
+from titanctl.config.job_config import SFT, Training
+from titanctl.data.chat import CHAT_PREFIX, ChatSource, is_chat
 from titanctl.data.datasets import DocumentSource, load_documents
 from titanctl.errors import DataError
 
@@ -22,18 +23,30 @@ from titanctl.errors import DataError
 @dataclass
 class WeightedSource:
     label: str  # how metrics name it: the dataset name, or the path for local files
-    source: DocumentSource
+    source: DocumentSource | ChatSource
     weight: float = 1.0
 
 
-def label_of(source: DocumentSource) -> str:
-    return source.description if source.name == "local" else source.name
+def label_of(source: DocumentSource | ChatSource) -> str:
+    return source.description if source.name in ("local", "chat") else source.name
 
 
-def sources_from_config(training: Training) -> list[WeightedSource]:
+def chat_source(name: str, sft: SFT, split: str = "train") -> ChatSource:
+    """A ``chat:...`` dataset name with the [sft] settings that turn its rows into windows."""
+    return ChatSource(name[len(CHAT_PREFIX):], split=split, train_on=sft.train_on, overlong=sft.overlong,
+                      chat_template_path=sft.chat_template_path)
+
+
+def sources_from_config(training: Training, sft: SFT | None = None) -> list[WeightedSource]:
     """training.datasets when given, else the one training.dataset / dataset_path."""
+    sft = sft if sft is not None else SFT()
     if not training.datasets:
-        source = load_documents(training.dataset, training.dataset_path or None)
+        if is_chat(training.dataset):
+            if training.dataset_path:
+                raise DataError(f"dataset {training.dataset!r} takes no dataset_path; the file goes after chat:")
+            source = chat_source(training.dataset, sft)
+        else:
+            source = load_documents(training.dataset, training.dataset_path or None)
         return [WeightedSource(label_of(source), source)]
     mixture = []
     for n, entry in enumerate(training.datasets):
@@ -41,6 +54,8 @@ def sources_from_config(training: Training) -> list[WeightedSource]:
             raise DataError(f"training.datasets[{n}]: give local files as path = FILE_OR_FOLDER, not name = 'local'")
         if entry.path:
             source = load_documents("local", entry.path)
+        elif is_chat(entry.name):
+            source = chat_source(entry.name, sft, entry.split)
         else:
             source = load_documents(entry.name, config=entry.config, split=entry.split, text_field=entry.text_field)
         mixture.append(WeightedSource(entry.label, source, float(entry.weight)))

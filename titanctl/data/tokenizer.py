@@ -117,7 +117,7 @@ class Tokenizer:
         # tiktoken (Rust) loads when a tokenizer is built, not when titanctl.data is imported
         import tiktoken
 
-        self.path = Path(path)
+        self.path = _file_of_folder(Path(path))
         data = _read_tokenizer_file(self.path)
         specials: dict[str, int] | None = None
         pattern = LLAMA3_PATTERN
@@ -467,6 +467,15 @@ def _rank(value: object, where: str, path: Path) -> int:
 _TIKTOKEN_RANK = re.compile(rb"[0-9]{1,10}")
 # Meta's Llama 3 tokenizer.model is 2.2 MB, Llama 3's tokenizer.json 9 MB, Qwen's 11 MB.
 MAX_TOKENIZER_BYTES = 64 << 20
+
+
+def _file_of_folder(path: Path) -> Path:
+    """A Hugging Face tokenizer folder stands for its tokenizer.json (or a tiktoken tokenizer.model)."""
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).is_file():
+                return path / name
+    return path
 
 
 def _read_tokenizer_file(path: Path) -> bytes:

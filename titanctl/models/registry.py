@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen3": "titanctl.models.qwen3.spec",
     "qwen3_moe": "titanctl.models.qwen3_moe.spec",
     "deepseek_v3": "titanctl.models.deepseek_v3.spec",
+    "gpt_oss": "titanctl.models.gpt_oss.spec",
 }
 
 

@@ -43,6 +43,9 @@ class HFFormat:
     per_expert: Mapping[str, str] = field(default_factory=dict)
     # titanctl layer suffixes of state the format does not store (read as zeros, not written).
     not_stored: tuple[str, ...] = ()
+    # titanctl layer suffixes whose Hugging Face tensor holds the last two dimensions swapped (gpt-oss's
+    # experts: gate_up_proj (E, dim, 2 x hidden) for titanctl's w13 (E, 2 x hidden, dim)). Read and written.
+    transposed: tuple[str, ...] = ()
     # Multi-token prediction (DeepSeek-V3): {suffix after mtp.{k}.: HF suffix after model.layers.{n_layers + k}.}
     # (the depth's block is layers.{n_layers + k}, named as any layer), and the HF suffixes of that layer
     # that copy the main model's shared weights (the embedding, the output layer): skipped when read.

@@ -57,10 +57,13 @@ from titanctl.errors import ConfigError, DataError, ParallelError
 from titanctl.models import registry
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import KVCache
+from titanctl.models.common.mla import LatentCache
 from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.layouts import inference_tp
 from titanctl.parallel.runtime import elastic
 from titanctl.parallel.runtime.env import init_process
+from titanctl.tools.chat_prompt import chat_messages, chat_prompt
+from titanctl.tools.host_memory import available_bytes
 from titanctl.tools.sampling import Sampling, sample, seed_key
 
 GREEDY = Sampling()
@@ -190,6 +193,12 @@ COMPILED_ATTENTION: dict[str, SDPBackend | None] = {"avx512": SDPBackend.MATH, "
 PROBE_ROUNDS = 3  # decode-step probe: rounds of PROBE_STEPS steps at each candidate thread count
 PROBE_STEPS = 2
 PREFILL_PROBE_TOKENS = 64  # at most this many prompt tokens per candidate in the prefill's probe
+# Queries x keys of one prefill forward, at most: a longer prompt is run in chunks (each attends to the
+# positions up to its end only, so the work is the same) to bound attention's mask, queries x keys
+# (one byte each, and four in torch's kernels beside it): one forward of a 43k-token prompt held
+# ~1.9 GB of mask per layer. Prompts up to ~11k tokens still run in one forward: the chunks' masks cost
+# time (debug model, 8k tokens in chunks of 1024: 1.27x the CPU time of one forward).
+PREFILL_MASK_ELEMENTS = 2**27
 
 
 def compiled_attention(device: torch.device) -> SDPBackend | None:
@@ -363,8 +372,11 @@ class Decoder:
             torch.set_num_threads(min(seconds, key=seconds.get))
         elif self.threads:
             torch.set_num_threads(self.threads[0])
-        if done < len(prompt):
-            logits = self._forward_last(prompt[done:], done)
+        per_forward = max(CACHE_BUCKET, PREFILL_MASK_ELEMENTS // self.max_seq_len)
+        while done < len(prompt):
+            chunk = prompt[done:done + per_forward]
+            logits = self._forward_last(chunk, done)
+            done += len(chunk)
         return sample(logits, sampling, key, torch.tensor([len(prompt)], device=self.device)), torch.get_num_threads()
 
     def _decode(self, chosen: list[torch.Tensor], stopped: bool, stops: torch.Tensor, prompt_len: int,
@@ -433,11 +445,46 @@ class _CachePrefix(nn.Module):
         self.v.index_copy_(2, input_pos, v)
         return self.k, self.v
 
+    def mask(self, input_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+        return _prefix_mask(self.positions, input_pos, self.masks, window)
+
+
+class _LatentPrefix(nn.Module):
+    """The first ``length`` positions of multi-head latent attention's :class:`LatentCache`, as
+    :class:`_CachePrefix` is of a :class:`KVCache`: a prefill then expands and attends over ``length``
+    positions, not the whole cache."""
+
+    def __init__(self, cache: LatentCache, length: int, masks: list[torch.Tensor] | None):
+        super().__init__()
+        self.kv, self.k_pe = cache.kv[:, :length], cache.k_pe[:, :length]  # (B, length, r), (B, length, rope_dim)
+        self.positions = cache.positions[:length]
+        self.masks = masks
+
+    def update(
+        self, input_pos: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kv.index_copy_(1, input_pos, kv)
+        self.k_pe.index_copy_(1, input_pos, k_pe)
+        return self.kv, self.k_pe
+
     def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
-        mask = self.positions[None, :] <= input_pos[:, None]  # (T, length)
-        if self.masks is not None:
-            self.masks.append(mask)
-        return mask
+        return _prefix_mask(self.positions, input_pos, self.masks)
+
+
+def _prefix_mask(
+    positions: torch.Tensor, input_pos: torch.Tensor, masks: list[torch.Tensor] | None, window: int = 0
+) -> torch.Tensor:
+    """(T, length): the query at position p sees the keys at positions <= p (and > p - ``window`` in a
+    sliding-window layer, whose mask is its own). Under ``masks`` (a causal prefill) one mask serves every
+    full-attention layer: the queries are the same, and each kept mask costs T x T bytes."""
+    if window:
+        return (positions[None, :] <= input_pos[:, None]) & (positions[None, :] > input_pos[:, None] - window)
+    if masks:
+        return masks[0]
+    mask = positions[None, :] <= input_pos[:, None]
+    if masks is not None:
+        masks.append(mask)
+    return mask
 
 
 class _CausalMask(TorchFunctionMode):
@@ -458,8 +505,8 @@ class _CausalMask(TorchFunctionMode):
 
 @contextmanager
 def _cache_prefix(model: nn.Module, length: int, causal: bool):
-    """Every layer's :class:`KVCache` seen through a :class:`_CachePrefix` of ``length`` positions
-    (other caches, such as multi-head latent attention's, stay whole)."""
+    """Every layer's :class:`KVCache` seen through a :class:`_CachePrefix` of ``length`` positions,
+    every :class:`LatentCache` through a :class:`_LatentPrefix` (other caches stay whole)."""
     masks: list[torch.Tensor] | None = [] if causal else None
     swapped = []
     layers = getattr(model, "layers", None)
@@ -469,6 +516,9 @@ def _cache_prefix(model: nn.Module, length: int, causal: bool):
         if type(cache) is KVCache:
             swapped.append((attention, cache))
             attention.cache = _CachePrefix(cache, length, masks)
+        elif type(cache) is LatentCache:
+            swapped.append((attention, cache))
+            attention.cache = _LatentPrefix(cache, length, masks)
     try:
         with _CausalMask(masks) if masks is not None and swapped else nullcontext():
             yield
@@ -572,6 +622,7 @@ class RunReport:
     compiled: bool = False
     cache_length: int = 0  # positions of the KV cache (prompt + new tokens, rounded up to CACHE_BUCKET)
     first_token_seconds: float | None = None  # from the process's start to the first token (Linux)
+    chat: dict[str, Any] | None = None  # --chat: the conversation, its template and stop tokens (prompt: templated)
 
     def as_dict(self) -> dict[str, Any]:
         g = self.generation
@@ -590,6 +641,7 @@ class RunReport:
             "cache_length": self.cache_length,
             "prompt": self.prompt,
             "prompt_tokens": g.prompt_tokens,
+            "chat": self.chat,
             "stop_reason": g.stop_reason,
             "temperature": self.sampling.temperature,
             "top_k": self.sampling.top_k,
@@ -613,6 +665,7 @@ def run(
     overrides: Sequence[str] = (),
     compile: bool | None = False,
     say: Callable[[str], None] | None = None,
+    chat: bool = False,
 ) -> RunReport:
     """Generate from ``checkpoint`` with tensor parallel over every rank of the job (WORLD_SIZE;
     one process works too). Everything a user can get wrong is checked before any collective.
@@ -621,8 +674,15 @@ def run(
     new tokens on (fewer are done eagerly before a warm compile would be).
 
     ``say(text)`` (rank 0 only) hears each phase that may take seconds before it starts, and the
-    first token as soon as it is chosen."""
+    first token as soon as it is chosen.
+
+    ``chat``: ``prompt`` is a conversation (or one user message) to answer, rendered with the
+    tokenizer's chat template; generation also stops at the template's end of turn
+    (:mod:`titanctl.tools.chat_prompt`)."""
     cfg = load_config(config, list(overrides), command="infer-tp")
+    conversation = chat_messages(prompt) if chat else None  # before any file is looked at
+    if not chat and any(key == "sft.chat_template_path" for key, _ in parse_overrides(list(overrides))):
+        raise ConfigError("--sft.chat_template_path renders the prompt of --chat only: add --chat, or leave it out")
     source = find_checkpoint(checkpoint)
     check_model_overrides(overrides, source)
     if source.args is None:
@@ -633,7 +693,12 @@ def run(
     tokenizer = Tokenizer(named or checkpoint_tokenizer(source.folder) or DEFAULT_TOKENIZER_PATH)
     guessed = not named and tokenizer.path == DEFAULT_TOKENIZER_PATH
     check_vocab(args, tokenizer.vocab_size, tokenizer.path, exact=guessed)
-    prompt_ids = tokenizer.encode(prompt, bos=True, eos=False)
+    templated = None
+    if conversation is not None:
+        templated = chat_prompt(*conversation, tokenizer, cfg.sft.chat_template_path)
+        prompt, prompt_ids, stop_tokens = templated.text, templated.ids, templated.stop_tokens
+    else:
+        prompt_ids, stop_tokens = tokenizer.encode(prompt, bos=True, eos=False), tokenizer.stop_tokens
     if not prompt_ids:
         raise ConfigError(
             f"--prompt is empty and tokenizer {tokenizer.path} has no BOS token to start from: "
@@ -648,6 +713,7 @@ def run(
     args = args.replace(max_seq_len=cache)  # the RoPE table and KV cache length
 
     env = init_process(cfg.comm.init_timeout_seconds)
+    check_memory(args, tp, env.device, len(prompt_ids), max_new_tokens)
 
     def tell(text: str) -> None:
         if say is not None and env.rank == 0:
@@ -666,20 +732,20 @@ def run(
     def first_token(token: int) -> None:
         nonlocal first_token_seconds
         first_token_seconds = process_seconds()
-        shown = "" if token in tokenizer.stop_tokens else tokenizer.decode([token])
+        shown = "" if token in stop_tokens else tokenizer.decode([token])
         after = "" if first_token_seconds is None else f" {first_token_seconds:.1f} s after the start"
         tell(f"first token{after}: {shown!r}")
 
     tell(f"prefill of {len(prompt_ids)} prompt tokens...")
     decoder = Decoder(model, cache, compile=compile, threads=thread_candidates(env.device))
     try:
-        result = decoder.generate(prompt_ids, max_new_tokens, sampling, seed=seed, stop_tokens=tokenizer.stop_tokens,
+        result = decoder.generate(prompt_ids, max_new_tokens, sampling, seed=seed, stop_tokens=stop_tokens,
                                   on_first_token=first_token, say=tell)
     finally:
         decoder.close()
-    text = tokenizer.decode([t for t in result.tokens if t not in tokenizer.stop_tokens])
+    text = tokenizer.decode([t for t in result.tokens if t not in stop_tokens])
     return RunReport(result, text, prompt, env.rank, tp, sampling, seed, Path(checkpoint), source, compile, cache,
-                     first_token_seconds)
+                     first_token_seconds, None if templated is None else templated.as_dict())
 
 
 CACHE_BUCKET = 64  # positions
@@ -734,6 +800,50 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None
         raise ConfigError(
             f"--max-new-tokens {max_new_tokens}: the {prompt_tokens}-token prompt and the new tokens exceed the "
             f"model's context of {context} positions; at most {max(context - prompt_tokens, 0)} new tokens"
+        )
+
+
+def generation_bytes(args: ModelArgs, tp: int) -> tuple[int, int]:
+    """(weights, KV cache) bytes one of ``tp`` processes holds to generate with ``args`` (its
+    ``max_seq_len``: the cache's positions), in the dtype the model is built in. The cache of
+    multi-head latent attention counts one layer's keys and values expanded from it beside it: a
+    decode step expands the whole cache, a layer at a time."""
+    from titanctl.models.shapes import num_params
+
+    elem = torch.get_default_dtype().itemsize
+    layers = args.n_layers + args.mtp_layers  # each prediction depth is one more block with a cache
+    if args.mla is not None:
+        mla, heads = args.mla, args.n_heads // tp
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        per_position = layers * (mla.kv_lora_rank + mla.qk_rope_head_dim)  # LatentCache, whole on every rank
+        per_position += heads * (mla.qk_nope_head_dim + mla.v_head_dim + 2 * qk)  # wkv_b's output, k and v
+    else:
+        per_position = layers * 2 * (args.kv_heads // tp) * args.head_dim
+    return num_params(args) * elem // tp, per_position * args.max_seq_len * elem
+
+
+def check_memory(args: ModelArgs, tp: int, device: torch.device, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse, before the model is built, a generation whose weights and KV cache would not fit the memory
+    left (the host's MemAvailable shared by its processes; a GPU's free memory), the least any rank has:
+    every rank decides alike, none goes on to wait for one that stopped."""
+    if device.type == "cuda":
+        available, where = torch.cuda.mem_get_info(device)[0], "a GPU has free"
+    elif device.type == "cpu" and (host := available_bytes()) is not None:
+        local = elastic.int_from_env("LOCAL_WORLD_SIZE", 1, minimum=1)
+        available = host // local
+        where = "this host has available" if local == 1 else f"each of this host's {local} processes has"
+    else:
+        return
+    if dist.is_initialized():
+        least = torch.tensor([available], dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        available = int(least.item())
+    weights, cache = generation_bytes(args, tp)
+    if weights + cache > available:
+        raise ConfigError(
+            f"the {prompt_tokens:,}-token prompt and --max-new-tokens {max_new_tokens:,} need a KV cache of "
+            f"{args.max_seq_len:,} positions: {cache / 2**30:.2f} GiB beside the model's {weights / 2**30:.2f} GiB "
+            f"per process, but {where} {available / 2**30:.2f} GiB; give a shorter prompt or fewer new tokens"
         )
 
 

@@ -1,10 +1,18 @@
 """The attention mask of each training microbatch (``model.attn_mask_type``).
 
 ``causal`` hands the model no mask: its fast causal path runs unchanged. ``block_causal`` builds
-a document mask once per microbatch from the whole (unsharded) input tokens, before pipeline or
+a document mask once per microbatch from the whole (unsharded) input tokens (a document starts at
+each BOS), or, for chat data, from the positions the loader packed with them (a conversation starts
+where its positions restart at 0; no token id marks it), before pipeline or
 context-parallel sharding: the pipeline splits it along the batch with the inputs and passes it to
 every stage, and under context parallelism it is the mask of this rank's queries over all keys.
 The model hands the one mask to every attention layer.
+
+gpt-oss (attention sinks, sliding-window layers) attends under explicit masks only: without context
+parallelism each sliding layer narrows the mask it gets (or the causal one) to its window itself; under
+context parallelism the step builds the masks of this rank's queries over all keys here, one per layer
+type ({"full_attention": ..., "sliding_attention": ...}, dense), causal ones too, so that every layer
+gathers the keys and values (ring attention takes neither a window nor a sink).
 """
 
 from __future__ import annotations
@@ -15,24 +23,37 @@ import torch
 
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError
-from titanctl.models.common.document_mask import document_mask
+from titanctl.models.common.document_mask import block_document_mask, dense_document_mask, document_mask, mask_form_for
 from titanctl.parallel.layouts.context_parallel import document_cp_positions, enable_document_context_parallel
 from titanctl.parallel.layouts.dims import ParallelDims
 
 
+def needs_layer_masks(args) -> bool:
+    """Whether the model's attention cannot run as torch's ring attention under context parallelism:
+    sinks in its softmax, or sliding-window layers (gpt-oss)."""
+    return args.attention_sinks or "sliding_attention" in args.layer_types
+
+
 @dataclass
 class MicrobatchMasks:
-    bos_id: int | None  # None: causal, no mask
-    cp_mesh: object | None = None  # the CP mesh when cp > 1 (block_causal only)
+    bos_id: int | None  # None: causal, no mask (unless positions are given)
+    cp_mesh: object | None = None  # the CP mesh when cp > 1 (block_causal, or masks by layer type)
+    by_positions: bool = False  # chat data: documents start where positions restart
+    window: int | None = None  # masks by layer type under CP (gpt-oss): the sliding layers' window (0: none)
+    dense: bool = False  # dense masks on every device (gpt-oss's layers narrow and read dense masks only)
 
     @classmethod
     def build(
-        cls, cfg: JobConfig, dims: ParallelDims, bos_id: int | None, model_parts: list[torch.nn.Module]
+        cls, cfg: JobConfig, dims: ParallelDims, bos_id: int | None, model_parts: list[torch.nn.Module],
+        by_positions: bool = False,
     ) -> MicrobatchMasks:
         """Check the setting against the tokenizer and prepare the layout (CP gathers keys)."""
-        if cfg.model.attn_mask_type == "causal":
+        layered = bool(model_parts) and needs_layer_masks(model_parts[0].args)
+        window = model_parts[0].args.sliding_window if dims.cp > 1 and layered else None
+        causal = cfg.model.attn_mask_type == "causal"
+        if causal and window is None:
             return cls(bos_id=None)
-        if bos_id is None:
+        if not causal and bos_id is None and not by_positions:
             where = cfg.model.tokenizer_path or "the bundled tokenizer"
             raise ConfigError(
                 f"model.attn_mask_type = {cfg.model.attn_mask_type} finds documents by their BOS token, but "
@@ -43,13 +64,38 @@ class MicrobatchMasks:
             cp_mesh = dims.mesh["cp"]
             for part in model_parts:
                 enable_document_context_parallel(part, cp_mesh)
-        return cls(bos_id=bos_id, cp_mesh=cp_mesh)
+        return cls(bos_id=None if causal else bos_id, cp_mesh=cp_mesh, by_positions=by_positions and not causal,
+                   window=window, dense=layered)
 
-    def __call__(self, inputs: torch.Tensor):
-        """The mask for the model's ``attn_mask`` of a microbatch of whole windows (B, T); None: causal."""
-        if self.bos_id is None:
+    def __call__(self, inputs: torch.Tensor, positions: torch.Tensor | None = None):
+        """The mask for the model's ``attn_mask`` of a microbatch of whole windows (B, T); None: causal.
+        ``positions`` (B, T): each token's position in its document (chat data)."""
+        if self.window is not None:
+            return self._by_layer_type(inputs, positions)
+        if self.bos_id is None and not self.by_positions:
             return None
         q_positions = kv_positions = None
         if self.cp_mesh is not None:
             q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh)
-        return document_mask(inputs, self.bos_id, q_positions=q_positions, kv_positions=kv_positions)
+        form = "dense" if self.dense else mask_form_for(inputs.device)
+        return self._documents(inputs, positions, q_positions, kv_positions, form)
+
+    def _documents(self, inputs, positions, q_positions, kv_positions, form: str):
+        """The document mask (None: one document per window)."""
+        if positions is None:
+            if self.bos_id is None:  # causal, or text without BOS among chat data: one document per window
+                return None
+            return document_mask(inputs, self.bos_id, form=form, q_positions=q_positions, kv_positions=kv_positions)
+        doc_ids = (positions == 0).cumsum(dim=1)  # (B, T): a new document at each position 0
+        build = dense_document_mask if form == "dense" else block_document_mask
+        return build(doc_ids, q_positions, kv_positions)
+
+    def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Dense masks of this CP rank's queries over all keys: the document (or causal) one for full
+        layers, narrowed to the last ``window`` positions for sliding ones."""
+        q_positions, kv_positions = (p.to(inputs.device) for p in document_cp_positions(inputs.shape[1], self.cp_mesh))
+        full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
+        distance = q_positions[:, None] - kv_positions[None, :]  # (T / cp, T) query minus key position
+        if full is None:
+            full = (distance >= 0)[None, None]  # (1, 1, T / cp, T)
+        return {"full_attention": full, "sliding_attention": full & (distance < self.window)}

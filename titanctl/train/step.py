@@ -11,13 +11,14 @@ import gc
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanctl.config.job_config import JobConfig
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.train.attention_masks import MicrobatchMasks
-from titanctl.train.loss import IGNORE_INDEX, build_loss_fn
+from titanctl.train.loss import IGNORE_INDEX, build_loss_fn, build_mean_loss_fn
 
 
 @dataclasses.dataclass
@@ -25,6 +26,12 @@ class ForwardBackward:
     """Forward, loss and backward over one optimizer step's microbatches.
 
     The Trainer runs it on real tensors; `titanctl estimate-memory` runs the same code on fake ones.
+
+    The loss is the mean over every counted token of the global batch (titanctl/train/loss.py): each
+    microbatch adds its summed token losses divided by the step's ``loss_divisor``, the global count
+    over the data-parallel x context-parallel ranks, whose gradients FSDP/DDP average. A microbatch is
+    (inputs, labels) or, with chat data, (inputs, labels, positions): positions restart at 0 where a
+    conversation begins; the attention mask and RoPE follow them.
     """
 
     cfg: JobConfig
@@ -32,13 +39,19 @@ class ForwardBackward:
     model_parts: list[torch.nn.Module]
     pipeline: object | None  # titanctl.parallel.layouts.pipeline_parallel.Pipeline when pp > 1
     device: torch.device
-    loss_fn: Callable | None = None  # default: build_loss_fn(cfg, tp)
+    loss_fn: Callable | None = None  # default: build_loss_fn(cfg, tp), a sum over the counted tokens
     bos_id: int | None = None  # the tokenizer's: where documents start (model.attn_mask_type = block_causal)
+    chat: bool = False  # chat data: microbatches carry positions, and their counted tokens vary
 
     def __post_init__(self):
         if self.loss_fn is None:
             self.loss_fn = build_loss_fn(self.cfg, self.dims.tp)
-        self.attn_masks = MicrobatchMasks.build(self.cfg, self.dims, self.bos_id, self.model_parts)
+        self.mean_loss_fn = build_mean_loss_fn(self.cfg, self.dims.tp)
+        self.attn_masks = MicrobatchMasks.build(self.cfg, self.dims, self.bos_id, self.model_parts,
+                                                by_positions=self.chat)
+        dp_mesh = self.dims.mesh_for("dp_replicate", "dp_shard") if self.dims.dp > 1 else None
+        self._dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        self._mtp_scale = 1.0
         # Multi-token prediction: its depths' mean loss over the step (scaled like the loss), for the logs.
         self.predicts_ahead = self.pipeline is None and self.model_parts[0].args.mtp_layers > 0
         self.mtp_loss_weight = self.cfg.model.mtp_loss_weight
@@ -58,28 +71,48 @@ class ForwardBackward:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def loss_divisor(self, counted: torch.Tensor) -> torch.Tensor:
+        """The divisor of each microbatch's summed loss, from this rank's counted tokens (labels that are
+        not IGNORE_INDEX) of the step: the global count / (dp x cp), so that the dp x cp ranks' losses
+        average to the global mean. Chat data counts differ between ranks: an all-reduce over the
+        data-parallel ranks (tensor, pipeline and context-parallel peers hold the same microbatches);
+        text windows count every label, the same on every rank. Every rank calls it at the same steps."""
+        if self._dp_group is not None:
+            if self.chat:
+                counted = counted.clone()
+                dist.all_reduce(counted, group=self._dp_group)
+            else:
+                counted = counted * self.dims.dp
+        return counted.clamp(min=1).float() / (self.dims.dp * self.dims.cp)
+
     def microbatch(
-        self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, *, backward: bool = True
+        self, inputs: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | float, *,
+        positions: torch.Tensor | None = None, backward: bool = True,
     ) -> torch.Tensor | None:
-        """Loss of one microbatch (scaled for accumulation) after its backward; None off the last stage.
-        ``backward=False``: forward and loss only, under torch.no_grad (validation)."""
-        attn_mask = self.attn_masks(inputs)  # from the whole microbatch, before any sharding
+        """The summed token losses of one microbatch / ``divisor``, after its backward; None off the last
+        stage. ``backward=False``: forward and loss only, under torch.no_grad (validation)."""
+        attn_mask = self.attn_masks(inputs, positions)  # from the whole microbatch, before any sharding
         model_kwargs = {} if attn_mask is None else {"attn_mask": attn_mask}
+        if positions is not None:
+            model_kwargs["positions"] = positions
         with self.train_context():
             if self.pipeline is not None:
                 with self.autocast:
                     if backward:
-                        loss = self.pipeline.step(inputs, labels, loss_scale=scale, **model_kwargs)
-                    else:  # the unscaled mean, as step returns it
-                        loss = self.pipeline.eval_loss(inputs, labels, **model_kwargs)
+                        loss = self.pipeline.step(inputs, labels, loss_divisor=divisor, **model_kwargs)
+                    else:
+                        loss = self.pipeline.eval_loss(inputs, labels, loss_divisor=divisor, **model_kwargs)
                 return None if loss is None else loss.detach()
             cp_ctx = contextlib.nullcontext()
             if self.dims.cp > 1 and attn_mask is not None:
+                # With positions the model looks its RoPE rows up by them: they are cut like the tokens,
+                # and the table stays whole.
+                sharded = [inputs, labels, positions] if positions is not None else [inputs, labels]
                 cp_ctx = document_context_parallel_ctx(
                     self.dims.mesh["cp"],
-                    buffers=[inputs, labels, self.model_parts[0].rope_cache],
-                    seq_dims=[1, 1, 0],
-                    no_restore={inputs, labels},
+                    buffers=sharded if positions is not None else [*sharded, self.model_parts[0].rope_cache],
+                    seq_dims=[1, 1, 1] if positions is not None else [1, 1, 0],
+                    no_restore=set(sharded),
                 )
             elif self.dims.cp > 1:
                 model = self.model_parts[0]
@@ -95,11 +128,10 @@ class ForwardBackward:
                 with self.autocast:
                     out = self.model_parts[0](inputs, mtp=predict_ahead, **model_kwargs)
                 logits, depth_logits = out if predict_ahead else (out, [])
-                # Equal-length microbatches: the mean of their means is the global-batch mean.
-                loss = self.loss_fn(logits, labels) * scale
+                loss = self.loss_fn(logits, labels) / divisor
                 objective = loss
-                if depth_logits:
-                    mtp_loss = self.multi_token_loss(depth_logits, labels) * scale
+                if depth_logits:  # the mean of the microbatches' means over the depths
+                    mtp_loss = self.multi_token_loss(depth_logits, labels) * self._mtp_scale
                     self.mtp_loss = mtp_loss.detach() if self.mtp_loss is None else self.mtp_loss + mtp_loss.detach()
                     objective = loss + self.mtp_loss_weight * mtp_loss
                 if backward:
@@ -112,20 +144,22 @@ class ForwardBackward:
         total = 0.0
         for k, logits in enumerate(depth_logits, start=1):
             ahead = torch.cat([labels[:, k:], labels.new_full((labels.shape[0], k), IGNORE_INDEX)], dim=1)
-            total = total + self.loss_fn(logits, ahead)
+            total = total + self.mean_loss_fn(logits, ahead)
         return total / len(depth_logits)
 
-    def __call__(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Accumulate the gradients of the step's mean loss; returns that loss (None off the last stage)."""
-        scale = 1.0 / len(microbatches)
+    def __call__(self, microbatches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        """Accumulate the gradients of the step's mean loss; returns this rank's share of it (None off
+        the last stage): the sum over the dp x cp ranks, / (dp x cp), is the step's loss."""
+        microbatches = [tuple(t.to(self.device) for t in mb) for mb in microbatches]
+        counted = sum((labels != IGNORE_INDEX).sum() for _, labels, *_ in microbatches)
+        divisor = self.loss_divisor(counted)
+        self._mtp_scale = 1.0 / len(microbatches)
         loss_sum = None
         self.mtp_loss = None
-        for inputs, labels in microbatches:
-            loss = self.microbatch(inputs.to(self.device), labels.to(self.device), scale)
+        for inputs, labels, *positions in microbatches:
+            loss = self.microbatch(inputs, labels, divisor, positions=positions[0] if positions else None)
             if loss is not None:
                 loss_sum = loss if loss_sum is None else loss_sum + loss
-        if self.pipeline is not None and loss_sum is not None:
-            loss_sum = loss_sum * scale  # the pipeline returns the unscaled mean of its microbatches
         return loss_sum
 
 

@@ -57,7 +57,7 @@ class Trainer:
         # A layout that does not fit is refused before anything is written.
         self.dims = ParallelDims.from_config(cfg.parallelism, self.env.world_size)
         self.is_logging_rank = self.env.rank in cfg.job.log_ranks
-        self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing)
+        self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing, emoji=False)
         self.sinks = None
         self._lock = self._own_dump_folder()
         if self._lock is not None:  # also when a Trainer is dropped without training
@@ -119,7 +119,7 @@ class Trainer:
         dp_degree, dp_rank = self.dims.dp, (dp_mesh.get_local_rank() if dp_mesh is not None else 0)
         global_batch = self._global_batch(load_plan)
         self.loader = TokenWindowLoader(
-            sources_from_config(cfg.training),
+            sources_from_config(cfg.training, cfg.sft),
             self.tokenizer,
             seq_len=cfg.training.seq_len,
             global_batch_size=global_batch,
@@ -130,11 +130,18 @@ class Trainer:
             stream_shards=cfg.training.stream_shards,
         )
         self.global_batch = global_batch
+        for note in self.loader.notes:  # what became of chat rows
+            self.say(note)
         validation_set = None  # built before the model: a validation set too small fails fast
         if cfg.validation.enabled:
             validation_set = ValidationSet.from_config(
-                cfg, self.tokenizer, global_batch_size=global_batch, dp_rank=dp_rank, dp_degree=dp_degree
+                cfg, self.tokenizer, global_batch_size=global_batch, dp_rank=dp_rank, dp_degree=dp_degree,
+                chat=self.loader.chat,
             )
+            if validation_set.note:
+                self.say(validation_set.note)
+        # Chat microbatches (training or validation) carry positions, and their counted tokens vary.
+        chat = self.loader.chat or (validation_set is not None and validation_set.windows.ndim == 3)
 
         restores_weights = load_plan is not None and load_plan.restores_model
         loss_fn = build_loss_fn(cfg, self.dims.tp)
@@ -146,9 +153,11 @@ class Trainer:
                 part.init_buffers(self.env.device)  # buffers are not in checkpoints
         self.model_parts, self.pipeline = built.parts, built.pipeline
         self.float8 = built.float8
+        self.lora = built.lora
         self.precompute_float8 = cfg.float8.precompute_float8_dynamic_scale_for_fsdp
         self.forward_backward = ForwardBackward(
-            cfg, self.dims, self.model_parts, self.pipeline, self.env.device, loss_fn, bos_id=self.tokenizer.bos_id
+            cfg, self.dims, self.model_parts, self.pipeline, self.env.device, loss_fn, bos_id=self.tokenizer.bos_id,
+            chat=chat,
         )
         self.validator = (
             Validator(cfg.validation, validation_set, self.forward_backward, self.dims)
@@ -193,6 +202,7 @@ class Trainer:
         configured = self.cfg.training.global_batch_size
         if configured != -1:
             return configured
+        load_plan = getattr(load_plan, "own", load_plan)  # a LoRA run's: its own step's
         if isinstance(load_plan, LoadPlan) and not load_plan.initial:
             saved = load_plan.meta.get("global_batch_size")
             if isinstance(saved, int) and not isinstance(saved, bool) and saved > 0:
@@ -265,6 +275,7 @@ class Trainer:
             dp_degree=self.dims.dp,
             device=self.env.device,
             log=self.say,
+            lora=self.lora,
         )
 
     def train(self) -> None:
@@ -326,6 +337,8 @@ class Trainer:
         slow = slow_compute_note(self.env.device, getattr(torch, cfg.training.mixed_precision_param))
         if slow:
             self.console.print(f"[yellow]{slow}[/yellow]", soft_wrap=True)
+        if self.lora is not None:
+            self.say(self.lora.describe(n_params))
         if self.float8 is not None:
             self.console.print(self.float8.describe(), soft_wrap=True)
             note = emulation_note(self.env.device)

@@ -1,9 +1,10 @@
 """Generate under torchrun with tensor parallel over all ranks; every rank writes what it decoded.
 
-    torchrun --nproc_per_node N gen_worker.py DCP_FOLDER HF_FOLDER PROMPT MAX_NEW OUT
+    torchrun --nproc_per_node N gen_worker.py DCP_FOLDER HF_FOLDER PROMPT MAX_NEW OUT [GPT_OSS_FOLDER]
 
 OUT/rank{r}.json: {"sample_7", "sample_7_again", "sample_8", "hf_greedy", "greedy_compiled", "hf_greedy_compiled"} ->
-token lists; "{dcp,hf}_over_shared_memory", "{dcp,hf}_decode_uses_process_group" -> how ranks exchanged.
+token lists; "{dcp,hf}_over_shared_memory", "{dcp,hf}_decode_uses_process_group" -> how ranks exchanged;
+with GPT_OSS_FOLDER (a transformers-saved gpt-oss folder) also "gpt_oss_greedy".
 """
 
 import json
@@ -52,6 +53,9 @@ def main() -> None:
     results["hf_decode_uses_process_group"] = inference_tp.decode_uses_process_group(model)
     # Traced process-group collectives in the compiled step (Inductor's Python wrapper).
     results["hf_greedy_compiled"] = generate(model, ids, max_new, temperature=0, compile=True).tokens
+    if len(sys.argv) > 6:  # gpt-oss: sinks split with the heads, o_proj's bias added once after the sum
+        model = load(sys.argv[6], len(ids), max_new, env, mesh)
+        results["gpt_oss_greedy"] = generate(model, ids, max_new, temperature=0).tokens
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank{env.rank}.json").write_text(json.dumps(results))
 

@@ -47,12 +47,12 @@ def dump_first_step_gradients() -> None:
         if folder is not None and not getattr(self, "gradients_dumped", False):
             self.gradients_dumped = True
             rank = os.environ.get("RANK", "0")
-            grads = {canonical_name(name): full(param.grad)
-                     for part in self.model_parts for name, param in part.named_parameters()}
+            grads = {canonical_name(name): full(param.grad)  # a frozen weight (LoRA's base) has none
+                     for part in self.model_parts for name, param in part.named_parameters() if param.grad is not None}
             torch.save(grads, folder / f"grads_rank{rank}.pt")
             experts = {canonical_name(name): dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape))
                        for part in self.model_parts for name, param in part.named_parameters()
-                       if name.endswith("experts.w1") and isinstance(param, DTensor)}
+                       if name.endswith(("experts.w1", "experts.w13")) and isinstance(param, DTensor)}
             (folder / f"experts_rank{rank}.json").write_text(json.dumps(experts))
         return loss
 

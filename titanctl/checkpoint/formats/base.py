@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from titanctl.checkpoint.model_args import check_finite_numbers
 from titanctl.checkpoint.paths import check_inside
 from titanctl.checkpoint.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
@@ -173,10 +174,12 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A checkpoint's config or index: a regular file, at most 64 MiB, nested at most 64 levels."""
+    """A checkpoint's config or index: a regular file, at most 64 MiB, nested at most 64 levels, every
+    number finite."""
     data = load_json(path, what="checkpoint file", error=CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} is not a JSON object")
+    check_finite_numbers(data, str(path))
     return data
 
 

@@ -83,6 +83,13 @@ class DCPSource(Source):
         self.reader = DCPFolder(self.folder, require_titanctl=False)
         self.entries = self.reader.entries
         self.meta = self.reader.meta
+        lora = (self.meta or {}).get("lora")  # a LoRA step: titanctl.checkpoint.lora_base
+        if isinstance(lora, dict):
+            base = lora["base"].get("path") if isinstance(lora.get("base"), dict) else None
+            raise CheckpointError(
+                f"{self.folder} holds LoRA adapters only (trained on the base {base}), not a whole model: merge "
+                f"them into it first (titanctl convert {self.folder} OUT --merge-lora), or export them with --to peft"
+            )
         self.group_bytes = group_bytes
         self._cache: dict[str, torch.Tensor] = {}
         self.reads = 0  # DCP load calls made (tests check that reads are grouped)

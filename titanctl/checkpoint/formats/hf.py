@@ -4,7 +4,8 @@ Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.h
 (one tensor at a time). Reading opens one safetensors file at a time, lazily; block-quantized FP8
 weights (DeepSeek-V3's release: ``X.weight`` in float8 beside ``X.weight_scale_inv``) are paired
 with their scales from the headers and dequantized as each is loaded (``titanctl.checkpoint.fp8_blocks``)
-to the source's ``dequantize_to``;
+to the source's ``dequantize_to``, and so are MXFP4 matrices (gpt-oss's release: ``X_blocks`` beside
+``X_scales``, read as the tensor ``X`` they encode: ``titanctl.checkpoint.mxfp4``);
 writing holds one output shard (``--max-shard-size``) and one source tensor at a time. The output
 is what ``save_pretrained`` writes: routed experts one tensor per expert (the Hub's layout; a folder
 of transformers 5's packed ``mlp.experts.gate_up_proj`` reads too), ``model-00001-of-0000N.safetensors``
@@ -23,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from titanctl.checkpoint import mxfp4
 from titanctl.checkpoint.formats.base import (
     PageReleaser,
     Progress,
@@ -143,6 +145,7 @@ class HFSource(Source):
             if absent:
                 raise CheckpointError(f"{weight_map[absent[0]]} lacks {absent[0]!r}, which {INDEX_FILE} lists")
         self._pair_block_scales()
+        self._pair_mxfp4_blocks()
         self.pages = PageReleaser()
         self._open_path: Path | None = None
         self._open_file: Any = None
@@ -157,9 +160,20 @@ class HFSource(Source):
         scale_keys = {scale.key for scale in self.scales.values()}
         self.raw = [entry for entry in self.raw if entry[0] not in scale_keys]
 
+    def _pair_mxfp4_blocks(self) -> None:
+        """Take MXFP4 blocks and scales out of ``raw`` and put in their place the tensor each pair
+        encodes, under its name and shape (``titanctl.checkpoint.mxfp4``), every pairing, shape and
+        exponent checked, before any tensor is read or written."""
+        config = self.folder / CONFIG_FILE
+        declares = mxfp4.declared(read_json(config)) if config.is_file() else False
+        self.mxfp4: dict[str, mxfp4.Packed] = mxfp4.pair_blocks(self.raw, self.folder, declares)
+        packed_keys = {key for entry in self.mxfp4.values() for key in (entry.blocks, entry.scales)}
+        self.raw = [entry for entry in self.raw if entry[0] not in packed_keys]
+        self.raw += [(entry.name, entry.blocks_path, entry.shape, torch.uint8) for entry in self.mxfp4.values()]
+
     def _loaded_dtype(self, key: str, stored: torch.dtype) -> torch.dtype:
-        """The dtype ``load`` gives a stored tensor: an FP8 weight's is ``dequantize_to``."""
-        return self.dequantize_to if key in self.scales else stored
+        """The dtype ``load`` gives a stored tensor: an FP8 or MXFP4 weight's is ``dequantize_to``."""
+        return self.dequantize_to if key in self.scales or key in self.mxfp4 else stored
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
         if not (self.folder / CONFIG_FILE).is_file():  # e.g. torchtitan's own HF save: safetensors only
@@ -213,6 +227,10 @@ class HFSource(Source):
                 f"{len(self.scales)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} with their "
                 f"{self.block[0]}x{self.block[1]} block scales (weight_scale_inv)"
             )
+        if self.mxfp4:
+            mxfp4.check_dtype(self.dequantize_to)
+            self.notes.append(f"{len(self.mxfp4)} MXFP4 weights (*_blocks, *_scales) dequantized exactly to "
+                              f"{dtype_name(self.dequantize_to)}")
 
     def _unused_prediction_depths(self, args: ModelArgs) -> list[int]:
         """The layers of multi-token-prediction depths that the files hold beyond the model's own
@@ -255,9 +273,18 @@ class HFSource(Source):
             split[piece.dim] //= piece.parts
             return TensorInfo(name, tuple(split), dtype, f"{key}[part {piece.index + 1} of {piece.parts}]", where)
         experts = sorted(p.expert for p, _key, _path in found)
-        if experts != list(range(self.args.moe.num_experts)) or len({shapes[k] for _p, k, _path in found}) != 1:
+        if experts != list(range(self.args.moe.num_experts)):
             raise CheckpointError(f"{name}: the per-expert tensors ({key!r}, ...) are not one of each of "
-                                  f"{self.args.moe.num_experts} experts with equal shapes")
+                                  f"{self.args.moe.num_experts} experts")
+
+        def kind(k: str) -> str:  # as loaded: an FP8 weight is dequantized
+            loaded_shape, loaded = shapes[k]
+            return f"{loaded_shape} {'float8 dequantized to ' if k in self.scales else ''}{dtype_name(loaded)}"
+
+        for _p, other, _path in found:  # the fault named: a shape, or a dtype (e.g. one expert not FP8)
+            if shapes[other] != (shape, dtype):
+                raise CheckpointError(f"{name}: expert tensor {other!r} is {kind(other)}, but {key!r} is {kind(key)}: "
+                                      "every expert's must have the same shape and dtype")
         return TensorInfo(name, (len(experts), *shape), dtype, key.replace(f".{piece.expert}.", ".{e}.", 1), where)
 
     def _file(self, path: Path):
@@ -282,10 +309,13 @@ class HFSource(Source):
         if info.shown in self.scales:
             _, tensor = from_hf_tensor(info.shown, self._dequantized(info.shown, self.folder / info.where), self.args)
             return tensor  # a fresh tensor, permuted or not
+        if info.shown in self.mxfp4:
+            _, tensor = from_hf_tensor(info.shown, self._mxfp4_dequantized(self.mxfp4[info.shown]), self.args)
+            return tensor.contiguous()  # transposed back: the fresh tensor in its own order
         view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
         _, tensor = from_hf_tensor(info.shown, view, self.args)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-            return self.pages.copy_out(view)  # not permuted: copy chunk by chunk
+            return self.pages.copy_out(tensor)  # not permuted (perhaps transposed): copy chunk by chunk
         self.pages.release(view)  # q/k: the permutation made the copy
         return tensor
 
@@ -296,6 +326,14 @@ class HFSource(Source):
         scale = self.pages.copy_out(self._file(scale_of.path).get_tensor(scale_of.key)).float()
         view = self._file(path).get_tensor(key)  # memory-mapped
         return dequantize(view, scale, self.block, self.dequantize_to, out=out, release=self.pages.release)
+
+    def _mxfp4_dequantized(self, entry: mxfp4.Packed) -> torch.Tensor:
+        """The matrix an MXFP4 pair encodes, in ``dequantize_to``, its last two dimensions swapped as
+        transformers holds it (a view of the fresh tensor)."""
+        # The scales first (small, copied): reading them may close the blocks' file.
+        scales = self.pages.copy_out(self._file(entry.scales_path).get_tensor(entry.scales))
+        blocks = self._file(entry.blocks_path).get_tensor(entry.blocks)  # memory-mapped
+        return mxfp4.dequantize(blocks, scales, self.dequantize_to, entry.name, release=self.pages.release).mT
 
     def _load_structured(self, found: list) -> torch.Tensor:
         found = sorted(found, key=lambda f: f[0].expert or 0)

@@ -15,6 +15,9 @@ are in ``titanctl.models.common.torchtitan_names``):
   (grouped-query attention; DeepSeek's latent attention keeps its ``wq``)
 - ``layers.N.moe.experts.{w1,w2,w3}`` -> ``layers.N.moe.routed_experts.inner_experts.{w1_EFD,w2_EDF,w3_EFD}``
   (the same shapes), ``layers.N.moe.expert_bias`` -> ``layers.N.moe.expert_bias_E``
+- gpt-oss: ``attention.{wq,wk,wv}.bias`` -> ``attention.qkv_linear.{wq,wk,wv}.bias``; the experts
+  ``moe.experts.{w13,b13,w2,b2}`` -> ``moe.routed_experts.inner_experts.{mlp1_weight_EGD,mlp1_bias_EG,
+  mlp2_weight_EDF,mlp2_bias_ED}`` (the same shapes, gate and up rows interleaved in both)
 - multi-token prediction depth k: its block ``layers.{n_layers + k}.*`` -> ``mtp_layers.{k}.*``,
   ``mtp.{k}.{enorm,hnorm,eh_proj,norm}`` -> ``mtp_layers.{k}.{enorm,hnorm,eh_proj,mtp_norm}``
 - ``output.weight`` -> ``lm_head.weight``

@@ -42,6 +42,8 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    # Round the ramp's ends to whole pairs (transformers' default); gpt-oss publishes truncate = false.
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,15 @@ class MLAArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+# "softmax": over all experts, before the choice; "sigmoid": each expert's own; "softmax_topk": over the
+# top_k chosen logits only (gpt-oss), so the chosen weights sum to 1 whatever norm_topk_prob says.
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
+# "swiglu": w2(silu(w1 x) * w3 x). "clamped_swiglu" (gpt-oss): gate and up rows interleaved in one
+# stack w13 with a bias b13, gate clamped above and up on both sides at swiglu_limit, then
+# w2(gate * sigmoid(swiglu_alpha * gate) * (up + 1)) + b2.
+EXPERT_KINDS = ("swiglu", "clamped_swiglu")
+# Attention kinds of a layer (ModelArgs.layer_types), named as Hugging Face's layer_types.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,10 @@ class MoEArgs:
     # its two best biased scores; a token's top_k experts come from its topk_group best groups.
     n_group: int = 1
     topk_group: int = 1
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    expert_kind: str = "swiglu"  # one of EXPERT_KINDS
+    swiglu_limit: float = 7.0  # clamped_swiglu only
+    swiglu_alpha: float = 1.702  # clamped_swiglu only
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,20 @@ class ModelArgs:
     # Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k + 1 ahead through a
     # block of its own, ``layers.{n_layers + k - 1}``, after the n_layers of the main model. 0: none.
     mtp_layers: int = 0
+    # Biases on the attention's q, k, v and output projections (gpt-oss).
+    attention_bias: bool = False
+    # A learned logit per query head that joins each softmax and attends to no value (gpt-oss's
+    # attention sinks): the weights of the real keys then sum to less than 1.
+    attention_sinks: bool = False
+    # Each layer's attention kind, repeated over the layers (layer i has layer_types[i % len]):
+    # "sliding_attention" sees the last sliding_window positions (itself included), "full_attention"
+    # all before it. Empty: every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+
+    def is_sliding_layer(self, layer_id: int) -> bool:
+        types = self.layer_types
+        return bool(types) and types[layer_id % len(types)] == "sliding_attention"
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.moe.first_dense_layers

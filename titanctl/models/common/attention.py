@@ -1,7 +1,15 @@
 """Grouped-query self-attention with RoPE, optional per-head QK norm, and a static KV cache.
 
 Training attends causally, or under a mask passed in (``attn_mask``: a dense bool tensor or a
-FlexAttention BlockMask, see ``document_mask``), which every layer applies unchanged.
+FlexAttention BlockMask, see ``document_mask``), which every layer applies unchanged, or a dict of
+masks by layer type (``ModelArgs.layer_types``) from which each layer takes its own.
+
+gpt-oss adds two switches. A sliding-window layer (``ModelArgs.is_sliding_layer``) sees only the
+last ``sliding_window`` positions: without a dict of masks it narrows the mask it is given (or the
+causal one) to that window itself, over positions 0..T-1. Attention sinks (``ModelArgs.attention_sinks``)
+add one learned logit per query head to every softmax, attending to no value; no fused kernel of
+torch 2.13 takes such a logit, so those layers run the softmax written out (``sink_attention``), which
+holds the (B, H, T, S) scores in fp32.
 """
 
 from __future__ import annotations
@@ -10,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.norms import build_norm
-from titanctl.models.common.rope import rope_function
+from titanctl.models.common.rope import rope_for, rope_function
 
 
 class KVCache(nn.Module):
@@ -39,9 +48,13 @@ class KVCache(nn.Module):
         self.v.index_copy_(2, input_pos, v)
         return self.k, self.v  # (B, H_kv, S_max, head_dim)
 
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
-        """(T, S_max): the query at position p sees the keys at positions <= p."""
-        return self.positions[None, :] <= input_pos[:, None]
+    def mask(self, input_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """(T, S_max): the query at position p sees the keys at positions <= p (and > p - window when
+        ``window``: a sliding-window layer's cache keeps every position, and its mask the window's)."""
+        seen = self.positions[None, :] <= input_pos[:, None]
+        if window:
+            seen = seen & (self.positions[None, :] > input_pos[:, None] - window)
+        return seen
 
 
 # Below this head size, torch's (2.13) bf16/fp16 flash-attention kernel on CPU is slower than its
@@ -68,14 +81,66 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of q (B, H, T, head_dim) over a KV cache k, v (B, H_kv, S, head_dim) under ``mask`` (T, S).
+# Scores of one chunk of queries in sink_attention: batch x heads x queries x keys (1 GiB in fp32). Above it
+# the queries go in chunks, each recomputed in backward, so that no layer holds all its (B, H, T, S) scores.
+SINK_CHUNK_ELEMENTS = 2**28
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention of q (B, H, T, head_dim) over k, v (B, H_kv, S, head_dim) whose softmax also takes
+    ``sinks`` (H,), one logit per query head that attends to no value (gpt-oss). ``mask``: a dense bool
+    mask broadcast to (B, H, T, S), True = attend; None is causal (T == S). Scores and softmax in fp32;
+    the output in q's dtype. Long sequences go SINK_CHUNK_ELEMENTS of scores at a time, each chunk's
+    recomputed in backward (the same numbers: each query's softmax is its own)."""
+    if isinstance(mask, BlockMask):
+        raise ValueError("attention with sinks takes a dense bool mask, not a FlexAttention BlockMask")
+    batch, heads, length, _ = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1:  # key/value head j serves query heads j * groups .. (j + 1) * groups - 1
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, head_dim)
+    k, v = k.float(), v.float()
+    rows = max(1, SINK_CHUNK_ELEMENTS // (batch * heads * k.shape[2]))
+    if rows >= length:
+        return _sink_rows(q, k, v, mask, sinks, 0)
+    chunks = []
+    for start in range(0, length, rows):
+        part = None if mask is None else mask[..., start : start + rows, :]
+        args = (q[:, :, start : start + rows], k, v, part, sinks, start)
+        chunks.append(checkpoint(_sink_rows, *args, use_reentrant=False) if torch.is_grad_enabled()
+                      else _sink_rows(*args))
+    return torch.cat(chunks, dim=2)
+
+
+def _sink_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
+               first: int) -> torch.Tensor:
+    """``sink_attention`` of the queries at positions first.. (q (B, H, rows, head_dim)) over fp32 k, v
+    (B, H, S, head_dim); ``mask`` their rows, None: causal."""
+    batch, heads, rows, _ = q.shape
+    scores = torch.matmul(q.float(), k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, rows, S)
+    if mask is None:
+        queries = torch.arange(first, first + rows, device=q.device)
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= queries[:, None]  # (rows, S)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, heads, 1, 1).expand(batch, heads, rows, 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return torch.matmul(weights, v).to(q.dtype)  # (B, H, rows, head_dim)
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of q (B, H, T, head_dim) over a KV cache k, v (B, H_kv, S, head_dim) under ``mask`` (T, S)
+    (with ``sinks``: ``sink_attention``).
 
     One new position per head (decoding): the heads that share a key/value head attend as that head's
     rows, (B, H_kv, H/H_kv, head_dim) over k, v, the same products without grouped-query attention. torch's
     math kernel (the compiled decode step's, where it is the faster) repeats K and V for every head first:
     the whole cache copied per layer and token.
     """
+    if sinks is not None:
+        return sink_attention(q, k, v, mask, sinks)
     batch, heads, length, head_dim = q.shape
     groups = k.shape[1]
     if length != 1 or groups == heads:
@@ -100,7 +165,8 @@ def masked_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
 
 
 class AttentionKernel(nn.Module):
-    """The attention of training: causal without a mask, else under ``mask``.
+    """The attention of training: causal without a mask, else under ``mask``; with ``sinks`` (a
+    keyword, so that hooks on the positional q, k, v, mask leave it alone) ``sink_attention``.
 
     No parameters: it is a module so that a parallel layout can hook it (context parallelism
     with a document mask gathers every rank's keys and values before it), never so that the
@@ -108,21 +174,59 @@ class AttentionKernel(nn.Module):
     """
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None,
+        *, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            return sink_attention(q, k, v, mask, sinks)
         if isinstance(mask, BlockMask):
             return masked_flex_attention(q, k, v, mask)
         return attention(q, k, v, mask, causal=mask is None)
 
 
+def window_mask(length: int, window: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``mask`` (a dense bool mask over positions 0..length-1 for queries and keys; None: causal) narrowed to
+    the last ``window`` keys of each query (itself included): (length, length), or mask's shape."""
+    positions = torch.arange(length, device=device)
+    distance = positions[:, None] - positions[None, :]  # (T, T) query minus key
+    seen = (distance >= 0) & (distance < window)
+    return seen if mask is None else mask & seen
+
+
+def layer_mask(
+    attn_mask: torch.Tensor | BlockMask | dict | None, layer_type: str, window: int, length: int, device: torch.device
+) -> torch.Tensor | BlockMask | None:
+    """The mask of one layer: its own from a dict by layer type (built by whoever knows the positions,
+    e.g. context parallelism's shares), else the one mask every layer takes, narrowed to the window of a
+    sliding-window layer over positions 0..length-1."""
+    if isinstance(attn_mask, dict):
+        return attn_mask[layer_type]
+    if not window:
+        return attn_mask
+    if isinstance(attn_mask, BlockMask):
+        raise ValueError("a sliding-window layer narrows dense masks only; pass masks by layer type")
+    return window_mask(length, window, attn_mask, device)
+
+
+def _local(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter as this rank's tensor (a head-sharded DTensor under tensor parallelism: its heads)."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
+        # One logit per query head (split with the heads under tensor parallelism).
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None
+        sliding = args.is_sliding_layer(layer_id)
+        self.layer_type = "sliding_attention" if sliding else "full_attention"
+        self.window = args.sliding_window if sliding else 0
         # Qwen3's QK norm: one weight of head_dim shared by all heads, so under tensor parallelism
         # it stays whole (replicated) while the heads are split.
         self.q_norm = build_norm(args, args.head_dim) if args.qk_norm else None
@@ -147,12 +251,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H_kv, head_dim)
         if self.q_norm is not None:  # normalizes each head over head_dim: shapes unchanged
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = rope[:seqlen]  # the table may be longer than this sequence
+        rope = rope_for(rope, seqlen)  # the table may be longer than this sequence
         q, k = self.rotate(q, rope), self.rotate(k, rope)
+        sinks = _local(self.sinks)
         if input_pos is not None:  # decoding: the new positions attend to every cached one, masked by position
             keys, values = self.cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2))  # (B, H_kv, S_max, hd)
-            out = cached_attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos))
+            out = cached_attention(q.transpose(1, 2), keys, values, self.cache.mask(input_pos, self.window), sinks)
         else:
-            out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
+            mask = layer_mask(attn_mask, self.layer_type, self.window, seqlen, x.device)
+            out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks=sinks)
         # out: (B, H, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, T, dim)

@@ -45,7 +45,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
-        self.attention = MultiHeadLatentAttention(args) if args.mla is not None else Attention(args)
+        self.attention = MultiHeadLatentAttention(args) if args.mla is not None else Attention(args, layer_id)
         moe = args.is_moe_layer(layer_id)
         self.feed_forward = None if moe else FeedForward(args.dim, args.ffn_hidden_dim)
         self.moe = MoE(args.dim, args.moe) if moe else None
@@ -86,11 +86,11 @@ class MultiTokenPrediction(nn.Module):
 
 @dataclass(frozen=True)
 class ParamInit:
-    """How one parameter is initialized: ones, or a (truncated) normal draw."""
+    """How one parameter is initialized: ones, zeros, or a (truncated) normal or uniform draw."""
 
-    kind: str  # "ones" | "normal" | "trunc_normal"
+    kind: str  # "ones" | "zeros" | "normal" | "trunc_normal" | "uniform"
     std: float = 1.0
-    bound: float = 2.0  # absolute truncation bound of "trunc_normal"
+    bound: float = 2.0  # absolute truncation bound of "trunc_normal", half-width of "uniform"
 
 
 class Transformer(nn.Module):
@@ -128,6 +128,7 @@ class Transformer(nn.Module):
         input_pos: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | None = None,
         mtp: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens (B, T) ids, or (B, T, dim) hidden states inside a later pipeline stage.
 
@@ -138,14 +139,20 @@ class Transformer(nn.Module):
         (B, T, vocab), or hidden states when this stage has no output layer. ``mtp`` (training, a
         model with prediction depths): returns (logits, [each depth's logits (B, T, vocab)]); at
         position i depth k predicts token i + k + 1, and its last k positions predict nothing.
+        ``positions`` (B, T) int64 (training, packed sequences): each token's position in its own
+        sequence, restarting at 0 where one begins; RoPE rotates each token by it. None: 0..T-1.
         """
-        if input_pos is not None and attn_mask is not None:
-            raise ValueError("attn_mask is for training; decoding (input_pos) masks by cached position")
+        if input_pos is not None and (attn_mask is not None or positions is not None):
+            raise ValueError(
+                "attn_mask is for training, and positions too; decoding (input_pos) masks by cached position"
+            )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table: under sequence parallel h holds only this rank's part of the sequence.
         rope = self.rope_cache
         if input_pos is not None:
             rope = rope[input_pos]  # (T, head_dim // 2, 2)
+        elif positions is not None:
+            rope = rope[positions]  # each token's own row: (B, T, head_dim // 2, 2)
         for layer_id, layer in self.layers.items():
             if int(layer_id) < self.args.n_layers:  # the prediction depths' blocks run below
                 h = layer(h, rope, input_pos=input_pos, attn_mask=attn_mask)
@@ -216,9 +223,13 @@ class Transformer(nn.Module):
         if layer is None:
             raise ValueError(f"no init rule for parameter {name!r}")
         depth = int(layer.group(1)) + 1 if args.depth_init else args.n_layers
+        # gpt-oss's biases and attention sinks: small but not zero (as torchtitan draws them), so that
+        # every layout's handling of them shows in the first step's losses.
+        if re.search(r"(\.bias|experts\.b13|experts\.b2|attention\.sinks)$", name):
+            return ParamInit("trunc_normal", std=0.02)
         # Inputs of a block's branches (q/k/v, MLA's projections into and out of its latents, the FFN's
-        # and the experts' gate, the router) at 0.02.
-        if re.search(r"(attention\.(w[qkv]|wq_[ab]|wkv_[ab])|\.w1|router\.gate)(\.weight)?$", name):
+        # and the experts' gate (and up, where one stack holds both), the router) at 0.02.
+        if re.search(r"(attention\.(w[qkv]|wq_[ab]|wkv_[ab])|\.w1|\.w13|router\.gate)(\.weight)?$", name):
             return ParamInit("trunc_normal", std=0.02)
         return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3 (experts' too)
 

@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import AttentionKernel, attention
 from titanctl.models.common.norms import build_norm
-from titanctl.models.common.rope import rope_function, yarn_softmax_factor
+from titanctl.models.common.rope import rope_for, rope_function, yarn_softmax_factor
 
 # DeepSeek's (and transformers') latent norms keep RMSNorm's default eps, whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
@@ -126,7 +126,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)  # (B, T, r), (B, T, rope_dim)
         kv = self.kv_norm(kv)
-        rope = rope[:seqlen]  # the table may be longer than this sequence
+        rope = rope_for(rope, seqlen)  # the table may be longer than this sequence
         q_pe = self.rotate(q_pe, rope)  # (B, T, H, rope_dim)
         k_pe = self.rotate(k_pe.unsqueeze(2), rope).squeeze(2)  # one head, shared: (B, T, rope_dim)
         mask = attn_mask

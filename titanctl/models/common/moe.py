@@ -78,7 +78,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, moe: MoEArgs):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(dim, moe.num_experts, bias=False)
+        self.gate = nn.Linear(dim, moe.num_experts, bias=moe.router_bias)
         if moe.n_group > 1 and (moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group
                                 or moe.top_k > moe.topk_group * (moe.num_experts // moe.n_group)):
             raise ValueError(f"MoEArgs: {moe.num_experts} experts in n_group {moe.n_group} groups, top_k "
@@ -91,6 +91,10 @@ class Router(nn.Module):
         auxiliary-loss-free balancing; zeros without it).
         """
         logits = self.gate(x)
+        if self.moe.score_func == "softmax_topk":  # choose on the logits, weigh by a softmax over the chosen
+            experts = torch.topk(logits.float() + expert_bias, self.moe.top_k, dim=-1, sorted=True).indices
+            weights = F.softmax(logits.float().gather(-1, experts), dim=-1)
+            return logits, experts, (weights * self.moe.route_scale).to(x.dtype)
         scores = self.scores(logits)
         choice = scores + expert_bias
         if self.moe.n_group > 1:
@@ -112,15 +116,16 @@ class Router(nn.Module):
         return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)  # (N, E)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """(N, E) fp32 affinities that choose and weigh the experts."""
-        if self.moe.score_func == "softmax":
+        """(N, E) fp32 affinities that choose and weigh the experts (softmax_topk: over all of them, as
+        the auxiliary loss reads them)."""
+        if self.moe.score_func in ("softmax", "softmax_topk"):
             return F.softmax(logits, dim=-1, dtype=torch.float32)
         return torch.sigmoid(logits.float())
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """(N, E) the scores normalized to sum to 1 per token (sigmoid scores do not by themselves)."""
         scores = self.scores(logits)
-        return scores if self.moe.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return scores if self.moe.score_func != "sigmoid" else scores / scores.sum(dim=-1, keepdim=True)
 
 
 class GroupedExperts(nn.Module):
@@ -146,12 +151,51 @@ class GroupedExperts(nn.Module):
         return grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
 
 
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's E experts as stacked weights: w13 (E, 2 x hidden, dim), the gate's and the up
+    projection's rows interleaved (gate j at row 2j, up j at 2j + 1), as openai's checkpoints and
+    torchtitan hold them, with its bias b13 (E, 2 x hidden); w2 (E, dim, hidden) with b2 (E, dim).
+    Each token's hidden units are gate * sigmoid(alpha * gate) * (up + 1), the gate clamped above and
+    up on both sides at ``limit``. The same seam as ``GroupedExperts``."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, limit: float, alpha: float):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+        self.limit, self.alpha = limit, alpha
+        self.grouped_mm = _torch_compat.GROUPED_MM.get()  # looked up here: compiled code cannot import
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, dim): tokens sorted by expert, counts[e] of them for (local) expert e. Returns (M, dim)."""
+        params = (self.w13, self.b13, self.w2, self.b2)
+        w13, b13, w2, b2 = (w.to_local() if hasattr(w, "to_local") else w for w in params)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        # Each row's expert, for its biases: (M,), a static size (fake tensors allow it).
+        expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
+                                                output_size=x.shape[0])
+        h = self.grouped_mm(x, w13.transpose(-2, -1), offs=offsets) + b13[expert_of_row]  # (M, 2 x hidden)
+        gate, up = h[..., 0::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
+        h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)  # (M, hidden)
+        return self.grouped_mm(h, w2.transpose(-2, -1), offs=offsets) + b2[expert_of_row]
+
+
+def build_experts(dim: int, moe: MoEArgs) -> nn.Module:
+    """The routed experts ``moe.expert_kind`` names."""
+    if moe.expert_kind == "clamped_swiglu":
+        return ClampedSwiGLUExperts(dim, moe.hidden_dim, moe.num_experts, moe.swiglu_limit, moe.swiglu_alpha)
+    if moe.expert_kind != "swiglu":
+        raise ValueError(f"MoEArgs.expert_kind {moe.expert_kind!r} is not one of swiglu, clamped_swiglu")
+    return GroupedExperts(dim, moe.hidden_dim, moe.num_experts)
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, moe: MoEArgs):
         super().__init__()
         self.moe = moe
         self.router = Router(dim, moe)
-        self.experts = GroupedExperts(dim, moe.hidden_dim, moe.num_experts)
+        self.experts = build_experts(dim, moe)
         self.shared_experts = (
             FeedForward(dim, moe.hidden_dim * moe.num_shared_experts) if moe.num_shared_experts else None
         )

@@ -51,8 +51,10 @@ def yarn_frequencies(rope_dim: int, theta: float, yarn: YarnScaling) -> tuple[to
         turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
         return rope_dim * math.log(turns) / (2 * math.log(theta))
 
-    low = max(math.floor(pair_of(yarn.beta_fast)), 0)
-    high = min(math.ceil(pair_of(yarn.beta_slow)), rope_dim - 1)
+    low, high = pair_of(yarn.beta_fast), pair_of(yarn.beta_slow)
+    if yarn.truncate:  # whole pairs (gpt-oss keeps the fractional ends: truncate = false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
     if low == high:
         high += 0.001  # no division by zero
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -85,14 +87,27 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
     return table if attention_factor == 1.0 else table * attention_factor
 
 
+def rope_for(rope: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """The rows of ``rope`` for a sequence of ``seqlen`` tokens: the table's first ``seqlen`` rows
+    (T, head_dim // 2, 2), or ``rope`` itself when it holds each token's own row already
+    (B, T, head_dim // 2, 2: positions that restart inside the sequence, see ``Transformer.forward``)."""
+    return rope[:seqlen] if rope.dim() == 3 else rope
+
+
+def _cos_sin(rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin broadcast over heads: (1 or B, T, 1, head_dim // 2) each."""
+    rows = rope if rope.dim() == 4 else rope[None]  # (1 or B, T, head_dim // 2, 2)
+    return rows[:, :, None, :, 0], rows[:, :, None, :, 1]
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved channel pairs (Meta's layout), real-valued so compile needs no complex ops.
 
-    x: (B, T, H, head_dim); rope: (T, head_dim // 2, 2).
+    x: (B, T, H, head_dim); rope: (T, head_dim // 2, 2), or (B, T, head_dim // 2, 2) per token.
     """
     pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, head_dim // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]  # (1, T, 1, head_dim // 2)
+    cos, sin = _cos_sin(rope)  # (1 or B, T, 1, head_dim // 2)
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -100,10 +115,11 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 def apply_rope_halves(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate channel i with channel i + head_dim/2 (Hugging Face's "rotate_half" layout).
 
-    x: (B, T, H, head_dim); rope: (T, head_dim // 2, 2). Computed in fp32 like ``apply_rope``.
+    x: (B, T, H, head_dim); rope: (T, head_dim // 2, 2), or (B, T, head_dim // 2, 2) per token. Computed
+    in fp32 like ``apply_rope``.
     """
     first, second = x.float().chunk(2, dim=-1)  # (B, T, H, head_dim // 2) each
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]  # (1, T, 1, head_dim // 2)
+    cos, sin = _cos_sin(rope)  # (1 or B, T, 1, head_dim // 2)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
     return rotated.type_as(x)  # (B, T, H, head_dim)
 

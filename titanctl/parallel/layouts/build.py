@@ -1,8 +1,8 @@
 """How a recipe becomes (sharded) model parts: the one place `train` and `estimate-memory` share.
 
-Model converters (float8 linears, then oneDNN fp32 linears on CPU) run first, on the whole model
-on the meta device, so that their names are canonical and every later step wraps the converted
-modules. Then, inside every model part (a whole model, or each pipeline stage):
+Model converters (float8 linears, LoRA adapters with the base frozen, then oneDNN fp32 linears on
+CPU) run first, on the whole model on the meta device, so that their names are canonical and
+every later step wraps the converted modules. Then, inside every model part (a whole model, or each pipeline stage):
 TP -> EP -> activation checkpointing -> per-block compile -> FSDP/HSDP or DDP.
 """
 
@@ -20,6 +20,7 @@ from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import build_model
 from titanctl.parallel.converters.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
+from titanctl.parallel.converters.lora import LoRAConversion, apply_lora, check_lora, freeze_base
 from titanctl.parallel.converters.onednn_linear import linear_kernel, use_onednn_linears
 from titanctl.parallel.layouts.activation_checkpoint import apply_ac
 from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
@@ -37,6 +38,7 @@ class ModelParts:
     parts: list[nn.Module]
     pipeline: object | None = None  # titanctl.parallel.layouts.pipeline_parallel.Pipeline when pp > 1
     float8: Float8Conversion | None = None  # what became float8 (float8.enable_float8_linear)
+    lora: LoRAConversion | None = None  # which modules got adapters (lora.enable)
 
     @property
     def has_last_stage(self) -> bool:
@@ -91,6 +93,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
             "untied flavor, or FSDP/TP without pipelining"
         )
     check_float8(cfg, fsdp=dims.fsdp_enabled)
+    check_lora(cfg)
 
 
 def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Module:
@@ -109,6 +112,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
     experts_placed = model.args.moe is not None and (dims.ep > 1 or dims.tp > 1)
     if experts_placed:
         apply_ep(model, dims.expert_mesh[tuple(n for n, size in (("ep", dims.ep), ("tp", dims.tp)) if size > 1)])
+    if cfg.lora.enable:
+        freeze_base(model)  # TP and EP give replicated modules new Parameters, which require gradients
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model)
@@ -142,6 +147,8 @@ def build_model_parts(
 
     ``fake_mode`` (a FakeTensorMode, with ``init=False``): materialize inside it, so the parts hold
     fake tensors with shapes but no storage (memory estimation).
+    With ``init=False`` (the weights come from a checkpoint) LoRA adapters are still drawn: a base
+    checkpoint has none, and a LoRA checkpoint loaded afterwards overwrites them.
     """
     check_layout(cfg, dims, args)
     with torch.device("meta"):
@@ -149,6 +156,7 @@ def build_model_parts(
     float8 = None
     if cfg.float8.enable_float8_linear:
         float8 = convert_to_float8(model, cfg.float8, tp=dims.tp, device=torch.device(device))
+    lora = apply_lora(model, cfg.lora) if cfg.lora.enable else None
     if torch.device(device).type == "cpu" and linear_kernel(cfg.training.cpu_linear) == "onednn":
         use_onednn_linears(model)  # the linears float8 left plain
     if dims.pp > 1:
@@ -161,9 +169,9 @@ def build_model_parts(
             parallelize_fn=lambda stage: parallelize(stage, cfg, dims),
             loss_fn=loss_fn,
         )
-        result = ModelParts(pipeline.model_parts, pipeline, float8)
+        result = ModelParts(pipeline.model_parts, pipeline, float8, lora)
     else:
-        result = ModelParts([parallelize(model, cfg, dims)], float8=float8)
+        result = ModelParts([parallelize(model, cfg, dims)], float8=float8, lora=lora)
     if float8 is not None and dims.tp > 1 and not sends_float8(dims.mesh["tp"]):
         float8.notes.append(
             "float8 with tensor parallel on gloo: activations are all-gathered in high precision "
@@ -174,5 +182,7 @@ def build_model_parts(
             part.to_empty(device=device)
             if init:
                 initialize_weights(part, cfg.training.seed, buffer_device=device)
+            elif lora is not None and fake_mode is None:
+                initialize_weights(part, cfg.training.seed, buffer_device=device, adapters_only=True)
             part.train()
     return result

@@ -74,11 +74,26 @@ def sharded_linears(model: nn.Module, tp: int) -> dict[str, tuple[nn.Linear, int
 _LOCALIZED: weakref.WeakKeyDictionary[nn.Module, RankGather] = weakref.WeakKeyDictionary()
 
 
+def sharded_parameters(model: nn.Module, tp: int) -> dict[str, tuple[nn.Module, str, int]]:
+    """Every parameter that tensor parallel splits: name -> (its module, its attribute, the dim split).
+    A column-wise linear's bias is split with its rows; a row-wise one's stays whole (added once, after
+    the sum over the ranks); attention sinks (gpt-oss) are split with the query heads."""
+    found = {}
+    for name, (linear, dim) in sharded_linears(model, tp).items():
+        found[f"{name}.weight"] = (linear, "weight", dim)
+        if dim == 0 and linear.bias is not None:
+            found[f"{name}.bias"] = (linear, "bias", 0)
+    for layer_id, block in model.layers.items():
+        if getattr(block.attention, "sinks", None) is not None:
+            found[f"layers.{layer_id}.attention.sinks"] = (block.attention, "sinks", 0)
+    return found
+
+
 def shard_weights(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make each split weight a DTensor sharded over ``mesh`` (1-D), for a checkpoint reader to fill."""
-    for linear, dim in sharded_linears(model, mesh.size()).values():
-        weight = distribute_tensor(linear.weight.detach(), mesh, [Shard(dim)], src_data_rank=None)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+    for module, attr, dim in sharded_parameters(model, mesh.size()).values():
+        tensor = distribute_tensor(getattr(module, attr).detach(), mesh, [Shard(dim)], src_data_rank=None)
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
 def localize(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -89,15 +104,18 @@ def localize(model: nn.Module, mesh: DeviceMesh) -> None:
     """
     group = mesh.get_group()
     gather = RankGather(group, mesh.size(), shm_exchange.create(group) if mesh.device_type == "cpu" else None)
+    for name, (module, attr, _dim) in sharded_parameters(model, gather.tp).items():
+        tensor = getattr(module, attr)
+        if not isinstance(tensor, DTensor):
+            raise TypeError(f"{name} is not sharded: call shard_weights before loading")
+        setattr(module, attr, nn.Parameter(tensor.to_local(), requires_grad=False))
     for name, (linear, dim) in sharded_linears(model, gather.tp).items():
-        weight = linear.weight
-        if not isinstance(weight, DTensor):
-            raise TypeError(f"{name}.weight is not sharded: call shard_weights before loading")
-        linear.weight = nn.Parameter(weight.to_local(), requires_grad=False)
         if name == "output":
             linear.register_forward_hook(_GatherLastDim(gather))
         elif dim == 1:  # row-wise: each rank computed a partial sum of the whole output
-            linear.register_forward_hook(_SumOverRanks(gather))
+            # Its bias (whole on every rank) joins once, after the sum, not once per rank.
+            bias, linear.bias = linear.bias, None
+            linear.register_forward_hook(_SumOverRanks(gather, bias))
     _LOCALIZED[model] = gather
 
 
@@ -141,11 +159,12 @@ class _SumOverRanks:
     is what a decoded token waits for.
     """
 
-    def __init__(self, gather: RankGather):
-        self.gather = gather
+    def __init__(self, gather: RankGather, bias: torch.Tensor | None = None):
+        self.gather, self.bias = gather, bias
 
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-        return self.gather(out).sum(0)
+        total = self.gather(out).sum(0)
+        return total if self.bias is None else total + self.bias
 
 
 class _GatherLastDim:

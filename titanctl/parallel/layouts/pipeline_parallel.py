@@ -14,7 +14,9 @@ Gradient scale: torch's ``scale_grads=True`` divides every ``.grad`` of a stage 
 of microbatches after the step's last backward, which also shrinks gradients left over from an
 earlier ``step`` (gradient accumulation). So we pass ``scale_grads=False`` and divide each
 microbatch loss by the microbatch count before its backward instead: gradients are those of
-the mean loss over the batch (equal-size microbatches), times ``loss_scale``.
+the mean loss over the batch (equal-size microbatches), times ``loss_scale``. The trainer's loss
+is a sum over counted tokens instead (titanctl/train/loss.py): it passes ``loss_divisor``, and
+each microbatch's loss is divided by it, whatever the microbatch count.
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ class Pipeline:
         return any(stage.is_last for stage in self.stages)
 
     def step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, *, loss_scale: float = 1.0, **model_kwargs
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, loss_scale: float = 1.0,
+        loss_divisor: torch.Tensor | float | None = None, **model_kwargs,
     ) -> torch.Tensor | None:
         """Forward and backward over one batch (B, T), split into microbatches along B.
 
@@ -181,7 +184,9 @@ class Pipeline:
 
         Accumulates into ``.grad`` the gradient of ``loss_scale`` x the mean loss over the batch
         (pass ``1 / accumulation_steps`` when accumulating). Returns the (unscaled, detached)
-        mean loss on the rank that runs the last stage, None on the others.
+        mean loss on the rank that runs the last stage, None on the others. With ``loss_divisor`` (a
+        loss that sums over tokens) each microbatch's loss is divided by it instead, and the sum of
+        those is returned.
         """
         if not self._checked:
             if any(p.is_meta for part in self.model_parts for p in part.parameters()):
@@ -190,21 +195,26 @@ class Pipeline:
                     "(to_empty + initialize_weights, or load a checkpoint) before the first step"
                 )
             self._checked = True
-        self._loss.factor = loss_scale / self.n_microbatches
+        self._loss.factor = loss_scale / self.n_microbatches if loss_divisor is None else 1 / loss_divisor
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **model_kwargs)
         if losses is None:
             return None
+        total = torch.stack([loss.detach() for loss in losses]).sum()
         # Each entry is loss_i * loss_scale / n: their sum / loss_scale is the mean of the loss_i.
-        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+        return total if loss_divisor is not None else total / loss_scale
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs) -> torch.Tensor | None:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, loss_divisor: torch.Tensor | float | None = None,
+        **model_kwargs,
+    ) -> torch.Tensor | None:
         """Forward only over one batch (B, T) through the same schedule (torch's ``schedule.eval``;
         call it under ``torch.no_grad``): the mean loss over its microbatches on the rank that runs
-        the last stage, None on the others. The next ``step`` re-prepares the stages for backward."""
-        self._loss.factor = 1.0 / self.n_microbatches
+        the last stage, None on the others (with ``loss_divisor``: the sum of each microbatch's loss
+        divided by it). The next ``step`` re-prepares the stages for backward."""
+        self._loss.factor = 1.0 / self.n_microbatches if loss_divisor is None else 1 / loss_divisor
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None

@@ -83,7 +83,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, dims: ParallelDi
     by_mesh: dict = {}
     for grad in grads:
         by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
-    norms = []
+    norms = [torch.zeros((), device=params[0].device)] if not by_mesh else []  # a stage with nothing to train
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # partial norms reduced

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titanctl import _torch_compat
@@ -13,6 +13,7 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.tp_plan import MLA_REPLICATED, mtp_plan
 from titanctl.models.registry import spec_of
 from titanctl.parallel.converters.float8 import float8_tp_styles, is_float8_linear, sends_float8
+from titanctl.parallel.converters.lora import tp_style as lora_tp_style
 
 
 def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
@@ -37,7 +38,9 @@ def apply_tp(
     plain styles (float8 matmuls, high-precision communication).
     """
     plan = spec_of(model.args).tp_plan
-    root = {name: style for name, style in plan.root(loss_parallel).items() if getattr(model, name) is not None}
+    # A LoRA linear's adapter is split with it (lora.tp_style).
+    root = {name: lora_tp_style(getattr(model, name), style) for name, style in plan.root(loss_parallel).items()
+            if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
     if getattr(model, "mtp", None) is not None:
         parallelize_module(model.mtp, tp_mesh, mtp_plan(len(model.mtp)))
@@ -55,14 +58,17 @@ def apply_tp(
             styles = float8_tp_styles()
     for block in model.layers.values():
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
-        present = {name: style for name, style in plan.block(model.args, styles, names).items()
-                   if submodule_or_none(block, name) is not None}
+        present = {name: lora_tp_style(module, style) for name, style in plan.block(model.args, styles, names).items()
+                   if (module := submodule_or_none(block, name)) is not None}
         parallelize_module(block, tp_mesh, present)
         if model.args.mla is not None:
             for name in MLA_REPLICATED:
                 if (module := submodule_or_none(block, name)) is not None:
                     _replicate(module, tp_mesh)
             _sum_gradient_over_ranks(block.attention.shared_rope_key, tp_mesh)
+        sinks = getattr(block.attention, "sinks", None)
+        if sinks is not None:  # gpt-oss: one logit per query head, split with the heads (attention reads its own)
+            block.attention.sinks = nn.Parameter(distribute_tensor(sinks, tp_mesh, [Shard(0)]))
         if getattr(block, "moe", None) is not None:
             _replicate(block.moe.router.gate, tp_mesh)
             if block.moe.shared_experts is not None:

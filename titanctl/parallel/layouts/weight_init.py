@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl import _torch_compat
 from titanctl.models.common.decoder import ParamInit
+from titanctl.parallel.converters.lora import adapter_init, is_adapter
 
 
 def canonical_name(name: str) -> str:
@@ -31,24 +32,36 @@ def draw(shape: torch.Size, spec: ParamInit, seed: int, name: str) -> torch.Tens
     full = torch.empty(shape, dtype=torch.float32)
     if spec.kind == "ones":
         return full.fill_(1.0)
+    if spec.kind == "zeros":
+        return full.zero_()
     # Modulo 2^64, the generator's seed range: the same numbers as ever for every seed below
     # 2^64 / 1_000_003, and no overflow for larger ones (training.seed goes up to 2^64 - 1).
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
     if spec.kind == "normal":
         return nn.init.normal_(full, std=spec.std, generator=gen)
+    if spec.kind == "uniform":
+        return nn.init.uniform_(full, -spec.bound, spec.bound, generator=gen)
     return nn.init.trunc_normal_(full, std=spec.std, a=-spec.bound, b=spec.bound, generator=gen)
 
 
 @torch.no_grad()
-def initialize_weights(model: nn.Module, seed: int, buffer_device: torch.device | None = None) -> None:
+def initialize_weights(
+    model: nn.Module, seed: int, buffer_device: torch.device | None = None, *, adapters_only: bool = False
+) -> None:
     """Initialize ``model`` (plain, FSDP/TP-sharded or a pipeline stage) deterministically.
 
-    ``model`` must provide ``param_init(name) -> ParamInit`` and ``init_buffers(device)``.
+    ``model`` must provide ``param_init(name) -> ParamInit`` and ``init_buffers(device)``; LoRA
+    adapters are drawn as ``titanctl.parallel.converters.lora.adapter_init`` says. ``adapters_only``:
+    only the adapters (their frozen base is loaded from a checkpoint).
     """
     model.init_buffers(buffer_device)
     for name, param in model.named_parameters():
         name = canonical_name(name)
-        full = draw(param.shape, model.param_init(name), seed, name)
+        adapter = is_adapter(name)
+        if adapters_only and not adapter:
+            continue
+        spec = adapter_init(name, tuple(param.shape)) if adapter else model.param_init(name)
+        full = draw(param.shape, spec, seed, name)
         if isinstance(param, DTensor):
             # Every rank drew the same full tensor, so slicing locally needs no communication.
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

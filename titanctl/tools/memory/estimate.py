@@ -43,6 +43,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import math
 import os
 import re
 import resource
@@ -59,9 +60,10 @@ from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError, TitanError
-from titanctl.models.common.moe import GroupedExperts
+from titanctl.models.common.moe import ClampedSwiGLUExperts, GroupedExperts
 from titanctl.models.registry import get_spec, model_args_from_config
 from titanctl.models.shapes import num_params
+from titanctl.parallel.converters.lora import is_adapter, saved_shapes
 from titanctl.parallel.layouts.build import build_model_parts, check_layout
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import balanced_routing
@@ -80,7 +82,7 @@ from titanctl.tools.memory.tracker import (
     make_tracker,
     untracked_sharding_propagation,
 )
-from titanctl.train.loss import cross_entropy_loss
+from titanctl.train.loss import cross_entropy_sum
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.optim import build_optimizer
 from titanctl.train.step import ForwardBackward, automatic_gc_paused
@@ -260,12 +262,12 @@ def _run_steps(
     """
     fake = fake_mode is not None
     built = build_model_parts(
-        cfg, dims, args, device, loss_fn=cross_entropy_loss, init=not fake, fake_mode=fake_mode
+        cfg, dims, args, device, loss_fn=cross_entropy_sum, init=not fake, fake_mode=fake_mode
     )
     if fake:
         for part in built.parts:
             for module in part.modules():
-                if isinstance(module, GroupedExperts):
+                if isinstance(module, (GroupedExperts, ClampedSwiGLUExperts)):
                     module.grouped_mm = _ShapeOnlyGroupedMM.apply
     if built.pipeline is not None and fake:
 
@@ -543,6 +545,12 @@ def plan_estimate(
             "Mixture of Experts: routing is taken as balanced (every expert gets top_k x tokens / experts "
             "tokens; fake tensors have no values to route by): a skewed router makes the busiest "
             "experts' activations and, under expert parallelism, the dispatch buffers larger"
+        )
+    if cfg.lora.enable:
+        adapters = sum(math.prod(shape) for name, shape in saved_shapes(args, cfg.lora).items() if is_adapter(name))
+        notes.append(
+            f"LoRA: {adapters / 1e6:.3g}M adapter parameters train; the frozen base's {num_params(args) / 1e6:.4g}M "
+            "parameters are held (in fp32, sharded as the layout shards them) without gradients or optimizer state"
         )
     if dims.ddp_enabled:
         notes.append(

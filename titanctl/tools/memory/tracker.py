@@ -230,6 +230,23 @@ class _StepPeaks:
     def _track_communication_buffers(self, func, args) -> None:
         pass
 
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        """torch's own, except that gradient hooks go on the parameters that train only: a frozen one
+        (a LoRA run's base) refuses hooks. It is counted as a parameter all the same."""
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            grad = MEM_REF_TYPE.get().GRAD
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    def on_grad(g, grad=grad):
+                        self._update_and_maybe_create_winfos(g, grad)
+
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(on_grad),
+                        param.register_post_accumulate_grad_hook(lambda p, on_grad=on_grad: on_grad(p.grad)),
+                    )
+        return memory
+
     def _init_step_peaks(self, n_layers: int, period: int) -> None:
         self._mod_tracker = _LeafSafeModTracker()
         self.step = 0

@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from titanctl.errors import TitanError
+from titanctl.errors import ConfigError
+from titanctl.tools.host_memory import available_bytes
 from titanctl.tools.plan.devices import Device, Link, cluster_toml
 
 _MATMUL_SHAPES = [(m, n, k) for m in (256, 2048) for n, k in ((64, 256), (256, 256), (768, 256), (256, 768),
@@ -48,6 +49,12 @@ _ATTENTION_SHAPES = [(8, 16, 256, 16), (2, 16, 1024, 64)]  # (batch, heads, seq,
 _PROBE = {"dim": 384, "n_layers": 1, "n_heads": 6, "n_kv_heads": 2, "vocab_size": 2048}
 _PROBE_BATCH, _PROBE_SEQ = 2, 512
 _SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20]  # bytes of the whole (gathered) tensor
+# The most processes that measure together on one host. Past 4 per core each has under a quarter of a
+# core and waits its turn inside every timed collective: the figures describe the scheduler, not the
+# machine (the distributed tests run at most 4 per core, 8 processes on 2). Each process holds torch and
+# its probes: 0.5 GiB peak resident measured (2 processes, torch 2.13), so 0.6 GiB is asked of memory.
+PROCESSES_PER_CORE = 4
+PROCESS_MEMORY_GIB = 0.6
 
 
 def _timed(fn, min_seconds: float = 0.15, repeats: int = 3) -> float:
@@ -373,8 +380,8 @@ def calibrate(processes: int, path: Path, log=print) -> str:
     """Measure with ``processes`` processes, write the cluster file, and return a one-line summary."""
     import torch.multiprocessing as mp
 
-    if processes < 1:
-        raise TitanError(f"--gpus must be at least 1 to calibrate, got {processes}")
+    check_processes(processes)
+    check_writable(path)
     started = time.perf_counter()
     if log:
         log(f"calibrating with {processes} process(es) on {os.cpu_count()} core(s); about a minute or two ...")
@@ -396,6 +403,37 @@ def calibrate(processes: int, path: Path, log=print) -> str:
             f"compute x{device.compute_scale:.2f} (a training step against its figures), "
             f"DTensor +{device.dtensor_linear_us:.0f} "
             f"us per linear and +{device.dtensor_op_us:.0f} us per op")
+
+
+def check_processes(processes: int) -> None:
+    """One line, before any process starts, for a count this host cannot measure with."""
+    if processes < 1:
+        raise ConfigError(f"--gpus must be at least 1 to calibrate, got {processes}")
+    cores = os.cpu_count() or 1
+    if processes > PROCESSES_PER_CORE * cores:
+        raise ConfigError(
+            f"--gpus {processes:,}: the calibration runs that many processes at once on this host's {cores} core(s); "
+            f"at most {PROCESSES_PER_CORE * cores} ({PROCESSES_PER_CORE} per core): more would measure how the "
+            "processes take turns, not the machine"
+        )
+    available = available_bytes()
+    if available is not None and processes * PROCESS_MEMORY_GIB * 2**30 > available:
+        most = max(1, int(available / (PROCESS_MEMORY_GIB * 2**30)))
+        raise ConfigError(
+            f"--gpus {processes}: {processes} measuring processes need about {processes * PROCESS_MEMORY_GIB:.1f} GiB "
+            f"({PROCESS_MEMORY_GIB} GiB each), this host has {available / 2**30:.1f} GiB available: at most {most}"
+        )
+
+
+def check_writable(path: Path) -> None:
+    """--cluster must be a file that can be written, said before minutes of measuring."""
+    if path.is_dir():
+        raise ConfigError(f"--cluster {path} is a folder: give the file to write, e.g. {path / 'cpu.toml'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"--cluster {path}: folder {folder} does not exist (create it, or write elsewhere)")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--cluster {path}: cannot write there (permission denied)")
 
 
 def device_from_measurements(ranks: list[dict], processes: int) -> Device:

@@ -28,6 +28,11 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   norm's tensors;
 - the device's reserve (CUDA context, communication and matmul workspaces, allocator slack).
 
+A LoRA recipe (``lora.enable``) keeps its frozen base as fp32 parameters only (4 bytes each, sharded as
+above): gradients, Adam's moments, DDP's buckets and FSDP's unsharded gradients exist for the adapters
+alone (``Adapters``, their parameters per block and on the output layer, taken whole on every rank:
+they are small).
+
 Against the exact engine (Llama 3.1 8B and 70B, Qwen3 8B, every AC mode, FSDP, HSDP, TP, CP): within
 -6% / +3%; Mixture-of-Experts blocks about 4% below; pipelines hold the busiest rank, the exact
 estimate rank 0.
@@ -58,6 +63,43 @@ class MemoryBreakdown:
 
 def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A LoRA recipe's trained parameters: per block (the mean over blocks; routed experts' apart, split
+    over EP) and on the output layer; which of a block's linears have one (names inside the block, any
+    block's), and their rank."""
+    per_block: float
+    experts_per_block: float
+    output: int
+    targets: frozenset[str] = frozenset()
+    rank: int = 0
+
+    def on_rank(self, blocks: int, ep: int, last: bool) -> float:
+        return blocks * (self.per_block + self.experts_per_block / ep) + (self.output if last else 0)
+
+
+def adapters_of(args, lora) -> Adapters:
+    """The adapters of ``args``' model under the recipe's ``[lora]`` section."""
+    import math
+
+    from titanctl.parallel.converters.lora import is_adapter, saved_shapes
+
+    dense = experts = output = 0
+    targets = set()
+    for name, shape in saved_shapes(args, lora).items():
+        if not is_adapter(name):
+            continue
+        if name.endswith(".lora_a") and name.startswith("layers."):
+            targets.add(name.split(".", 2)[2].removesuffix(".lora_a"))
+        if name.startswith("output."):
+            output += math.prod(shape)
+        elif ".experts." in name:
+            experts += math.prod(shape)
+        else:
+            dense += math.prod(shape)
+    return Adapters(dense / args.n_layers, experts / args.n_layers, output, frozenset(targets), lora.rank)
 
 
 @dataclass(frozen=True)
@@ -139,7 +181,8 @@ def forward_order(linears: tuple[Linear, ...]) -> list[Linear]:
     return sorted(linears, key=key)
 
 
-def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: int, ac: str) -> tuple[float, float]:
+def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: int, ac: str,
+                               adapters: Adapters | None = None) -> tuple[float, float]:
     """(bytes kept per token by this block until its backward, bytes of one block recomputed in backward)."""
     outputs = sum(lin.local(tp)[0] for lin in block.linears if lin.split != "row")
     row_inputs = sum(lin.local(tp)[1] for lin in block.linears if lin.split == "row")
@@ -158,7 +201,7 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
     block_input = dim / tp if tp > 1 else dim
     kept = {
         "none": full,
-        "selective_op": block_input + _op_level_saved(block, tp, dim),
+        "selective_op": block_input + _op_level_saved(block, tp, dim, adapters),
         "selective_2": (full + block_input) / 2,
         "full": block_input,
     }[ac]
@@ -166,14 +209,18 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
     return kept * act, recompute * act
 
 
-def _op_level_saved(block: Block, tp: int, dim: int) -> float:
+def _op_level_saved(block: Block, tp: int, dim: int, adapters: Adapters | None = None) -> float:
     """Elements per token that op-level selective AC keeps: every odd-numbered matmul's output in
-    forward order (the count restarts in each block; a row-wise linear's partial sums are model-wide),
-    the attention's output, and under sequence parallelism the reduce-scatters' outputs."""
-    saved = 0.0
-    for i, lin in enumerate(forward_order(block.linears)):
-        if i % 2 == 0:
-            saved += dim if lin.split == "row" else lin.local(tp)[0]
+    forward order (the count restarts in each block; a row-wise linear's partial sums are model-wide;
+    a linear with a LoRA adapter runs three: its own, A's (rank wide) and B's), the attention's
+    output, and under sequence parallelism the reduce-scatters' outputs."""
+    outputs = []
+    for lin in forward_order(block.linears):
+        width = dim if lin.split == "row" else lin.local(tp)[0]
+        outputs.append(width)
+        if adapters is not None and lin.name in adapters.targets:
+            outputs += [adapters.rank, width]
+    saved = float(sum(width for i, width in enumerate(outputs) if i % 2 == 0))
     attention_out = next((lin.local(tp)[1] for lin in block.linears if lin.name.endswith(".wo")), 0)
     reduce_scatters = 2 * dim / tp if tp > 1 else 0
     return saved + attention_out + reduce_scatters
@@ -181,11 +228,12 @@ def _op_level_saved(block: Block, tp: int, dim: int) -> float:
 
 def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, param_dtype: str,
              reduce_dtype: str, reshard_after_forward: str, reserve_gib: float,
-             loss_parallel: bool = True, after_rank0: bool = False) -> MemoryBreakdown | None:
+             loss_parallel: bool = True, after_rank0: bool = False,
+             adapters: Adapters | None = None) -> MemoryBreakdown | None:
     """The fast estimate of the peak of the pipeline rank that holds the most (``after_rank0``: of the
     ranks after rank 0, None without a pipeline): the largest of the loss's backward (the last stage:
     every block's activations and the logits' tensors), the first recomputed block's backward and the
-    last block's (every gradient made)."""
+    last block's (every gradient made). ``adapters``: a LoRA recipe's (see the module docstring)."""
     act = _dtype_bytes(param_dtype)
     pbytes = _dtype_bytes(param_dtype)
     grad_bytes = 4 if reduce_dtype == "float32" else pbytes  # FSDP's unsharded gradients, in the reduce dtype
@@ -217,21 +265,28 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
             (shape.output_params / c.tp + shape.final_norm_params) if view.last else 0)
         stage = dense + experts + root
         stored = (dense + root) / shard + experts / expert_shard
-        # fp32 parameters and Adam's two moments, and the gradients once they exist.
-        state = 12 * stored + (4 * stored if accumulating else 0)
-        if c.ddp:
-            state += 4 * stage  # the gradient buckets
         biggest = max(b.params(c.tp, c.ep) for b, _ in view.blocks)
+        # What trains: every parameter, or a LoRA recipe's adapters (its frozen base: fp32 parameters only).
+        trained, trained_stored, trained_block, frozen_stored = stage, stored, biggest, 0.0
+        if adapters is not None:
+            trained = adapters.on_rank(sum(n for _, n in view.blocks), c.ep, view.last)
+            trained_stored = trained / shard
+            trained_block = adapters.per_block + adapters.experts_per_block / c.ep
+            frozen_stored = stored
+        # fp32 parameters and Adam's two moments, and the gradients once they exist.
+        state = 4 * frozen_stored + 12 * trained_stored + (4 * trained_stored if accumulating else 0)
+        if c.ddp:
+            state += 4 * trained  # the gradient buckets
         # FSDP's unsharded parameters and gradients at the loss and at a block's backward.
         at_loss = at_block = 0.0
         if whole_stage:
-            at_loss = at_block = pbytes * stage + (grad_bytes * stage if c.microbatches > 1 else 0)
+            at_loss = at_block = pbytes * stage + (grad_bytes * trained if c.microbatches > 1 else 0)
         elif c.fsdp:
             at_loss = pbytes * biggest  # the last block, prefetched for its backward
-            at_block = 2 * pbytes * biggest + (pbytes + grad_extra) * biggest
+            at_block = 2 * pbytes * biggest + (pbytes + grad_extra) * trained_block
         kept, recompute, one_block = 0.0, 0.0, 0.0
         for b, n in view.blocks:
-            k, r = activation_bytes_per_token(b, c.tp, c.cp, shape.dim, act, c.ac)
+            k, r = activation_bytes_per_token(b, c.tp, c.cp, shape.dim, act, c.ac, adapters)
             kept += n * k
             recompute = max(recompute, r)
             one_block = max(one_block, k)
@@ -243,8 +298,8 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
         candidates = [MemoryBreakdown(state, at_block, tokens * (kept + recompute), 0.0, reserve_gib * GIB)]
         if not accumulating and not whole_stage:
             # The last block's backward: one block's activations left, every gradient made.
-            candidates.append(MemoryBreakdown(state + 4 * stored, at_block, tokens * (one_block + recompute), 0.0,
-                                              reserve_gib * GIB))
+            candidates.append(MemoryBreakdown(state + 4 * trained_stored, at_block, tokens * (one_block + recompute),
+                                              0.0, reserve_gib * GIB))
         if view.last:
             candidates.append(MemoryBreakdown(state, at_loss, tokens * kept, tokens * (vocab * loss_bytes + final_norm),
                                               reserve_gib * GIB))

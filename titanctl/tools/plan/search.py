@@ -1,9 +1,11 @@
 """`titanctl plan`: every layout of a recipe on N devices, the ones that fit, ranked by step time.
 
 1. The recipe's model, sequence length and global batch (``training.global_batch_size``, or with -1
-   the recipe's own local batch x the data-parallel degree its layout gets on N devices).
+   the recipe's own local batch x the data-parallel degree its layout gets on N devices). N above
+   MAX_DEVICES, or a batch above MAX_TOKENS_PER_STEP, is beyond any real job and refused at once.
 2. ``candidates.enumerate_splits``: the degrees and batch splits the trainer accepts (the rest counted by reason).
-3. ``memory_model.estimate`` (fast) drops the ones that do not fit; ``cost_model`` times the others.
+3. ``memory_model.estimate`` (fast) drops the ones that do not fit; ``cost_model`` times the others,
+   keeping only the fastest that can be shown (memory stays bounded over millions of layouts).
 4. The fastest go to ``estimate-memory``'s engine (exact, rank 0) in order, within a count and a
    time budget; a finalist that does not fit after all is dropped (and counted), the next moves up.
 """
@@ -11,8 +13,10 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +31,15 @@ from titanctl.tools.plan.workload import model_shape
 GIB = 2**30
 # Schedules that run each backward as two passes (input gradients, then weight gradients).
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Bounds beyond any real job, so that a mistyped number is refused at once instead of enumerated for hours:
+# the largest clusters hold a few hundred thousand GPUs, and the largest published batches are tens of
+# millions of tokens per step (Llama 3 405B: 16M; DeepSeek-V3: 15,360 x 4,096 = 63M).
+MAX_DEVICES = 2**20
+MAX_TOKENS_PER_STEP = 2**30
+# Above this many layouts to time (half a minute or more), the plan says so before it starts.
+MANY_LAYOUTS = 500_000
+# Layouts timed beyond twice the ones that can be shown before the list is cut back to those.
+CUT_AFTER = 10_000
 
 
 @dataclass
@@ -150,6 +163,7 @@ class Planner:
         self.dtype = cfg.training.mixed_precision_param
         self.cost = CostModel(self.shape, Setting.of_model(device, self.dtype, self.args, seq))
         self.ranks = memory_model.Ranks(self.shape)
+        self.adapters = memory_model.adapters_of(self.args, cfg.lora) if cfg.lora.enable else None
 
     @property
     def dtype_bytes(self) -> int:
@@ -167,7 +181,7 @@ class Planner:
         peak = memory_model.estimate(
             self.shape, self.ranks, c, seq_len=t.seq_len, param_dtype=t.mixed_precision_param,
             reduce_dtype=t.mixed_precision_reduce, reshard_after_forward=p.fsdp_reshard_after_forward, reserve_gib=0.0,
-            loss_parallel=not p.disable_loss_parallel, after_rank0=after_rank0,
+            loss_parallel=not p.disable_loss_parallel, after_rank0=after_rank0, adapters=self.adapters,
         )
         return 0.0 if peak is None else peak.total
 
@@ -236,14 +250,14 @@ def plan(
     recipe_path: str, cfg: JobConfig, world_size: int, device: Device, *, global_batch: int | None = None,
     top: int = 5, exact: int = 3, budget_seconds: float = 45.0, schedules: tuple[str, ...] | None = None,
     ac_modes: tuple[str, ...] = AC_MODES, compile_options: tuple[bool, ...] = (False, True),
-    float8: bool = True,
+    float8: bool = True, log: Callable[[str], None] | None = None,
 ) -> Plan:
-    """The ``top`` fastest layouts of the recipe on ``world_size`` devices that fit."""
+    """The ``top`` fastest layouts of the recipe on ``world_size`` devices that fit. ``log`` hears
+    that the plan will take minutes, before it does."""
     from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
 
     started = time.perf_counter()
-    if world_size < 1:
-        raise ParallelError(f"--gpus must be at least 1, got {world_size}")
+    check_world_size(world_size)
     if cfg.parallelism.pipeline_parallel_schedule_csv:
         # A CSV fixes one schedule; the plan compares the named ones.
         parallelism = dataclasses.replace(cfg.parallelism, pipeline_parallel_schedule_csv="")
@@ -255,6 +269,9 @@ def plan(
         notes.append(f"global batch {global_batch} sequences: {how} (--global-batch sets it)")
     elif global_batch < 1:
         raise ParallelError(f"--global-batch must be at least 1, got {global_batch}")
+    else:
+        how = "--global-batch"
+    check_tokens_per_step(global_batch, cfg.training.seq_len, how)
     enum = enumerate_splits(cfg, planner.args, world_size, global_batch, gpus_per_node=device.gpus_per_node,
                             schedules=schedules or SCHEDULES)
     rejected = Counter(enum.rejected)
@@ -263,8 +280,17 @@ def plan(
         reasons = "; ".join(f"{r} ({n})" for r, n in rejected.most_common(3))
         raise ParallelError(f"no layout of {model} uses {world_size} devices with a global batch of "
                             f"{global_batch}: {reasons}")
-    use_float8 = float8 and device.peak_fp8_tflops > 0 and device.target == "cuda"
+    # float8 linears do not carry LoRA adapters (lora.check_lora refuses the pair).
+    use_float8 = float8 and device.peak_fp8_tflops > 0 and device.target == "cuda" and not cfg.lora.enable
+    to_time = len(enum.splits) * len(ac_modes) * len(compile_options) * (2 if use_float8 else 1)  # at most
+    if log is not None and to_time > MANY_LAYOUTS:
+        log(f"timing about {to_time:,} layouts ({len(enum.splits):,} sets of degrees and batch splits): this takes "
+            "minutes (--ac, --no-float8 or a global batch with fewer divisors make fewer)")
     fitting: list[Layout] = []
+    # Only the fastest ``top + exact`` can be shown (each exact estimate drops at most one), so the list is
+    # cut to them now and then: millions of layouts are timed in bounded memory. The sort is stable, so
+    # this keeps exactly what sorting them all would.
+    keep = top + exact
     smallest = None
     considered = 0
     for split in enum.splits:
@@ -286,6 +312,8 @@ def plan(
                     smallest = (mem, base)
                 continue
             fitting.extend(planner.evaluate(c, global_batch, mem) for c in options)
+            if len(fitting) > 2 * keep + CUT_AFTER:
+                fitting = heapq.nsmallest(keep, fitting, key=_step_seconds)
     if not fitting:
         mem, c = smallest
         raise ParallelError(
@@ -293,7 +321,7 @@ def plan(
             f"(memory less the {device.memory_reserve_gib:g} GiB reserve): the smallest, {c.describe()} with "
             f"{c.features()}, needs {mem / GIB:.1f} GiB; use more devices or a smaller global batch"
         )
-    fitting.sort(key=lambda layout: layout.time.step)
+    fitting.sort(key=_step_seconds)
     chosen: list[Layout] = []
     exact_done = 0
     out_of_time = False
@@ -330,6 +358,30 @@ def plan(
                   considered, rejected, notes=notes)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _step_seconds(layout: Layout) -> float:
+    return layout.time.step
+
+
+def check_world_size(world_size: int) -> None:
+    """One line for a device count no plan can be for (before anything is enumerated)."""
+    if world_size < 1:
+        raise ParallelError(f"--gpus must be at least 1, got {world_size}")
+    if world_size > MAX_DEVICES:
+        raise ParallelError(f"--gpus {world_size:,} is more devices than any cluster holds: the plan takes at most "
+                            f"{MAX_DEVICES:,} (2^20)")
+
+
+def check_tokens_per_step(global_batch: int, seq_len: int, how: str) -> None:
+    """One line for a global batch beyond any real run's (before its divisors are enumerated)."""
+    tokens = global_batch * seq_len
+    if tokens > MAX_TOKENS_PER_STEP:
+        raise ParallelError(
+            f"a global batch of {global_batch:,} sequences of {seq_len:,} tokens ({how}) is {tokens:,} tokens per "
+            f"step, beyond any real run's (the largest published: tens of millions): the plan takes at most "
+            f"{MAX_TOKENS_PER_STEP:,} (2^30){'' if how == '--global-batch' else '; --global-batch sets a smaller one'}"
+        )
 
 
 def evaluate_layouts(recipe_path: str, cfg: JobConfig, device: Device, candidates: list[Candidate],

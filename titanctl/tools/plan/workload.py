@@ -39,11 +39,12 @@ class Linear:
 class Experts:
     count: int
     top_k: int
-    matrices: tuple[tuple[int, int], ...]  # (out, in) of each expert's matrices (w1, w2, w3)
+    matrices: tuple[tuple[int, int], ...]  # (out, in) of each expert's matrices (w1, w2, w3; gpt-oss: w13, w2)
+    biases: int = 0  # each expert's bias values (gpt-oss: b13 and b2)
 
     @property
     def params_per_expert(self) -> int:
-        return sum(o * i for o, i in self.matrices)
+        return sum(o * i for o, i in self.matrices) + self.biases
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def model_shape(args: ModelArgs) -> ModelShape:
             per_layer.setdefault(int(match.group(1)), {})[match.group(2)] = shape
     blocks = []
     for layer in range(args.n_layers):
-        linears, moe_linears, other, experts = [], [], 0, []
+        linears, moe_linears, other, experts, expert_biases = [], [], 0, [], 0
         for name, shape in per_layer[layer].items():
             if name.endswith("expert_bias"):  # a buffer, no parameter
                 continue
@@ -105,6 +106,8 @@ def model_shape(args: ModelArgs) -> ModelShape:
             if ".experts." in name and len(shape) == 3:
                 experts.append((shape[1], shape[2]))
                 count = shape[0]
+            elif ".experts." in name and len(shape) == 2:  # (E, width): a bias per expert, split with them
+                expert_biases += shape[1]
             elif len(shape) == 2:
                 lin = Linear(module, shape[0], shape[1], split.get(module, ""))
                 (moe_linears if module.startswith("moe.") else linears).append(lin)
@@ -112,7 +115,7 @@ def model_shape(args: ModelArgs) -> ModelShape:
                 other += math.prod(shape)
         routed = None
         if experts:
-            routed = Experts(count, args.moe.top_k, tuple(experts))
+            routed = Experts(count, args.moe.top_k, tuple(experts), expert_biases)
         blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears)))
     vocab, dim = shapes["tok_embeddings.weight"]
     tied = "output.weight" in buffers_or_tied

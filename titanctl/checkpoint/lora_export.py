@@ -1,0 +1,226 @@
+"""A LoRA checkpoint's adapters out of titanctl: as peft's adapter folder, or merged into the base.
+
+A LoRA run's step folder holds the adapters (``layers.0.attention.wq.lora_a`` ...) and records in its
+``titanctl.json`` under ``lora`` their rank, alpha, dropout and targets, and the base they were
+trained on (``titanctl.checkpoint.lora_base``).
+
+``--to peft`` writes what ``PeftModel.from_pretrained(base, folder)`` loads onto the base transformers
+model: ``adapter_config.json`` (rank, alpha, dropout, the Hugging Face names of the adapted modules)
+and ``adapter_model.safetensors`` under peft's names (``base_model.model.{module}.lora_A.weight``, B
+likewise). A's columns and B's rows follow the Hugging Face weight's layout: for Llama (Meta's RoPE
+layout inside titanctl) the rows of B on ``q_proj``/``k_proj`` are permuted as the weight's are.
+Routed experts, which transformers 5 holds packed (``mlp.experts.gate_up_proj`` [E, 2F, D],
+``down_proj`` [E, D, F]), are peft ``target_parameters``: the gate's and up's adapters share one
+packed adapter of twice the rank (A stacked, B block-diagonal), the same product.
+
+``--merge-lora`` gives a ``Source`` of the merged model, ``W + (alpha / rank) B A`` per adapted weight
+(per expert for a stack), computed in float32 and cast back to the base's dtype, that any format's
+writer takes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from titanctl.checkpoint.formats.base import Source
+from titanctl.checkpoint.hf_names import to_hf_rows
+from titanctl.errors import CheckpointError
+from titanctl.models.common.args import ModelArgs
+from titanctl.parallel.converters.lora import adapter_names
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# titanctl's expert stacks -> transformers 5's packed expert parameter, and the slot in it.
+_PACKED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
+
+
+def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dict[str, Any],
+                 base_path: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json, {peft name: tensor}) of the adapters ``record`` describes."""
+    rank, alpha = int(record["rank"]), float(record["alpha"])
+    tensors: dict[str, torch.Tensor] = {}
+    modules: list[str] = []
+    stacks: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # HF experts module -> {w: (A, B)}
+    for target, kind in record["targets"].items():
+        a, b = (adapters[name] for name in adapter_names(target, kind))
+        if kind == "experts":
+            layer_module, _, weight = target.rpartition(".")
+            hf_module = _hf_experts_module(layer_module, args)
+            stacks.setdefault(hf_module, {})[weight] = (a, b)
+            continue
+        if target.endswith("router.gate") and args.moe is not None:
+            raise CheckpointError(
+                f"peft cannot hold the adapter on {target}: transformers' MoE router is no linear layer; "
+                "export the merged model instead (--to hf --merge-lora)"
+            )
+        hf_name, b_hf = to_hf_rows(f"{target}.weight", b, args)
+        module = hf_name.removesuffix(".weight")
+        modules.append(module)
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_hf.contiguous()
+    parameters, rank_pattern = [], {}
+    for hf_module, by_weight in stacks.items():
+        packed = _packed_experts(by_weight, rank)
+        # peft nests one wrapper per targeted parameter of a module, the first listed innermost:
+        # its tensors then sit under one more "base_layer." per wrapper around it.
+        order = [p for p in ("gate_up_proj", "down_proj") if p in packed]
+        for depth, param in enumerate(order):
+            a, b, r = packed[param]
+            inner = "base_layer." * (len(order) - 1 - depth)
+            tensors[f"{PEFT_PREFIX}{hf_module}.{inner}lora_A.weight"] = a
+            tensors[f"{PEFT_PREFIX}{hf_module}.{inner}lora_B.weight"] = b
+            parameters.append(f"{hf_module}.{param}")
+            if r != rank:
+                rank_pattern[f"{hf_module}.{param}"] = r
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_path,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": float(record.get("dropout", 0.0)),
+        "target_modules": sorted(modules) or None,
+        "target_parameters": parameters or None,
+        # A packed gate/up adapter has twice the rank: the same alpha / rank scale needs twice the alpha.
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {key: alpha * r / rank for key, r in rank_pattern.items()},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    return config, tensors
+
+
+def _hf_experts_module(layer_module: str, args: ModelArgs) -> str:
+    """``layers.{i}.moe.experts`` -> ``model.layers.{i}.mlp.experts`` (transformers' packed experts)."""
+    from titanctl.checkpoint.hf_names import hf_names_of
+
+    first = hf_names_of(f"{layer_module}.w1", args)[0]  # model.layers.{i}.mlp.experts.0.gate_proj.weight
+    return first.rsplit(".", 3)[0]
+
+
+def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> dict:
+    """{packed parameter: (peft lora_A.weight, lora_B.weight, its rank)} for transformers 5's experts.
+
+    peft's ``ParamWrapper`` on a parameter [E, out, in] has lora_A.weight [E * r, in] (expert-major
+    rows) and lora_B.weight [out, r * E] (column k * E + e: rank-major), and adds per expert
+    ``scale * B_e A_e``. gate_up_proj stacks the gate's rows over the up's: its adapter of rank 2r
+    stacks their A's and puts their B's on the block diagonal, so it adds both and nothing else.
+    """
+    out = {}
+    for param in ("gate_up_proj", "down_proj"):
+        slots = {w: slot for w, (p, slot) in _PACKED_EXPERTS.items() if p == param}
+        present = {w: by_weight[w] for w in slots if w in by_weight}
+        if not present:
+            continue
+        some_a, some_b = next(iter(present.values()))
+        experts, in_dim = some_a.shape[0], some_a.shape[2]
+        out_rows = some_b.shape[1]
+        parts = len(slots)  # gate_up_proj: gate then up
+        r = rank * parts
+        a = torch.zeros(experts, r, in_dim, dtype=some_a.dtype)
+        b = torch.zeros(experts, out_rows * parts, r, dtype=some_b.dtype)
+        for w, slot in slots.items():
+            if w in present:
+                wa, wb = present[w]
+                a[:, slot * rank:(slot + 1) * rank] = wa
+                b[:, slot * out_rows:(slot + 1) * out_rows, slot * rank:(slot + 1) * rank] = wb
+        out[param] = (a.reshape(experts * r, in_dim).contiguous(),
+                      b.permute(1, 2, 0).reshape(out_rows * parts, r * experts).contiguous(), r)
+    return out
+
+
+def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(titanctl.json, its checked ``lora`` entry, {adapter name: tensor}) of a LoRA step folder, its
+    files verified against their checksums first. A CheckpointError for a folder without adapters."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from titanctl.checkpoint.lora_base import read_record
+    from titanctl.checkpoint.reader import DCPFolder, quiet_dcp
+    from titanctl.parallel.converters.lora import is_adapter
+
+    reader = DCPFolder(folder)
+    record = read_record(reader.meta, folder)
+    if record is None:
+        raise CheckpointError(f"{folder} holds no LoRA adapters (its titanctl.json has no 'lora' entry)")
+    reader.verify()
+    tensors = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+               for name, entry in reader.entries.items()
+               if isinstance(entry, TensorStorageMetadata) and is_adapter(name)}
+    expected = {n for target, kind in record["targets"].items() for n in adapter_names(target, kind)}
+    if set(tensors) != expected:
+        odd = sorted(set(tensors) ^ expected)
+        raise CheckpointError(f"{folder}: its adapters do not match the targets its titanctl.json records ({odd[0]})")
+    with quiet_dcp():
+        reader.load(tensors)
+    return reader.meta, record, tensors
+
+
+def write_peft(folder: Path, adapters: dict[str, torch.Tensor], args: ModelArgs, record: dict[str, Any],
+               base_path: str | None, dtype: torch.dtype | None = None) -> list[str]:
+    """peft's adapter folder (``PEFT_CONFIG``, ``PEFT_WEIGHTS``) into ``folder`` (made already)."""
+    config, tensors = peft_adapter(adapters, args, record, base_path)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, str(folder / PEFT_WEIGHTS), metadata={"format": "pt"})
+    (folder / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [PEFT_CONFIG, PEFT_WEIGHTS]
+
+
+class MergedSource(Source):
+    """A bound base source with the adapters folded in: W + (alpha / rank) B A, in float32, cast back
+    to the base tensor's dtype (per expert for a stack)."""
+
+    format = "dcp"
+
+    def __init__(self, base: Source, adapters: dict[str, torch.Tensor], record: dict[str, Any], folder: Path,
+                 meta: dict[str, Any]) -> None:
+        # Seen as the LoRA step (``folder``, its titanctl.json ``meta``): its tokenizer, step and carried
+        # Hugging Face config are the export's.
+        super().__init__(folder)
+        self.meta = meta
+        self.base, self.origin, self.notes = base, base.origin, base.notes
+        self.args, self.infos = base.args, base.infos
+        self.scale = float(record["alpha"]) / int(record["rank"])
+        self.merges = {f"{target}.weight" if kind == "linear" else target: adapter_names(target, kind)
+                       for target, kind in record["targets"].items()}
+        self.adapters = adapters
+        missing = [name for name in self.merges if name not in {info.name for info in base.infos}]
+        if missing:
+            raise CheckpointError(f"the base {base.folder} has no weight {missing[0]} that an adapter was trained on")
+
+    def own_args(self) -> tuple[ModelArgs | None, str]:
+        return self.args, self.origin
+
+    def vocab_size(self, dim: int) -> int:
+        return self.base.vocab_size(dim)
+
+    def bind(self, args: ModelArgs, origin: str) -> None:
+        raise TypeError("a MergedSource is made of a bound source")
+
+    def load(self, name: str) -> torch.Tensor:
+        weight = self.base.load(name)
+        pair = self.merges.get(name)
+        if pair is None:
+            return weight
+        a, b = (self.adapters[n].float() for n in pair)
+        merged = weight.float() + (b @ a) * self.scale  # (out, r) @ (r, in), or batched over experts
+        return merged.to(weight.dtype)
+
+    def extra_metadata(self) -> dict[str, Any]:
+        from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+
+        kinds = {"step": int, HF_CONFIG_KEY: dict}
+        return {key: self.meta[key] for key, kind in kinds.items() if isinstance(self.meta.get(key), kind)}
+
+    def close(self) -> None:
+        self.base.close()

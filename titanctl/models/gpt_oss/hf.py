@@ -1,0 +1,182 @@
+"""gpt-oss as Hugging Face's ``GptOssForCausalLM``: names and config.json.
+
+transformers holds (and ``save_pretrained`` writes) each layer's experts as four stacked tensors:
+``mlp.experts.gate_up_proj`` (E, dim, 2 x hidden), the gate's and the up projection's columns
+interleaved, with ``gate_up_proj_bias`` (E, 2 x hidden), and ``down_proj`` (E, hidden, dim) with
+``down_proj_bias`` (E, dim). titanctl's ``w13`` and ``w2`` are the same tensors with the last two
+dimensions swapped (``HFFormat.transposed``), the rows of w13 in the same interleaved order, so
+the weights convert by renaming and transposing alone. The published checkpoints store those two
+matrices in MXFP4 (``gate_up_proj_blocks`` / ``_scales``, ...): ``titanctl.checkpoint.mxfp4`` reads
+them. RoPE rotates halves, as titanctl's gpt-oss does; YaRN as transformers computes it (truncate
+false keeps the ramp's fractional ends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titanctl.errors import CheckpointError
+from titanctl.models.common.args import LAYER_TYPES, ModelArgs, MoEArgs, YarnScaling
+from titanctl.models.common.hf_config import DECODER_LAYER_NAMES, DECODER_TOP_NAMES, decoder_args, require, whole
+from titanctl.models.spec import HFFormat
+
+ATTENTION_NAMES = {
+    **{f"attention.w{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")},
+    "attention.sinks": "self_attn.sinks",
+}
+MOE_NAMES = {
+    "moe.router.gate.weight": "mlp.router.weight",
+    "moe.router.gate.bias": "mlp.router.bias",
+    "moe.experts.w13": "mlp.experts.gate_up_proj",  # transposed
+    "moe.experts.b13": "mlp.experts.gate_up_proj_bias",
+    "moe.experts.w2": "mlp.experts.down_proj",  # transposed
+    "moe.experts.b2": "mlp.experts.down_proj_bias",
+}
+NORM_NAMES = {k: DECODER_LAYER_NAMES[k] for k in ("attention_norm.weight", "ffn_norm.weight")}
+DEFAULT_THETA = 150000.0  # GptOssConfig's default_theta
+DEFAULT_MAX_POSITIONS = 131072  # the published context
+
+
+def _rope_config(args: ModelArgs) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(4.x rope_scaling, 5.x rope_parameters), as the published config.json and GptOssConfig write them."""
+    theta = float(args.rope_theta)
+    yarn = args.yarn
+    if yarn is None:
+        return None, {"rope_type": "default", "rope_theta": theta}
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(yarn.factor),
+        "beta_fast": float(yarn.beta_fast),
+        "beta_slow": float(yarn.beta_slow),
+        "truncate": yarn.truncate,
+        "original_max_position_embeddings": int(yarn.original_max_position_embeddings),
+    }
+    return scaling, {**scaling, "rope_theta": theta}
+
+
+def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> dict[str, Any]:
+    moe = args.moe
+    rope_scaling, rope_parameters = _rope_config(args)
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": moe.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "experts_per_token": moe.top_k,  # openai's own name, beside transformers'
+        "sliding_window": args.sliding_window or None,
+        "layer_types": ["sliding_attention" if args.is_sliding_layer(i) else "full_attention"
+                        for i in range(args.n_layers)],
+        "swiglu_limit": float(moe.swiglu_limit),
+        "swiglu_alpha": float(moe.swiglu_alpha),
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings or max(args.max_seq_len, DEFAULT_MAX_POSITIONS),
+        "initial_context_length": int(args.yarn.original_max_position_embeddings) if args.yarn else None,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "attention_bias": args.attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": args.tie_embeddings,
+        "router_aux_loss_coef": 0.9,  # the published value (transformers reads it only with output_router_logits)
+        "output_router_logits": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+
+def _yarn_from_config(cfg: dict[str, Any], where: str) -> tuple[float, YarnScaling | None]:
+    """RoPE theta and YaRN (or none) from 4.x keys (rope_theta, rope_scaling) or 5.x's rope_parameters."""
+    # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    thetas = (params.get("rope_theta"), cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get("rope_theta"))
+    theta = float(next((t for t in thetas if t is not None), DEFAULT_THETA))
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{where}: partial rotary embeddings (partial_rotary_factor != 1) are not gpt-oss")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise CheckpointError(f"{where}: unsupported RoPE type {rope_type!r} for gpt-oss ('default' or 'yarn')")
+    if params.get("attention_factor") is not None or params.get("mscale") or params.get("mscale_all_dim"):
+        raise CheckpointError(f"{where}: YaRN with attention_factor, mscale or mscale_all_dim is not gpt-oss's")
+    if params.get("factor") is None:
+        raise CheckpointError(f"{where}: YaRN RoPE scaling lacks 'factor'")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}: YaRN truncate is {truncate!r}, expected true or false")
+    return theta, YarnScaling(
+        factor=float(params["factor"]),
+        # transformers falls back to max_position_embeddings, so do we.
+        original_max_position_embeddings=whole(
+            params.get("original_max_position_embeddings") or require(cfg, "max_position_embeddings")
+        ),
+        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers' defaults, also for 0
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=0.0, mscale_all_dim=0.0, truncate=truncate,
+    )
+
+
+def _layer_types(cfg: dict[str, Any], n_layers: int, where: str) -> tuple[tuple[str, ...], int]:
+    """(layer_types, sliding_window): GptOssConfig's default alternation (layer 0 slides) when the
+    config names none; no sliding layer at all when its sliding_window is null."""
+    window = cfg.get("sliding_window", 128)
+    if window is None:
+        return (), 0
+    window = whole(window)
+    if window < 1:
+        raise CheckpointError(f"{where}: sliding_window {window} must be >= 1 (or null: no sliding layers)")
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or not all(t in LAYER_TYPES for t in types):
+        raise CheckpointError(f"{where}: layer_types must list {n_layers} of {', '.join(LAYER_TYPES)} (one per "
+                              f"layer), got {str(types)[:80]}")
+    # Kept as its shortest repeating pattern (ModelArgs.layer_types repeats over the layers), so that the
+    # published configs read as the flavors that declare ("sliding_attention", "full_attention").
+    period = next(k for k in range(1, n_layers + 1) if all(types[i] == types[i % k] for i in range(n_layers)))
+    return tuple(types[:period]), window
+
+
+def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    declared = decoder_args(cfg, "gpt_oss", max_seq_len, where)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r}: gpt-oss's experts run a clamped SwiGLU")
+    theta, yarn = _yarn_from_config(cfg, where)
+    types, window = _layer_types(cfg, declared.n_layers, where)
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+    moe = MoEArgs(
+        num_experts=whole(experts), top_k=whole(top_k), hidden_dim=whole(require(cfg, "intermediate_size")),
+        score_func="softmax_topk", norm_topk_prob=True, router_bias=True, expert_kind="clamped_swiglu",
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+    )
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to num_local_experts "
+                              f"{moe.num_experts}")
+    head_dim = whole(cfg.get("head_dim") or declared.dim // declared.n_heads)
+    return declared.replace(
+        explicit_head_dim=head_dim, explicit_ffn_hidden_dim=moe.hidden_dim, moe=moe, rope_theta=theta,
+        rope_scaling=None, yarn=yarn, rope_layout="halves", norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        attention_bias=bool(cfg.get("attention_bias", True)), attention_sinks=True, layer_types=types,
+        sliding_window=window,
+    )
+
+
+HF = HFFormat(
+    model_type="gpt_oss",
+    architecture="GptOssForCausalLM",
+    layer_names={**ATTENTION_NAMES, **NORM_NAMES, **MOE_NAMES},
+    top_names=DECODER_TOP_NAMES,
+    config_from_args=config_from_args,
+    args_from_config=args_from_config,
+    not_stored=("moe.expert_bias",),
+    transposed=("moe.experts.w13", "moe.experts.w2"),
+)
