@@ -62,6 +62,24 @@ def losses_by_step(folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows(folder)}
 
 
+def gathered(folder: Path, nproc: int, what: str) -> dict:
+    """{canonical name: full tensor} over the ranks' {what}_rank{r}.pt (``init``: the initial weights,
+    ``grads``: the first step's gradients), which ranks that hold a tensor must agree on (pipeline
+    stages hold different names)."""
+    import torch
+
+    merged = {}
+    for rank in range(nproc):
+        for name, tensor in torch.load(folder / f"{what}_rank{rank}.pt").items():
+            assert name not in merged or torch.equal(merged[name], tensor), f"ranks disagree on {what} {name}"
+            merged[name] = tensor
+    return merged
+
+
+def expert_loads(folder: Path) -> list:
+    return [row.get("expert_load") for row in rows(folder)]
+
+
 def sample_log(folder: Path) -> list[dict]:
     entries = []
     for path in sorted(folder.glob("samples_rank*.jsonl")):

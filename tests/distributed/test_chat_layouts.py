@@ -15,9 +15,8 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff
+from tests.distributed.harness import TINY_RUN, gathered, losses, max_rel_diff
 from tests.distributed.worlds import ROOT, register
 
 WORDS = "the king said unto them light night river and was it not so be it well done yes no".split()
@@ -63,14 +62,6 @@ CASES = [register(__name__, name, nproc, [*RUN, *FLAVORS[ref], "--training.local
          for name, ref, nproc, local_batch, overrides in LAYOUTS]
 
 
-def gathered(folder: Path, nproc: int, what: str) -> dict[str, torch.Tensor]:
-    """{canonical name: full tensor} over the ranks' {what}_rank{r}.pt (pipeline stages hold different names)."""
-    merged = {}
-    for rank in range(nproc):
-        for name, tensor in torch.load(folder / f"{what}_rank{rank}.pt").items():
-            assert name not in merged or torch.equal(merged[name], tensor), f"ranks disagree on {name}"
-            merged[name] = tensor
-    return merged
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, rows
+from tests.distributed.harness import TINY_RUN, expert_loads, gathered, losses, max_rel_diff
 from tests.distributed.worlds import ROOT, register
 
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel",
@@ -57,20 +57,8 @@ CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.
 GRAD_TOL = 1e-5  # of each tensor's largest gradient
 
 
-def expert_loads(folder) -> list:
-    return [row.get("expert_load") for row in rows(folder)]
 
 
-def gathered(folder, nproc: int, what: str) -> dict:
-    """{canonical name: full tensor} over the ranks' {what}_rank{r}.pt (pipeline stages hold different names)."""
-    import torch
-
-    merged = {}
-    for rank in range(nproc):
-        for name, tensor in torch.load(folder / f"{what}_rank{rank}.pt").items():
-            assert name not in merged or torch.equal(merged[name], tensor), f"ranks disagree on {what} {name}"
-            merged[name] = tensor
-    return merged
 
 
 def test_documents_are_longer_and_shorter_than_the_window(tmp_path):

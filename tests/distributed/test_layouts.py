@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, torchrun
+from tests.distributed.harness import TINY_RUN, gathered, losses, max_rel_diff, torchrun
 from tests.distributed.worlds import register
 
 REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_size", "8"], always=True)
@@ -18,16 +18,6 @@ REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_
 def reference(worlds):
     folder = worlds.folder(REFERENCE)
     return losses(folder), torch.load(folder / "init_rank0.pt")
-
-
-def gathered_weights(folder, nproc):
-    merged = {}
-    for rank in range(nproc):
-        for name, tensor in torch.load(folder / f"init_rank{rank}.pt").items():
-            if name in merged:
-                assert torch.equal(merged[name], tensor), f"ranks disagree on {name}"
-            merged[name] = tensor
-    return merged
 
 
 # (id, processes, local batch, overrides); global batch is 8 sequences everywhere.
@@ -73,7 +63,7 @@ BF16 = register(__name__, "fsdp2_bf16", 2, [*TINY_RUN, "--training.local_batch_s
 def test_layout_matches_single_process(reference, worlds, world_case, nproc):
     ref_losses, ref_weights = reference
     folder = worlds.folder(world_case)
-    weights = gathered_weights(folder, nproc)
+    weights = gathered(folder, nproc, "init")
     assert weights.keys() == ref_weights.keys()
     for key, tensor in ref_weights.items():
         assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"

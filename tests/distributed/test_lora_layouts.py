@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff
+from tests.distributed.harness import TINY_RUN, gathered, losses, max_rel_diff
 from tests.distributed.worlds import ROOT, register
 from titanctl.parallel.converters.lora import is_adapter
 
@@ -76,14 +76,6 @@ CASES = [register(__name__, name, nproc, lora_run(ref, local_batch, overrides), 
 GRAD_TOL = 1e-4  # of the tensor's largest gradient; a tensor whose gradient is zero must stay zero
 
 
-def gathered(folder: Path, nproc: int, what: str) -> dict[str, torch.Tensor]:
-    """{canonical name: full tensor} over the ranks' {what}_rank{r}.pt (pipeline stages hold different names)."""
-    merged = {}
-    for rank in range(nproc):
-        for name, tensor in torch.load(folder / f"{what}_rank{rank}.pt").items():
-            assert name not in merged or torch.equal(merged[name], tensor), f"ranks disagree on {what} {name}"
-            merged[name] = tensor
-    return merged
 
 
 @pytest.fixture(scope="module")

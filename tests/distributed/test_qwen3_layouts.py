@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, rows, torchrun
+from tests.distributed.harness import TINY_RUN, expert_loads, gathered, losses, max_rel_diff, torchrun
 from tests.distributed.worlds import register
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
 
@@ -62,19 +62,8 @@ def references(worlds) -> dict[str, tuple[list[float], dict, dict, list]]:
     return out
 
 
-def expert_loads(folder) -> list:
-    return [row.get("expert_load") for row in rows(folder)]
 
 
-def gathered(folder, nproc: int, what: str) -> dict[str, torch.Tensor]:
-    """{canonical name: full tensor} over the ranks' {what}_rank{r}.pt (pipeline stages hold different names)."""
-    merged = {}
-    for rank in range(nproc):
-        for name, tensor in torch.load(folder / f"{what}_rank{rank}.pt").items():
-            if name in merged:
-                assert torch.equal(merged[name], tensor), f"ranks disagree on {what} {name}"
-            merged[name] = tensor
-    return merged
 
 
 GRAD_TOL = 1e-4  # of the tensor's largest gradient: the layouts give up to 3e-6 (summation order)

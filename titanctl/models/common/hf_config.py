@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import ModelArgs, RopeScaling
+from titanctl.models.common.args import ModelArgs, RopeScaling, YarnScaling
 
 # Per-layer suffixes: titanctl name -> Hugging Face name (under model.layers.{i}.).
 DECODER_LAYER_NAMES = {
@@ -149,3 +149,44 @@ def decoder_config(args: ModelArgs, max_position_embeddings: int) -> dict[str, A
         "initializer_range": 0.02,
         "use_cache": True,
     }
+
+
+def yarn_from_config(cfg: dict[str, Any], where: str, family: str, default_theta: float, *,
+                     takes_mscale: bool, takes_truncate: bool) -> tuple[float, YarnScaling | None]:
+    """RoPE theta and YaRN (or none) from 4.x keys (rope_theta, rope_scaling) or 5.x's rope_parameters,
+    for a family whose YaRN takes DeepSeek's mscale terms (``takes_mscale``) or transformers' ``truncate``
+    (``takes_truncate``: whole pairs at the ramp's ends or not); what the family's YaRN lacks is refused."""
+    # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    thetas = (params.get("rope_theta"), cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get("rope_theta"))
+    theta = float(next((t for t in thetas if t is not None), default_theta))
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{where}: partial rotary embeddings (partial_rotary_factor != 1) are not {family}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise CheckpointError(f"{where}: unsupported RoPE type {rope_type!r} for {family} ('default' or 'yarn')")
+    if params.get("attention_factor") is not None:
+        raise CheckpointError(f"{where}: YaRN with attention_factor is not {family}'s")
+    if not takes_mscale and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise CheckpointError(f"{where}: YaRN with mscale or mscale_all_dim is not {family}'s")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{where}: YaRN truncate is {truncate!r}, expected true or false")
+    if not takes_truncate and not truncate:
+        raise CheckpointError(f"{where}: YaRN with truncate=false is not {family}'s")
+    if params.get("factor") is None:
+        raise CheckpointError(f"{where}: YaRN RoPE scaling lacks 'factor'")
+    return theta, YarnScaling(
+        factor=float(params["factor"]),
+        # transformers falls back to max_position_embeddings, so do we.
+        original_max_position_embeddings=whole(
+            params.get("original_max_position_embeddings") or require(cfg, "max_position_embeddings")
+        ),
+        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers' defaults, also for 0
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),  # 0: not given
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        truncate=truncate,
+    )

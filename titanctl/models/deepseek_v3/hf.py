@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import MLAArgs, ModelArgs, MoEArgs, YarnScaling
+from titanctl.models.common.args import MLAArgs, ModelArgs, MoEArgs
 from titanctl.models.common.hf_config import (
     DECODER_LAYER_NAMES,
     DECODER_TOP_NAMES,
@@ -25,6 +25,7 @@ from titanctl.models.common.hf_config import (
     decoder_args,
     require,
     whole,
+    yarn_from_config,
 )
 from titanctl.models.qwen3_moe.hf import PACKED, PER_EXPERT
 from titanctl.models.spec import HFFormat
@@ -122,36 +123,6 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def _yarn_from_config(cfg: dict[str, Any], where: str) -> tuple[float, YarnScaling | None]:
-    """RoPE theta and YaRN from 4.x keys (rope_theta, rope_scaling) or 5.x's rope_parameters."""
-    # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    thetas = (params.get("rope_theta"), cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get("rope_theta"))
-    theta = float(next((t for t in thetas if t is not None), DEFAULT_THETA))
-    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError(f"{where}: partial rotary embeddings (partial_rotary_factor != 1) are not DeepSeek-V3")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "yarn":
-        raise CheckpointError(f"{where}: unsupported RoPE type {rope_type!r} for DeepSeek-V3 ('default' or 'yarn')")
-    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
-        raise CheckpointError(f"{where}: YaRN with attention_factor or truncate=false is not DeepSeek-V3's")
-    if params.get("factor") is None:
-        raise CheckpointError(f"{where}: YaRN RoPE scaling lacks 'factor'")
-    return theta, YarnScaling(
-        factor=float(params["factor"]),
-        # transformers falls back to max_position_embeddings, so do we.
-        original_max_position_embeddings=whole(
-            params.get("original_max_position_embeddings") or require(cfg, "max_position_embeddings")
-        ),
-        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers' defaults, also for 0
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=float(params.get("mscale") or 0.0),  # 0: not given
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-    )
-
-
 def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
     declared = decoder_args(cfg, "deepseek_v3", max_seq_len, where)
     check_plain_decoder(cfg, "DeepSeek-V3")
@@ -161,7 +132,7 @@ def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
         raise CheckpointError(f"{where}: scoring_func {cfg['scoring_func']!r}: transformers' DeepSeek-V3 scores "
                               "experts with a sigmoid, so does titanctl")
-    theta, yarn = _yarn_from_config(cfg, where)
+    theta, yarn = yarn_from_config(cfg, where, "DeepSeek-V3", DEFAULT_THETA, takes_mscale=True, takes_truncate=False)
     mla = MLAArgs(
         q_lora_rank=whole(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=whole(require(cfg, "kv_lora_rank")),

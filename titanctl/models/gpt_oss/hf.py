@@ -16,8 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import LAYER_TYPES, ModelArgs, MoEArgs, YarnScaling
-from titanctl.models.common.hf_config import DECODER_LAYER_NAMES, DECODER_TOP_NAMES, decoder_args, require, whole
+from titanctl.models.common.args import LAYER_TYPES, ModelArgs, MoEArgs
+from titanctl.models.common.hf_config import (
+    DECODER_LAYER_NAMES,
+    DECODER_TOP_NAMES,
+    decoder_args,
+    require,
+    whole,
+    yarn_from_config,
+)
 from titanctl.models.spec import HFFormat
 
 ATTENTION_NAMES = {
@@ -92,38 +99,6 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def _yarn_from_config(cfg: dict[str, Any], where: str) -> tuple[float, YarnScaling | None]:
-    """RoPE theta and YaRN (or none) from 4.x keys (rope_theta, rope_scaling) or 5.x's rope_parameters."""
-    # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    thetas = (params.get("rope_theta"), cfg.get("rope_theta"), (cfg.get("rope_parameters") or {}).get("rope_theta"))
-    theta = float(next((t for t in thetas if t is not None), DEFAULT_THETA))
-    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError(f"{where}: partial rotary embeddings (partial_rotary_factor != 1) are not gpt-oss")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "yarn":
-        raise CheckpointError(f"{where}: unsupported RoPE type {rope_type!r} for gpt-oss ('default' or 'yarn')")
-    if params.get("attention_factor") is not None or params.get("mscale") or params.get("mscale_all_dim"):
-        raise CheckpointError(f"{where}: YaRN with attention_factor, mscale or mscale_all_dim is not gpt-oss's")
-    if params.get("factor") is None:
-        raise CheckpointError(f"{where}: YaRN RoPE scaling lacks 'factor'")
-    truncate = params.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise CheckpointError(f"{where}: YaRN truncate is {truncate!r}, expected true or false")
-    return theta, YarnScaling(
-        factor=float(params["factor"]),
-        # transformers falls back to max_position_embeddings, so do we.
-        original_max_position_embeddings=whole(
-            params.get("original_max_position_embeddings") or require(cfg, "max_position_embeddings")
-        ),
-        beta_fast=float(params.get("beta_fast") or 32.0),  # transformers' defaults, also for 0
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=0.0, mscale_all_dim=0.0, truncate=truncate,
-    )
-
-
 def _layer_types(cfg: dict[str, Any], n_layers: int, where: str) -> tuple[tuple[str, ...], int]:
     """(layer_types, sliding_window): GptOssConfig's default alternation (layer 0 slides) when the
     config names none; no sliding layer at all when its sliding_window is null."""
@@ -149,7 +124,7 @@ def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -
     declared = decoder_args(cfg, "gpt_oss", max_seq_len, where)
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r}: gpt-oss's experts run a clamped SwiGLU")
-    theta, yarn = _yarn_from_config(cfg, where)
+    theta, yarn = yarn_from_config(cfg, where, "gpt-oss", DEFAULT_THETA, takes_mscale=False, takes_truncate=True)
     types, window = _layer_types(cfg, declared.n_layers, where)
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
