@@ -15,6 +15,8 @@ a few such servers, and for commands with stdin data, a command gets a real inte
 from __future__ import annotations
 
 import atexit
+import base64
+import contextlib
 import json
 import locale
 import os
@@ -177,3 +179,45 @@ def titanctl_run(args, *, env: dict | None = None, cwd=None, timeout: float | No
     if text:
         return subprocess.CompletedProcess([*TITANCTL, *args], code, _text(out), _text(err))
     return subprocess.CompletedProcess([*TITANCTL, *args], code, out, err)
+
+
+# ----------------------------------------------------------------------------- for shell scripts
+# A shell script's `titanctl` (the docs' runnable blocks) reaches the same servers through a socket:
+# tests/cli_client.py sends its arguments, environment and folder, and prints what the command printed.
+
+
+@contextlib.contextmanager
+def shell_endpoint(socket_path: Path):
+    """Serve tests/cli_client.py's requests at ``socket_path`` while the block runs; yields the
+    command line that stands for ``python -m titanctl``."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(socket_path))
+    listener.listen()
+    listener.settimeout(0.1)  # to see ``done`` (closing a socket does not end an accept() under way)
+    done = threading.Event()
+
+    def answer(conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb") as stream:
+            request = json.loads(stream.readline())
+            proc = titanctl_run(request["args"], env=request["env"], cwd=request["cwd"], timeout=600, text=False)
+            reply = {"code": proc.returncode, "stdout": base64.b64encode(proc.stdout).decode(),
+                     "stderr": base64.b64encode(proc.stderr).decode()}
+            stream.write(json.dumps(reply).encode() + b"\n")
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            answer(conn)
+
+    thread = threading.Thread(target=accept, name="titanctl shell endpoint", daemon=True)
+    thread.start()
+    try:
+        yield [sys.executable, "-S", str(REPO / "tests" / "cli_client.py"), str(socket_path)]
+    finally:
+        done.set()
+        thread.join(timeout=60)
+        listener.close()

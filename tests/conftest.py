@@ -187,6 +187,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not item.get_closest_marker("slow") and _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    # The modules that read the torchrun worlds run last, while the worlds run in the background from
+    # the session's start (tests/distributed/worlds.py); each module's tests stay together.
+    reads_worlds = {item.module for item in items if "worlds" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: getattr(item, "module", None) in reads_worlds)
 
 
 class ProcessInFastRun(BaseException):

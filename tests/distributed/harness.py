@@ -76,6 +76,24 @@ def gathered(folder: Path, nproc: int, what: str) -> dict:
     return merged
 
 
+def init_digests(folder: Path, nproc: int) -> dict[str, str]:
+    """{canonical name: digest of the initial tensor} over the ranks of a world case (workers/world_worker.py),
+    which ranks that hold a tensor must agree on."""
+    merged: dict[str, str] = {}
+    for rank in range(nproc):
+        for name, digest in json.loads((folder / f"init_digests_rank{rank}.json").read_text()).items():
+            assert merged.setdefault(name, digest) == digest, f"ranks disagree on the initial {name}"
+    return merged
+
+
+def assert_same_init(folder: Path, nproc: int, reference: dict[str, str]) -> None:
+    """The case's initial weights equal the reference's bit for bit (digests of ``init_digests``)."""
+    got = init_digests(folder, nproc)
+    assert got.keys() == reference.keys(), sorted(got.keys() ^ reference.keys())
+    differ = sorted(name for name, digest in reference.items() if got[name] != digest)
+    assert not differ, f"initial {', '.join(differ)} differ(s) from one process"
+
+
 def expert_loads(folder: Path) -> list:
     return [row.get("expert_load") for row in rows(folder)]
 

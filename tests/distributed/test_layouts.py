@@ -5,10 +5,9 @@ count share one torchrun world (tests/distributed/worlds.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, gathered, losses, max_rel_diff, torchrun
+from tests.distributed.harness import TINY_RUN, assert_same_init, init_digests, losses, max_rel_diff, torchrun
 from tests.distributed.worlds import register
 
 REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_size", "8"], always=True)
@@ -17,7 +16,7 @@ REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_
 @pytest.fixture(scope="session")
 def reference(worlds):
     folder = worlds.folder(REFERENCE)
-    return losses(folder), torch.load(folder / "init_rank0.pt")
+    return losses(folder), init_digests(folder, 1)
 
 
 # (id, processes, local batch, overrides); global batch is 8 sequences everywhere.
@@ -61,12 +60,9 @@ BF16 = register(__name__, "fsdp2_bf16", 2, [*TINY_RUN, "--training.local_batch_s
 @pytest.mark.parametrize("world_case, nproc", [(case, layout[1]) for case, layout in zip(CASES, LAYOUTS)],
                          ids=[layout[0] for layout in LAYOUTS])
 def test_layout_matches_single_process(reference, worlds, world_case, nproc):
-    ref_losses, ref_weights = reference
+    ref_losses, ref_init = reference
     folder = worlds.folder(world_case)
-    weights = gathered(folder, nproc, "init")
-    assert weights.keys() == ref_weights.keys()
-    for key, tensor in ref_weights.items():
-        assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
+    assert_same_init(folder, nproc, ref_init)
     got = losses(folder)
     diff = max_rel_diff(got, ref_losses)
     print(f"\nLAYOUT {world_case:40s} procs {nproc}  max rel loss diff {diff:.2e}")

@@ -22,10 +22,18 @@ import json
 import time
 
 import pytest
-import torch
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, expert_loads, gathered, losses, max_rel_diff, torchrun
+from tests.distributed.harness import (
+    TINY_RUN,
+    assert_same_init,
+    expert_loads,
+    gathered,
+    init_digests,
+    losses,
+    max_rel_diff,
+    torchrun,
+)
 from tests.distributed.worlds import register
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
 
@@ -58,7 +66,7 @@ def references(worlds) -> dict[str, tuple[list[float], dict, dict, list]]:
     out = {}
     for name, key in REFERENCES.items():
         folder = worlds.folder(key)
-        out[name] = losses(folder), gathered(folder, 1, "init"), gathered(folder, 1, "grads"), expert_loads(folder)
+        out[name] = losses(folder), init_digests(folder, 1), gathered(folder, 1, "grads"), expert_loads(folder)
     return out
 
 
@@ -131,13 +139,10 @@ CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.
                          [(case, ref, nproc, overrides) for case, (_, ref, nproc, _, overrides) in zip(CASES, LAYOUTS)],
                          ids=[layout[0] for layout in LAYOUTS])
 def test_qwen3_layout_matches_single_process(references, worlds, world_case, ref, nproc, overrides):
-    ref_losses, ref_weights, ref_grads, ref_loads = references[ref]
+    ref_losses, ref_init, ref_grads, ref_loads = references[ref]
     folder = worlds.folder(world_case)
     name = world_case.split("::")[1]
-    weights = gathered(folder, nproc, "init")
-    assert weights.keys() == ref_weights.keys()
-    for key, tensor in ref_weights.items():
-        assert torch.equal(weights[key], tensor), f"initial {key} differs from one process"
+    assert_same_init(folder, nproc, ref_init)
     grad_diff, worst = max_grad_diff(gathered(folder, nproc, "grads"), ref_grads)
     got = losses(folder)
     diff = max_rel_diff(got, ref_losses)

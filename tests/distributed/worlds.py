@@ -6,6 +6,11 @@ rendezvous and threads; a case in a running world costs only its build and its s
 tests of every family register their cases here at import, and the first test that asks for a case
 of N processes runs the world of N with every selected case of that size.
 
+The session starts every world its selected cases need as soon as collection ends, one world after
+another in a background thread (``Worlds.start``), and runs the tests that read them last
+(tests/conftest.py): a world's processes spend much of their time waiting on each other's collectives,
+and the rest of the suite, mostly one interpreter at a time, uses the CPU they leave.
+
 A case's folder holds what a lone ``train_worker.py`` run writes (metrics.jsonl, init_rank{r}.pt),
 the first step's gradients when asked (grads_rank{r}.pt, experts_rank{r}.json), what
 workers/sync_train_worker.py records when asked, each rank's stdout and stderr, and ``done``.
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,11 +64,35 @@ class Worlds:
         self.root = root
         self.selected = selected
         self.logs: dict[int, str] = {}
+        self.ran: dict[int, set[str]] = {}  # the cases each world ran
+        self.background: dict[int, threading.Event] = {}  # set once the background thread ran that world
+        self.lock = threading.Lock()
+        self.summaries: list[str] = []  # one line per world run, printed by the test that reads it
+
+    def start(self) -> None:
+        """Run the world of every process count that a selected case needs, largest first, in a
+        background thread; ``folder`` waits for the one it reads."""
+        sizes = sorted({c.nproc for c in _CASES.values() if c.key in self.selected}, reverse=True)
+        self.background = {nproc: threading.Event() for nproc in sizes}
+
+        def run_all() -> None:
+            for nproc in sizes:
+                try:
+                    self._run(nproc, None)
+                finally:
+                    self.background[nproc].set()
+
+        threading.Thread(target=run_all, name="torchrun worlds", daemon=True).start()
 
     def folder(self, key: str) -> Path:
         case = _CASES[key]
-        if case.nproc not in self.logs:
-            self._run(case.nproc, key)
+        if case.nproc in self.background:
+            self.background[case.nproc].wait()
+        with self.lock:
+            if key not in self.ran.get(case.nproc, ()):
+                self._run(case.nproc, key)  # a case that no selected test named: a world of its own
+            while self.summaries:
+                print("\n" + self.summaries.pop(0))
         folder = self._folder(key)
         errors = sorted(folder.glob("error_rank*.txt"))
         if errors:
@@ -79,7 +110,7 @@ class Worlds:
     def _folder(self, key: str) -> Path:
         return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
-    def _run(self, nproc: int, asked: str) -> None:
+    def _run(self, nproc: int, asked: str | None) -> None:
         cases = [c for c in _CASES.values()
                  if c.nproc == nproc and (c.always or c.key in self.selected or c.key == asked)]
         for prepare in dict.fromkeys(c.prepare for c in cases if c.prepare is not None):
@@ -89,11 +120,23 @@ class Worlds:
         plan_file = self.root / f"world{nproc}.json"
         plan_file.write_text(json.dumps(plan))
         start = time.perf_counter()
-        proc = torchrun(nproc, [str(WORKERS / "world_worker.py")], [str(plan_file)],
-                        timeout=60 + SECONDS_PER_CASE * len(cases), check=False)
-        self.logs[nproc] = proc.stdout + proc.stderr
-        print(f"\nWORLD of {nproc} process(es): {len(cases)} cases in {time.perf_counter() - start:.1f} s "
-              f"(exit {proc.returncode})")
+        try:
+            proc = torchrun(nproc, [str(WORKERS / "world_worker.py")], [str(plan_file)],
+                            timeout=60 + SECONDS_PER_CASE * len(cases), check=False)
+            log, ending = proc.stdout + proc.stderr, f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired as e:
+            log, ending = "".join(_text(out) for out in (e.stdout, e.stderr)), f"timed out after {e.timeout:.0f} s"
+        self.logs[nproc] = log
+        self.ran.setdefault(nproc, set()).update(c.key for c in cases)
+        seconds = {c.key: float((self._folder(c.key) / "done").read_text() or 0)
+                   for c in cases if (self._folder(c.key) / "done").exists()}
+        slowest = ", ".join(f"{key} {s:.1f} s" for key, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:5])
+        self.summaries.append(f"WORLD of {nproc} process(es): {len(cases)} cases in {time.perf_counter() - start:.1f} s "
+                              f"({ending}); slowest: {slowest}")
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def selected_cases(items) -> set[str]:

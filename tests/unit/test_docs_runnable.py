@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,16 +19,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_server import shell_endpoint
 from tests.conftest import OFFLINE_ENV
 
 MARKER = "<!-- runnable -->"
 # Subcommands the tour cannot run offline (the tests have no network).
 NEEDS_THE_HUB = {"download-tokenizer"}
-# The blocks' `titanctl` and `torchrun`: this interpreter's, importing this checkout (conftest's PYTHONPATH).
-PRELUDE = f"""set -euo pipefail
-titanctl() {{ "{sys.executable}" -m titanctl "$@"; }}
-torchrun() {{ "{sys.executable}" -m torch.distributed.run "$@"; }}
-"""
+
+
+def prelude(titanctl: list[str]) -> str:
+    """The blocks' `titanctl` (the session's CLI servers: a fresh interpreter's answers, without paying
+    for its start each time) and `torchrun` (this interpreter's), importing this checkout."""
+    return (f"set -euo pipefail\ntitanctl() {{ {shlex.join(titanctl)} \"$@\"; }}\n"
+            f'torchrun() {{ "{sys.executable}" -m torch.distributed.run "$@"; }}\n')
 
 
 def runnable_blocks(page: Path) -> list[tuple[int, str]]:
@@ -78,14 +82,15 @@ def test_a_marker_must_precede_a_bash_block(tmp_path):
         runnable_blocks(page)
 
 
-def test_runnable_blocks_run_as_written(repo, tmp_path):
+def test_runnable_blocks_run_as_written(repo, tmp_path, tmp_path_factory):
     (tmp_path / "recipes").symlink_to(repo / "recipes")
     env = {**os.environ, **OFFLINE_ENV}
-    for page, line, block in all_runnable_blocks(repo):
-        start = time.monotonic()
-        proc = subprocess.run([shutil.which("bash"), "-c", PRELUDE + block], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
-        print(f"{page}:{line}: {time.monotonic() - start:.1f} s")
-        assert proc.returncode == 0, (f"{page}:{line}: exit {proc.returncode}\n{block}\n"
-                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with shell_endpoint(tmp_path_factory.mktemp("cli_socket") / "titanctl.sock") as titanctl:
+        for page, line, block in all_runnable_blocks(repo):
+            start = time.monotonic()
+            proc = subprocess.run([shutil.which("bash"), "-c", prelude(titanctl) + block], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=600)
+            print(f"{page}:{line}: {time.monotonic() - start:.1f} s")
+            assert proc.returncode == 0, (f"{page}:{line}: exit {proc.returncode}\n{block}\n"
+                                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs", "recipes"]

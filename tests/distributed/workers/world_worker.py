@@ -4,18 +4,21 @@
 
 PLAN.json lists {"key", "args", "grads", "folder"}. Each case is a Trainer of its own on the same
 process group, exactly as ``titanctl train ARGS --job.dump_folder FOLDER`` would build it, plus
-init_rank{r}.pt (every parameter gathered whole before the first step) and, with "grads", the first
+init_digests_rank{r}.json (a digest of every parameter gathered whole before the first step; in a world
+of one process, where the references run, also the tensors themselves: init_rank0.pt) and, with "grads", the first
 step's gradients before clipping (grads_rank{r}.pt) and the experts' meshes (experts_rank{r}.json);
 with "probe", what sync_train_worker.py records.
-What the case prints goes to FOLDER/stdout_rank{r}.txt and stderr_rank{r}.txt. Rank 0 writes FOLDER/done once every rank finished the case. A case that raises writes
+What the case prints goes to FOLDER/stdout_rank{r}.txt and stderr_rank{r}.txt. Rank 0 writes FOLDER/done (the case's seconds) once every rank finished the case. A case that raises writes
 error_rank{r}.txt and ends the world: its peers may be waiting in a collective it never joins.
 """
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -35,6 +38,12 @@ GRADS_TO: list[Path | None] = [None]  # the running case's folder when it dumps 
 
 def full(tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()).float().cpu().clone()
+
+
+def digests(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{name: dtype, shape and SHA-256 of the bytes}: equal digests are equal tensors, bit for bit."""
+    return {name: f"{t.dtype} {tuple(t.shape)} {hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()}"
+            for name, t in weights.items()}
 
 
 def dump_first_step_gradients() -> None:
@@ -65,7 +74,12 @@ def run_case(case: dict) -> None:
     GRADS_TO[0] = folder if case["grads"] else None
     trainer = Trainer(cfg)
     weights = {canonical_name(name): full(param) for part in trainer.model_parts for name, param in part.named_parameters()}
-    torch.save(weights, folder / f"init_rank{trainer.env.rank}.pt")
+    rank = trainer.env.rank
+    # Digests: the layouts' initial weights must equal one process's bit for bit, and 110 cases' whole
+    # tensors would be gigabytes written and read back.
+    (folder / f"init_digests_rank{rank}.json").write_text(json.dumps(digests(weights)))
+    if trainer.env.world_size == 1:
+        torch.save(weights, folder / f"init_rank{rank}.pt")
     if case["probe"]:
         train_probed(trainer)
     else:
@@ -98,6 +112,7 @@ def main() -> None:
     dump_first_step_gradients()
     for case in plan:
         print(f"[world] case {case['key']}", flush=True)
+        start = time.perf_counter()
         try:
             with output_to(Path(case["folder"]), rank):
                 run_case(case)
@@ -110,7 +125,7 @@ def main() -> None:
         if dist.is_initialized():
             dist.barrier()
         if rank == 0:
-            Path(case["folder"], "done").touch()
+            Path(case["folder"], "done").write_text(f"{time.perf_counter() - start:.2f}")
         torch._dynamo.reset()  # a later case's compiled blocks are compiled for it, not guarded out
         gc.collect()
 
