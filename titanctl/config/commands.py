@@ -66,6 +66,7 @@ _ESTIMATE_NOT_READ = {
     "validation.*": "it estimates a training step, not an evaluation",
     "moe.*": "it takes routing as balanced, whatever balances it",
     "sft.*": "it feeds random token ids",
+    "fault_tolerance.*": "it estimates one replica group's step",
 }
 
 # Refused keys, with the reason the error shows.
@@ -76,6 +77,7 @@ NOT_READ: dict[str, dict[str, str]] = {
         "profiling.profile_freq": "it records the last of --steps steps",
         "checkpoint.*": "checkpointing is off while profiling",
         "validation.*": "it records a training step, without validation",
+        "fault_tolerance.*": "it records one process group's step, without torchft",
     },
     "estimate-memory": {
         **_ESTIMATE_NOT_READ,
