@@ -113,6 +113,9 @@ class Trainer:
 
     def _build(self) -> None:
         cfg = self.cfg
+        if cfg.fault_tolerance.enable:
+            self.ft = ReplicaGroup(cfg, self.env.rank, self.env.world_size, self.dump_folder, self.env.device)
+            self.say(f"{self.ft.describe()}: rank {self.env.rank} of {self.env.world_size}")
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -186,14 +189,13 @@ class Trainer:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
         self._first_row = self._announce_start(resumed)
         metrics_from = self.step
-        if cfg.fault_tolerance.enable:
-            self.ft = ReplicaGroup(cfg, self.env.rank, self.env.world_size, self.dump_folder, Trainable(
+        if self.ft is not None:
+            self.ft.attach(Trainable(
                 self.model_parts, self.optimizer, self.lr_scheduler, self.loader,
                 get_step=lambda: self.step, set_step=self._set_step,
-            ), self.env.device)
+            ))
             # A restarted group keeps the rows of the steps it trained before it went down.
             metrics_from = self.step or self.ft.restored_step
-            self.say(f"{self.ft.describe()}: rank {self.env.rank} of {self.env.world_size}")
 
         compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
@@ -274,6 +276,7 @@ class Trainer:
         if ft is not None:
             ft.begin_step()  # may heal this group: a live peer's weights, optimizer state and step
             position = self.loader.state_dict()
+        self.step_lr = self.lr_scheduler.get_last_lr()[0]  # after a heal: the peer's schedule
         loss_sum = self.forward_backward(self.loader.next_step())
         if ft is not None:
             loss_sum = ft.average_gradients(self.parameters(), loss_sum)
@@ -355,7 +358,8 @@ class Trainer:
         return f"{newest}; {self.attempt.after_failure()}" if elastic.under_torchrun() else newest
 
     def _say_where_the_run_stands(self, cause: str) -> str:
-        line = f"rank {self.env.rank} stopped at step {self.step + 1}: {cause}; {self._where_the_run_stands()}"
+        line = (f"{hang_watchdog.who(self.env.rank)} stopped at step {self.step + 1}: {cause}; "
+                f"{self._where_the_run_stands()}")
         print(f"[titanctl] {visible(line)}", file=sys.stderr, flush=True)  # the path and cause come from input
         return line
 
@@ -408,7 +412,6 @@ class Trainer:
             # The process's first step (torch.compile, warm-up) is timed apart and left out of tps.
             window_start, window_steps, first_step_time = time.perf_counter(), 0, None
             while self.step < cfg.training.steps:
-                lr = self.lr_scheduler.get_last_lr()[0]
                 # The first step of a process also compiles and warms up: it gets the init timeout.
                 first = self.step == start_step
                 if first:  # the longest silent phase of a run otherwise
@@ -418,6 +421,7 @@ class Trainer:
                     grad_norm = self.train_step()
                 if grad_norm is None:  # not committed: a replica group failed; train it again with the live ones
                     continue
+                lr = self.step_lr
                 self.step += 1
                 self.tokens_seen += tokens_per_dp_rank
                 last = self.step == cfg.training.steps
@@ -586,7 +590,8 @@ def _replica_text(row: dict, groups: int) -> str:
     text = (f"  replicas {row['live_replicas']}/{groups} ({row['participating_ranks']} ranks)  "
             f"lost steps {row['lost_steps']}")
     if "heal_seconds" in row:
-        text += f"  [yellow]healed from step {row['healed_from_step']} in {row['heal_seconds']:.2f} s[/yellow]"
+        text += (f"  [yellow]healed from a live peer in {row['heal_seconds']:.2f} s after missing "
+                 f"{row['missed_steps']} steps[/yellow]")
     return text
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from titanctl.errors import ConfigError, TitanError
-from titanctl.parallel.runtime import ft_state
+from titanctl.parallel.runtime import ft_state, hang_watchdog
 
 POSITIONS_FILE = "ft_positions_rank{rank}.json"
 REPLICA_ID_DIGITS = 4  # torchft orders groups by their id's text: replica_0002 < replica_0010
@@ -61,13 +61,17 @@ def import_torchft():
 
 
 class ReplicaGroup:
-    def __init__(self, cfg, rank: int, world_size: int, dump_folder: Path, trainable: Trainable, device):
+    def __init__(self, cfg, rank: int, world_size: int, dump_folder: Path, device):
+        """Starts this rank's Manager at once: the group heartbeats to the Lighthouse while it builds
+        its model, so that a quorum formed meanwhile waits for it (torchft's join timeout) instead of
+        starting without it. ``attach`` hands it the state to keep in step before the first step."""
         torchft = import_torchft()
         ft = cfg.fault_tolerance
         self.cfg = ft
         self.rank, self.world_size = rank, world_size
-        self.trainable = trainable
+        self.trainable: Trainable | None = None
         self.replica_id = ft.replica_id
+        hang_watchdog.set_replica_group(ft.replica_id)  # the watchdog's dumps and messages name the group
         lighthouse = ft.lighthouse_address or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         if not lighthouse:
             raise ConfigError(
@@ -103,8 +107,11 @@ class ReplicaGroup:
             # Every group initializes the same weights from training.seed: step 0 needs no copy.
             init_sync=False,
         )
+
+    def attach(self, trainable: Trainable) -> None:
+        self.trainable = trainable
         self.manager.load_state_dict({"step": trainable.get_step(), "batches_committed": 0})
-        self._heal_from_step: int | None = None
+        self._missed_steps = 0
 
     # ----------------------------------------------------------------------------- healing
 
@@ -139,7 +146,9 @@ class ReplicaGroup:
         self.manager.start_quorum()
         if self._healed_from is not None:
             self._healed = time.perf_counter() - start
-            self._heal_from_step = self._healed_from
+            # The steps this group sat out: since its own last commit (a restarted group: before it went down).
+            own = max(self._healed_from, self.positions.latest_step())
+            self._missed_steps = self.trainable.get_step() - own
         self.lost_steps = max(0, before - self.trainable.get_step())  # a counter that went back: a bug
 
     def average_gradients(self, params: list[torch.Tensor], loss_share: torch.Tensor | None) -> torch.Tensor | None:
@@ -178,9 +187,9 @@ class ReplicaGroup:
     def metrics(self) -> dict[str, Any]:
         live = self.manager.num_participants()
         row = {"live_replicas": live, "participating_ranks": live * self.world_size, "lost_steps": self.lost_steps}
-        if self._healed is not None:
+        if self._healed is not None:  # on the row of the step this group healed before
             row["heal_seconds"] = round(self._healed, 4)
-            row["healed_from_step"] = self._heal_from_step
+            row["missed_steps"] = self._missed_steps
             self._healed = None
         return row
 
