@@ -11,6 +11,9 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
   --test-fail-at A:R:S   in torchrun attempt A (TORCHELASTIC_RESTART_COUNT), rank R raises a RuntimeError
                          when it starts step S (a crash inside training, for restart tests)
   --test-step-delay S    every step waits S seconds first (a slower run, for a node to join it in time)
+  --test-alone-delay S   torchft: a step trained while a replica group is down waits S seconds first (the
+                         survivors slow down, so that the restarted group rejoins before they finish)
+  --test-dump-final      after training, write OUT/final_rank{r}.pt: every parameter gathered whole
 """
 
 import dataclasses
@@ -85,7 +88,31 @@ def slow_steps(trainer: Trainer, seconds: float) -> None:
     trainer.loader.next_step = delayed
 
 
-def run(cfg, fail: str | None = None, step_delay: str | None = None) -> Trainer:
+def slow_while_a_group_is_down(trainer: Trainer, seconds: float) -> None:
+    next_step = trainer.loader.next_step
+
+    def delayed():  # called after the step's quorum: the Manager knows who is live
+        if trainer.ft.manager.num_participants() < trainer.cfg.fault_tolerance.group_size:
+            time.sleep(seconds)
+        return next_step()
+
+    trainer.loader.next_step = delayed
+
+
+def dump_final(trainer: Trainer, out: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from titanctl.parallel.layouts.weight_init import canonical_name
+
+    weights = {canonical_name(n): (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+               for part in trainer.model_parts for n, p in part.named_parameters()}
+    import torch
+
+    torch.save(weights, out / f"final_rank{trainer.env.rank}.pt")
+
+
+def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_delay: str | None = None,
+        final: bool = False) -> Trainer:
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
@@ -94,7 +121,11 @@ def run(cfg, fail: str | None = None, step_delay: str | None = None) -> Trainer:
         fail_at(trainer, fail)
     if step_delay:
         slow_steps(trainer, float(step_delay))
+    if alone_delay:
+        slow_while_a_group_is_down(trainer, float(alone_delay))
     trainer.train()
+    if final:
+        dump_final(trainer, out)
     return trainer
 
 
@@ -113,10 +144,14 @@ def main() -> None:
     resume_from = pop_option(args, "--test-resume-from")
     fail = pop_option(args, "--test-fail-at")
     step_delay = pop_option(args, "--test-step-delay")
+    alone_delay = pop_option(args, "--test-alone-delay")
+    final = "--test-dump-final" in args
+    if final:
+        args.remove("--test-dump-final")
     if delay:
         slow_writes(float(delay))
     cfg = load_config(None, args)
-    trainer = run(cfg, fail, step_delay)
+    trainer = run(cfg, fail, step_delay, alone_delay, final)
     if resume_from:
         out = Path(cfg.job.dump_folder)
         again = out / "resumed"
