@@ -67,7 +67,7 @@ class ReplicaGroup:
         starting without it. ``attach`` hands it the state to keep in step before the first step."""
         torchft = import_torchft()
         ft = cfg.fault_tolerance
-        self.cfg = ft
+        self.cfg = cfg.fault_tolerance
         self.rank, self.world_size = rank, world_size
         self.trainable: Trainable | None = None
         self.replica_id = ft.replica_id
@@ -181,8 +181,10 @@ class ReplicaGroup:
         self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint)
 
     def is_lowest_live(self) -> bool:
-        """The group that writes checkpoints: the first of the quorum (ids order numerically, padded)."""
-        return self.manager.participating_rank() == 0
+        """The group that writes checkpoints: the first of the quorum (ids order numerically, padded);
+        before any quorum (semi-synchronous training before its first sync), group 0."""
+        rank = self.manager.participating_rank()
+        return rank == 0 if rank is not None else self.replica_id == 0
 
     def metrics(self) -> dict[str, Any]:
         live = self.manager.num_participants()
@@ -199,17 +201,17 @@ class ReplicaGroup:
         between syncs the group trains alone (no quorum, no cross-group collective)."""
         from torchft.local_sgd import DiLoCo, LocalSGD
 
-        ft, optimizer = self.cfg, self.trainable.optimizer
-        if ft.semi_sync_method == "local_sgd":
-            algorithm = LocalSGD(self.manager, model, optimizer, sync_every=ft.sync_steps)
+        optimizer = self.trainable.optimizer
+        if self.cfg.semi_sync_method == "local_sgd":
+            algorithm = LocalSGD(self.manager, model, optimizer, sync_every=self.cfg.sync_steps)
         else:
-            fragments = model_fragments(model, ft.fragments)
+            fragments = model_fragments(model, self.cfg.fragments)
             outer = [
-                torch.optim.SGD(f.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum,
-                                nesterov=ft.outer_nesterov)
+                torch.optim.SGD(f.parameters(), lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
+                                nesterov=self.cfg.outer_nesterov)
                 for f in fragments
             ]
-            algorithm = DiLoCo(self.manager, fragments, optimizer, outer, sync_every=ft.sync_steps)
+            algorithm = DiLoCo(self.manager, fragments, optimizer, outer, sync_every=self.cfg.sync_steps)
         with algorithm:
             yield algorithm
 
