@@ -12,6 +12,7 @@ The test functions read that one run (a module fixture):
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,26 @@ def test_only_the_lowest_live_group_writes_checkpoints(ft_run):
         f"step-{s}" for s in (12, 4, 8)]
     folder = ft_run / "replica_1" / "checkpoint"
     assert not folder.exists() or not any(folder.iterdir())
+
+
+def test_whole_job_restart_from_the_checkpoints_is_bitwise(tmp_path):
+    """2 groups x 1 process, no fault, 6 steps with a checkpoint every 3; then the whole job again from
+    step-3 (group 0 loads it, group 1 heals from group 0 and takes its own stream's position at step 3):
+    steps 4-6 repeat bit for bit in both groups."""
+    run = [*TINY_RUN, "--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable_checkpoint",
+           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
+    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
+           "--dump-folder", str(tmp_path), "--min-replicas", "2", "--", *run]
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert first.returncode == 0, (tmp_path / "replica_1.log").read_text()[-3000:]
+    before = [last_row_per_step(tmp_path / f"replica_{g}") for g in range(2)]
+    assert not (tmp_path / "replica_1" / "checkpoint").exists()
+    shutil.rmtree(tmp_path / "replica_0" / "checkpoint" / "step-6")
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert again.returncode == 0, (tmp_path / "replica_1.log").read_text()[-3000:]
+    for g in range(2):
+        after = last_row_per_step(tmp_path / f"replica_{g}")
+        assert [after[s]["loss"] for s in (4, 5, 6)] == [before[g][s]["loss"] for s in (4, 5, 6)]
+    healed = [r for r in rows(tmp_path / "replica_1") if "heal_seconds" in r]
+    assert [r["step"] for r in healed] == [4]
