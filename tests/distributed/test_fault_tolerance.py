@@ -7,6 +7,7 @@ The test functions read that one run (a module fixture):
 - group 1 heals from group 0 and ends with its weights bitwise (the optimizer state came along);
 - each group's data stream neither skips nor repeats a sample (logged sample ids);
 - only the lowest live group writes checkpoints.
+Apart: a whole-job restart from those checkpoints (2 groups x TP 2) repeats the steps bit for bit.
 """
 
 from __future__ import annotations
@@ -116,12 +117,12 @@ def test_only_the_lowest_live_group_writes_checkpoints(ft_run):
 
 
 def test_whole_job_restart_from_the_checkpoints_is_bitwise(tmp_path):
-    """2 groups x 1 process, no fault, 6 steps with a checkpoint every 3; then the whole job again from
-    step-3 (group 0 loads it, group 1 heals from group 0 and takes its own stream's position at step 3):
-    steps 4-6 repeat bit for bit in both groups."""
+    """2 groups x 2 processes with tensor parallel inside each (its loss is a DTensor), no fault, 6 steps
+    with a checkpoint every 3; then the whole job again from step-3 (group 0 loads it, group 1 heals from
+    group 0 and takes its own stream's position at step 3): steps 4-6 repeat bit for bit in both groups."""
     run = [*TINY_RUN, "--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable_checkpoint",
-           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
-    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
+           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--parallelism.tensor_parallel_degree", "2"]
+    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "2",
            "--dump-folder", str(tmp_path), "--min-replicas", "2", "--", *run]
     env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)

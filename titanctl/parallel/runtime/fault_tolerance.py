@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titanctl.errors import ConfigError, TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
@@ -157,8 +158,9 @@ class ReplicaGroup:
         recorded by the Manager, and the step then does not commit."""
         tensors = [ft_state.local(p.grad) for p in params if p.grad is not None]
         n_grads = len(tensors)
+        as_loss = loss_share  # under loss parallel a DTensor, replicated over tp: its local value travels
         if loss_share is not None:
-            tensors.append(loss_share.detach().reshape(1))
+            tensors.append(ft_state.local(loss_share).detach().reshape(1))
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
@@ -170,6 +172,8 @@ class ReplicaGroup:
                     tensors[i].copy_(piece.view_as(tensors[i]))
                 else:
                     loss_share = piece.reshape(())
+        if isinstance(as_loss, DTensor):
+            loss_share = DTensor.from_local(loss_share, as_loss.device_mesh, as_loss.placements, run_check=False)
         return loss_share
 
     def commit(self) -> bool:
