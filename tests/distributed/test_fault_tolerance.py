@@ -1,13 +1,15 @@
-"""torchft replica groups end to end: one run of scripts/ft_local.py, 2 groups x 2 processes on gloo,
-group 1 SIGKILLed as a whole once it logged step 3 and started again with the same command.
+"""torchft replica groups end to end: one run of scripts/ft_local.py, 2 groups x 2 processes on gloo with
+tensor parallel 2 inside each group (its loss is a DTensor), group 1 SIGKILLed as a whole once it logged
+step 3 and started again with the same command.
 
 The test functions read that one run (a module fixture):
-- before the kill (both groups live) the losses are HSDP 2 x 2's (test_layouts' case, 1e-5);
+- before the kill (both groups live) the losses are one process's (test_layouts' reference, 1e-5);
 - group 0 trains on alone, one row per step, its step counter never going back, no step lost;
 - group 1 heals from group 0 and ends with its weights bitwise (the optimizer state came along);
 - each group's data stream neither skips nor repeats a sample (logged sample ids);
-- only the lowest live group writes checkpoints.
-Apart: a whole-job restart from those checkpoints (2 groups x TP 2) repeats the steps bit for bit.
+- only the lowest live group writes checkpoints;
+- a whole-job restart (a copy of the run, its checkpoints after a both-live step removed) repeats the
+  steps after that checkpoint bit for bit in both groups.
 """
 
 from __future__ import annotations
@@ -23,32 +25,37 @@ import torch
 
 from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import TINY_RUN, WORKERS, losses, max_rel_diff, rows, sample_log
-from tests.distributed.test_layouts import CASES
+from tests.distributed.test_layouts import REFERENCE
 
-HSDP_2X2 = next(key for key in CASES if key.endswith("::hsdp2x2"))
-STEPS, KILL_STEP = 12, 3
+STEPS, KILL_STEP, INTERVAL = 8, 3, 3
 RUN = [
-    *TINY_RUN, "--training.local_batch_size", "2", "--training.steps", str(STEPS),
-    "--checkpoint.enable_checkpoint", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
+    *TINY_RUN, "--training.local_batch_size", "4", "--training.steps", str(STEPS),
+    "--parallelism.tensor_parallel_degree", "2",
+    "--checkpoint.enable_checkpoint", "--checkpoint.interval", str(INTERVAL), "--checkpoint.keep_latest_k", "0",
     # A dead peer is noticed within seconds; each wait inside the next one (config validation checks it).
     "--fault_tolerance.connect_timeout_seconds", "2", "--fault_tolerance.process_group_timeout_seconds", "5",
     "--fault_tolerance.timeout_seconds", "10", "--fault_tolerance.quorum_timeout_seconds", "30",
     "--comm.train_timeout_seconds", "60",
-    # Group 0 slows down while alone, so that the restarted group is back before it ends.
-    "--test-alone-delay", "1.0", "--test-dump-final",
+    # Group 0 waits while alone until the restarted group is about to join: it rejoins a step or two after
+    # the kill, however loaded the machine.
+    "--test-alone-wait", "120", "--test-dump-final",
 ]
+ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def ft_local(out: Path, *launcher: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "2",
+           "--dump-folder", str(out), *launcher, "--worker", str(WORKERS / "ckpt_worker.py"), "--", *RUN]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=400, cwd=REPO)
+    logs = "\n".join((out / f"replica_{i}.log").read_text()[-3000:] for i in range(2) if (out / f"replica_{i}.log").exists())
+    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{proc.stdout[-2000:]}\n{logs}"
+    return proc
 
 
 @pytest.fixture(scope="module")
 def ft_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ft")
-    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "2",
-           "--dump-folder", str(out), "--kill-group", "1", "--kill-at-step", str(KILL_STEP),
-           "--worker", str(WORKERS / "ckpt_worker.py"), "--", *RUN]
-    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=REPO)
-    logs = "\n".join((out / f"replica_{i}.log").read_text()[-3000:] for i in range(2) if (out / f"replica_{i}.log").exists())
-    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{proc.stdout[-2000:]}\n{logs}"
+    ft_local(out, "--kill-group", "1", "--kill-at-step", str(KILL_STEP))
     return out
 
 
@@ -56,14 +63,14 @@ def last_row_per_step(folder: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows(folder)}
 
 
-def test_no_fault_steps_equal_hsdp_2x2(ft_run, worlds):
+def test_no_fault_steps_equal_one_process(ft_run, worlds):
     both_live = [r for r in rows(ft_run / "replica_0")[:KILL_STEP]]
     assert [(r["step"], r["live_replicas"], r["participating_ranks"]) for r in both_live] == [
         (s, 2, 4) for s in range(1, KILL_STEP + 1)]
-    hsdp = losses(worlds.folder(HSDP_2X2))[:KILL_STEP]
+    single = losses(worlds.folder(REFERENCE))[:KILL_STEP]
     for group in (0, 1):
         got = [r["loss"] for r in rows(ft_run / f"replica_{group}")[:KILL_STEP]]
-        assert max_rel_diff(got, hsdp) <= 1e-5, (group, got, hsdp)
+        assert max_rel_diff(got, single) <= 1e-5, (group, got, single)
 
 
 def test_survivor_trains_on_without_losing_a_step(ft_run):
@@ -104,7 +111,7 @@ def test_each_groups_stream_skips_and_repeats_nothing(ft_run):
         for e in sample_log(ft_run / f"replica_{group}"):
             if e["step"] in committed:
                 by_rank_step[(e["dp_rank"], e["step"])] = e
-        for dp_rank in (2 * group, 2 * group + 1):
+        for dp_rank in (group,):  # one data-parallel rank per group (its 2 ranks are tensor parallel)
             entries = [e for (r, _), e in sorted(by_rank_step.items()) if r == dp_rank]
             # Its position advances by one global batch per step it trained, whichever steps those were.
             assert [e["consumed_before"] for e in entries] == [8 * i for i in range(len(entries))], (group, dp_rank)
@@ -116,29 +123,29 @@ def test_each_groups_stream_skips_and_repeats_nothing(ft_run):
 
 def test_only_the_lowest_live_group_writes_checkpoints(ft_run):
     assert sorted(p.name for p in (ft_run / "replica_0" / "checkpoint").iterdir()) == [
-        f"step-{s}" for s in (12, 4, 8)]
+        f"step-{s}" for s in (3, 6, 8)]
     folder = ft_run / "replica_1" / "checkpoint"
     assert not folder.exists() or not any(folder.iterdir())
 
 
-def test_whole_job_restart_from_the_checkpoints_is_bitwise(tmp_path):
-    """2 groups x 2 processes with tensor parallel inside each (its loss is a DTensor), no fault, 6 steps
-    with a checkpoint every 3; then the whole job again from step-3 (group 0 loads it, group 1 heals from
-    group 0 and takes its own stream's position at step 3): steps 4-6 repeat bit for bit in both groups."""
-    run = [*TINY_RUN, "--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable_checkpoint",
-           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--parallelism.tensor_parallel_degree", "2"]
-    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "2",
-           "--dump-folder", str(tmp_path), "--min-replicas", "2", "--", *run]
-    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert first.returncode == 0, (tmp_path / "replica_1.log").read_text()[-3000:]
-    before = [last_row_per_step(tmp_path / f"replica_{g}") for g in range(2)]
-    assert not (tmp_path / "replica_1" / "checkpoint").exists()
-    shutil.rmtree(tmp_path / "replica_0" / "checkpoint" / "step-6")
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert again.returncode == 0, (tmp_path / "replica_1.log").read_text()[-3000:]
+def test_whole_job_restart_from_the_checkpoints_is_bitwise(ft_run, tmp_path):
+    """The whole job again (both groups, the same command without the kill) from the newest checkpoint
+    after which both groups trained every step: group 0 loads it, group 1 heals from group 0 and takes its
+    own stream's position at that step; the steps after it repeat the kill run's losses bit for bit."""
+    before = [last_row_per_step(ft_run / f"replica_{g}") for g in range(2)]
+    both_live = [s for s in range(INTERVAL, STEPS, INTERVAL)
+                 if all(s in before[1] and before[g][t]["live_replicas"] == 2 for g in range(2) for t in range(s + 1, STEPS + 1))]
+    assert both_live, before[1]  # group 1 was back before the last checkpoint but one
+    resume = both_live[-1]
+    copy = tmp_path / "again"
+    shutil.copytree(ft_run, copy)
+    for later in (copy / "replica_0" / "checkpoint").iterdir():
+        if int(later.name.removeprefix("step-")) > resume:
+            shutil.rmtree(later)
+    ft_local(copy, "--min-replicas", "2")  # both groups in every quorum, from the first
     for g in range(2):
-        after = last_row_per_step(tmp_path / f"replica_{g}")
-        assert [after[s]["loss"] for s in (4, 5, 6)] == [before[g][s]["loss"] for s in (4, 5, 6)]
-    healed = [r for r in rows(tmp_path / "replica_1") if "heal_seconds" in r]
-    assert [r["step"] for r in healed] == [4]
+        after = last_row_per_step(copy / f"replica_{g}")
+        replayed = range(resume + 1, STEPS + 1)
+        assert [after[s]["loss"] for s in replayed] == [before[g][s]["loss"] for s in replayed], g
+    healed = [r["step"] for r in rows(copy / "replica_1") if "heal_seconds" in r]
+    assert healed[-1] == resume + 1 and len(healed) == 2, healed  # the kill run's heal, then this one

@@ -11,8 +11,10 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
   --test-fail-at A:R:S   in torchrun attempt A (TORCHELASTIC_RESTART_COUNT), rank R raises a RuntimeError
                          when it starts step S (a crash inside training, for restart tests)
   --test-step-delay S    every step waits S seconds first (a slower run, for a node to join it in time)
-  --test-alone-delay S   torchft: a step trained while a replica group is down waits S seconds first (the
-                         survivors slow down, so that the restarted group rejoins before they finish)
+  --test-alone-wait S    torchft, under scripts/ft_local.py (which restarts a killed group once): a step
+                         trained while a replica group is down first waits, at most S seconds, until some
+                         other group's log shows it started again and is about to join its first quorum,
+                         so that the restarted group rejoins at a step that does not depend on the load
   --test-dump-final      after training, write OUT/final_rank{r}.pt: every parameter gathered whole
 """
 
@@ -88,15 +90,25 @@ def slow_steps(trainer: Trainer, seconds: float) -> None:
     trainer.loader.next_step = delayed
 
 
-def slow_while_a_group_is_down(trainer: Trainer, seconds: float) -> None:
+def wait_while_a_group_is_down(trainer: Trainer, seconds: float) -> None:
+    ft = trainer.cfg.fault_tolerance
+    run_dir = Path(trainer.cfg.job.dump_folder).parent
+    # ft_local.py writes group j's console to DIR/replica_j.log; each start of the group prints
+    # "step N: warming up..." once, just before its first quorum.
+    logs = [run_dir / f"replica_{j}.log" for j in range(ft.group_size) if j != ft.replica_id]
     next_step = trainer.loader.next_step
 
-    def delayed():  # called after the step's quorum: the Manager knows who is live
-        if trainer.ft.manager.num_participants() < trainer.cfg.fault_tolerance.group_size:
-            time.sleep(seconds)
+    def restarted() -> bool:
+        return any(log.exists() and log.read_text().count(": warming up...") >= 2 for log in logs)
+
+    def waiting():  # called after the step's quorum: the Manager knows who is live
+        if trainer.ft.manager.num_participants() < ft.group_size and not restarted():
+            deadline = time.monotonic() + seconds
+            while not restarted() and time.monotonic() < deadline:
+                time.sleep(0.05)
         return next_step()
 
-    trainer.loader.next_step = delayed
+    trainer.loader.next_step = waiting
 
 
 def dump_final(trainer: Trainer, out: Path) -> None:
@@ -111,7 +123,7 @@ def dump_final(trainer: Trainer, out: Path) -> None:
     torch.save(weights, out / f"final_rank{trainer.env.rank}.pt")
 
 
-def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_delay: str | None = None,
+def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_wait: str | None = None,
         final: bool = False) -> Trainer:
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,8 +133,8 @@ def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_delay
         fail_at(trainer, fail)
     if step_delay:
         slow_steps(trainer, float(step_delay))
-    if alone_delay:
-        slow_while_a_group_is_down(trainer, float(alone_delay))
+    if alone_wait:
+        wait_while_a_group_is_down(trainer, float(alone_wait))
     trainer.train()
     if final:
         dump_final(trainer, out)
@@ -144,14 +156,14 @@ def main() -> None:
     resume_from = pop_option(args, "--test-resume-from")
     fail = pop_option(args, "--test-fail-at")
     step_delay = pop_option(args, "--test-step-delay")
-    alone_delay = pop_option(args, "--test-alone-delay")
+    alone_wait = pop_option(args, "--test-alone-wait")
     final = "--test-dump-final" in args
     if final:
         args.remove("--test-dump-final")
     if delay:
         slow_writes(float(delay))
     cfg = load_config(None, args)
-    trainer = run(cfg, fail, step_delay, alone_delay, final)
+    trainer = run(cfg, fail, step_delay, alone_wait, final)
     if resume_from:
         out = Path(cfg.job.dump_folder)
         again = out / "resumed"
