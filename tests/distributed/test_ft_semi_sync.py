@@ -7,6 +7,7 @@ titanctl's own step, each on its group's share of the data, and syncs them every
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,17 +37,36 @@ def options(method: str) -> list[str]:
     return [*TRAIN, "--fault_tolerance.semi_sync_method", method, *METHODS[method]]
 
 
-@pytest.fixture(scope="module", params=list(METHODS))
-def method_run(request, tmp_path_factory) -> tuple[str, Path]:
-    method, out = request.param, tmp_path_factory.mktemp(request.param)
-    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
-           "--dump-folder", str(out), "--min-replicas", "2", "--worker", str(WORKERS / "ckpt_worker.py"), "--",
-           *options(method), "--test-dump-final"]
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Both methods' runs at once: most of a launch is start-up latency (torchrun, the Lighthouse, the
+    first quorum), which overlaps with the other launch and with the simulations in this process."""
     env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    started = {}
+    for method in METHODS:
+        out = tmp_path_factory.mktemp(method)
+        cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
+               "--dump-folder", str(out), "--min-replicas", "2", "--worker", str(WORKERS / "ckpt_worker.py"), "--",
+               *options(method), "--test-dump-final"]
+        started[method] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                           env=env, cwd=REPO), out
+    yield started
+    for proc, _ in started.values():  # a test that failed first: ft_local's interrupt kills its groups
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def finished(launches, method: str) -> Path:
+    proc, out = launches[method]
+    stdout, _ = proc.communicate(timeout=300)
     logs = "\n".join((out / f"replica_{i}.log").read_text()[-3000:] for i in range(2))
-    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{proc.stdout[-2000:]}\n{logs}"
-    return method, out
+    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{stdout[-2000:]}\n{logs}"
+    return out
 
 
 def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
@@ -95,9 +115,10 @@ def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
     return finals
 
 
-def test_semi_sync_equals_one_process_simulation(method_run, tmp_path):
-    method, out = method_run
-    expected = simulate(method, tmp_path)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_semi_sync_equals_one_process_simulation(launches, method, tmp_path):
+    expected = simulate(method, tmp_path)  # while the launches run
+    out = finished(launches, method)
     for g in range(2):
         got = torch.load(out / f"replica_{g}" / "final_rank0.pt")
         assert got.keys() == expected[g].keys()
