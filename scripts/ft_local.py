@@ -7,7 +7,7 @@ Group i trains into DIR/replica_i (its console in DIR/replica_i.log). With --kil
 logs step S, every process of that group (torchrun and its ranks) gets SIGKILL, and the group is
 started again with the same command: it rejoins by copying a live peer's state (docs/fault-tolerance.md).
 Waits for every group; exits 1 if any group's last run failed. DIR/ft_events.jsonl records when each
-group's rows appeared, the kill and the restart (benchmarks/ft_recovery.py reads it).
+group's rows appeared, the kill, the restart and each group's exit (benchmarks/ft_recovery.py reads it).
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ class Group:
     proc: subprocess.Popen | None = None
     seen_rows: int = 0
     steps: list[int] = field(default_factory=list)
+    exited: bool = False
 
     def start(self, env: dict[str, str]) -> None:
         with open(self.log, "a") as log:
+            self.exited = False
             self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
@@ -138,8 +140,11 @@ def run(argv: list[str]) -> int:
     pending_kill = args.kill_group
     deadline = time.monotonic() + args.timeout
     try:
-        while any(g.proc.poll() is None for g in groups):
+        while not all(g.exited for g in groups):
             for g in groups:
+                if g.proc.poll() is not None and not g.exited:
+                    g.exited = True
+                    event(group=g.index, what="exit", code=g.proc.returncode)
                 for step in g.new_steps():
                     event(group=g.index, what="step", step=step)
                     if g.index == pending_kill and step >= args.kill_at_step:

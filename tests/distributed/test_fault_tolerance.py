@@ -39,6 +39,9 @@ RUN = [
     # Group 0 waits while alone until the restarted group is about to join: it rejoins a step or two after
     # the kill, however loaded the machine.
     "--test-alone-wait", "120", "--test-dump-final",
+    # Both groups' Managers heartbeat before either's first quorum: steps 1-3 are both groups', however
+    # unevenly the two start.
+    "--test-start-together", "120",
 ]
 ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 

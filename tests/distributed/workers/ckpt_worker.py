@@ -15,6 +15,9 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
                          trained while a replica group is down first waits, at most S seconds, until some
                          other group's log shows it started again and is about to join its first quorum,
                          so that the restarted group rejoins at a step that does not depend on the load
+  --test-start-together S  torchft, under scripts/ft_local.py: before its first step a group waits, at most
+                         S seconds, until every group's log shows its Manager started (it heartbeats), so
+                         that the first quorum holds every group however unevenly the groups start
   --test-dump-final      after training, write OUT/final_rank{r}.pt: every parameter gathered whole
 """
 
@@ -92,10 +95,8 @@ def slow_steps(trainer: Trainer, seconds: float) -> None:
 
 def wait_while_a_group_is_down(trainer: Trainer, seconds: float) -> None:
     ft = trainer.cfg.fault_tolerance
-    run_dir = Path(trainer.cfg.job.dump_folder).parent
-    # ft_local.py writes group j's console to DIR/replica_j.log; each start of the group prints
-    # "step N: warming up..." once, just before its first quorum.
-    logs = [run_dir / f"replica_{j}.log" for j in range(ft.group_size) if j != ft.replica_id]
+    # Each start of a group prints "step N: warming up..." once, just before its first quorum.
+    logs = group_logs(trainer)
     next_step = trainer.loader.next_step
 
     def restarted() -> bool:
@@ -111,6 +112,23 @@ def wait_while_a_group_is_down(trainer: Trainer, seconds: float) -> None:
     trainer.loader.next_step = waiting
 
 
+def group_logs(trainer: Trainer) -> list[Path]:
+    """Every other group's console: ft_local.py writes group j's to DIR/replica_j.log."""
+    ft = trainer.cfg.fault_tolerance
+    run_dir = Path(trainer.cfg.job.dump_folder).parent
+    return [run_dir / f"replica_{j}.log" for j in range(ft.group_size) if j != ft.replica_id]
+
+
+def start_together(trainer: Trainer, seconds: float) -> None:
+    # Each start of group j prints "replica group j of" once its Manager heartbeats to the Lighthouse,
+    # which from then on holds every quorum for it (its join timeout).
+    logs = group_logs(trainer)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(
+            log.exists() and f"replica group {log.stem.removeprefix('replica_')} of" in log.read_text() for log in logs):
+        time.sleep(0.05)
+
+
 def dump_final(trainer: Trainer, out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -124,7 +142,7 @@ def dump_final(trainer: Trainer, out: Path) -> None:
 
 
 def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_wait: str | None = None,
-        final: bool = False) -> Trainer:
+        final: bool = False, together: str | None = None) -> Trainer:
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
@@ -135,6 +153,8 @@ def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_wait:
         slow_steps(trainer, float(step_delay))
     if alone_wait:
         wait_while_a_group_is_down(trainer, float(alone_wait))
+    if together:
+        start_together(trainer, float(together))
     trainer.train()
     if final:
         dump_final(trainer, out)
@@ -157,13 +177,14 @@ def main() -> None:
     fail = pop_option(args, "--test-fail-at")
     step_delay = pop_option(args, "--test-step-delay")
     alone_wait = pop_option(args, "--test-alone-wait")
+    together = pop_option(args, "--test-start-together")
     final = "--test-dump-final" in args
     if final:
         args.remove("--test-dump-final")
     if delay:
         slow_writes(float(delay))
     cfg = load_config(None, args)
-    trainer = run(cfg, fail, step_delay, alone_wait, final)
+    trainer = run(cfg, fail, step_delay, alone_wait, final, together)
     if resume_from:
         out = Path(cfg.job.dump_folder)
         again = out / "resumed"
