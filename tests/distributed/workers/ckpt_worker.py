@@ -11,6 +11,14 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
   --test-fail-at A:R:S   in torchrun attempt A (TORCHELASTIC_RESTART_COUNT), rank R raises a RuntimeError
                          when it starts step S (a crash inside training, for restart tests)
   --test-step-delay S    every step waits S seconds first (a slower run, for a node to join it in time)
+  --test-alone-wait S    torchft, under scripts/ft_local.py (which restarts a killed group once): a step
+                         trained while a replica group is down first waits, at most S seconds, until some
+                         other group's log shows it started again and is about to join its first quorum,
+                         so that the restarted group rejoins at a step that does not depend on the load
+  --test-start-together S  torchft, under scripts/ft_local.py: before its first step a group waits, at most
+                         S seconds, until every group's log shows its Manager started (it heartbeats), so
+                         that the first quorum holds every group however unevenly the groups start
+  --test-dump-final      after training, write OUT/final_rank{r}.pt: every parameter gathered whole
 """
 
 import dataclasses
@@ -85,7 +93,56 @@ def slow_steps(trainer: Trainer, seconds: float) -> None:
     trainer.loader.next_step = delayed
 
 
-def run(cfg, fail: str | None = None, step_delay: str | None = None) -> Trainer:
+def wait_while_a_group_is_down(trainer: Trainer, seconds: float) -> None:
+    ft = trainer.cfg.fault_tolerance
+    # Each start of a group prints "step N: warming up..." once, just before its first quorum.
+    logs = group_logs(trainer)
+    next_step = trainer.loader.next_step
+
+    def restarted() -> bool:
+        return any(log.exists() and log.read_text().count(": warming up...") >= 2 for log in logs)
+
+    def waiting():  # called after the step's quorum: the Manager knows who is live
+        if trainer.ft.manager.num_participants() < ft.group_size and not restarted():
+            deadline = time.monotonic() + seconds
+            while not restarted() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return next_step()
+
+    trainer.loader.next_step = waiting
+
+
+def group_logs(trainer: Trainer) -> list[Path]:
+    """Every other group's console: ft_local.py writes group j's to DIR/replica_j.log."""
+    ft = trainer.cfg.fault_tolerance
+    run_dir = Path(trainer.cfg.job.dump_folder).parent
+    return [run_dir / f"replica_{j}.log" for j in range(ft.group_size) if j != ft.replica_id]
+
+
+def start_together(trainer: Trainer, seconds: float) -> None:
+    # Each start of group j prints "replica group j of" once its Manager heartbeats to the Lighthouse,
+    # which from then on holds every quorum for it (its join timeout).
+    logs = group_logs(trainer)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(
+            log.exists() and f"replica group {log.stem.removeprefix('replica_')} of" in log.read_text() for log in logs):
+        time.sleep(0.05)
+
+
+def dump_final(trainer: Trainer, out: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from titanctl.parallel.layouts.weight_init import canonical_name
+
+    weights = {canonical_name(n): (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+               for part in trainer.model_parts for n, p in part.named_parameters()}
+    import torch
+
+    torch.save(weights, out / f"final_rank{trainer.env.rank}.pt")
+
+
+def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_wait: str | None = None,
+        final: bool = False, together: str | None = None) -> Trainer:
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
@@ -94,7 +151,13 @@ def run(cfg, fail: str | None = None, step_delay: str | None = None) -> Trainer:
         fail_at(trainer, fail)
     if step_delay:
         slow_steps(trainer, float(step_delay))
+    if alone_wait:
+        wait_while_a_group_is_down(trainer, float(alone_wait))
+    if together:
+        start_together(trainer, float(together))
     trainer.train()
+    if final:
+        dump_final(trainer, out)
     return trainer
 
 
@@ -113,10 +176,15 @@ def main() -> None:
     resume_from = pop_option(args, "--test-resume-from")
     fail = pop_option(args, "--test-fail-at")
     step_delay = pop_option(args, "--test-step-delay")
+    alone_wait = pop_option(args, "--test-alone-wait")
+    together = pop_option(args, "--test-start-together")
+    final = "--test-dump-final" in args
+    if final:
+        args.remove("--test-dump-final")
     if delay:
         slow_writes(float(delay))
     cfg = load_config(None, args)
-    trainer = run(cfg, fail, step_delay)
+    trainer = run(cfg, fail, step_delay, alone_wait, final, together)
     if resume_from:
         out = Path(cfg.job.dump_folder)
         again = out / "resumed"

@@ -37,6 +37,20 @@ BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 NCCL_DUMP_ON_TIMEOUT_ENV = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
+# torchft: the replica group this process belongs to, named in its dumps and messages (the ranks of
+# every group are numbered from 0, so a rank alone does not say which group stalled).
+_replica_group: list[int | None] = [None]
+
+
+def set_replica_group(group: int | None) -> None:
+    _replica_group[0] = group
+
+
+def who(rank: int) -> str:
+    """'rank 3', or under torchft 'replica group 1 rank 3'."""
+    group = _replica_group[0]
+    return f"rank {rank}" if group is None else f"replica group {group} rank {rank}"
+
 
 def enable(buffer_size: int = 2000, dump_folder: Path | None = None) -> dict[str, str]:
     """Record the last ``buffer_size`` collectives of every process group created after this call.
@@ -113,6 +127,7 @@ def snapshot(rank: int, reason: str = "") -> dict[str, Any]:
         "rank": rank,
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else None,
         "reason": reason,
+        **({} if _replica_group[0] is None else {"replica_group": _replica_group[0]}),
         "time_unix": time.time(),
         "pid": os.getpid(),
     }
@@ -161,7 +176,7 @@ class DumpOnce:
             if self.path is None:
                 self.path = dump(self.folder, self.rank, reason)
                 shown_path = visible(str(self.path))  # the dump folder is input
-                print(f"[rank {self.rank}] flight recorder dump: {shown_path}", file=sys.stderr, flush=True)
+                print(f"[{who(self.rank)}] flight recorder dump: {shown_path}", file=sys.stderr, flush=True)
             if self.exit_code is not None:
                 if self.before_exit is not None:
                     self.before_exit(f"{reason}; flight recorder dump {self.path}")

@@ -1,0 +1,128 @@
+"""LocalSGD and DiLoCo (fault_tolerance.semi_sync_method) through torchft's own local_sgd module, each
+equal to a one-process simulation of the same algorithm written here (1e-5): scripts/ft_local.py runs
+2 replica groups of 1 process; the simulation trains two copies of the model in this process with
+titanctl's own step, each on its group's share of the data, and syncs them every sync_steps steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import OFFLINE_ENV, REPO
+from tests.distributed.harness import WORKERS
+from titanctl.config.recipe import load_config
+from titanctl.data.dataloader import TokenWindowLoader
+from titanctl.parallel.layouts.weight_init import canonical_name
+from titanctl.parallel.runtime.fault_tolerance import model_fragments
+from titanctl.train.trainer import Trainer
+
+STEPS, SYNC = 4, 2
+TRAIN = [
+    "--model.n_layers", "2", "--training.seq_len", "32", "--training.global_batch_size", "8",
+    "--training.local_batch_size", "4", "--training.steps", str(STEPS), "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--activation_checkpoint.mode", "none",
+    "--fault_tolerance.sync_steps", str(SYNC), "--fault_tolerance.outer_lr", "0.5",
+]
+METHODS = {"local_sgd": [], "diloco": ["--fault_tolerance.fragments", "2"]}
+
+
+def options(method: str) -> list[str]:
+    return [*TRAIN, "--fault_tolerance.semi_sync_method", method, *METHODS[method]]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Both methods' runs at once: most of a launch is start-up latency (torchrun, the Lighthouse, the
+    first quorum), which overlaps with the other launch and with the simulations in this process."""
+    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    started = {}
+    for method in METHODS:
+        out = tmp_path_factory.mktemp(method)
+        cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
+               "--dump-folder", str(out), "--min-replicas", "2", "--worker", str(WORKERS / "ckpt_worker.py"), "--",
+               *options(method), "--test-dump-final"]
+        started[method] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                           env=env, cwd=REPO), out
+    yield started
+    for proc, _ in started.values():  # a test that failed first: ft_local's interrupt kills its groups
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def finished(launches, method: str) -> Path:
+    proc, out = launches[method]
+    stdout, _ = proc.communicate(timeout=300)
+    logs = "\n".join((out / f"replica_{i}.log").read_text()[-3000:] for i in range(2))
+    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{stdout[-2000:]}\n{logs}"
+    return out
+
+
+def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
+    """Both groups in one process: two Trainers (the same init from the seed), group g reading data-parallel
+    rank g of 2, synced as the algorithm says."""
+    cfg_ft = load_config(None, options(method)).fault_tolerance
+    groups = []
+    for g in range(2):
+        trainer = Trainer(load_config(None, [*options(method), "--job.dump_folder", str(tmp_path / f"sim{g}")]))
+        old = trainer.loader
+        trainer.loader = TokenWindowLoader(
+            old.sources, trainer.tokenizer, seq_len=old.seq_len, global_batch_size=old.global_batch_size,
+            local_batch_size=old.local_batch_size, dp_rank=g, dp_degree=2, seed=old.seed,
+        )
+        groups.append(trainer)
+    models = [t.model_parts[0] for t in groups]
+    n = cfg_ft.fragments if method == "diloco" else 1
+    fragments = [model_fragments(m, n) for m in models]
+    # The global weights of each fragment, and its outer Nesterov SGD over them.
+    global_params = [[p.detach().clone().requires_grad_() for p in f.parameters()] for f in fragments[0]]
+    outer = [torch.optim.SGD(ps, lr=cfg_ft.outer_lr, momentum=cfg_ft.outer_momentum, nesterov=cfg_ft.outer_nesterov)
+             for ps in global_params]
+    syncs = 0
+    for step in range(1, STEPS + 1):
+        for t in groups:
+            t.train_step()
+            t.step += 1
+        with torch.no_grad():
+            if method == "local_sgd" and step % SYNC == 0:
+                for ps in zip(*(m.parameters() for m in models)):
+                    mean = torch.stack(list(ps)).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+            if method == "diloco" and step % (SYNC // n) == 0:
+                f = syncs % n
+                for i, ps in enumerate(zip(*(frag[f].parameters() for frag in fragments))):
+                    global_params[f][i].grad = torch.stack([global_params[f][i] - p for p in ps]).mean(0)
+                outer[f].step()
+                for i, ps in enumerate(zip(*(frag[f].parameters() for frag in fragments))):
+                    for p in ps:
+                        p.copy_(global_params[f][i])
+                syncs += 1
+    finals = [{canonical_name(k): p.detach().clone() for k, p in m.named_parameters()} for m in models]
+    for t in groups:
+        t.close()
+    return finals
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_semi_sync_equals_one_process_simulation(launches, method, tmp_path):
+    expected = simulate(method, tmp_path)  # while the launches run
+    out = finished(launches, method)
+    for g in range(2):
+        got = torch.load(out / f"replica_{g}" / "final_rank0.pt")
+        assert got.keys() == expected[g].keys()
+        for name in got:
+            torch.testing.assert_close(got[name], expected[g][name], rtol=1e-5, atol=1e-6, msg=f"{method} {g} {name}")
+    if method == "local_sgd":  # its last sync (steps is a multiple of sync_steps) left the groups equal
+        assert all(torch.equal(expected[0][k], expected[1][k]) for k in expected[0])

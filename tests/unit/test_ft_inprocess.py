@@ -1,0 +1,104 @@
+"""torchft pieces that need no process: healing state round trips, model fragments, and which replica
+group a Flight Recorder dump names."""
+
+import pickle
+
+import torch
+
+from titanctl.parallel.runtime import ft_state, hang_watchdog
+from titanctl.parallel.runtime.fault_tolerance import Positions, model_fragments
+from titanctl.tools.fr_analysis import analyze, parse_dump
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(11, 4)
+        self.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in range(3)})
+        self.norm = torch.nn.LayerNorm(4)
+        self.output = torch.nn.Linear(4, 11)
+
+    def forward(self, x):
+        h = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def trained(seed: int, steps: int):
+    torch.manual_seed(seed)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for _ in range(steps):
+        model(torch.randint(0, 11, (2, 5))).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def test_heal_copies_a_peer_bitwise_also_into_a_fresh_optimizer():
+    peer, peer_opt, _ = trained(0, 3)
+    sent = pickle.loads(pickle.dumps({"model": ft_state.model_state([peer]),
+                                      "optimizer": ft_state.optimizer_state(peer_opt)}))  # as the transport does
+    fresh, fresh_opt, _ = trained(1, 0)  # a restarted group: other weights, no optimizer state yet
+    ft_state.load_model_state([fresh], sent["model"])
+    ft_state.load_optimizer_state(fresh_opt, sent["optimizer"])
+    for a, b in zip(peer.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    # The next step, same data: still bitwise equal (the optimizer state came along).
+    x = torch.randint(0, 11, (2, 5))
+    for m, o in ((peer, peer_opt), (fresh, fresh_opt)):
+        m(x).sum().backward()
+        o.step()
+    for a, b in zip(peer.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_fragments_cover_every_parameter_once_in_layer_order():
+    model = Tiny()
+    fragments = model_fragments(model, 2)
+    names = [[n for n, _ in f.named_parameters()] for f in fragments]
+    assert names[0][:2] == ["tok_embeddings.weight", "layers_0.weight"] and names[1][-1] == "output.bias"
+    ids = [id(p) for f in fragments for p in f.parameters()]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+
+
+def test_positions_resume_where_the_groups_stream_stood(tmp_path):
+    path = tmp_path / "ft_positions_rank0.json"
+    p = Positions(path, keep=2)
+    for step in range(1, 7):
+        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=step % 2 == 0)
+    again = Positions(path, keep=2)
+    assert again.latest_step() == 6
+    assert again.at(4) == {"samples_consumed": 32}  # a checkpoint step: a whole-job restart from it
+    assert again.at(9) == {"samples_consumed": 48}  # down since step 6: its own stream goes on
+    assert sorted(again.saved) == [4, 6]  # keep_latest_k
+
+
+def _dump(rank: int, ops: list[str]) -> dict:
+    return {
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+        "entries": [{"collective_seq_id": i + 1, "profiling_name": f"gloo:{op}", "process_group": ["0", "default_pg"],
+                     "input_sizes": [[4]], "input_dtypes": ["Float"], "state": "scheduled"} for i, op in enumerate(ops)],
+        "titanctl": {"rank": rank, "replica_group": 1},
+    }
+
+
+def test_inspect_trace_names_the_replica_group_that_stalled(tmp_path):
+    dumps = [parse_dump(_dump(0, ["all_reduce", "all_reduce"]), tmp_path / "rank0.json"),
+             parse_dump(_dump(1, ["all_reduce"]), tmp_path / "rank1.json")]
+    report = analyze(dumps)
+    assert report.replica_groups == [1]
+    assert report.summary[0].startswith("replica group 1: "), report.summary
+
+
+def test_watchdog_messages_name_the_group():
+    hang_watchdog.set_replica_group(2)
+    try:
+        assert hang_watchdog.who(3) == "replica group 2 rank 3"
+    finally:
+        hang_watchdog.set_replica_group(None)
+    assert hang_watchdog.who(3) == "rank 3"
+
