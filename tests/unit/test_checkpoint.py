@@ -334,3 +334,20 @@ def test_pinned_memory_async_needs_cuda(tmp_path):
     with pytest.raises(ConfigError, match="async_with_pinned_mem.*CUDA"):
         make(tmp_path, "--checkpoint.async_mode", "async_with_pinned_mem")
     assert not (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.slow
+def test_muon_state_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+    muon = ("--optimizer.name", "Muon", "--checkpoint.last_save_model_weights_only")
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    final = params(train(out, *muon))
+    step2 = read_dcp(out / "checkpoint" / "step-2")["optimizer"]
+    assert "state.layers.1.feed_forward.w2.weight.momentum_buffer" in step2  # Muon's one buffer
+    assert "state.layers.1.feed_forward.w2.weight.exp_avg" not in step2
+    assert "state.tok_embeddings.weight.exp_avg" in step2  # embeddings stay on AdamW
+    assert not {k.split(".", 1)[0] for k in index_keys(out / "checkpoint" / "step-4")} & set(TRAINING_STATE)
+    copy_step(out, 2, resumed)
+    trainer = train(resumed, *muon)
+    assert [losses(resumed)[s] for s in (3, 4)] == [losses(out)[s] for s in (3, 4)]
+    for key, value in params(trainer).items():
+        assert torch.equal(value, final[key]), key
