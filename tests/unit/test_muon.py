@@ -125,6 +125,20 @@ def test_newton_schulz_orthogonalizes():
     assert half.dtype == torch.float32 and (half - newton_schulz(g, 5, torch.float32)).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (256, 64), (48, 320), (512, 512)])
+def test_update_rms_is_about_0_2_as_moonlight_scales_it(shape):
+    """The 0.2 sqrt(max(m, n)) scale gives the update of a random m x n matrix an RMS of about 0.2 (Moonlight's
+    match to AdamW's update RMS), whatever its shape: Newton-Schulz alone gives 1/sqrt(max(m, n)) (0.04-0.11 here),
+    and sqrt(min(m, n)) in place of sqrt(max(m, n)) gives 0.04-0.09 for the non-square ones."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    before = w.detach().clone()
+    w.grad = torch.randn(shape, generator=gen)
+    Muon([{"params": [w], "kind": "muon"}], lr=LR, weight_decay=0.0).step()
+    rms = ((w.detach() - before) / LR).pow(2).mean().sqrt().item()
+    assert 0.15 < rms < 0.25, rms  # NS5's singular values lie in ~[0.7, 1.2], not exactly 1: 0.17-0.19 here
+
+
 def test_groups_choose_optimizer_and_settings():
     cfg = _muon_cfg(groups=[OptimizerGroup(params=r"layers\.0\..*", optimizer="AdamW", lr=1e-3, beta2=0.99),
                             OptimizerGroup(params="layers.1.attention.wq.weight", weight_decay=0.0)])
@@ -159,6 +173,8 @@ def test_groups_load_from_a_recipe(tmp_path):
     with pytest.raises(ConfigError, match=r"'optimizer.groups\[1\].optimizer' = 'Adam' is not one of Muon, AdamW"):
         load_config(recipe)
     recipe.write_text(recipe.read_text().replace('"Adam"', '"AdamW"'))
+    with pytest.raises(ConfigError, match=r"'optimizer.groups\[1\].optimizer' = 'AdamW' needs optimizer.name Muon"):
+        load_config(recipe, ["--optimizer.name", "Adam"])
     groups = load_config(recipe).optimizer.groups
     assert [(g.params, g.optimizer, g.lr) for g in groups] == [("output.weight", "", 0.001),
                                                                ("tok_embeddings.weight", "AdamW", None)]

@@ -341,6 +341,9 @@ def _check_optimizer_groups(optimizer) -> None:
                 from None
         if table.optimizer not in ("", "Muon", "AdamW"):
             raise ConfigError(f"config key '{where}.optimizer' = {table.optimizer!r} is not one of Muon, AdamW")
+        if table.optimizer and optimizer.name == "Adam":  # Adam's L2 decay has no per-group Muon/AdamW form
+            raise ConfigError(f"config key '{where}.optimizer' = {table.optimizer!r} needs optimizer.name Muon or "
+                              "AdamW, not Adam")
 
 
 # Keys of a mixture entry that only hub streams read, with their defaults.

@@ -12,10 +12,16 @@ A group with ``kind = "adamw"`` is torch's AdamW written out (decoupled decay, b
 
 Sharded parameters (DTensors under FSDP, TP, EP, and their strided compositions) are orthogonalized
 whole, once in the world: every rank of the parameter's mesh gathers the full update direction, the
-matrices of a mesh are dealt round-robin to its ranks, each rank runs Newton-Schulz on its own share,
-broadcasts each result over the mesh (one broadcast per mesh dimension), and every rank keeps its own
-shard. So every layout computes what one process computes, with 1/mesh-size of the Newton-Schulz FLOPs
-per rank.
+matrices of each shape are dealt round-robin to the mesh's ranks, each rank runs Newton-Schulz on its own
+share, broadcasts each result over the mesh (one broadcast per mesh dimension), and every rank keeps its
+own shard. So every layout computes what one process computes, with about 1/mesh-size of the
+Newton-Schulz FLOPs per rank. Dealing each shape on its own (rather than all matrices in one round)
+gives rank 0 the first matrix of every shape, so rank 0 holds the largest Newton-Schulz temporaries of
+any rank whatever the model's depth: estimate-memory, which measures rank 0 on models of 4 and 5 blocks
+and extrapolates in depth, then sees the same largest temporaries as the full model has.
+
+Every state buffer is made at the start of the first step (as torch's optimizers do), so the first
+step's optimizer phase holds what every later one holds.
 """
 
 from __future__ import annotations
@@ -91,7 +97,11 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        dealt: dict = {}  # a DeviceMesh -> how many of its matrices were dealt this step
+        dealt: dict = {}  # (DeviceMesh, shape) -> how many of its matrices of that shape were dealt this step
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._init_state(p, group["kind"])
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -109,8 +119,9 @@ class Muon(torch.optim.Optimizer):
             return newton_schulz(update, steps, self.ns_dtype)
         mesh = update.device_mesh
         full = update.full_tensor()
-        turn = dealt.get(mesh, 0)  # DeviceMesh hashes by its ranks and dimension names
-        dealt[mesh] = turn + 1
+        key = (mesh, tuple(full.shape))  # DeviceMesh hashes by its ranks and dimension names
+        turn = dealt.get(key, 0)
+        dealt[key] = turn + 1
         owner, index = [], turn % mesh.size()  # the turn's coordinates in the mesh (row-major), in plain ints:
         for size in reversed(mesh.shape):  # no tensor, so it also runs under estimate-memory's fake tensors
             index, coordinate = divmod(index, size)
@@ -123,10 +134,17 @@ class Muon(torch.optim.Optimizer):
         # Every rank now holds the same full result, so cutting out its own shard needs no communication.
         return distribute_tensor(full, mesh, update.placements, src_data_rank=None)
 
+    def _init_state(self, p: torch.Tensor, kind: str) -> None:
+        state = self.state[p]
+        if kind == "muon" and "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        elif kind == "adamw" and "step" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+
     def _muon(self, p: torch.Tensor, group: dict, dealt: dict) -> None:
         state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
         buf, mu = state["momentum_buffer"], group["momentum"]
         buf.mul_(mu).add_(p.grad)
         update = self._orthogonalized(p.grad + mu * buf, group["ns_steps"], dealt)
@@ -136,10 +154,6 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
         (beta1, beta2), lr = group["betas"], group["lr"]
         state["step"] += 1
         step = state["step"].item()
