@@ -52,19 +52,28 @@ def main() -> None:
     parser.add_argument("--procs", default="1,2")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the step time")
     opts = parser.parse_args()
+    summary = []
     with tempfile.TemporaryDirectory() as tmp:
         for procs in map(int, opts.procs.split(",")):
-            seconds = {}
+            seconds, val = {}, {}
             for optimizer in ("AdamW", "Muon"):
                 folder = Path(tmp) / f"{optimizer}_{procs}"
                 rows = train(optimizer, procs, opts.steps, opts.val_freq, opts.val_steps, folder)
-                val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+                # tokens_seen is per data-parallel rank; every rank is one here (FSDP over all of them)
+                val[optimizer] = {r["tokens_seen"] * procs: r["val_loss"] for r in rows if "val_loss" in r}
                 seconds[optimizer] = step_seconds(rows, opts.skip)
-                tokens = rows[-1].get("tokens_seen", "?")
-                print(f"{procs} proc {optimizer:5s}  validation loss by step {val}  median step "
-                      f"{seconds[optimizer] * 1e3:.1f} ms  tokens {tokens}", flush=True)
-            print(f"{procs} proc Muon step-time overhead over AdamW: {seconds['Muon'] / seconds['AdamW'] - 1:+.1%}",
-                  flush=True)
+                print(f"{procs} proc {optimizer:5s}  validation loss by global tokens {val[optimizer]}  median step "
+                      f"{seconds[optimizer] * 1e3:.1f} ms", flush=True)
+            summary.append((procs, val, seconds))
+    print("\nClosing note (validation loss at the same tokens: a report, not a target)")
+    for procs, val, _ in summary:
+        for tokens in sorted(val["AdamW"].keys() & val["Muon"].keys()):
+            a, m = val["AdamW"][tokens], val["Muon"][tokens]
+            print(f"  {procs} proc, {tokens:>9,} tokens: val loss AdamW {a:.4f}  Muon {m:.4f}  Muon/AdamW {m / a:.3f}")
+    for procs, _, seconds in summary:
+        ratio = seconds["Muon"] / seconds["AdamW"]
+        print(f"  {procs} proc: median step AdamW {seconds['AdamW'] * 1e3:.1f} ms, Muon "
+              f"{seconds['Muon'] * 1e3:.1f} ms: Muon/AdamW {ratio:.3f} (overhead {ratio - 1:+.1%})")
 
 
 if __name__ == "__main__":
