@@ -157,8 +157,12 @@ def test_groups_choose_optimizer_and_settings():
          r"'layers.0.attention.wq.weight' is matched by optimizer.groups\[0\] and optimizer.groups\[1\]"),
         ([OptimizerGroup(params="norm.weight", optimizer="Muon")], r"gives Muon to 'norm.weight', which is not a"),
         ([OptimizerGroup(params="(")], "is no regular expression"),
+        ([OptimizerGroup(params="norm.weight", momentum=0.9)],
+         r"'optimizer.groups\[0\].momentum' is Muon's, but every parameter of that group uses AdamW"),
+        ([OptimizerGroup(params=r"layers\.0\.attention\.w.\.weight", beta2=0.99)],
+         r"'optimizer.groups\[0\].beta2' is AdamW's, but every parameter of that group uses Muon"),
     ],
-    ids=["matches-nothing", "two-groups", "muon-on-a-vector", "bad-regex"],
+    ids=["matches-nothing", "two-groups", "muon-on-a-vector", "bad-regex", "momentum-unread", "beta-unread"],
 )
 def test_group_refusals_are_one_line(groups, message):
     with pytest.raises(ConfigError, match=message) as e:

@@ -41,6 +41,17 @@ def named_trainable(model_parts: list[nn.Module]) -> list[tuple[str, nn.Module, 
     return out
 
 
+def _check_settings_apply(n: int, table, by_kind: dict) -> None:
+    """A table's Muon setting needs a Muon parameter among its own, its AdamW settings an AdamW one:
+    a setting that nothing reads is refused rather than ignored."""
+    for kind, fields in (("muon", ("momentum",)), ("adamw", ("beta1", "beta2", "eps"))):
+        given = [f for f in fields if getattr(table, f) is not None]
+        if given and kind not in by_kind:
+            owner, other = ("Muon", "AdamW") if kind == "muon" else ("AdamW", "Muon")
+            raise ConfigError(f"config key 'optimizer.groups[{n}].{given[0]}' is {owner}'s, but every parameter of "
+                              f"that group uses {other}")
+
+
 def build_param_groups(model_parts: list[nn.Module], cfg: OptimizerConfig) -> list[dict]:
     """torch param groups with a ``kind`` ("muon" or "adamw") and the settings the tables override;
     one-line ConfigErrors for a table that matches nothing and a parameter two tables match."""
@@ -77,6 +88,8 @@ def build_param_groups(model_parts: list[nn.Module], cfg: OptimizerConfig) -> li
                 raise ConfigError(f"optimizer.groups[{n}] gives Muon to {name!r}, which is not a matrix "
                                   f"(shape {tuple(p.shape)}); Muon needs 2-D weights or 3-D expert stacks")
             by_kind.setdefault(kind, []).append(p)
+        if table is not None:
+            _check_settings_apply(n, table, by_kind)
         for kind, ps in by_kind.items():
             group = {"params": ps, "kind": kind}
             if table is not None:
