@@ -35,7 +35,12 @@ def train(optimizer: str, procs: int, steps: int, val_freq: int, val_steps: int,
             "--validation.enabled", "--validation.freq", str(val_freq), "--validation.dataset", "bundled_val",
             "--validation.steps", str(val_steps)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // procs))}
-    subprocess.run([*launcher, *args], check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "console.txt", "w") as log:  # the run's console, read back if it fails
+        code = subprocess.run([*launcher, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        sys.exit(f"{optimizer} at {procs} process(es) failed (exit {code}):\n"
+                 + (folder / "console.txt").read_text()[-3000:])
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -53,7 +58,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the step time")
     opts = parser.parse_args()
     summary = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="muon_vs_adamw_") as tmp:
         for procs in map(int, opts.procs.split(",")):
             seconds, val = {}, {}
             for optimizer in ("AdamW", "Muon"):
