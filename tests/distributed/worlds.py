@@ -12,7 +12,8 @@ another in a background thread (``Worlds.start``), and runs the tests that read 
 and the rest of the suite, mostly one interpreter at a time, uses the CPU they leave.
 
 A case's folder holds what a lone ``train_worker.py`` run writes (metrics.jsonl, init_rank{r}.pt),
-the first step's gradients when asked (grads_rank{r}.pt, experts_rank{r}.json), what
+the first step's gradients when asked (grads_rank{r}.pt, experts_rank{r}.json), the last step's
+parameters when asked (final_rank{r}.pt), what
 workers/sync_train_worker.py records when asked, each rank's stdout and stderr, and ``done``.
 """
 
@@ -39,6 +40,7 @@ class Case:
     probe: bool  # train as workers/sync_train_worker.py does: host syncs, log windows, float8's all-gathers
     always: bool  # a reference: run with its world whatever is selected
     prepare: Callable[[Path], None] | None  # writes the files its args name under ROOT, before the world runs
+    final: bool  # also dump every parameter, gathered whole, after the last step
 
 
 _CASES: dict[str, Case] = {}
@@ -49,11 +51,11 @@ ROOT = "{ROOT}"  # in a case's args: the worlds' folder (where ``prepare`` wrote
 
 
 def register(module: str, name: str, nproc: int, args: list[str], grads: bool = False, probe: bool = False,
-             always: bool = False, prepare: Callable[[Path], None] | None = None) -> str:
+             always: bool = False, prepare: Callable[[Path], None] | None = None, final: bool = False) -> str:
     """Declare a case (at import, before any world runs); returns its key."""
     key = f"{module.rsplit('.', 1)[-1]}::{name}"
     assert key not in _CASES, f"case {key} registered twice"
-    _CASES[key] = Case(key, nproc, tuple(args), grads, probe, always, prepare)
+    _CASES[key] = Case(key, nproc, tuple(args), grads, probe, always, prepare, final)
     return key
 
 
@@ -116,7 +118,7 @@ class Worlds:
         for prepare in dict.fromkeys(c.prepare for c in cases if c.prepare is not None):
             prepare(self.root)
         plan = [{"key": c.key, "args": [a.replace(ROOT, str(self.root)) for a in c.args], "grads": c.grads,
-                 "probe": c.probe, "folder": str(self._folder(c.key))} for c in cases]
+                 "probe": c.probe, "final": c.final, "folder": str(self._folder(c.key))} for c in cases]
         plan_file = self.root / f"world{nproc}.json"
         plan_file.write_text(json.dumps(plan))
         start = time.perf_counter()
@@ -140,6 +142,7 @@ def _text(output: bytes | str | None) -> str:
 
 
 def selected_cases(items) -> set[str]:
-    """The case keys that the session's selected tests take as their ``world_case`` parameter."""
-    return {item.callspec.params["world_case"] for item in items
-            if "world_case" in getattr(getattr(item, "callspec", None), "params", {})}
+    """The case keys that the session's selected tests take as their ``world_case`` parameter, or as their
+    ``reference_case`` (a reference that runs only when a test that compares with it does)."""
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in items]
+    return {p[name] for p in params for name in ("world_case", "reference_case") if name in p}

@@ -334,3 +334,28 @@ def test_pinned_memory_async_needs_cuda(tmp_path):
     with pytest.raises(ConfigError, match="async_with_pinned_mem.*CUDA"):
         make(tmp_path, "--checkpoint.async_mode", "async_with_pinned_mem")
     assert not (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.slow
+def test_muon_state_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+    muon = ("--optimizer.name", "Muon", "--checkpoint.last_save_model_weights_only")
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+    final = params(train(out, *muon))
+    step2 = read_dcp(out / "checkpoint" / "step-2")["optimizer"]
+    assert "state.layers.1.feed_forward.w2.weight.momentum_buffer" in step2  # Muon's one buffer
+    assert "state.layers.1.feed_forward.w2.weight.exp_avg" not in step2
+    assert "state.tok_embeddings.weight.exp_avg" in step2  # embeddings stay on AdamW
+    assert not {k.split(".", 1)[0] for k in index_keys(out / "checkpoint" / "step-4")} & set(TRAINING_STATE)
+    # convert --to hf of a checkpoint that holds Muon's state writes the weights only
+    from safetensors import safe_open
+
+    from titanctl.checkpoint.convert import convert_checkpoint
+
+    convert_checkpoint(out / "checkpoint" / "step-2", tmp_path / "hf", dst_format="hf")
+    exported = [k for f in (tmp_path / "hf").glob("*.safetensors") for k in safe_open(f, "pt").keys()]
+    assert len(exported) == len(final) and not [k for k in exported if "momentum" in k or "exp_avg" in k]
+    copy_step(out, 2, resumed)
+    trainer = train(resumed, *muon)
+    assert [losses(resumed)[s] for s in (3, 4)] == [losses(out)[s] for s in (3, 4)]
+    for key, value in params(trainer).items():
+        assert torch.equal(value, final[key]), key

@@ -258,7 +258,8 @@ def _scenarios(tmp: Path) -> list[tuple[str, str, list[str]]]:
         ("train: chat", "train", ["train", "--config", str(REPO / "recipes" / "qwen3_debug_sft.toml"), *TINY[2:],
                                   "--training.seq_len", "128", "--training.steps", "1", "--job.dump_folder",
                                   str(tmp / "chat"), "--checkpoint.initial_load_path", "", "--validation.steps", "1",
-                                  "--metrics.enable_tensorboard", "false"]),
+                                  "--metrics.enable_tensorboard", "false", "--optimizer.name", "Muon",
+                                  "--optimizer.muon_experts"]),
         ("profile", "profile", ["profile", *TINY, "--steps", "2", "--job.dump_folder", str(tmp / "profile"),
                                 "--float8.enable_float8_linear", "--activation_checkpoint.mode", "selective",
                                 "--checkpoint.initial_load_path", str(train / "checkpoint" / "step-1")]),
@@ -270,7 +271,8 @@ def _scenarios(tmp: Path) -> list[tuple[str, str, list[str]]]:
                                                    "--activation_checkpoint.mode", "selective", "--lora.enable"]),
         ("estimate: fsdp, tp, cp", "estimate-memory", [*ESTIMATE, "--world-size", "4",
                                                        "--parallelism.tensor_parallel_degree", "2",
-                                                       "--parallelism.context_parallel_degree", "2"]),
+                                                       "--parallelism.context_parallel_degree", "2",
+                                                       "--optimizer.name", "Muon"]),  # Muon on sharded fakes
         ("estimate: validate", "estimate-memory --validate", [*ESTIMATE, "--world-size", "1", "--validate"]),
     ]
 
@@ -328,6 +330,7 @@ def test_every_key_a_command_declares_is_read_by_a_run(recorded):
     # The LoRA run's keys: profile builds its model with the trainer too (train: lora witnesses them).
     layouts = {k for k in estimates if _layout(k)} | {k for k in by("train: lora") if k.startswith("lora.")}
     layouts |= {k for k in by("train: chat") if k.startswith("sft.")}  # profile reads data as train does
+    layouts |= {k for k in by("train: chat") if k.startswith("optimizer.muon")}  # ... and builds its optimizer
     witnesses = {
         "infer-tp": by("infer-tp"),
         "convert": by("convert"),

@@ -62,7 +62,7 @@ def test_print_config_round_trips(tmp_path):
         (["--training.steps", "many"], "config key 'training.steps' expects int, got 'many'"),
         (["--training.steps", "2.5"], "expects int"),
         (["--training.deterministic", "maybe"], "expects bool"),
-        (["--optimizer.name", "adamw"], "is not one of AdamW, Adam; did you mean 'AdamW'?"),
+        (["--optimizer.name", "adamw"], "is not one of AdamW, Adam, Muon; did you mean 'AdamW'?"),
         (["--training.steps", "0"], "'training.steps' = 0 must be in [1, 1000000000]"),
         (["--optimizer.lr", "-1"], "'optimizer.lr' = -1.0 must be > 0"),
         (["--parallelism.data_parallel_shard_degree", "0"], "must be -1 or >= 1"),

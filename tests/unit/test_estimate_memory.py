@@ -438,3 +438,50 @@ def test_validation_counts_blocks_freed_where_no_profiler_saw_it_once():
     thread, _ = memory.peaks_per_step([(10, 4 * MiB, 0xA, 1), (20, 1 * MiB, 0xA, 2), (30, 2 * MiB, 0xE, 1)],
                                       {1: (25, 40)}, training_thread=1)
     assert thread == {1: 2 * MiB}
+
+
+MUON = ["--optimizer.name", "Muon"]
+
+
+@pytest.mark.slow
+def test_muon_deep_models_extrapolate_exactly():
+    """Under Muon, ten blocks from runs of four and five equal running all ten (FSDP 4), byte for byte: the
+    optimizer step's peak holds the state (affine in depth) plus one matrix's gathered update and
+    Newton-Schulz temporaries, the largest of which rank 0 always holds (each shape dealt on its own)."""
+    args = ["--model.n_layers", "10", "--training.seq_len", "64", *MUON]
+    fast = estimate("recipes/llama3_debug.toml", 4, args)
+    full = estimate("recipes/llama3_debug.toml", 4, args, all_layers=True)
+    assert fast.layers_run == [4, 5] and full.layers_run == [10]
+    assert_same_estimate(fast, full)
+
+
+@pytest.mark.slow
+def test_muon_holds_one_buffer_per_hidden_matrix_and_its_step_is_measured():
+    """Muon's estimate is AdamW's less one fp32 state per hidden matrix, and its peak (here the optimizer
+    step: short sequences) agrees with the real step's, measured (--validate's measurement, one process)."""
+    import torch
+
+    from titanctl.models.registry import build_model
+
+    common = ["--model.n_layers", "2", "--training.seq_len", "16", "--training.local_batch_size", "1",
+              "--training.mixed_precision_param", "float32"]
+    plan = memory.plan_estimate(load_config(REPO / "recipes/llama3_debug.toml", [*common, *MUON]), 1)
+    muon = memory.run_estimate(plan)
+    adamw = estimate("recipes/llama3_debug.toml", 1, common)
+    with torch.device("meta"):
+        model = build_model(plan.args)
+    hidden = 4 * sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2)
+    assert muon.optimizer_state["momentum_buffer"] == hidden
+    def moments(e):  # the step counters (4 bytes per AdamW parameter) left out
+        return sum(v for k, v in e.optimizer_state.items() if k != "step")
+
+    assert moments(adamw) - moments(muon) == hidden
+    backward = {p.step: p.peak for p in adamw.phases if p.phase == "backward"}
+    steps = adamw.optimizer_state["step"] - muon.optimizer_state["step"]
+    assert {p.step: backward[p.step] - p.peak for p in muon.phases if p.phase == "backward"} == {1: 0, 2: hidden + steps}
+    assert (muon.peak_step, muon.peak_phase) == (1, "optimizer step")
+    measured = memory.validate(plan, muon)
+    ratios = {step: measured.estimated[step] / measured.allocated[step] for step in (1, 2)}
+    print(f"\nMUON estimate {muon.peak / 2**20:.2f} MiB (AdamW {adamw.peak / 2**20:.2f} MiB), measured "
+          f"{ {s: round(measured.allocated[s] / 2**20, 2) for s in (1, 2)} } MiB: ratios {ratios}")
+    assert all(abs(r - 1) <= 0.15 for r in ratios.values()), ratios

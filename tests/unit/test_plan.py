@@ -400,3 +400,19 @@ def test_the_workload_counts_gpt_oss_expert_biases_as_expert_parameters():
     total = sum(b.params(1, 1) for b in shape.blocks) + shape.embedding_params + shape.output_params
     assert total + shape.final_norm_params == num_params(args)
     assert block.params(1, 4) == block.params(1, 1) - 3 * block.expert_params(4)  # biases split with their experts
+
+
+
+def test_muons_single_momentum_buffer_is_counted_by_the_fast_path():
+    from titanctl.tools.plan.search import Planner
+
+    path = REPO / "recipes" / "llama3_8b.toml"
+    muon_cfg = recipe_config(path)
+    muon_cfg.optimizer.name = "Muon"
+    adamw, muon = Planner(str(path), recipe_config(path), H100), Planner(str(path), muon_cfg, H100)
+    candidate = Candidate(1, 8, 1, 1, 1, 1, 1, 1, ac="full")
+    # Llama 3.1 8B's 32 blocks' matrices (wq, wo 4096^2; wk, wv 1024 x 4096; w1, w2, w3 14336 x 4096), sharded
+    # over 8 ranks, keep one fp32 momentum buffer instead of Adam's two moments; embeddings and output stay AdamW.
+    matrices = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    saved = adamw.fast_memory(candidate) - muon.fast_memory(candidate)
+    assert saved == pytest.approx(4 * matrices / 8, rel=1e-3)  # the blocks' norms are not matrices

@@ -113,8 +113,30 @@ class Model:
 
 
 @dataclass
+class OptimizerGroup:
+    """Parameters that get their own optimizer or settings: an ``[[optimizer.groups]]`` table."""
+
+    params: str = opt("", "A canonical parameter name or a regular expression that must match whole names "
+                          "(e.g. 'layers\\.\\d+\\.attention\\.wq\\.weight').")
+    optimizer: str = opt("", "Muon or AdamW; empty means the one optimizer.name gives these parameters.",
+                         choices=("", "Muon", "AdamW"))
+    lr: float | None = opt(None, "Peak learning rate of this group; unset means optimizer.lr.", above=0)
+    weight_decay: float | None = opt(None, "Decoupled weight decay; unset means optimizer.weight_decay.", min=0)
+    momentum: float | None = opt(None, "Muon momentum; unset means optimizer.muon_momentum.", min=0, below=1)
+    beta1: float | None = opt(None, "AdamW beta1; unset means optimizer.beta1.", min=0, below=1)
+    beta2: float | None = opt(None, "AdamW beta2; unset means optimizer.beta2.", min=0, below=1)
+    eps: float | None = opt(None, "AdamW epsilon; unset means optimizer.eps.", min=0)
+
+
+@dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer.", choices=("AdamW", "Adam"))
+    name: str = opt(
+        "AdamW",
+        "Optimizer. Muon orthogonalizes the update of each 2-D hidden weight (Moonlight's recipe); embeddings, "
+        "the output layer, norms, biases and routed experts (unless muon_experts) then use AdamW with beta1, "
+        "beta2 and eps.",
+        choices=("AdamW", "Adam", "Muon"),
+    )
     lr: float = opt(8e-4, "Peak learning rate.", above=0)
     beta1: float = opt(0.9, "Adam beta1.", min=0, below=1)
     beta2: float = opt(0.95, "Adam beta2.", min=0, below=1)
@@ -124,6 +146,22 @@ class Optimizer:
         "fused",
         "Kernel: fused (one kernel, where the device supports it), foreach, or for-loop.",
         choices=("fused", "foreach", "for-loop"),
+    )
+    muon_momentum: float = opt(0.95, "Muon: Nesterov momentum.", min=0, below=1)
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per update.", min=1)
+    muon_ns_dtype: str = opt(
+        "float32",
+        "Muon: dtype of the Newton-Schulz iterations; bfloat16 is the published code's choice (faster on GPUs).",
+        choices=("float32", "bfloat16"),
+    )
+    muon_experts: bool = opt(
+        False, "Muon: also orthogonalize routed expert weights, each expert's matrix on its own (else AdamW)."
+    )
+    groups: list[OptimizerGroup] = opt(
+        [],
+        "[[optimizer.groups]] tables choosing the optimizer and its settings by canonical parameter name or "
+        "regex (params, optimizer, lr, weight_decay, momentum, beta1, beta2, eps). Each parameter belongs to "
+        "at most one table; the rest follow optimizer.name.",
     )
 
 

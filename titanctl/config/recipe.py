@@ -12,6 +12,7 @@ import difflib
 import functools
 import math
 import posixpath
+import re
 import types
 import typing
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -321,6 +322,7 @@ def validate(cfg: JobConfig, command: str | None = None) -> None:
         raise ConfigError(f"config key 'parallelism.data_parallel_shard_degree' = {shard} must be -1 or >= 1")
     _check_pipeline_keys(cfg.parallelism)
     _check_datasets(cfg.training)
+    _check_optimizer_groups(cfg.optimizer)
     _check_chat_masking(cfg, command)
     _check_hf_save_keys(cfg.checkpoint)
     _check_fault_tolerance(cfg)
@@ -376,6 +378,25 @@ def _check_fault_tolerance(cfg) -> None:
                 f"config key 'parallelism.{key}' = {value} must be 1 with fault_tolerance.enable: the replica "
                 "groups are the replicas (FSDP, TP, CP and EP work inside a group)"
             )
+
+
+def _check_optimizer_groups(optimizer) -> None:
+    """Each [[optimizer.groups]] table names its parameters with a valid regex and a known optimizer;
+    whether it matches a parameter is known only once the model is built (titanctl.train.param_groups)."""
+    for n, table in enumerate(optimizer.groups):
+        where = f"optimizer.groups[{n}]"
+        if not table.params:
+            raise ConfigError(f"config key '{where}.params' is empty; give a canonical parameter name or a regex")
+        try:
+            re.compile(table.params)
+        except re.error as e:
+            raise ConfigError(f"config key '{where}.params' = {table.params!r} is no regular expression: {e}") \
+                from None
+        if table.optimizer not in ("", "Muon", "AdamW"):
+            raise ConfigError(f"config key '{where}.optimizer' = {table.optimizer!r} is not one of Muon, AdamW")
+        if table.optimizer and optimizer.name == "Adam":  # Adam's L2 decay has no per-group Muon/AdamW form
+            raise ConfigError(f"config key '{where}.optimizer' = {table.optimizer!r} needs optimizer.name Muon or "
+                              "AdamW, not Adam")
 
 
 # Keys of a mixture entry that only hub streams read, with their defaults.

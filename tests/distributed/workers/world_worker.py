@@ -7,6 +7,8 @@ process group, exactly as ``titanctl train ARGS --job.dump_folder FOLDER`` would
 init_digests_rank{r}.json (a digest of every parameter gathered whole before the first step; in a world
 of one process, where the references run, also the tensors themselves: init_rank0.pt) and, with "grads", the first
 step's gradients before clipping (grads_rank{r}.pt) and the experts' meshes (experts_rank{r}.json);
+with "final", every parameter gathered whole after the last step (final_rank{r}.pt) and, under Muon, the
+Newton-Schulz FLOPs the rank ran (ns_flops_rank{r}.json);
 with "probe", what sync_train_worker.py records.
 What the case prints goes to FOLDER/stdout_rank{r}.txt and stderr_rank{r}.txt. Rank 0 writes FOLDER/done (the case's seconds) once every rank finished the case. A case that raises writes
 error_rank{r}.txt and ends the world: its peers may be waiting in a collective it never joins.
@@ -84,6 +86,12 @@ def run_case(case: dict) -> None:
         train_probed(trainer)
     else:
         trainer.train()
+    if case.get("final"):
+        weights = {canonical_name(name): full(param) for part in trainer.model_parts
+                   for name, param in part.named_parameters()}
+        torch.save(weights, folder / f"final_rank{trainer.env.rank}.pt")
+        if hasattr(trainer.optimizer, "ns_flops"):  # Muon: the Newton-Schulz FLOPs this rank ran
+            (folder / f"ns_flops_rank{trainer.env.rank}.json").write_text(json.dumps(trainer.optimizer.ns_flops))
 
 
 @contextlib.contextmanager

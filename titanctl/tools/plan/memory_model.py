@@ -6,8 +6,9 @@ It ranks thousands of layouts in milliseconds; the finalists get ``estimate-memo
 and the last block's backward. The terms, per rank (the pipeline rank that holds the most):
 
 - training state: fp32 parameters and Adam's two moments, 12 bytes per parameter this rank holds
-  (after TP and EP), divided by the FSDP degree dp_shard x cp (experts: by the ranks that shard
-  them), and fp32 gradients (4 more) once a backward has made them: at the last block's backward,
+  (after TP and EP; under Muon 8 for the blocks' matrices, which keep one momentum buffer, and for
+  routed experts with muon_experts), divided by the FSDP degree dp_shard x cp (experts: by the ranks
+  that shard them), and fp32 gradients (4 more) once a backward has made them: at the last block's backward,
   or from the second microbatch of an accumulation or a pipeline on; DDP adds its gradient buckets;
 - FSDP's gathered copies: at the loss the last block, prefetched; at a block's backward two blocks'
   parameters in the compute dtype (the one running and the one prefetched) and one block's gradients
@@ -229,11 +230,13 @@ def _op_level_saved(block: Block, tp: int, dim: int, adapters: Adapters | None =
 def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, param_dtype: str,
              reduce_dtype: str, reshard_after_forward: str, reserve_gib: float,
              loss_parallel: bool = True, after_rank0: bool = False,
-             adapters: Adapters | None = None) -> MemoryBreakdown | None:
+             adapters: Adapters | None = None, optimizer: str = "AdamW",
+             muon_experts: bool = False) -> MemoryBreakdown | None:
     """The fast estimate of the peak of the pipeline rank that holds the most (``after_rank0``: of the
     ranks after rank 0, None without a pipeline): the largest of the loss's backward (the last stage:
     every block's activations and the logits' tensors), the first recomputed block's backward and the
-    last block's (every gradient made). ``adapters``: a LoRA recipe's (see the module docstring)."""
+    last block's (every gradient made). ``adapters``: a LoRA recipe's (see the module docstring).
+    ``optimizer``/``muon_experts``: optimizer.name and optimizer.muon_experts (Muon's state is smaller)."""
     act = _dtype_bytes(param_dtype)
     pbytes = _dtype_bytes(param_dtype)
     grad_bytes = 4 if reduce_dtype == "float32" else pbytes  # FSDP's unsharded gradients, in the reduce dtype
@@ -268,13 +271,18 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
         biggest = max(b.params(c.tp, c.ep) for b, _ in view.blocks)
         # What trains: every parameter, or a LoRA recipe's adapters (its frozen base: fp32 parameters only).
         trained, trained_stored, trained_block, frozen_stored = stage, stored, biggest, 0.0
+        # Muon keeps one momentum buffer (4 bytes) where Adam keeps two moments (8): the blocks' matrices
+        # (their norms are too small to count), and the routed experts with muon_experts.
+        muon_stored = 0.0
+        if optimizer == "Muon" and adapters is None:
+            muon_stored = dense / shard + (experts / expert_shard if muon_experts else 0.0)
         if adapters is not None:
             trained = adapters.on_rank(sum(n for _, n in view.blocks), c.ep, view.last)
             trained_stored = trained / shard
             trained_block = adapters.per_block + adapters.experts_per_block / c.ep
             frozen_stored = stored
         # fp32 parameters and Adam's two moments, and the gradients once they exist.
-        state = 4 * frozen_stored + 12 * trained_stored + (4 * trained_stored if accumulating else 0)
+        state = 4 * frozen_stored + 12 * trained_stored - 4 * muon_stored + (4 * trained_stored if accumulating else 0)
         if c.ddp:
             state += 4 * trained  # the gradient buckets
         # FSDP's unsharded parameters and gradients at the loss and at a block's backward.

@@ -182,6 +182,7 @@ class Planner:
             self.shape, self.ranks, c, seq_len=t.seq_len, param_dtype=t.mixed_precision_param,
             reduce_dtype=t.mixed_precision_reduce, reshard_after_forward=p.fsdp_reshard_after_forward, reserve_gib=0.0,
             loss_parallel=not p.disable_loss_parallel, after_rank0=after_rank0, adapters=self.adapters,
+            optimizer=self.cfg.optimizer.name, muon_experts=self.cfg.optimizer.muon_experts,
         )
         return 0.0 if peak is None else peak.total
 
