@@ -4,6 +4,7 @@ files outside stay byte for byte as they were."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -91,3 +92,23 @@ def test_the_failure_report_for_torchrun_is_not_written_through_a_link(tmp_path,
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(report))
     record_failure("boom")  # a courtesy to torchrun: skipped rather than written through the link
     assert victim.read_bytes() == OUTSIDE and report.is_symlink()
+
+
+def test_the_failure_report_for_torchrun_is_whole_or_absent(tmp_path, monkeypatch):
+    """torchrun reads the report as soon as the rank is gone: a rank stopped while writing it must not
+    leave an empty file (torchrun's agent crashed on one instead of restarting the job)."""
+    import titanctl.parallel.runtime.elastic as elastic
+
+    report = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(report))
+
+    def stopped_while_writing(fd, mode):
+        os.close(fd)
+        raise OSError(errno.EINTR, "stopped while writing")
+
+    with monkeypatch.context() as m:
+        m.setattr(elastic.os, "fdopen", stopped_while_writing)
+        elastic.record_failure("boom")
+    assert not report.exists() and list(tmp_path.iterdir()) == []
+    elastic.record_failure("boom")
+    assert json.loads(report.read_text())["message"] == "boom" and list(tmp_path.iterdir()) == [report]

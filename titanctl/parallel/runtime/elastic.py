@@ -229,9 +229,18 @@ def record_failure(message: str) -> None:
     if not path:
         return
     report = json.dumps({"message": message, "timestamp": int(time.time()) + 1})
+    # Written beside it and renamed into place: torchrun reads the file as soon as this rank is gone, and a
+    # rank stopped between truncating and writing it left an empty file that crashed torchrun's agent
+    # (JSONDecodeError) instead of restarting the job.
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        fd = open_no_follow(Path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, what="torchrun error file")
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            return  # the report is a courtesy: never put in place of a link or a folder
+        fd = open_no_follow(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="torchrun error file")
         with os.fdopen(fd, "w") as f:
             f.write(report)
+        os.replace(partial, target)
     except (OSError, TitanError):
-        pass  # the report is a courtesy (never written through a link); the exit code still tells torchrun
+        with contextlib.suppress(OSError):
+            partial.unlink()  # the exit code still tells torchrun
