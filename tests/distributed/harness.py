@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.ft_local import process_tree
 from tests.conftest import OFFLINE_ENV, REPO
 
 WORKERS = Path(__file__).parent / "workers"
@@ -118,19 +119,7 @@ def samples_by_step(folder: Path) -> dict[int, set[str]]:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every process under it at once (its workers run in their own sessions)."""
-    tree, frontier = [proc.pid], [proc.pid]
-    while frontier:
-        parent = frontier.pop()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                child = int(stat.parent.name)
-                tree.append(child)
-                frontier.append(child)
-    for pid in tree:
+    for pid in process_tree(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
