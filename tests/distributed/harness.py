@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from scripts.ft_local import process_tree
+from scripts.ft_local import kill
 from tests.conftest import OFFLINE_ENV, REPO
 
 WORKERS = Path(__file__).parent / "workers"
@@ -119,12 +118,7 @@ def samples_by_step(folder: Path) -> dict[int, set[str]]:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every process under it at once (its workers run in their own sessions)."""
-    for pid in process_tree(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
+    kill(proc)
     time.sleep(0.2)  # let the kernel reap the workers before the next launch reads the folder
 
 
