@@ -11,7 +11,8 @@ another in a background thread (``Worlds.start``), and runs the tests that read 
 (tests/conftest.py): a world's processes spend much of their time waiting on each other's collectives,
 and the rest of the suite, mostly one interpreter at a time, uses the CPU they leave.
 
-A case's folder holds what a lone ``train_worker.py`` run writes (metrics.jsonl, init_rank{r}.pt),
+A case's folder holds what a lone ``train_worker.py`` run writes (metrics.jsonl), digests of the initial
+weights (init_digests_rank{r}.json; a one-process reference also keeps them whole, init_rank0.pt),
 the first step's gradients when asked (grads_rank{r}.pt, experts_rank{r}.json), the last step's
 parameters when asked (final_rank{r}.pt), what
 workers/sync_train_worker.py records when asked, each rank's stdout and stderr, and ``done``.
@@ -60,7 +61,8 @@ def register(module: str, name: str, nproc: int, args: list[str], grads: bool = 
 
 
 class Worlds:
-    """Runs each world once, on first demand, and hands out its cases' folders."""
+    """Runs each world once (in the background from ``start``, else on first demand) and hands out its
+    cases' folders."""
 
     def __init__(self, root: Path, selected: set[str]):
         self.root = root
