@@ -44,6 +44,15 @@ def losses(folder: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def worst_tensor_diff(got: dict, ref: dict) -> tuple[float, str]:
+    """(the largest |got - ref| over the reference tensor's largest |value|, the tensor's name), over
+    tensors of the same names."""
+    assert got.keys() == ref.keys(), sorted(got.keys() ^ ref.keys())
+    diffs = {name: ((got[name] - t).abs().max() / t.abs().max()).item() for name, t in ref.items()}
+    worst = max(diffs, key=diffs.get)
+    return diffs[worst], worst
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))

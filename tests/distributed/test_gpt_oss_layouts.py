@@ -24,6 +24,7 @@ from tests.distributed.harness import (
     init_digests,
     losses,
     max_rel_diff,
+    worst_tensor_diff,
 )
 from tests.distributed.worlds import ROOT, register
 
@@ -110,21 +111,17 @@ def references(worlds) -> dict:
                          [(case, ref, nproc, overrides) for case, (_, ref, nproc, _, overrides) in zip(CASES, LAYOUTS)],
                          ids=[layout[0] for layout in LAYOUTS])
 def test_gpt_oss_layout_matches_single_process(references, worlds, world_case, ref, nproc, overrides):
-
     ref_losses, ref_init, ref_grads, ref_loads = references[ref]
     folder = worlds.folder(world_case)
     name = world_case.split("::")[1]
     assert_same_init(folder, nproc, ref_init)
-    grads = gathered(folder, nproc, "grads")
-    assert grads.keys() == ref_grads.keys()
-    diffs = {k: ((grads[k] - g).abs().max() / g.abs().max()).item() for k, g in ref_grads.items()}
-    worst = max(diffs, key=diffs.get)
+    grad_diff, worst = worst_tensor_diff(gathered(folder, nproc, "grads"), ref_grads)
     got = losses(folder)
     diff = max_rel_diff(got, ref_losses)
-    print(f"\nGPT-OSS LAYOUT {name:16s} procs {nproc}  max rel loss diff {diff:.2e}  grad diff {diffs[worst]:.1e} "
+    print(f"\nGPT-OSS LAYOUT {name:16s} procs {nproc}  max rel loss diff {diff:.2e}  grad diff {grad_diff:.1e} "
           f"({worst})")
     assert len(got) >= 4 and got[-1] != got[0]
-    assert diffs[worst] <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {diffs[worst]:.2e} of its largest"
+    assert grad_diff <= GRAD_TOL, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
     assert expert_loads(folder) == ref_loads, f"{name}: tokens per expert differ from one process"
     experts = json.loads((folder / "experts_rank0.json").read_text())

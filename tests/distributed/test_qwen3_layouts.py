@@ -33,6 +33,7 @@ from tests.distributed.harness import (
     losses,
     max_rel_diff,
     torchrun,
+    worst_tensor_diff,
 )
 from tests.distributed.worlds import register
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES
@@ -75,13 +76,6 @@ def references(worlds) -> dict[str, tuple[list[float], dict, dict, list]]:
 
 
 GRAD_TOL = 1e-4  # of the tensor's largest gradient: the layouts give up to 3e-6 (summation order)
-
-
-def max_grad_diff(got: dict, ref: dict) -> tuple[float, str]:
-    assert got.keys() == ref.keys()
-    diffs = {name: ((got[name] - g).abs().max() / g.abs().max()).item() for name, g in ref.items()}
-    worst = max(diffs, key=diffs.get)
-    return diffs[worst], worst
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -143,7 +137,7 @@ def test_qwen3_layout_matches_single_process(references, worlds, world_case, ref
     folder = worlds.folder(world_case)
     name = world_case.split("::")[1]
     assert_same_init(folder, nproc, ref_init)
-    grad_diff, worst = max_grad_diff(gathered(folder, nproc, "grads"), ref_grads)
+    grad_diff, worst = worst_tensor_diff(gathered(folder, nproc, "grads"), ref_grads)
     got = losses(folder)
     diff = max_rel_diff(got, ref_losses)
     print(f"\nQWEN3 LAYOUT {name:45s} procs {nproc}  max rel loss diff {diff:.2e}  "
