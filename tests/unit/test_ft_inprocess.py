@@ -1,12 +1,21 @@
-"""torchft pieces that need no process: healing state round trips, model fragments, and which replica
-group a Flight Recorder dump names."""
+"""torchft pieces that need no process: healing state round trips, model fragments, which replica
+group a Flight Recorder dump names, and a restarted semi-synchronous group with no peer left."""
 
 import pickle
 
+import pytest
 import torch
 
+from titanctl.config.recipe import load_config
+from titanctl.errors import TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
-from titanctl.parallel.runtime.fault_tolerance import Positions, model_fragments
+from titanctl.parallel.runtime.fault_tolerance import (
+    POSITIONS_FILE,
+    Positions,
+    ReplicaGroup,
+    Trainable,
+    model_fragments,
+)
 from titanctl.tools.fr_analysis import analyze, parse_dump
 
 
@@ -75,6 +84,42 @@ def test_positions_resume_where_the_groups_stream_stood(tmp_path):
     assert again.at(4) == {"samples_consumed": 32}  # a checkpoint step: a whole-job restart from it
     assert again.at(9) == {"samples_consumed": 48}  # down since step 6: its own stream goes on
     assert sorted(again.saved) == [4, 6]  # keep_latest_k
+
+
+def test_positions_keep_the_last_sync(tmp_path):
+    path = tmp_path / "ft_positions_rank0.json"
+    p = Positions(path, keep=0)
+    assert p.synced_loader() is None  # before its first sync a group's stream resumes at its beginning
+    for step in range(1, 4):
+        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=False, synced=step == 2)
+    assert Positions(path, keep=0).synced_loader() == {"samples_consumed": 16}
+
+
+def test_a_restarted_group_with_no_live_peer_stops_in_one_line(tmp_path, monkeypatch):
+    """Group 1 trained 3 steps with local_sgd, was killed, and comes back when no other group is live: the
+    sync it joins has no one to heal from. It must not train alone from its initial weights."""
+    from torchft.coordination import LighthouseServer
+
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # torchrun's
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
+    Positions(tmp_path / POSITIONS_FILE.format(rank=0), keep=0).record(3, {"samples_consumed": 24}, False)
+    cfg = load_config(None, ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "local_sgd",
+                             "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2"])
+    group = ReplicaGroup(cfg, 0, 1, tmp_path, torch.device("cpu"))
+    try:
+        model, opt, sched = trained(0, 0)
+        group.attach(Trainable([model], opt, sched, loader=None, get_step=lambda: 0, set_step=lambda s: None))
+        assert group.rejoining
+        with group.semi_sync(model) as algorithm, pytest.raises(TitanError) as e:
+            group.rejoin(algorithm)
+        assert "no live replica group is left to heal from" in str(e.value) and "\n" not in str(e.value)
+        assert "restart the whole job from the newest checkpoint" in str(e.value)
+    finally:
+        group.close()
+        lighthouse.shutdown()
 
 
 def _dump(rank: int, ops: list[str]) -> dict:

@@ -14,7 +14,10 @@ its return it goes on where its own stream stood, which ``positions`` records af
 The Trainer calls, per step: ``begin_step`` (quorum; heal), ``average_gradients`` (after backward),
 ``commit`` (before the optimizer step; False: drop the step and train it again). With
 ``semi_sync_method`` local_sgd or diloco the groups instead sync every ``sync_steps`` steps through
-torchft's own ``LocalSGD`` / ``DiLoCo``, hooked on the optimizer (``semi_sync``).
+torchft's own ``LocalSGD`` / ``DiLoCo``, hooked on the optimizer (``semi_sync``). A group restarted
+between syncs has nothing worth training alone: before its first step it joins the live groups' next
+sync (``rejoin``), heals there from a peer and goes back in its own stream to its last sync, since the
+samples of its unsynchronized steps never reached the shared model.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class ReplicaGroup:
         torchft = import_torchft()
         ft = cfg.fault_tolerance
         self.cfg = cfg.fault_tolerance
+        self.semi_sync_method = ft.semi_sync_method
         self.rank, self.world_size = rank, world_size
         self.trainable: Trainable | None = None
         self.replica_id = ft.replica_id
@@ -111,7 +115,15 @@ class ReplicaGroup:
 
     def attach(self, trainable: Trainable) -> None:
         self.trainable = trainable
-        self.manager.load_state_dict({"step": trainable.get_step(), "batches_committed": 0})
+        # A semi-synchronous group that trained before (its positions say so) and now starts with no
+        # checkpoint of its own was restarted: its weights are its initial ones, nothing to train alone.
+        self.rejoining = self.semi_sync_method != "none" and trainable.get_step() == 0 and self.restored_step > 0
+        # Between syncs the Manager's step counts syncs. -1 is behind every live group, even before their
+        # first sync (step 0, where torchft heals nobody without init_sync): the quorum of the sync this
+        # group joins has it heal from one of them.
+        step = -1 if self.rejoining else trainable.get_step()
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self._syncs_seen = step
         self._missed_steps = 0
 
     # ----------------------------------------------------------------------------- healing
@@ -131,10 +143,16 @@ class ReplicaGroup:
         ft_state.load_optimizer_state(t.optimizer, state["optimizer"])
         t.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._healed_from = t.get_step()
+        self._healed_at_sync = self.manager.current_step()  # the quorum's step, set before this is called
         t.set_step(state["step"])
-        # The data stream stays this group's own: where it stood at the step the group now resumes.
-        position = self.positions.at(state["step"])
-        if position is not None:  # None: the group never trained; its stream starts at its beginning
+        # The data stream stays this group's own: where it stood at the step the group now resumes. Semi-
+        # synchronous: at its last sync; the steps it trained since then are replaced by the peer's state,
+        # so their samples are trained again.
+        if self.semi_sync_method == "none":
+            position = self.positions.at(state["step"])
+        else:
+            position = self.positions.synced_loader()
+        if position is not None:  # None: the group never trained (or synced); its stream starts at its beginning
             t.loader.load_state_dict(position)
 
     # ----------------------------------------------------------------------------- one step
@@ -145,12 +163,16 @@ class ReplicaGroup:
         start = time.perf_counter()
         self._healed_from = None
         self.manager.start_quorum()
+        self._note_heal(start)
+        self.lost_steps = max(0, before - self.trainable.get_step())  # a counter that went back: a bug
+
+    def _note_heal(self, start: float) -> None:
+        """After a quorum that may have healed this group: what its next metrics row says about it."""
         if self._healed_from is not None:
             self._healed = time.perf_counter() - start
             # The steps this group sat out: since its own last commit (a restarted group: before it went down).
             own = max(self._healed_from, self.positions.latest_step())
             self._missed_steps = self.trainable.get_step() - own
-        self.lost_steps = max(0, before - self.trainable.get_step())  # a counter that went back: a bug
 
     def average_gradients(self, params: list[torch.Tensor], loss_share: torch.Tensor | None) -> torch.Tensor | None:
         """Average this rank's gradient shards, and its share of the step's loss, with rank r of every
@@ -181,8 +203,11 @@ class ReplicaGroup:
         return self.manager.should_commit()
 
     def committed(self, step: int, keep_for_checkpoint: bool) -> None:
-        """Record where this group's stream stands after ``step`` (also kept apart at checkpoint steps)."""
-        self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint)
+        """Record where this group's stream stands after ``step`` (also kept apart at checkpoint steps,
+        and as the last sync's when the step ended in one: the Manager counts committed syncs)."""
+        synced = self.manager.current_step() != self._syncs_seen
+        self._syncs_seen = self.manager.current_step()
+        self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint, synced=synced)
 
     def is_lowest_live(self) -> bool:
         """The group that writes checkpoints: the first of the quorum (ids order numerically, padded);
@@ -219,6 +244,43 @@ class ReplicaGroup:
         with algorithm:
             yield algorithm
 
+    def rejoin(self, algorithm) -> None:
+        """A restarted semi-synchronous group, before its first step: take part in the live groups' next
+        sync through torchft's own sync path, as if this group had just made the optimizer step that ends
+        in it. The quorum there heals it from a peer (weights, inner optimizer, LR schedule, step; DiLoCo's
+        fragments also their global weights and outer optimizer, registered with the Manager), after which
+        its share of the sync's collectives equals that peer's, and it ends the sync's step with them."""
+        from torchft.local_sgd import LocalSGD
+
+        t = self.trainable
+        start = time.perf_counter()
+        self._healed_from = None
+        try:
+            if isinstance(algorithm, LocalSGD):
+                algorithm.sync()
+            else:  # DiLoCo syncs a fragment from its optimizer hook once its count of inner steps is due
+                algorithm._local_step = algorithm._sync_every - 1
+                algorithm._step_post_hook(t.optimizer, (), {})
+        except Exception as e:  # torchft's quorum timed out: no live group came to a sync
+            if self._healed_from is not None:
+                raise
+            raise TitanError(self._no_peer(f"no live replica group came to a sync ({e})")) from None
+        if self._healed_from is None:
+            raise TitanError(self._no_peer("no live replica group is left to heal from (the others finished or "
+                                           "are gone)"))
+        if self.manager.current_step() != self._healed_at_sync + 1:  # a group failed during the sync
+            raise TitanError(f"{self.describe()} healed from a live peer, but the sync it joined did not commit "
+                             "(a group failed during it); start it again to join the next one")
+        t.lr_scheduler.step()  # the peer's schedule was sent from inside its optimizer step: before its own step
+        t.set_step(t.get_step() + 1)  # the step the sync ended, as the peers count it
+        self._note_heal(start)
+        self.rejoining = False
+
+    def _no_peer(self, why: str) -> str:
+        return (f"{self.describe()} was restarted after training {self.restored_step} steps with "
+                f"{self.semi_sync_method}, but {why}: it would train alone from its initial weights; restart "
+                "the whole job from the newest checkpoint instead (docs/fault-tolerance.md)")
+
     def describe(self) -> str:
         return f"replica group {self.replica_id} of {self.cfg.group_size}"
 
@@ -228,19 +290,22 @@ class ReplicaGroup:
 
 
 class Positions:
-    """This rank's loader state after its newest committed step, and at the newest checkpoint steps
-    (so that a whole-job restart from a checkpoint finds where each group's stream stood then).
-    One small JSON file, replaced atomically after every commit."""
+    """This rank's loader state after its newest committed step, at the newest checkpoint steps
+    (so that a whole-job restart from a checkpoint finds where each group's stream stood then), and
+    after its last sync with the other groups (where a semi-synchronous group restarted between syncs
+    resumes). One small JSON file, replaced atomically after every commit."""
 
     def __init__(self, path: Path, keep: int):
         self.path = path
         self.keep = keep
         self.latest: dict[str, Any] | None = None
         self.saved: dict[int, Any] = {}
+        self.synced: dict[str, Any] | None = None
         if path.exists():
             data = json.loads(path.read_text())
             self.latest = data["latest"]
             self.saved = {int(k): v for k, v in data["at"].items()}
+            self.synced = data.get("synced")
 
     def latest_step(self) -> int:
         return 0 if self.latest is None else int(self.latest["step"])
@@ -258,15 +323,22 @@ class Positions:
             f"{self.latest['step']}): this group's data stream cannot resume there"
         )
 
-    def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool) -> None:
+    def synced_loader(self) -> dict[str, Any] | None:
+        """The loader state after the last step that ended in a sync; None before the first."""
+        return None if self.synced is None else self.synced["loader"]
+
+    def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool, synced: bool = False) -> None:
         self.latest = {"step": step, "loader": loader_state}
+        if synced:
+            self.synced = self.latest
         if keep_for_checkpoint:
             self.saved[step] = loader_state
             if self.keep > 0:
                 for old in sorted(self.saved)[:-self.keep]:
                     del self.saved[old]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()}}))
+        tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()},
+                                   "synced": self.synced}))
         os.replace(tmp, self.path)
 
 
