@@ -95,19 +95,27 @@ def test_positions_keep_the_last_sync(tmp_path):
     assert Positions(path, keep=0).synced_loader() == {"samples_consumed": 16}
 
 
-def test_a_restarted_group_with_no_live_peer_stops_in_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("min_replicas, why", [
+    (1, "no live replica group is left to heal from"),  # the Lighthouse forms a quorum of this group alone
+    (2, "no live replica group came to a sync within 1.0 s"),  # no quorum forms: torchft's TimeoutError
+])
+def test_a_restarted_group_with_no_live_peer_stops_in_one_line(tmp_path, monkeypatch, min_replicas, why):
     """Group 1 trained 3 steps with local_sgd, was killed, and comes back when no other group is live: the
     sync it joins has no one to heal from. It must not train alone from its initial weights."""
     from torchft.coordination import LighthouseServer
 
     store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # torchrun's
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas)
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
     Positions(tmp_path / POSITIONS_FILE.format(rank=0), keep=0).record(3, {"samples_consumed": 24}, False)
-    cfg = load_config(None, ["--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "local_sgd",
-                             "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2"])
+    cfg = load_config(None, [
+        "--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "local_sgd",
+        "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2",
+        "--fault_tolerance.connect_timeout_seconds", "0.2", "--fault_tolerance.process_group_timeout_seconds", "0.4",
+        "--fault_tolerance.timeout_seconds", "0.8", "--fault_tolerance.quorum_timeout_seconds", "1",
+    ])
     group = ReplicaGroup(cfg, 0, 1, tmp_path, torch.device("cpu"))
     try:
         model, opt, sched = trained(0, 0)
@@ -115,7 +123,7 @@ def test_a_restarted_group_with_no_live_peer_stops_in_one_line(tmp_path, monkeyp
         assert group.rejoining
         with group.semi_sync(model) as algorithm, pytest.raises(TitanError) as e:
             group.rejoin(algorithm)
-        assert "no live replica group is left to heal from" in str(e.value) and "\n" not in str(e.value)
+        assert why in str(e.value) and "\n" not in str(e.value)
         assert "restart the whole job from the newest checkpoint" in str(e.value)
     finally:
         group.close()

@@ -124,6 +124,7 @@ class ReplicaGroup:
         step = -1 if self.rejoining else trainable.get_step()
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._syncs_seen = step
+        self._healed_at_sync = step
         self._missed_steps = 0
 
     # ----------------------------------------------------------------------------- healing
@@ -261,10 +262,12 @@ class ReplicaGroup:
             else:  # DiLoCo syncs a fragment from its optimizer hook once its count of inner steps is due
                 algorithm._local_step = algorithm._sync_every - 1
                 algorithm._step_post_hook(t.optimizer, (), {})
-        except Exception as e:  # torchft's quorum timed out: no live group came to a sync
+        except TimeoutError:  # the Lighthouse's quorum (min_replicas above 1) never formed
             if self._healed_from is not None:
                 raise
-            raise TitanError(self._no_peer(f"no live replica group came to a sync ({e})")) from None
+            raise TitanError(self._no_peer(
+                f"no live replica group came to a sync within {self.cfg.quorum_timeout_seconds} s "
+                "(fault_tolerance.quorum_timeout_seconds)")) from None
         if self._healed_from is None:
             raise TitanError(self._no_peer("no live replica group is left to heal from (the others finished or "
                                            "are gone)"))
