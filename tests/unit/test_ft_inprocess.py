@@ -1,7 +1,9 @@
-"""torchft pieces that need no process: healing state round trips, model fragments, which replica
-group a Flight Recorder dump names, and a restarted semi-synchronous group with no peer left."""
+"""torchft pieces that need no process: healing state round trips, model fragments, the syncs a step
+has seen, which replica group a Flight Recorder dump names, a restarted semi-synchronous group with no
+peer left, and who heals from whom when a group comes back from an older checkpoint."""
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from titanctl.parallel.runtime.fault_tolerance import (
     ReplicaGroup,
     Trainable,
     model_fragments,
+    sync_position,
 )
 from titanctl.tools.fr_analysis import analyze, parse_dump
 
@@ -127,6 +130,141 @@ def test_a_restarted_group_with_no_live_peer_stops_in_one_line(tmp_path, monkeyp
         assert "restart the whole job from the newest checkpoint" in str(e.value)
     finally:
         group.close()
+        lighthouse.shutdown()
+
+
+SEMI_SYNC = {  # both sync every 2 steps: LocalSGD all weights, DiLoCo one of 2 fragments
+    "local_sgd": ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "2"],
+    "diloco": ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+               "--fault_tolerance.fragments", "2"],
+}
+
+
+class CountingManager:
+    """What LocalSGD and DiLoCo ask of torchft's Manager, for one group alone: its step moves as the real
+    one's does, once per committed quorum."""
+
+    _use_async_quorum = False
+
+    def __init__(self):
+        self.step = 0
+
+    def current_step(self):
+        return self.step
+
+    def start_quorum(self):
+        pass
+
+    def should_commit(self):
+        self.step += 1
+        return True
+
+    def allreduce(self, tensor, should_quantize=False):
+        from torchft.work import _DummyWork
+        return _DummyWork(tensor)  # one group: its average is its own
+
+    def register_state_dict_fn(self, key, load_fn, save_fn):
+        pass
+
+    def allow_state_dict_read(self):
+        pass
+
+    def disallow_state_dict_read(self):
+        pass
+
+
+@pytest.mark.parametrize("method", ["none", *SEMI_SYNC])
+def test_sync_position_counts_syncs_as_torchft_does(method):
+    """Steps through torchft's own LocalSGD / DiLoCo: after every step, the Manager's step and the
+    algorithm's steps since its last sync are what sync_position says."""
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    ft = load_config(None, SEMI_SYNC.get(method, [])).fault_tolerance
+    if method == "none":  # a quorum and a commit every step
+        assert [sync_position(s, ft) for s in (0, 1, 7)] == [(0, 0), (1, 0), (7, 0)]
+        return
+    model, opt, _ = trained(0, 0)
+    manager = CountingManager()
+    algorithm = (LocalSGD(manager, model, opt, sync_every=ft.sync_steps) if method == "local_sgd" else
+                 DiLoCo(manager, model_fragments(model, ft.fragments), opt,
+                        [torch.optim.SGD(f.parameters(), lr=0.5) for f in model_fragments(model, ft.fragments)],
+                        sync_every=ft.sync_steps))
+    with algorithm:
+        for step in range(1, 8):
+            model(torch.randint(0, 11, (2, 5))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert sync_position(step, ft) == (manager.step, algorithm._local_step), step
+
+
+def _replica_group(tmp_path, monkeypatch, replica_id: int, method: str) -> tuple[ReplicaGroup, object]:
+    """Rank 0 of a one-process replica group, with the TCPStore torchrun would give it."""
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    cfg = load_config(None, [
+        "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica_id),
+        "--fault_tolerance.group_size", "2", *SEMI_SYNC[method],
+        "--fault_tolerance.connect_timeout_seconds", "2", "--fault_tolerance.process_group_timeout_seconds", "4",
+        "--fault_tolerance.timeout_seconds", "8", "--fault_tolerance.quorum_timeout_seconds", "16",
+    ])
+    folder = tmp_path / f"replica_{replica_id}"
+    folder.mkdir()
+    return ReplicaGroup(cfg, 0, 1, folder, torch.device("cpu")), store
+
+
+@pytest.mark.parametrize("method, loaded_step, live_step", [
+    ("local_sgd", 5, 9),  # group 0 alone from its checkpoint of step 5 (2 syncs); group 1 live at 4 syncs
+    ("diloco", 5, 9),
+    ("local_sgd", 5, 5),  # the whole job again from that checkpoint: the same count of syncs
+])
+def test_a_group_back_from_an_older_checkpoint_heals_from_the_live_group(
+        tmp_path, monkeypatch, method, loaded_step, live_step):
+    """Group 0 (which writes the checkpoints) was killed and started again alone: it loaded its checkpoint
+    of step 5 while group 1 trained on to step 9. Each trains one step, which ends in a sync (every 2
+    steps): group 0, behind, heals there from group 1, never group 1 from group 0's older state. The whole
+    job started again from that checkpoint: neither heals, the sync averages them."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
+    groups, steps, models = [], [loaded_step, live_step], []
+    try:
+        for g in range(2):
+            group, store = _replica_group(tmp_path, monkeypatch, g, method)
+            groups.append((group, store))
+            model, opt, sched = trained(g, 1)  # weights of their own
+            models.append(model)
+            group.attach(Trainable([model], opt, sched, loader=None, get_step=lambda g=g: steps[g],
+                                   set_step=lambda s, g=g: steps.__setitem__(g, s)))
+            if g == 1 and live_step > loaded_step:  # live since the job began: its Manager counted its syncs
+                group.manager.load_state_dict({"step": live_step // 2, "batches_committed": 0})
+        x = torch.randint(0, 11, (2, 5))
+
+        def one_step(g: int) -> dict[str, torch.Tensor]:
+            group, model = groups[g][0], models[g]
+            with group.semi_sync(model):
+                model(x).sum().backward()
+                opt = group.trainable.optimizer
+                opt.step()  # its post hook syncs when due
+                opt.zero_grad()
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+        with ThreadPoolExecutor(2) as pool:  # each sync waits in the quorum for the other group
+            after = list(pool.map(one_step, range(2)))
+        healed = [group._healed_from is not None for group, _ in groups]
+        if loaded_step < live_step:
+            assert healed == [True, False]
+            assert steps == [live_step, live_step]  # group 0 took group 1's step; group 1's did not go back
+            assert all(torch.equal(after[0][k], after[1][k]) for k in after[1])
+        else:
+            assert healed == [False, False]
+            assert steps == [loaded_step, loaded_step]
+            assert all(torch.equal(after[0][k], after[1][k]) for k in after[1])  # both took the average
+        assert [group.manager.current_step() for group, _ in groups] == [live_step // 2 + 1] * 2
+    finally:
+        for group, _ in groups:
+            group.close()
         lighthouse.shutdown()
 
 

@@ -118,10 +118,12 @@ class ReplicaGroup:
         # A semi-synchronous group that trained before (its positions say so) and now starts with no
         # checkpoint of its own was restarted: its weights are its initial ones, nothing to train alone.
         self.rejoining = self.semi_sync_method != "none" and trainable.get_step() == 0 and self.restored_step > 0
-        # Between syncs the Manager's step counts syncs. -1 is behind every live group, even before their
-        # first sync (step 0, where torchft heals nobody without init_sync): the quorum of the sync this
-        # group joins has it heal from one of them.
-        step = -1 if self.rejoining else trainable.get_step()
+        # The Manager's step counts committed syncs (every step's, without semi_sync_method). -1 is behind
+        # every live group, even before their first sync (step 0, where torchft heals nobody without
+        # init_sync): the quorum of the sync this group joins has it heal from one of them. A group that
+        # loaded a checkpoint counts the syncs up to its step, so a group restarted alone from an older
+        # one is behind the live groups and heals from them, never they from its older state.
+        step = -1 if self.rejoining else sync_position(trainable.get_step(), self.cfg)[0]
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._syncs_seen = step
         self._healed_at_sync = step
@@ -242,6 +244,9 @@ class ReplicaGroup:
                 for f in fragments
             ]
             algorithm = DiLoCo(self.manager, fragments, optimizer, outer, sync_every=self.cfg.sync_steps)
+        # Resumed from a checkpoint between two syncs: the next sync comes at the same step as the live
+        # groups' (and as it would have without the restart), not a whole interval later.
+        algorithm._local_step = sync_position(self.trainable.get_step(), self.cfg)[1]
         with algorithm:
             yield algorithm
 
@@ -343,6 +348,20 @@ class Positions:
         tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()},
                                    "synced": self.synced}))
         os.replace(tmp, self.path)
+
+
+def sync_position(step: int, ft) -> tuple[int, int]:
+    """After training step ``step``: the syncs between the replica groups completed, counted as torchft's
+    Manager counts them (one per committed quorum), and the steps trained since the last one. Without
+    ``semi_sync_method`` every step syncs; LocalSGD syncs every ``sync_steps``; DiLoCo syncs one fragment
+    every ``sync_steps // fragments`` steps, each a quorum of its own. Assumes every sync committed."""
+    if ft.semi_sync_method == "none":
+        every = 1
+    elif ft.semi_sync_method == "local_sgd":
+        every = ft.sync_steps
+    else:
+        every = ft.sync_steps // ft.fragments
+    return divmod(step, every)
 
 
 def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
