@@ -81,12 +81,13 @@ def test_positions_resume_where_the_groups_stream_stood(tmp_path):
     path = tmp_path / "ft_positions_rank0.json"
     p = Positions(path, keep=2)
     for step in range(1, 7):
-        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=step % 2 == 0)
+        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=step % 2 == 0, syncs=step // 3)
     again = Positions(path, keep=2)
     assert again.latest_step() == 6
     assert again.at(4) == {"samples_consumed": 32}  # a checkpoint step: a whole-job restart from it
     assert again.at(9) == {"samples_consumed": 48}  # down since step 6: its own stream goes on
     assert sorted(again.saved) == [4, 6]  # keep_latest_k
+    assert [again.syncs_at(s) for s in (2, 4, 5, 6)] == [None, 1, None, 2]  # the Manager's, at checkpoints
 
 
 def test_positions_keep_the_last_sync(tmp_path):
@@ -209,26 +210,34 @@ def _replica_group(tmp_path, monkeypatch, replica_id: int, method: str) -> tuple
         "--fault_tolerance.timeout_seconds", "8", "--fault_tolerance.quorum_timeout_seconds", "16",
     ])
     folder = tmp_path / f"replica_{replica_id}"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     return ReplicaGroup(cfg, 0, 1, folder, torch.device("cpu")), store
 
 
-@pytest.mark.parametrize("method, loaded_step, live_step", [
-    ("local_sgd", 5, 9),  # group 0 alone from its checkpoint of step 5 (2 syncs); group 1 live at 4 syncs
-    ("diloco", 5, 9),
-    ("local_sgd", 5, 5),  # the whole job again from that checkpoint: the same count of syncs
+@pytest.mark.parametrize("method, loaded_step, live_step, failed_syncs", [
+    ("local_sgd", 5, 9, 0),  # group 0 alone from its checkpoint of step 5 (2 syncs); group 1 live at 4 syncs
+    ("diloco", 5, 9, 0),
+    ("local_sgd", 5, 5, 0),  # the whole job again from that checkpoint: the same count of syncs
+    # A sync failed before group 0's checkpoint of step 7: its Manager (and group 1's) counted 2, not 3;
+    # group 1 has not synced since. Counted from the step, group 0 would be ahead and heal group 1.
+    ("local_sgd", 7, 7, 1),
 ])
 def test_a_group_back_from_an_older_checkpoint_heals_from_the_live_group(
-        tmp_path, monkeypatch, method, loaded_step, live_step):
+        tmp_path, monkeypatch, method, loaded_step, live_step, failed_syncs):
     """Group 0 (which writes the checkpoints) was killed and started again alone: it loaded its checkpoint
     of step 5 while group 1 trained on to step 9. Each trains one step, which ends in a sync (every 2
     steps): group 0, behind, heals there from group 1, never group 1 from group 0's older state. The whole
-    job started again from that checkpoint: neither heals, the sync averages them."""
+    job started again from that checkpoint, or group 1 not synced since it: neither heals, the sync
+    averages them."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
     groups, steps, models = [], [loaded_step, live_step], []
+    if failed_syncs:  # what group 0's Manager counted at its checkpoint step, as its positions recorded it
+        (tmp_path / "replica_0").mkdir()
+        Positions(tmp_path / "replica_0" / POSITIONS_FILE.format(rank=0), keep=0).record(
+            loaded_step, {}, keep_for_checkpoint=True, syncs=loaded_step // 2 - failed_syncs)
     try:
         for g in range(2):
             group, store = _replica_group(tmp_path, monkeypatch, g, method)
@@ -237,8 +246,8 @@ def test_a_group_back_from_an_older_checkpoint_heals_from_the_live_group(
             models.append(model)
             group.attach(Trainable([model], opt, sched, loader=None, get_step=lambda g=g: steps[g],
                                    set_step=lambda s, g=g: steps.__setitem__(g, s)))
-            if g == 1 and live_step > loaded_step:  # live since the job began: its Manager counted its syncs
-                group.manager.load_state_dict({"step": live_step // 2, "batches_committed": 0})
+            if g == 1 and (live_step > loaded_step or failed_syncs):  # live all along: its Manager counted
+                group.manager.load_state_dict({"step": live_step // 2 - failed_syncs, "batches_committed": 0})
         x = torch.randint(0, 11, (2, 5))
 
         def one_step(g: int) -> dict[str, torch.Tensor]:
@@ -261,7 +270,7 @@ def test_a_group_back_from_an_older_checkpoint_heals_from_the_live_group(
             assert healed == [False, False]
             assert steps == [loaded_step, loaded_step]
             assert all(torch.equal(after[0][k], after[1][k]) for k in after[1])  # both took the average
-        assert [group.manager.current_step() for group, _ in groups] == [live_step // 2 + 1] * 2
+        assert [group.manager.current_step() for group, _ in groups] == [live_step // 2 - failed_syncs + 1] * 2
     finally:
         for group, _ in groups:
             group.close()

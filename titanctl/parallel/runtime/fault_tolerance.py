@@ -121,9 +121,14 @@ class ReplicaGroup:
         # The Manager's step counts committed syncs (every step's, without semi_sync_method). -1 is behind
         # every live group, even before their first sync (step 0, where torchft heals nobody without
         # init_sync): the quorum of the sync this group joins has it heal from one of them. A group that
-        # loaded a checkpoint counts the syncs up to its step, so a group restarted alone from an older
-        # one is behind the live groups and heals from them, never they from its older state.
-        step = -1 if self.rejoining else sync_position(trainable.get_step(), self.cfg)[0]
+        # loaded a checkpoint takes the count its Manager had at that step (a sync that failed did not
+        # count), else counts the syncs up to the step: a group restarted alone from an older checkpoint
+        # is then behind the live groups and heals from them, never they from its older state.
+        step = -1
+        if not self.rejoining:
+            step = self.positions.syncs_at(trainable.get_step())
+            if step is None:  # a checkpoint this group's positions have no record of (written elsewhere)
+                step = sync_position(trainable.get_step(), self.cfg)[0]
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self._syncs_seen = step
         self._healed_at_sync = step
@@ -208,9 +213,11 @@ class ReplicaGroup:
     def committed(self, step: int, keep_for_checkpoint: bool) -> None:
         """Record where this group's stream stands after ``step`` (also kept apart at checkpoint steps,
         and as the last sync's when the step ended in one: the Manager counts committed syncs)."""
-        synced = self.manager.current_step() != self._syncs_seen
-        self._syncs_seen = self.manager.current_step()
-        self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint, synced=synced)
+        syncs = self.manager.current_step()
+        synced = syncs != self._syncs_seen
+        self._syncs_seen = syncs
+        self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint, synced=synced,
+                              syncs=syncs)
 
     def is_lowest_live(self) -> bool:
         """The group that writes checkpoints: the first of the quorum (ids order numerically, padded);
@@ -301,7 +308,8 @@ class Positions:
     """This rank's loader state after its newest committed step, at the newest checkpoint steps
     (so that a whole-job restart from a checkpoint finds where each group's stream stood then), and
     after its last sync with the other groups (where a semi-synchronous group restarted between syncs
-    resumes). One small JSON file, replaced atomically after every commit."""
+    resumes); at checkpoint steps also the Manager's count of syncs (where a group resumed from that
+    checkpoint counts from). One small JSON file, replaced atomically after every commit."""
 
     def __init__(self, path: Path, keep: int):
         self.path = path
@@ -309,11 +317,13 @@ class Positions:
         self.latest: dict[str, Any] | None = None
         self.saved: dict[int, Any] = {}
         self.synced: dict[str, Any] | None = None
+        self.syncs: dict[int, int] = {}
         if path.exists():
             data = json.loads(path.read_text())
             self.latest = data["latest"]
             self.saved = {int(k): v for k, v in data["at"].items()}
             self.synced = data.get("synced")
+            self.syncs = {int(k): v for k, v in data.get("syncs_at", {}).items()}
 
     def latest_step(self) -> int:
         return 0 if self.latest is None else int(self.latest["step"])
@@ -331,22 +341,30 @@ class Positions:
             f"{self.latest['step']}): this group's data stream cannot resume there"
         )
 
+    def syncs_at(self, step: int) -> int | None:
+        """The Manager's count of syncs after checkpoint step ``step``; None when not recorded."""
+        return self.syncs.get(step)
+
     def synced_loader(self) -> dict[str, Any] | None:
         """The loader state after the last step that ended in a sync; None before the first."""
         return None if self.synced is None else self.synced["loader"]
 
-    def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool, synced: bool = False) -> None:
+    def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool, synced: bool = False,
+               syncs: int | None = None) -> None:
         self.latest = {"step": step, "loader": loader_state}
         if synced:
             self.synced = self.latest
         if keep_for_checkpoint:
             self.saved[step] = loader_state
+            if syncs is not None:
+                self.syncs[step] = syncs
             if self.keep > 0:
                 for old in sorted(self.saved)[:-self.keep]:
                     del self.saved[old]
+                    self.syncs.pop(old, None)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()},
-                                   "synced": self.synced}))
+                                   "synced": self.synced, "syncs_at": {str(k): v for k, v in self.syncs.items()}}))
         os.replace(tmp, self.path)
 
 
@@ -354,7 +372,8 @@ def sync_position(step: int, ft) -> tuple[int, int]:
     """After training step ``step``: the syncs between the replica groups completed, counted as torchft's
     Manager counts them (one per committed quorum), and the steps trained since the last one. Without
     ``semi_sync_method`` every step syncs; LocalSGD syncs every ``sync_steps``; DiLoCo syncs one fragment
-    every ``sync_steps // fragments`` steps, each a quorum of its own. Assumes every sync committed."""
+    every ``sync_steps // fragments`` steps, each a quorum of its own. A sync that failed (a group died
+    during it) is not counted by torchft but is here: ``Positions`` keeps the exact count at checkpoints."""
     if ft.semi_sync_method == "none":
         every = 1
     elif ft.semi_sync_method == "local_sgd":
