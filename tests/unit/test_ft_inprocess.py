@@ -261,11 +261,18 @@ def test_a_group_back_from_an_older_checkpoint_heals_from_the_live_group(
 
         with ThreadPoolExecutor(2) as pool:  # each sync waits in the quorum for the other group
             after = list(pool.map(one_step, range(2)))
-        healed = [group._healed_from is not None for group, _ in groups]
+        rows = [group.metrics() for group, _ in groups]  # what each group's next metrics row adds
+        healed = ["heal_seconds" in row for row in rows]
         if loaded_step < live_step:
             assert healed == [True, False]
+            assert rows[0]["missed_steps"] == live_step - loaded_step  # its rows 6..9 never come
             assert steps == [live_step, live_step]  # group 0 took group 1's step; group 1's did not go back
             assert all(torch.equal(after[0][k], after[1][k]) for k in after[1])
+            if method == "local_sgd":  # group 1's weights are its own step's: the sync averaged it with itself
+                alone, alone_opt, _ = trained(1, 1)
+                alone(x).sum().backward()
+                alone_opt.step()
+                assert all(torch.equal(v, after[1][k]) for k, v in alone.state_dict().items())
         else:
             assert healed == [False, False]
             assert steps == [loaded_step, loaded_step]

@@ -254,8 +254,26 @@ class ReplicaGroup:
         # Resumed from a checkpoint between two syncs: the next sync comes at the same step as the live
         # groups' (and as it would have without the restart), not a whole interval later.
         algorithm._local_step = sync_position(self.trainable.get_step(), self.cfg)[1]
-        with algorithm:
-            yield algorithm
+        # A sync, and a heal in its quorum (a group resumed from an older checkpoint), runs in the
+        # algorithm's hook after the optimizer step: these hooks run before and after it, so that the
+        # metrics row of the step after a heal says so, as with begin_step.
+        before = optimizer.register_step_post_hook(self._before_sync)
+        try:
+            with algorithm:
+                after = optimizer.register_step_post_hook(self._after_sync)
+                try:
+                    yield algorithm
+                finally:
+                    after.remove()
+        finally:
+            before.remove()
+
+    def _before_sync(self, *_) -> None:
+        self._sync_start = time.perf_counter()
+        self._healed_from = None
+
+    def _after_sync(self, *_) -> None:
+        self._note_heal(self._sync_start)
 
     def rejoin(self, algorithm) -> None:
         """A restarted semi-synchronous group, before its first step: take part in the live groups' next
