@@ -17,7 +17,9 @@ The Trainer calls, per step: ``begin_step`` (quorum; heal), ``average_gradients`
 torchft's own ``LocalSGD`` / ``DiLoCo``, hooked on the optimizer (``semi_sync``). A group restarted
 between syncs has nothing worth training alone: before its first step it joins the live groups' next
 sync (``rejoin``), heals there from a peer and goes back in its own stream to its last sync, since the
-samples of its unsynchronized steps never reached the shared model.
+samples of its unsynchronized steps never reached the shared model. A group restarted from a checkpoint
+(the one that writes them) resumes the Manager's count of syncs where it stood at that step, so that at
+its next sync it heals from a live group that synced since, never the reverse.
 """
 
 from __future__ import annotations
