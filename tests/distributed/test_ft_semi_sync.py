@@ -1,11 +1,18 @@
 """LocalSGD and DiLoCo (fault_tolerance.semi_sync_method) through torchft's own local_sgd module, each
 equal to a one-process simulation of the same algorithm written here (1e-5): scripts/ft_local.py runs
 2 replica groups of 1 process; the simulation trains two copies of the model in this process with
-titanctl's own step, each on its group's share of the data, and syncs them every sync_steps steps.
+titanctl's own step, each on its group's share of the data, and syncs them as the algorithm says.
+
+In both runs group 1 is SIGKILLed after step 3, between two syncs (local_sgd: every 2 steps; diloco:
+2 fragments, one every 2 steps), and started again. It loses only its unsynchronized step: it joins
+group 0's sync at step 4 (--min-replicas 2 makes group 0 wait there for it) and heals from group 0;
+that sync's share of group 1 is then group 0's own, so the sync averages group 0 alone. Its stream goes
+back to where it stood at its sync of step 2: the samples of step 3 are trained again at step 5.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -16,21 +23,24 @@ import pytest
 import torch
 
 from tests.conftest import OFFLINE_ENV, REPO
-from tests.distributed.harness import WORKERS
+from tests.distributed.harness import WORKERS, rows, sample_log
 from titanctl.config.recipe import load_config
 from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.parallel.layouts.weight_init import canonical_name
 from titanctl.parallel.runtime.fault_tolerance import model_fragments
 from titanctl.train.trainer import Trainer
 
-STEPS, SYNC = 4, 2
+STEPS, KILL_STEP, REJOIN_STEP = 6, 3, 4  # a sync ends steps 2, 4 and 6 in both methods
 TRAIN = [
     "--model.n_layers", "2", "--training.seq_len", "32", "--training.global_batch_size", "8",
     "--training.local_batch_size", "4", "--training.steps", str(STEPS), "--training.mixed_precision_param", "float32",
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--activation_checkpoint.mode", "none",
-    "--fault_tolerance.sync_steps", str(SYNC), "--fault_tolerance.outer_lr", "0.5",
+    "--fault_tolerance.outer_lr", "0.5",
+    # group 0 waits at its sync of step 4 while group 1 starts again (a loaded machine: tens of seconds)
+    "--fault_tolerance.quorum_timeout_seconds", "150", "--comm.train_timeout_seconds", "200",
 ]
-METHODS = {"local_sgd": [], "diloco": ["--fault_tolerance.fragments", "2"]}
+METHODS = {"local_sgd": ["--fault_tolerance.sync_steps", "2"],
+           "diloco": ["--fault_tolerance.sync_steps", "4", "--fault_tolerance.fragments", "2"]}
 
 
 def options(method: str) -> list[str]:
@@ -46,8 +56,9 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
     for method in METHODS:
         out = tmp_path_factory.mktemp(method)
         cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
-               "--dump-folder", str(out), "--min-replicas", "2", "--worker", str(WORKERS / "ckpt_worker.py"), "--",
-               *options(method), "--test-dump-final"]
+               "--dump-folder", str(out), "--min-replicas", "2", "--kill-group", "1", "--kill-at-step", str(KILL_STEP),
+               "--worker", str(WORKERS / "ckpt_worker.py"), "--",
+               *options(method), "--test-dump-final", "--test-hold-for-kill", f"1:{KILL_STEP}"]
         started[method] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                            env=env, cwd=REPO), out
     yield started
@@ -71,7 +82,7 @@ def finished(launches, method: str) -> Path:
 
 def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
     """Both groups in one process: two Trainers (the same init from the seed), group g reading data-parallel
-    rank g of 2, synced as the algorithm says."""
+    rank g of 2, synced as the algorithm says, group 1 down from after KILL_STEP to REJOIN_STEP."""
     cfg_ft = load_config(None, options(method)).fault_tolerance
     groups = []
     for g in range(2):
@@ -84,23 +95,35 @@ def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
         groups.append(trainer)
     models = [t.model_parts[0] for t in groups]
     n = cfg_ft.fragments if method == "diloco" else 1
+    every = cfg_ft.sync_steps // n  # steps between two syncs (of one fragment each, for diloco)
     fragments = [model_fragments(m, n) for m in models]
     # The global weights of each fragment, and its outer Nesterov SGD over them.
     global_params = [[p.detach().clone().requires_grad_() for p in f.parameters()] for f in fragments[0]]
     outer = [torch.optim.SGD(ps, lr=cfg_ft.outer_lr, momentum=cfg_ft.outer_momentum, nesterov=cfg_ft.outer_nesterov)
              for ps in global_params]
     syncs = 0
+    last_sync_position = copy.deepcopy(groups[1].loader.state_dict())  # before its first sync: its beginning
     for step in range(1, STEPS + 1):
-        for t in groups:
-            t.train_step()
-            t.step += 1
+        for g, t in enumerate(groups):
+            if not (g == 1 and KILL_STEP < step <= REJOIN_STEP):
+                t.train_step()
+                t.step += 1
+        if step % every:
+            continue
+        if step == REJOIN_STEP:  # group 1 heals from group 0 in the sync's quorum; its stream: at its last sync
+            down = groups[1]
+            models[1].load_state_dict(models[0].state_dict())
+            down.optimizer.load_state_dict(copy.deepcopy(groups[0].optimizer.state_dict()))
+            down.lr_scheduler.load_state_dict(groups[0].lr_scheduler.state_dict())
+            down.loader.load_state_dict(last_sync_position)
+            down.step = groups[0].step
         with torch.no_grad():
-            if method == "local_sgd" and step % SYNC == 0:
+            if method == "local_sgd":
                 for ps in zip(*(m.parameters() for m in models)):
                     mean = torch.stack(list(ps)).mean(0)
                     for p in ps:
                         p.copy_(mean)
-            if method == "diloco" and step % (SYNC // n) == 0:
+            else:
                 f = syncs % n
                 for i, ps in enumerate(zip(*(frag[f].parameters() for frag in fragments))):
                     global_params[f][i].grad = torch.stack([global_params[f][i] - p for p in ps]).mean(0)
@@ -108,7 +131,9 @@ def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
                 for i, ps in enumerate(zip(*(frag[f].parameters() for frag in fragments))):
                     for p in ps:
                         p.copy_(global_params[f][i])
-                syncs += 1
+        syncs += 1
+        if step <= KILL_STEP:
+            last_sync_position = copy.deepcopy(groups[1].loader.state_dict())
     finals = [{canonical_name(k): p.detach().clone() for k, p in m.named_parameters()} for m in models]
     for t in groups:
         t.close()
@@ -126,3 +151,18 @@ def test_semi_sync_equals_one_process_simulation(launches, method, tmp_path):
             torch.testing.assert_close(got[name], expected[g][name], rtol=1e-5, atol=1e-6, msg=f"{method} {g} {name}")
     if method == "local_sgd":  # its last sync (steps is a multiple of sync_steps) left the groups equal
         assert all(torch.equal(expected[0][k], expected[1][k]) for k in expected[0])
+    assert [r["step"] for r in rows(out / "replica_0")] == list(range(1, STEPS + 1))
+    group1 = rows(out / "replica_1")
+    # The rows it wrote before the kill stay; it trained no step of its own until the sync it healed in.
+    assert [r["step"] for r in group1] == [*range(1, KILL_STEP + 1), *range(REJOIN_STEP + 1, STEPS + 1)]
+    healed = [r for r in group1 if "heal_seconds" in r]
+    assert [(r["step"], r["missed_steps"]) for r in healed] == [(REJOIN_STEP + 1, REJOIN_STEP - KILL_STEP)]
+    # Its stream: the batch of its unsynchronized step 3 comes again at step 5, then on; none skipped.
+    drawn = {e["step"]: e for e in sample_log(out / "replica_1")}  # a step drawn twice: the last draw
+    assert sorted(drawn) == [*range(1, KILL_STEP + 1), *range(REJOIN_STEP + 1, STEPS + 1)]
+    assert drawn[REJOIN_STEP + 1]["rows"] == drawn[KILL_STEP]["rows"]
+    synced_in = [drawn[s] for s in (1, 2, 5, 6)]
+    stride = synced_in[1]["consumed_before"]
+    assert [e["consumed_before"] for e in synced_in] == [stride * i for i in range(4)]
+    ids = [row for e in synced_in for row in e["rows"]]
+    assert len(ids) == len(set(ids))

@@ -1,12 +1,24 @@
-"""torchft pieces that need no process: healing state round trips, model fragments, and which replica
-group a Flight Recorder dump names."""
+"""torchft pieces that need no process: healing state round trips, model fragments, the syncs a step
+has seen, which replica group a Flight Recorder dump names, a restarted semi-synchronous group with no
+peer left, and who heals from whom when a group comes back from an older checkpoint."""
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
+from titanctl.config.recipe import load_config
+from titanctl.errors import TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
-from titanctl.parallel.runtime.fault_tolerance import Positions, model_fragments
+from titanctl.parallel.runtime.fault_tolerance import (
+    POSITIONS_FILE,
+    Positions,
+    ReplicaGroup,
+    Trainable,
+    model_fragments,
+    sync_position,
+)
 from titanctl.tools.fr_analysis import analyze, parse_dump
 
 
@@ -69,12 +81,207 @@ def test_positions_resume_where_the_groups_stream_stood(tmp_path):
     path = tmp_path / "ft_positions_rank0.json"
     p = Positions(path, keep=2)
     for step in range(1, 7):
-        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=step % 2 == 0)
+        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=step % 2 == 0, syncs=step // 3)
     again = Positions(path, keep=2)
     assert again.latest_step() == 6
     assert again.at(4) == {"samples_consumed": 32}  # a checkpoint step: a whole-job restart from it
     assert again.at(9) == {"samples_consumed": 48}  # down since step 6: its own stream goes on
     assert sorted(again.saved) == [4, 6]  # keep_latest_k
+    assert [again.syncs_at(s) for s in (2, 4, 5, 6)] == [None, 1, None, 2]  # the Manager's, at checkpoints
+
+
+def test_positions_keep_the_last_sync(tmp_path):
+    path = tmp_path / "ft_positions_rank0.json"
+    p = Positions(path, keep=0)
+    assert p.synced_loader() is None  # before its first sync a group's stream resumes at its beginning
+    for step in range(1, 4):
+        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=False, synced=step == 2)
+    assert Positions(path, keep=0).synced_loader() == {"samples_consumed": 16}
+
+
+@pytest.mark.parametrize("min_replicas, why", [
+    (1, "no live replica group is left to heal from"),  # the Lighthouse forms a quorum of this group alone
+    (2, "no live replica group came to a sync within 1.0 s"),  # no quorum forms: torchft's TimeoutError
+])
+def test_a_restarted_group_with_no_live_peer_stops_in_one_line(tmp_path, monkeypatch, min_replicas, why):
+    """Group 1 trained 3 steps with local_sgd, was killed, and comes back when no other group is live: the
+    sync it joins has no one to heal from. It must not train alone from its initial weights."""
+    from torchft.coordination import LighthouseServer
+
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # torchrun's
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
+    Positions(tmp_path / POSITIONS_FILE.format(rank=0), keep=0).record(3, {"samples_consumed": 24}, False)
+    cfg = load_config(None, [
+        "--fault_tolerance.enable", "--fault_tolerance.semi_sync_method", "local_sgd",
+        "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2",
+        "--fault_tolerance.connect_timeout_seconds", "0.2", "--fault_tolerance.process_group_timeout_seconds", "0.4",
+        "--fault_tolerance.timeout_seconds", "0.8", "--fault_tolerance.quorum_timeout_seconds", "1",
+    ])
+    group = ReplicaGroup(cfg, 0, 1, tmp_path, torch.device("cpu"))
+    try:
+        model, opt, sched = trained(0, 0)
+        group.attach(Trainable([model], opt, sched, loader=None, get_step=lambda: 0, set_step=lambda s: None))
+        assert group.rejoining
+        with group.semi_sync(model) as algorithm, pytest.raises(TitanError) as e:
+            group.rejoin(algorithm)
+        assert why in str(e.value) and "\n" not in str(e.value)
+        assert "restart the whole job from the newest checkpoint" in str(e.value)
+    finally:
+        group.close()
+        lighthouse.shutdown()
+
+
+SEMI_SYNC = {  # both sync every 2 steps: LocalSGD all weights, DiLoCo one of 2 fragments
+    "local_sgd": ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "2"],
+    "diloco": ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+               "--fault_tolerance.fragments", "2"],
+}
+
+
+class CountingManager:
+    """What LocalSGD and DiLoCo ask of torchft's Manager, for one group alone: its step moves as the real
+    one's does, once per committed quorum."""
+
+    _use_async_quorum = False
+
+    def __init__(self):
+        self.step = 0
+
+    def current_step(self):
+        return self.step
+
+    def start_quorum(self):
+        pass
+
+    def should_commit(self):
+        self.step += 1
+        return True
+
+    def allreduce(self, tensor, should_quantize=False):
+        from torchft.work import _DummyWork
+        return _DummyWork(tensor)  # one group: its average is its own
+
+    def register_state_dict_fn(self, key, load_fn, save_fn):
+        pass
+
+    def allow_state_dict_read(self):
+        pass
+
+    def disallow_state_dict_read(self):
+        pass
+
+
+@pytest.mark.parametrize("method", ["none", *SEMI_SYNC])
+def test_sync_position_counts_syncs_as_torchft_does(method):
+    """Steps through torchft's own LocalSGD / DiLoCo: after every step, the Manager's step and the
+    algorithm's steps since its last sync are what sync_position says."""
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    ft = load_config(None, SEMI_SYNC.get(method, [])).fault_tolerance
+    if method == "none":  # a quorum and a commit every step
+        assert [sync_position(s, ft) for s in (0, 1, 7)] == [(0, 0), (1, 0), (7, 0)]
+        return
+    model, opt, _ = trained(0, 0)
+    manager = CountingManager()
+    algorithm = (LocalSGD(manager, model, opt, sync_every=ft.sync_steps) if method == "local_sgd" else
+                 DiLoCo(manager, model_fragments(model, ft.fragments), opt,
+                        [torch.optim.SGD(f.parameters(), lr=0.5) for f in model_fragments(model, ft.fragments)],
+                        sync_every=ft.sync_steps))
+    with algorithm:
+        for step in range(1, 8):
+            model(torch.randint(0, 11, (2, 5))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert sync_position(step, ft) == (manager.step, algorithm._local_step), step
+
+
+def _replica_group(tmp_path, monkeypatch, replica_id: int, method: str) -> tuple[ReplicaGroup, object]:
+    """Rank 0 of a one-process replica group, with the TCPStore torchrun would give it."""
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    cfg = load_config(None, [
+        "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica_id),
+        "--fault_tolerance.group_size", "2", *SEMI_SYNC[method],
+        "--fault_tolerance.connect_timeout_seconds", "2", "--fault_tolerance.process_group_timeout_seconds", "4",
+        "--fault_tolerance.timeout_seconds", "8", "--fault_tolerance.quorum_timeout_seconds", "16",
+    ])
+    folder = tmp_path / f"replica_{replica_id}"
+    folder.mkdir(exist_ok=True)
+    return ReplicaGroup(cfg, 0, 1, folder, torch.device("cpu")), store
+
+
+@pytest.mark.parametrize("method, loaded_step, live_step, failed_syncs", [
+    ("local_sgd", 5, 9, 0),  # group 0 alone from its checkpoint of step 5 (2 syncs); group 1 live at 4 syncs
+    ("diloco", 5, 9, 0),
+    ("local_sgd", 5, 5, 0),  # the whole job again from that checkpoint: the same count of syncs
+    # A sync failed before group 0's checkpoint of step 7: its Manager (and group 1's) counted 2, not 3;
+    # group 1 has not synced since. Counted from the step, group 0 would be ahead and heal group 1.
+    ("local_sgd", 7, 7, 1),
+])
+def test_a_group_back_from_an_older_checkpoint_heals_from_the_live_group(
+        tmp_path, monkeypatch, method, loaded_step, live_step, failed_syncs):
+    """Group 0 (which writes the checkpoints) was killed and started again alone: it loaded its checkpoint
+    of step 5 while group 1 trained on to step 9. Each trains one step, which ends in a sync (every 2
+    steps): group 0, behind, heals there from group 1, never group 1 from group 0's older state. The whole
+    job started again from that checkpoint, or group 1 not synced since it: neither heals, the sync
+    averages them."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
+    groups, steps, models = [], [loaded_step, live_step], []
+    if failed_syncs:  # what group 0's Manager counted at its checkpoint step, as its positions recorded it
+        (tmp_path / "replica_0").mkdir()
+        Positions(tmp_path / "replica_0" / POSITIONS_FILE.format(rank=0), keep=0).record(
+            loaded_step, {}, keep_for_checkpoint=True, syncs=loaded_step // 2 - failed_syncs)
+    try:
+        for g in range(2):
+            group, store = _replica_group(tmp_path, monkeypatch, g, method)
+            groups.append((group, store))
+            model, opt, sched = trained(g, 1)  # weights of their own
+            models.append(model)
+            group.attach(Trainable([model], opt, sched, loader=None, get_step=lambda g=g: steps[g],
+                                   set_step=lambda s, g=g: steps.__setitem__(g, s)))
+            if g == 1 and (live_step > loaded_step or failed_syncs):  # live all along: its Manager counted
+                group.manager.load_state_dict({"step": live_step // 2 - failed_syncs, "batches_committed": 0})
+        x = torch.randint(0, 11, (2, 5))
+
+        def one_step(g: int) -> dict[str, torch.Tensor]:
+            group, model = groups[g][0], models[g]
+            with group.semi_sync(model):
+                model(x).sum().backward()
+                opt = group.trainable.optimizer
+                opt.step()  # its post hook syncs when due
+                opt.zero_grad()
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+        with ThreadPoolExecutor(2) as pool:  # each sync waits in the quorum for the other group
+            after = list(pool.map(one_step, range(2)))
+        rows = [group.metrics() for group, _ in groups]  # what each group's next metrics row adds
+        healed = ["heal_seconds" in row for row in rows]
+        if loaded_step < live_step:
+            assert healed == [True, False]
+            assert rows[0]["missed_steps"] == live_step - loaded_step  # its rows 6..9 never come
+            assert steps == [live_step, live_step]  # group 0 took group 1's step; group 1's did not go back
+            assert all(torch.equal(after[0][k], after[1][k]) for k in after[1])
+            if method == "local_sgd":  # group 1's weights are its own step's: the sync averaged it with itself
+                alone, alone_opt, _ = trained(1, 1)
+                alone(x).sum().backward()
+                alone_opt.step()
+                assert all(torch.equal(v, after[1][k]) for k, v in alone.state_dict().items())
+        else:
+            assert healed == [False, False]
+            assert steps == [loaded_step, loaded_step]
+            assert all(torch.equal(after[0][k], after[1][k]) for k in after[1])  # both took the average
+        assert [group.manager.current_step() for group, _ in groups] == [live_step // 2 - failed_syncs + 1] * 2
+    finally:
+        for group, _ in groups:
+            group.close()
+        lighthouse.shutdown()
 
 
 def _dump(rank: int, ops: list[str]) -> dict:

@@ -407,7 +407,14 @@ class Trainer:
             if self.ft is not None and not self._syncs_every_step else contextlib.nullcontext()
         )
         with self.checkpoint, progress, self._hang_watchdog() as watchdog, profiling as profiler, \
-                automatic_gc_paused(), semi_sync:
+                automatic_gc_paused(), semi_sync as algorithm:
+            if self.ft is not None and self.ft.rejoining:
+                self.say(f"{self.ft.describe()}: restarted between syncs; joining the live groups' next sync")
+                watchdog.timeout_s = cfg.comm.init_timeout_seconds  # the others may be a whole sync away
+                with watchdog.watch(f"joining the next sync after step {self.ft.restored_step}"):
+                    self.ft.rejoin(algorithm)
+                self.ft.committed(self.step, keep_for_checkpoint=False)
+                start_step = self.step  # the first step this process trains is the one after the sync
             task = progress.add_task("train", total=cfg.training.steps, completed=self.step, loss="-")
             # The process's first step (torch.compile, warm-up) is timed apart and left out of tps.
             window_start, window_steps, first_step_time = time.perf_counter(), 0, None

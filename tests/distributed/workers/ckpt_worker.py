@@ -18,6 +18,9 @@ hash of every sequence it trained on (to prove no sample is repeated or skipped 
   --test-start-together S  torchft, under scripts/ft_local.py: before its first step a group waits, at most
                          S seconds, until every group's log shows its Manager started (it heartbeats), so
                          that the first quorum holds every group however unevenly the groups start
+  --test-hold-for-kill G:S  torchft, under scripts/ft_local.py --kill-group G --kill-at-step S: group G's
+                         first start waits (at most 120 s) before step S + 1 for the kill, so that it dies
+                         after step S however loaded the machine (a started step could reach the next sync)
   --test-dump-final      after training, write OUT/final_rank{r}.pt: every parameter gathered whole
 """
 
@@ -129,6 +132,20 @@ def start_together(trainer: Trainer, seconds: float) -> None:
         time.sleep(0.05)
 
 
+def hold_for_kill(trainer: Trainer, spec: str) -> None:
+    group, step = (int(x) for x in spec.split(":"))
+    if trainer.cfg.fault_tolerance.replica_id != group or trainer.ft.restored_step > 0:  # not its first start
+        return
+    next_step = trainer.loader.next_step
+
+    def held():
+        if trainer.step == step:
+            time.sleep(120)  # ft_local's SIGKILL ends it
+        return next_step()
+
+    trainer.loader.next_step = held
+
+
 def dump_final(trainer: Trainer, out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -142,7 +159,7 @@ def dump_final(trainer: Trainer, out: Path) -> None:
 
 
 def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_wait: str | None = None,
-        final: bool = False, together: str | None = None) -> Trainer:
+        final: bool = False, together: str | None = None, hold: str | None = None) -> Trainer:
     out = Path(cfg.job.dump_folder)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
@@ -155,6 +172,8 @@ def run(cfg, fail: str | None = None, step_delay: str | None = None, alone_wait:
         wait_while_a_group_is_down(trainer, float(alone_wait))
     if together:
         start_together(trainer, float(together))
+    if hold:
+        hold_for_kill(trainer, hold)
     trainer.train()
     if final:
         dump_final(trainer, out)
@@ -178,13 +197,14 @@ def main() -> None:
     step_delay = pop_option(args, "--test-step-delay")
     alone_wait = pop_option(args, "--test-alone-wait")
     together = pop_option(args, "--test-start-together")
+    hold = pop_option(args, "--test-hold-for-kill")
     final = "--test-dump-final" in args
     if final:
         args.remove("--test-dump-final")
     if delay:
         slow_writes(float(delay))
     cfg = load_config(None, args)
-    trainer = run(cfg, fail, step_delay, alone_wait, final, together)
+    trainer = run(cfg, fail, step_delay, alone_wait, final, together, hold)
     if resume_from:
         out = Path(cfg.job.dump_folder)
         again = out / "resumed"

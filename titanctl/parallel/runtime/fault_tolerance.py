@@ -14,7 +14,12 @@ its return it goes on where its own stream stood, which ``positions`` records af
 The Trainer calls, per step: ``begin_step`` (quorum; heal), ``average_gradients`` (after backward),
 ``commit`` (before the optimizer step; False: drop the step and train it again). With
 ``semi_sync_method`` local_sgd or diloco the groups instead sync every ``sync_steps`` steps through
-torchft's own ``LocalSGD`` / ``DiLoCo``, hooked on the optimizer (``semi_sync``).
+torchft's own ``LocalSGD`` / ``DiLoCo``, hooked on the optimizer (``semi_sync``). A group restarted
+between syncs has nothing worth training alone: before its first step it joins the live groups' next
+sync (``rejoin``), heals there from a peer and goes back in its own stream to its last sync, since the
+samples of its unsynchronized steps never reached the shared model. A group restarted from a checkpoint
+(the one that writes them) resumes the Manager's count of syncs where it stood at that step, so that at
+its next sync it heals from a live group that synced since, never the reverse.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class ReplicaGroup:
         torchft = import_torchft()
         ft = cfg.fault_tolerance
         self.cfg = cfg.fault_tolerance
+        self.semi_sync_method = ft.semi_sync_method
         self.rank, self.world_size = rank, world_size
         self.trainable: Trainable | None = None
         self.replica_id = ft.replica_id
@@ -111,7 +117,23 @@ class ReplicaGroup:
 
     def attach(self, trainable: Trainable) -> None:
         self.trainable = trainable
-        self.manager.load_state_dict({"step": trainable.get_step(), "batches_committed": 0})
+        # A semi-synchronous group that trained before (its positions say so) and now starts with no
+        # checkpoint of its own was restarted: its weights are its initial ones, nothing to train alone.
+        self.rejoining = self.semi_sync_method != "none" and trainable.get_step() == 0 and self.restored_step > 0
+        # The Manager's step counts committed syncs (every step's, without semi_sync_method). -1 is behind
+        # every live group, even before their first sync (step 0, where torchft heals nobody without
+        # init_sync): the quorum of the sync this group joins has it heal from one of them. A group that
+        # loaded a checkpoint takes the count its Manager had at that step (a sync that failed did not
+        # count), else counts the syncs up to the step: a group restarted alone from an older checkpoint
+        # is then behind the live groups and heals from them, never they from its older state.
+        step = -1
+        if not self.rejoining:
+            step = self.positions.syncs_at(trainable.get_step())
+            if step is None:  # a checkpoint this group's positions have no record of (written elsewhere)
+                step = sync_position(trainable.get_step(), self.cfg)[0]
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self._syncs_seen = step
+        self._healed_at_sync = step
         self._missed_steps = 0
 
     # ----------------------------------------------------------------------------- healing
@@ -131,10 +153,16 @@ class ReplicaGroup:
         ft_state.load_optimizer_state(t.optimizer, state["optimizer"])
         t.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._healed_from = t.get_step()
+        self._healed_at_sync = self.manager.current_step()  # the quorum's step, set before this is called
         t.set_step(state["step"])
-        # The data stream stays this group's own: where it stood at the step the group now resumes.
-        position = self.positions.at(state["step"])
-        if position is not None:  # None: the group never trained; its stream starts at its beginning
+        # The data stream stays this group's own: where it stood at the step the group now resumes. Semi-
+        # synchronous: at its last sync; the steps it trained since then are replaced by the peer's state,
+        # so their samples are trained again.
+        if self.semi_sync_method == "none":
+            position = self.positions.at(state["step"])
+        else:
+            position = self.positions.synced_loader()
+        if position is not None:  # None: the group never trained (or synced); its stream starts at its beginning
             t.loader.load_state_dict(position)
 
     # ----------------------------------------------------------------------------- one step
@@ -145,12 +173,16 @@ class ReplicaGroup:
         start = time.perf_counter()
         self._healed_from = None
         self.manager.start_quorum()
+        self._note_heal(start)
+        self.lost_steps = max(0, before - self.trainable.get_step())  # a counter that went back: a bug
+
+    def _note_heal(self, start: float) -> None:
+        """After a quorum that may have healed this group: what its next metrics row says about it."""
         if self._healed_from is not None:
             self._healed = time.perf_counter() - start
             # The steps this group sat out: since its own last commit (a restarted group: before it went down).
             own = max(self._healed_from, self.positions.latest_step())
             self._missed_steps = self.trainable.get_step() - own
-        self.lost_steps = max(0, before - self.trainable.get_step())  # a counter that went back: a bug
 
     def average_gradients(self, params: list[torch.Tensor], loss_share: torch.Tensor | None) -> torch.Tensor | None:
         """Average this rank's gradient shards, and its share of the step's loss, with rank r of every
@@ -181,8 +213,13 @@ class ReplicaGroup:
         return self.manager.should_commit()
 
     def committed(self, step: int, keep_for_checkpoint: bool) -> None:
-        """Record where this group's stream stands after ``step`` (also kept apart at checkpoint steps)."""
-        self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint)
+        """Record where this group's stream stands after ``step`` (also kept apart at checkpoint steps,
+        and as the last sync's when the step ended in one: the Manager counts committed syncs)."""
+        syncs = self.manager.current_step()
+        synced = syncs != self._syncs_seen
+        self._syncs_seen = syncs
+        self.positions.record(step, self.trainable.loader.state_dict(), keep_for_checkpoint, synced=synced,
+                              syncs=syncs)
 
     def is_lowest_live(self) -> bool:
         """The group that writes checkpoints: the first of the quorum (ids order numerically, padded);
@@ -216,8 +253,68 @@ class ReplicaGroup:
                 for f in fragments
             ]
             algorithm = DiLoCo(self.manager, fragments, optimizer, outer, sync_every=self.cfg.sync_steps)
-        with algorithm:
-            yield algorithm
+        # Resumed from a checkpoint between two syncs: the next sync comes at the same step as the live
+        # groups' (and as it would have without the restart), not a whole interval later.
+        algorithm._local_step = sync_position(self.trainable.get_step(), self.cfg)[1]
+        # A sync, and a heal in its quorum (a group resumed from an older checkpoint), runs in the
+        # algorithm's hook after the optimizer step: these hooks run before and after it, so that the
+        # metrics row of the step after a heal says so, as with begin_step.
+        before = optimizer.register_step_post_hook(self._before_sync)
+        try:
+            with algorithm:
+                after = optimizer.register_step_post_hook(self._after_sync)
+                try:
+                    yield algorithm
+                finally:
+                    after.remove()
+        finally:
+            before.remove()
+
+    def _before_sync(self, *_) -> None:
+        self._sync_start = time.perf_counter()
+        self._healed_from = None
+
+    def _after_sync(self, *_) -> None:
+        self._note_heal(self._sync_start)
+
+    def rejoin(self, algorithm) -> None:
+        """A restarted semi-synchronous group, before its first step: take part in the live groups' next
+        sync through torchft's own sync path, as if this group had just made the optimizer step that ends
+        in it. The quorum there heals it from a peer (weights, inner optimizer, LR schedule, step; DiLoCo's
+        fragments also their global weights and outer optimizer, registered with the Manager), after which
+        its share of the sync's collectives equals that peer's, and it ends the sync's step with them."""
+        from torchft.local_sgd import LocalSGD
+
+        t = self.trainable
+        start = time.perf_counter()
+        self._healed_from = None
+        try:
+            if isinstance(algorithm, LocalSGD):
+                algorithm.sync()
+            else:  # DiLoCo syncs a fragment from its optimizer hook once its count of inner steps is due
+                algorithm._local_step = algorithm._sync_every - 1
+                algorithm._step_post_hook(t.optimizer, (), {})
+        except TimeoutError:  # the Lighthouse's quorum (min_replicas above 1) never formed
+            if self._healed_from is not None:
+                raise
+            raise TitanError(self._no_peer(
+                f"no live replica group came to a sync within {self.cfg.quorum_timeout_seconds} s "
+                "(fault_tolerance.quorum_timeout_seconds)")) from None
+        if self._healed_from is None:
+            raise TitanError(self._no_peer("no live replica group is left to heal from (the others finished or "
+                                           "are gone)"))
+        if self.manager.current_step() != self._healed_at_sync + 1:  # a group failed during the sync
+            raise TitanError(f"{self.describe()} healed from a live peer, but the sync it joined did not commit "
+                             "(a group failed during it); start it again to join the next one")
+        t.lr_scheduler.step()  # the peer's schedule was sent from inside its optimizer step: before its own step
+        t.set_step(t.get_step() + 1)  # the step the sync ended, as the peers count it
+        self._note_heal(start)
+        self.rejoining = False
+
+    def _no_peer(self, why: str) -> str:
+        return (f"{self.describe()} was restarted after training {self.restored_step} steps with "
+                f"{self.semi_sync_method}, but {why}: it would train alone from its initial weights; restart "
+                "the whole job from the newest checkpoint instead (docs/fault-tolerance.md)")
 
     def describe(self) -> str:
         return f"replica group {self.replica_id} of {self.cfg.group_size}"
@@ -228,19 +325,25 @@ class ReplicaGroup:
 
 
 class Positions:
-    """This rank's loader state after its newest committed step, and at the newest checkpoint steps
-    (so that a whole-job restart from a checkpoint finds where each group's stream stood then).
-    One small JSON file, replaced atomically after every commit."""
+    """This rank's loader state after its newest committed step, at the newest checkpoint steps
+    (so that a whole-job restart from a checkpoint finds where each group's stream stood then), and
+    after its last sync with the other groups (where a semi-synchronous group restarted between syncs
+    resumes); at checkpoint steps also the Manager's count of syncs (where a group resumed from that
+    checkpoint counts from). One small JSON file, replaced atomically after every commit."""
 
     def __init__(self, path: Path, keep: int):
         self.path = path
         self.keep = keep
         self.latest: dict[str, Any] | None = None
         self.saved: dict[int, Any] = {}
+        self.synced: dict[str, Any] | None = None
+        self.syncs: dict[int, int] = {}
         if path.exists():
             data = json.loads(path.read_text())
             self.latest = data["latest"]
             self.saved = {int(k): v for k, v in data["at"].items()}
+            self.synced = data.get("synced")
+            self.syncs = {int(k): v for k, v in data.get("syncs_at", {}).items()}
 
     def latest_step(self) -> int:
         return 0 if self.latest is None else int(self.latest["step"])
@@ -258,16 +361,46 @@ class Positions:
             f"{self.latest['step']}): this group's data stream cannot resume there"
         )
 
-    def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool) -> None:
+    def syncs_at(self, step: int) -> int | None:
+        """The Manager's count of syncs after checkpoint step ``step``; None when not recorded."""
+        return self.syncs.get(step)
+
+    def synced_loader(self) -> dict[str, Any] | None:
+        """The loader state after the last step that ended in a sync; None before the first."""
+        return None if self.synced is None else self.synced["loader"]
+
+    def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool, synced: bool = False,
+               syncs: int | None = None) -> None:
         self.latest = {"step": step, "loader": loader_state}
+        if synced:
+            self.synced = self.latest
         if keep_for_checkpoint:
             self.saved[step] = loader_state
+            if syncs is not None:
+                self.syncs[step] = syncs
             if self.keep > 0:
                 for old in sorted(self.saved)[:-self.keep]:
                     del self.saved[old]
+                    self.syncs.pop(old, None)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()}}))
+        tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()},
+                                   "synced": self.synced, "syncs_at": {str(k): v for k, v in self.syncs.items()}}))
         os.replace(tmp, self.path)
+
+
+def sync_position(step: int, ft) -> tuple[int, int]:
+    """After training step ``step``: the syncs between the replica groups completed, counted as torchft's
+    Manager counts them (one per committed quorum), and the steps trained since the last one. Without
+    ``semi_sync_method`` every step syncs; LocalSGD syncs every ``sync_steps``; DiLoCo syncs one fragment
+    every ``sync_steps // fragments`` steps, each a quorum of its own. A sync that failed (a group died
+    during it) is not counted by torchft but is here: ``Positions`` keeps the exact count at checkpoints."""
+    if ft.semi_sync_method == "none":
+        every = 1
+    elif ft.semi_sync_method == "local_sgd":
+        every = ft.sync_steps
+    else:
+        every = ft.sync_steps // ft.fragments
+    return divmod(step, every)
 
 
 def model_fragments(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
