@@ -355,6 +355,18 @@ PIPELINE_RUNTIME = _private("torch.distributed.pipelining.schedules._PipelineSch
 # Loads a compute-only CSV into that schedule and adds the communication actions.
 PIPELINE_LOAD_CSV = _private("torch.distributed.pipelining.schedules._PipelineScheduleRuntime._load_csv", _CSV)
 
+# --- torchft's semi-synchronous training ---------------------------------------------------------
+_SEMI = "fault_tolerance.semi_sync_method = 'local_sgd' or 'diloco' (torchft 0.2)"
+# The inner steps since the last sync: a group resumed between syncs sets it, so that it syncs at the
+# live groups' step rather than a whole interval later.
+LOCAL_SGD_LOCAL_STEP = _private("torchft.local_sgd.LocalSGD", _SEMI, instance_attr="_local_step")
+DILOCO_LOCAL_STEP = _private("torchft.local_sgd.DiLoCo", _SEMI, instance_attr="_local_step")
+DILOCO_SYNC_EVERY = _private("torchft.local_sgd.DiLoCo", _SEMI, instance_attr="_sync_every")
+# DiLoCo's optimizer hook, which runs a fragment's sync once it is due: DiLoCo has no public sync call,
+# and a restarted group joins the live groups' next sync through it.
+DILOCO_STEP_POST_HOOK = _private("torchft.local_sgd.DiLoCo._step_post_hook", _SEMI)
+
+
 # --- Flight Recorder ----------------------------------------------------------------------------
 _FR = "the Flight Recorder dump (comm.trace_buf_size, inspect-trace)"
 # The Flight Recorder's buffer as JSON bytes: the only way to read it from inside the process.
@@ -632,3 +644,17 @@ def cpu_matmul_is_fast(dtype: Any) -> bool:
     """False where torch multiplies ``dtype`` (bf16 or fp16) on the CPU with its generic loop."""
     entry = MKLDNN_FP16_SUPPORTED if str(dtype) == "torch.float16" else MKLDNN_BF16_SUPPORTED
     return bool(entry.get()())
+
+
+def set_inner_steps_since_sync(algorithm: Any, steps: int) -> None:
+    """torchft's LocalSGD or DiLoCo: the inner steps it counts since its last sync."""
+    entry = DILOCO_LOCAL_STEP if type(algorithm).__name__ == "DiLoCo" else LOCAL_SGD_LOCAL_STEP
+    entry.get()  # TorchInternalsError naming the feature if this torchft no longer has it
+    setattr(algorithm, entry.instance_attr, steps)
+
+
+def diloco_sync_now(algorithm: Any, optimizer: Any) -> None:
+    """Run DiLoCo's next fragment sync now, as its optimizer hook does when that sync is due."""
+    set_inner_steps_since_sync(algorithm, DILOCO_SYNC_EVERY.of(algorithm) - 1)
+    DILOCO_STEP_POST_HOOK.get()
+    DILOCO_STEP_POST_HOOK.of(algorithm)(optimizer, (), {})

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from titanctl import _torch_compat
 from titanctl.errors import ConfigError, TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
 
@@ -255,7 +256,7 @@ class ReplicaGroup:
             algorithm = DiLoCo(self.manager, fragments, optimizer, outer, sync_every=self.cfg.sync_steps)
         # Resumed from a checkpoint between two syncs: the next sync comes at the same step as the live
         # groups' (and as it would have without the restart), not a whole interval later.
-        algorithm._local_step = sync_position(self.trainable.get_step(), self.cfg)[1]
+        _torch_compat.set_inner_steps_since_sync(algorithm, sync_position(self.trainable.get_step(), self.cfg)[1])
         # A sync, and a heal in its quorum (a group resumed from an older checkpoint), runs in the
         # algorithm's hook after the optimizer step: these hooks run before and after it, so that the
         # metrics row of the step after a heal says so, as with begin_step.
@@ -292,8 +293,7 @@ class ReplicaGroup:
             if isinstance(algorithm, LocalSGD):
                 algorithm.sync()
             else:  # DiLoCo syncs a fragment from its optimizer hook once its count of inner steps is due
-                algorithm._local_step = algorithm._sync_every - 1
-                algorithm._step_post_hook(t.optimizer, (), {})
+                _torch_compat.diloco_sync_now(algorithm, t.optimizer)
         except TimeoutError:  # the Lighthouse's quorum (min_replicas above 1) never formed
             if self._healed_from is not None:
                 raise
