@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml constraints.txt
 train: install
 	$(BIN)/titanctl train --config recipes/llama3_debug.toml
 
+# Two pytest-xdist workers, a test file each at a time (its module fixtures run once), in the order
+# tests/conftest.py gives (the files that read the torchrun worlds last); the first worker also runs
+# the worlds in the background (tests/distributed/worlds.py).
 test: install
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check .

@@ -649,12 +649,11 @@ def cpu_matmul_is_fast(dtype: Any) -> bool:
 def set_inner_steps_since_sync(algorithm: Any, steps: int) -> None:
     """torchft's LocalSGD or DiLoCo: the inner steps it counts since its last sync."""
     entry = DILOCO_LOCAL_STEP if type(algorithm).__name__ == "DiLoCo" else LOCAL_SGD_LOCAL_STEP
-    entry.get()  # TorchInternalsError naming the feature if this torchft no longer has it
+    entry.of(algorithm)  # TorchInternalsError naming the feature if this torchft no longer sets it
     setattr(algorithm, entry.instance_attr, steps)
 
 
 def diloco_sync_now(algorithm: Any, optimizer: Any) -> None:
     """Run DiLoCo's next fragment sync now, as its optimizer hook does when that sync is due."""
     set_inner_steps_since_sync(algorithm, DILOCO_SYNC_EVERY.of(algorithm) - 1)
-    DILOCO_STEP_POST_HOOK.get()
     DILOCO_STEP_POST_HOOK.of(algorithm)(optimizer, (), {})

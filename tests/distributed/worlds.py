@@ -11,6 +11,10 @@ another in a background thread (``Worlds.start``), and runs the tests that read 
 (tests/conftest.py): a world's processes spend much of their time waiting on each other's collectives,
 and the rest of the suite, mostly one interpreter at a time, uses the CPU they leave.
 
+Under pytest-xdist (`make test` runs two workers) the first worker runs the worlds into a folder every
+worker shares, and writes ``world{N}.ran.json`` when the world of N ends; the other workers read the
+same folders once that file is there, and never launch a world the first one runs.
+
 A case's folder holds what a lone ``train_worker.py`` run writes (metrics.jsonl), digests of the initial
 weights (init_digests_rank{r}.json; a one-process reference also keeps them whole, init_rank0.pt),
 the first step's gradients when asked (grads_rank{r}.pt, experts_rank{r}.json), the last step's
@@ -21,6 +25,7 @@ workers/sync_train_worker.py records when asked, each rank's stdout and stderr, 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -64,9 +69,10 @@ class Worlds:
     """Runs each world once (in the background from ``start``, else on first demand) and hands out its
     cases' folders."""
 
-    def __init__(self, root: Path, selected: set[str]):
+    def __init__(self, root: Path, selected: set[str], runs_worlds: bool = True):
         self.root = root
         self.selected = selected
+        self.runs_worlds = runs_worlds  # False: another xdist worker runs them into ``root``
         self.logs: dict[int, str] = {}
         self.ran: dict[int, set[str]] = {}  # the cases each world ran
         self.background: dict[int, threading.Event] = {}  # set once the background thread ran that world
@@ -82,11 +88,23 @@ class Worlds:
         def run_all() -> None:
             for nproc in sizes:
                 try:
-                    self._run(nproc, None)
+                    if self.runs_worlds:
+                        try:
+                            self._run(nproc, None)
+                        finally:
+                            self._publish(nproc)
+                    else:
+                        self._await(nproc)
                 finally:
                     self.background[nproc].set()
 
-        threading.Thread(target=run_all, name="torchrun worlds", daemon=True).start()
+        self.thread = threading.Thread(target=run_all, name="torchrun worlds", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        """Before the session of the worker that runs the worlds ends: the other workers may still read them."""
+        if self.runs_worlds and getattr(self, "thread", None) is not None:
+            self.thread.join()
 
     def folder(self, key: str) -> Path:
         case = _CASES[key]
@@ -121,7 +139,7 @@ class Worlds:
             prepare(self.root)
         plan = [{"key": c.key, "args": [a.replace(ROOT, str(self.root)) for a in c.args], "grads": c.grads,
                  "probe": c.probe, "final": c.final, "folder": str(self._folder(c.key))} for c in cases]
-        plan_file = self.root / f"world{nproc}.json"
+        plan_file = self.root / (f"world{nproc}.json" if asked is None else f"world{nproc}-{os.getpid()}.json")
         plan_file.write_text(json.dumps(plan))
         start = time.perf_counter()
         try:
@@ -137,6 +155,28 @@ class Worlds:
         slowest = ", ".join(f"{key} {s:.1f} s" for key, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:5])
         self.summaries.append(f"WORLD of {nproc} process(es): {len(cases)} cases in {time.perf_counter() - start:.1f} s "
                               f"({ending}); slowest: {slowest}")
+
+    def _publish(self, nproc: int) -> None:
+        """For the other xdist workers, once the world of ``nproc`` ended (or failed to start): written
+        whole and renamed into place, so that its presence means the world is over."""
+        ran = self.root / f"world{nproc}.ran.json"
+        log = self.logs.get(nproc, "the world raised before it ran: see the output of the first xdist worker")
+        ran.with_suffix(".tmp").write_text(json.dumps({"cases": sorted(self.ran.get(nproc, ())), "log": log}))
+        ran.with_suffix(".tmp").replace(ran)
+
+    def _await(self, nproc: int) -> None:
+        """Wait until the worker that runs the worlds has run the world of ``nproc`` (bounded like a launch)."""
+        ran = self.root / f"world{nproc}.ran.json"
+        cases = sum(c.nproc == nproc for c in _CASES.values())
+        deadline = time.monotonic() + 2 * (60 + SECONDS_PER_CASE * cases)
+        while not ran.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if ran.exists():
+            data = json.loads(ran.read_text())
+            self.logs[nproc] = data["log"]
+            self.ran[nproc] = set(data["cases"])
+        else:
+            self.logs[nproc] = f"{ran} never appeared: the worker that runs the worlds did not finish this one"
 
 
 def _text(output: bytes | str | None) -> str:
