@@ -25,6 +25,9 @@ OFFLINE_ENV = {
     "TITANCTL_CACHE_DIR": _CACHE,
 }
 os.environ.update(OFFLINE_ENV)
+# Two xdist workers, the torchrun worlds and the processes they start share a few cores: an OpenMP thread
+# that waits sleeps instead of spinning on a core another process needs (results do not change).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO = Path(__file__).resolve().parents[1]
 TITANCTL = [sys.executable, "-m", "titanctl"]
