@@ -228,6 +228,7 @@ class RegisteringManager(CountingManager):
         self._load_state_dict_fns[key], self._user_state_dicts[key] = load_fn, save_fn
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, by intent
 @pytest.mark.parametrize("attach", [True, False])
 def test_diloco_state_through_a_checkpoint_between_syncs_continues_bitwise(tmp_path, attach):
     """A DiLoCo group (2 fragments, one synced every 2 steps, Nesterov momentum) checkpointed at step 3,
