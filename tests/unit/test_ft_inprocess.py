@@ -286,6 +286,38 @@ def test_diloco_state_through_a_checkpoint_between_syncs_continues_bitwise(tmp_p
     assert all(same) if attach else not all(same)
 
 
+def test_a_diloco_run_refuses_a_checkpoint_without_diloco_state_in_one_line(trained_run, tmp_path):
+    """A checkpoint saved without DiLoCo would leave the global weights at whatever the model loaded: the
+    run says so, unless checkpoint.exclude_from_loading names diloco."""
+    import shutil
+
+    from tests.conftest import TRUSTED_RUN
+    from titanctl.checkpoint.load_plan import plan_load
+    from titanctl.checkpoint.manager import CheckpointManager
+    from titanctl.errors import CheckpointError
+    from titanctl.parallel.runtime.diloco_state import DiLoCoState
+    from titanctl.train.trainer import Trainer
+
+    for exclude in ([], ["--checkpoint.exclude_from_loading", "diloco"]):
+        out = tmp_path / f"run{len(exclude)}"
+        t = Trainer(load_config(None, [*TRUSTED_RUN, "--job.dump_folder", str(out), *exclude]))
+        try:
+            shutil.copytree(trained_run / "checkpoint", out / "checkpoint")  # saved by a run without DiLoCo
+            state = DiLoCoState(t.model_parts[0], None, momentum=True)
+            manager = CheckpointManager(
+                t.cfg, model_parts=t.model_parts, optimizer=t.optimizer, lr_scheduler=t.lr_scheduler,
+                loader=t.loader, model_args=t.model_args, rank=0, world_size=1, dp_degree=1,
+                device=torch.device("cpu"), log=lambda _: None, extra_states={"diloco": state},
+            )
+            if not exclude:
+                with pytest.raises(CheckpointError, match="holds no DiLoCo state.*exclude_from_loading = diloco"):
+                    manager.load(plan_load(t.cfg, t.model_args))
+            else:
+                assert manager.load(plan_load(t.cfg, t.model_args)).step == 2 and state.pending is None
+        finally:
+            t.close()
+
+
 def _replica_group(tmp_path, monkeypatch, replica_id: int, method: str) -> tuple[ReplicaGroup, object]:
     """Rank 0 of a one-process replica group, with the TCPStore torchrun would give it."""
     store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
