@@ -365,6 +365,12 @@ DILOCO_SYNC_EVERY = _private("torchft.local_sgd.DiLoCo", _SEMI, instance_attr="_
 # DiLoCo's optimizer hook, which runs a fragment's sync once it is due: DiLoCo has no public sync call,
 # and a restarted group joins the live groups' next sync through it.
 DILOCO_STEP_POST_HOOK = _private("torchft.local_sgd.DiLoCo._step_post_hook", _SEMI)
+# The save/load pair that each DiLoCo fragment registers with the Manager for torchft's own heals (its
+# global weights and outer optimizer): titanctl's checkpoints save and restore the same state through
+# it. The Manager offers registration but no public way to read a registered pair back.
+MANAGER_STATE_DICT_FNS = _private("torchft.manager.Manager", _SEMI, instance_attr="_user_state_dicts")
+MANAGER_LOAD_STATE_DICT_FNS = _private("torchft.manager.Manager", _SEMI, instance_attr="_load_state_dict_fns")
+DILOCO_FRAGMENT_KEY = "StreamingDiLoCoFragment_{}"  # the key fragment i registers under (torchft 0.2)
 
 
 # --- Flight Recorder ----------------------------------------------------------------------------
@@ -651,6 +657,15 @@ def set_inner_steps_since_sync(algorithm: Any, steps: int) -> None:
     entry = DILOCO_LOCAL_STEP if type(algorithm).__name__ == "DiLoCo" else LOCAL_SGD_LOCAL_STEP
     entry.of(algorithm)  # TorchInternalsError naming the feature if this torchft no longer sets it
     setattr(algorithm, entry.instance_attr, steps)
+
+
+def diloco_fragment_state_fns(manager: Any, fragment: int) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """The (save, load) pair that DiLoCo's fragment ``fragment`` registered with torchft's Manager."""
+    key = DILOCO_FRAGMENT_KEY.format(fragment)
+    saves, loads = MANAGER_STATE_DICT_FNS.of(manager), MANAGER_LOAD_STATE_DICT_FNS.of(manager)
+    if key not in saves or key not in loads:
+        raise MANAGER_STATE_DICT_FNS.missing(f"no state registered under {key!r}")
+    return saves[key], loads[key]
 
 
 def diloco_sync_now(algorithm: Any, optimizer: Any) -> None:

@@ -8,12 +8,17 @@ In both runs group 1 is SIGKILLed after step 3, between two syncs (local_sgd: ev
 group 0's sync at step 4 (--min-replicas 2 makes group 0 wait there for it) and heals from group 0;
 that sync's share of group 1 is then group 0's own, so the sync averages group 0 alone. Its stream goes
 back to where it stood at its sync of step 2: the samples of step 3 are trained again at step 5.
+
+The DiLoCo run also writes checkpoints (group 0, steps 3 and 6). The whole job started again from a copy
+of its dump folder at step 3, between two syncs, repeats it bit for bit from there: group 0 loads the
+checkpoint, its fragments' global weights and outer momentum with it; group 1 comes back as after the kill.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import WORKERS, rows, sample_log
+from titanctl.checkpoint.convert import convert_checkpoint
+from titanctl.checkpoint.reader import DCPFolder
 from titanctl.config.recipe import load_config
 from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.parallel.layouts.weight_init import canonical_name
@@ -41,6 +49,10 @@ TRAIN = [
 ]
 METHODS = {"local_sgd": ["--fault_tolerance.sync_steps", "2"],
            "diloco": ["--fault_tolerance.sync_steps", "4", "--fault_tolerance.fragments", "2"]}
+# The DiLoCo run's checkpoints: step 3 lies between the syncs of steps 2 (fragment 0, which then has outer
+# momentum) and 4 (fragment 1, none yet). A whole-job restart from it is exact only if it holds both.
+CHECKPOINTS = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(KILL_STEP), "--checkpoint.keep_latest_k", "0"]
+ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def options(method: str) -> list[str]:
@@ -51,18 +63,25 @@ def options(method: str) -> list[str]:
 def launches(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
     """Both methods' runs at once: most of a launch is start-up latency (torchrun, the Lighthouse, the
     first quorum), which overlaps with the other launch and with the simulations in this process."""
-    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     started = {}
     for method in METHODS:
         out = tmp_path_factory.mktemp(method)
-        cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
-               "--dump-folder", str(out), "--min-replicas", "2", "--kill-group", "1", "--kill-at-step", str(KILL_STEP),
-               "--worker", str(WORKERS / "ckpt_worker.py"), "--",
-               *options(method), "--test-dump-final", "--test-hold-for-kill", f"1:{KILL_STEP}"]
-        started[method] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           env=env, cwd=REPO), out
+        kill = ["--kill-group", "1", "--kill-at-step", str(KILL_STEP)]
+        started[method] = launch(method, out, kill, ["--test-hold-for-kill", f"1:{KILL_STEP}"]), out
     yield started
-    for proc, _ in started.values():  # a test that failed first: ft_local's interrupt kills its groups
+    stop([proc for proc, _ in started.values()])
+
+
+def launch(method: str, out: Path, launcher: list[str], worker: list[str]) -> subprocess.Popen:
+    checkpoints = CHECKPOINTS if method == "diloco" else []
+    cmd = [sys.executable, str(REPO / "scripts" / "ft_local.py"), "--groups", "2", "--procs-per-group", "1",
+           "--dump-folder", str(out), "--min-replicas", "2", *launcher, "--worker", str(WORKERS / "ckpt_worker.py"),
+           "--", *options(method), *checkpoints, "--test-dump-final", *worker]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:  # a test that failed first: ft_local's interrupt kills its groups
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -72,11 +91,30 @@ def launches(tmp_path_factory) -> dict[str, tuple[subprocess.Popen, Path]]:
                 proc.wait()
 
 
+@pytest.fixture(scope="module")
+def restarted(launches, tmp_path_factory) -> tuple[subprocess.Popen, Path]:
+    """The whole DiLoCo job again, started as soon as its kill run ended (during the simulation): both
+    groups, the same command without the kill, on a copy of its dump folder without the checkpoints after
+    step KILL_STEP."""
+    folder = tmp_path_factory.mktemp("diloco_again") / "out"
+    shutil.copytree(finished(launches, "diloco"), folder)
+    for later in (folder / "replica_0" / "checkpoint").iterdir():
+        if int(later.name.removeprefix("step-")) > KILL_STEP:
+            shutil.rmtree(later)
+    proc = launch("diloco", folder, [], [])
+    yield proc, folder
+    stop([proc])
+
+
 def finished(launches, method: str) -> Path:
-    proc, out = launches[method]
-    stdout, _ = proc.communicate(timeout=300)
+    return wait(*launches[method])
+
+
+def wait(proc: subprocess.Popen, out: Path) -> Path:
+    if proc.returncode is None:  # once: a second communicate() finds the pipe closed
+        proc.output, _ = proc.communicate(timeout=300)
     logs = "\n".join((out / f"replica_{i}.log").read_text()[-3000:] for i in range(2))
-    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{stdout[-2000:]}\n{logs}"
+    assert proc.returncode == 0, f"ft_local exit {proc.returncode}\n{proc.output[-2000:]}\n{logs}"
     return out
 
 
@@ -141,7 +179,9 @@ def simulate(method: str, tmp_path: Path) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_semi_sync_equals_one_process_simulation(launches, method, tmp_path):
+def test_semi_sync_equals_one_process_simulation(launches, method, tmp_path, request):
+    if method == "diloco":
+        request.getfixturevalue("restarted")  # runs during the simulation
     expected = simulate(method, tmp_path)  # while the launches run
     out = finished(launches, method)
     for g in range(2):
@@ -166,3 +206,24 @@ def test_semi_sync_equals_one_process_simulation(launches, method, tmp_path):
     assert [e["consumed_before"] for e in synced_in] == [stride * i for i in range(4)]
     ids = [row for e in synced_in for row in e["rows"]]
     assert len(ids) == len(set(ids))
+
+
+def test_diloco_whole_job_restart_between_syncs_is_bitwise(launches, restarted, tmp_path):
+    """From the checkpoint of step 3 (between syncs): group 0's later losses, group 1's after its heal
+    (in the sync of step 4, as after the kill; its stream back at its last sync before step 3) and both
+    groups' final weights are the kill run's, bit for bit."""
+    out = finished(launches, "diloco")
+    step = out / "replica_0" / "checkpoint" / f"step-{KILL_STEP}"
+    assert {k.split(".", 1)[0] for k in DCPFolder(step).entries} >= {"diloco"}
+    convert_checkpoint(step, tmp_path / "hf", dst_format="hf")  # while the restart runs: the weights only
+    exported = [k for f in (tmp_path / "hf").glob("*.safetensors") for k in safe_open(f, "pt").keys()]
+    assert len(exported) == len(torch.load(out / "replica_0" / "final_rank0.pt")), exported
+    again = wait(*restarted)
+    for g in range(2):
+        before, after = ({r["step"]: r for r in rows(run / f"replica_{g}")} for run in (out, again))  # a step's last
+        replayed = range(KILL_STEP + 1 if g == 0 else REJOIN_STEP + 1, STEPS + 1)
+        assert [after[s]["loss"] for s in replayed] == [before[s]["loss"] for s in replayed], g
+        a, b = torch.load(out / f"replica_{g}" / "final_rank0.pt"), torch.load(again / f"replica_{g}" / "final_rank0.pt")
+        assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == [], g
+    healed = [r["step"] for r in rows(again / "replica_1") if "heal_seconds" in r]
+    assert healed[-1] == REJOIN_STEP + 1, healed

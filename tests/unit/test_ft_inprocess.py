@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from titanctl import _torch_compat
 from titanctl.config.recipe import load_config
 from titanctl.errors import TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
@@ -93,10 +94,28 @@ def test_positions_resume_where_the_groups_stream_stood(tmp_path):
 def test_positions_keep_the_last_sync(tmp_path):
     path = tmp_path / "ft_positions_rank0.json"
     p = Positions(path, keep=0)
-    assert p.synced_loader() is None  # before its first sync a group's stream resumes at its beginning
+    assert p.synced_loader(0) is None  # before its first sync a group's stream resumes at its beginning
     for step in range(1, 4):
         p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=False, synced=step == 2)
-    assert Positions(path, keep=0).synced_loader() == {"samples_consumed": 16}
+    assert Positions(path, keep=0).synced_loader(3) == {"samples_consumed": 16}
+
+
+def test_positions_keep_the_last_sync_at_each_checkpoint(tmp_path):
+    """A whole-job restart from checkpoint step 3: a group that heals then goes back to its last sync
+    before step 3, not to the one its record reached later."""
+    path = tmp_path / "ft_positions_rank0.json"
+    p = Positions(path, keep=2)
+    for step in range(1, 10):
+        p.record(step, {"samples_consumed": 8 * step}, keep_for_checkpoint=step % 3 == 0, synced=step % 2 == 0)
+    again = Positions(path, keep=2)
+    assert again.synced_loader(9) == {"samples_consumed": 64}
+    assert again.synced_loader(6) == {"samples_consumed": 48}  # synced at the checkpoint step itself
+    with pytest.raises(TitanError, match="no record of this group's last sync before step 3"):
+        again.synced_loader(3)  # keep_latest_k = 2 dropped it with checkpoint step 3
+    p = Positions(tmp_path / "first.json", keep=0)
+    p.record(1, {"samples_consumed": 8}, keep_for_checkpoint=True)
+    p.record(2, {"samples_consumed": 16}, keep_for_checkpoint=False, synced=True)
+    assert p.synced_loader(1) is None  # no sync before checkpoint step 1: its stream's beginning
 
 
 @pytest.mark.parametrize("min_replicas, why", [
@@ -196,6 +215,107 @@ def test_sync_position_counts_syncs_as_torchft_does(method):
             opt.step()
             opt.zero_grad()
             assert sync_position(step, ft) == (manager.step, algorithm._local_step), step
+
+
+class RegisteringManager(CountingManager):
+    """Keeps what DiLoCo's fragments register, where torchft's Manager keeps it (titanctl reads it there)."""
+
+    def __init__(self):
+        super().__init__()
+        self._user_state_dicts, self._load_state_dict_fns = {}, {}
+
+    def register_state_dict_fn(self, key, load_fn, save_fn):
+        self._load_state_dict_fns[key], self._user_state_dicts[key] = load_fn, save_fn
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, by intent
+@pytest.mark.parametrize("attach", [True, False])
+def test_diloco_state_through_a_checkpoint_between_syncs_continues_bitwise(tmp_path, attach):
+    """A DiLoCo group (2 fragments, one synced every 2 steps, Nesterov momentum) checkpointed at step 3,
+    between syncs, with a fragment that has outer momentum and one that has none yet: loaded through DCP
+    into a fresh DiLoCo (the load before the object exists), it trains steps 4-7 as the uninterrupted one.
+    ``attach`` False: the loaded state never reaches DiLoCo (global weights = the loaded local weights, no
+    momentum), which a restart did before: it must differ."""
+    import torch.distributed.checkpoint as dcp
+    from torchft.local_sgd import DiLoCo
+
+    from titanctl.checkpoint.state import ModelState, OptimizerState
+    from titanctl.parallel.runtime.diloco_state import DiLoCoState
+
+    ft = load_config(None, [*SEMI_SYNC["diloco"], "--fault_tolerance.outer_momentum", "0.9"]).fault_tolerance
+    batches = [torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(s)) for s in range(8)]
+
+    def group(model, opt, from_step: int, state: DiLoCoState, attach_state: bool = True):
+        """DiLoCo as semi_sync builds it for a group at ``from_step`` (the Manager's syncs and the
+        steps since the last one as a resumed group sets them)."""
+        manager = RegisteringManager()
+        syncs, since = sync_position(from_step, ft)
+        manager.step = syncs
+        fragments = model_fragments(model, ft.fragments)
+        outer = [torch.optim.SGD(f.parameters(), lr=0.5, momentum=0.9, nesterov=True) for f in fragments]
+        algorithm = DiLoCo(manager, fragments, opt, outer, sync_every=ft.sync_steps)
+        _torch_compat.set_inner_steps_since_sync(algorithm, since)
+        state.manager = manager
+        if attach_state:
+            state.attach(fragments)
+        return algorithm
+
+    def train(model, opt, algorithm, steps):
+        with algorithm:
+            for s in steps:
+                model(batches[s]).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    def checkpoint(model, opt, state):
+        return {"model": ModelState([model]), "optimizer": OptimizerState(ModelState([model]), opt), "diloco": state}
+
+    model, opt, _ = trained(0, 0)
+    state = DiLoCoState(model, None, momentum=True)
+    algorithm = group(model, opt, 0, state)
+    train(model, opt, algorithm, range(3))
+    dcp.save(checkpoint(model, opt, state), checkpoint_id=tmp_path, no_dist=True)
+    train(model, opt, algorithm, range(3, 7))
+
+    again, again_opt, _ = trained(1, 0)  # other weights: everything comes from the checkpoint
+    again_state = DiLoCoState(again, None, momentum=True)
+    dcp.load(checkpoint(again, again_opt, again_state), checkpoint_id=tmp_path, no_dist=True)
+    again_algorithm = group(again, again_opt, 3, again_state, attach_state=attach)
+    train(again, again_opt, again_algorithm, range(3, 7))
+    same = [torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters())]
+    assert all(same) if attach else not all(same)
+
+
+def test_a_diloco_run_refuses_a_checkpoint_without_diloco_state_in_one_line(trained_run, tmp_path):
+    """A checkpoint saved without DiLoCo would leave the global weights at whatever the model loaded: the
+    run says so, unless checkpoint.exclude_from_loading names diloco."""
+    import shutil
+
+    from tests.conftest import TRUSTED_RUN
+    from titanctl.checkpoint.load_plan import plan_load
+    from titanctl.checkpoint.manager import CheckpointManager
+    from titanctl.errors import CheckpointError
+    from titanctl.parallel.runtime.diloco_state import DiLoCoState
+    from titanctl.train.trainer import Trainer
+
+    for exclude in ([], ["--checkpoint.exclude_from_loading", "diloco"]):
+        out = tmp_path / f"run{len(exclude)}"
+        t = Trainer(load_config(None, [*TRUSTED_RUN, "--job.dump_folder", str(out), *exclude]))
+        try:
+            shutil.copytree(trained_run / "checkpoint", out / "checkpoint")  # saved by a run without DiLoCo
+            state = DiLoCoState(t.model_parts[0], None, momentum=True)
+            manager = CheckpointManager(
+                t.cfg, model_parts=t.model_parts, optimizer=t.optimizer, lr_scheduler=t.lr_scheduler,
+                loader=t.loader, model_args=t.model_args, rank=0, world_size=1, dp_degree=1,
+                device=torch.device("cpu"), log=lambda _: None, extra_states={"diloco": state},
+            )
+            if not exclude:
+                with pytest.raises(CheckpointError, match="holds no DiLoCo state.*exclude_from_loading = diloco"):
+                    manager.load(plan_load(t.cfg, t.model_args))
+            else:
+                assert manager.load(plan_load(t.cfg, t.model_args)).step == 2 and state.pending is None
+        finally:
+            t.close()
 
 
 def _replica_group(tmp_path, monkeypatch, replica_id: int, method: str) -> tuple[ReplicaGroup, object]:

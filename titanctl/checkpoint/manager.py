@@ -19,9 +19,9 @@ DCP steps and, counted apart, the newest ``keep_latest_k`` Hugging Face saves.
 
 The DCP state dict follows ``titanctl.checkpoint.metadata``: the model's canonical FQNs at
 the top level, plus ``optimizer`` (flattened FQN keys, so it reshards across layouts),
-``lr_scheduler``, ``dataloader``, ``train_state`` (step, tokens_seen) and ``rng``. Each part is
-a ``Stateful`` (``titanctl.checkpoint.state``); the manager builds one dict of them and hands
-it to DCP, for saves and loads alike.
+``lr_scheduler``, ``dataloader``, ``train_state`` (step, tokens_seen) and ``rng``, and a DiLoCo run's
+``diloco`` (``extra_states``). Each part is a ``Stateful`` (``titanctl.checkpoint.state``); the manager
+builds one dict of them and hands it to DCP, for saves and loads alike.
 
 Integrity: every rank hashes the files it wrote and rank 0 records the checksums in
 ``titanctl.json`` before the rename (``titanctl.checkpoint.checksums``). A load reads the
@@ -160,6 +160,7 @@ class CheckpointManager:
         device: torch.device,
         log: Callable[[str], None] = print,
         lora: LoRAConversion | None = None,
+        extra_states: dict[str, Stateful] | None = None,
     ) -> None:
         self.cfg = cfg
         self.ck = ck = cfg.checkpoint
@@ -208,6 +209,7 @@ class CheckpointManager:
             "dataloader": LoaderState(loader),
             "train_state": self.train_state,
             "rng": RNGState(rank, device),
+            **(extra_states or {}),  # parts of STATE_PARTS that only some runs have
         }
         self._pg = None
         if world_size > 1 and (self.saving or ck.initial_load_path):
@@ -309,7 +311,7 @@ class CheckpointManager:
     ) -> None:
         self.wait()  # one save at a time: the previous one is durable before this one starts
         started = time.perf_counter()
-        parts = ["model"] if weights_only else list(STATE_PARTS)
+        parts = ["model"] if weights_only else [p for p in STATE_PARTS if p in self.states]
         self.train_state.step, self.train_state.tokens_seen = step, tokens_seen
         state = self._dcp_state(parts, dtype)
         tmp = self.root / f"{TMP_PREFIX}{step}"
@@ -544,7 +546,14 @@ class CheckpointManager:
                 plan = older
 
     def _read(self, plan: LoadPlan) -> Resumed:
-        folder, parts = plan.folder, list(plan.parts)
+        folder = plan.folder
+        parts = [p for p in plan.parts if p in self.states]  # a part this run lacks (diloco) stays unread
+        if "diloco" in parts and "diloco" not in plan.meta.get("contents", ()):
+            raise CheckpointError(
+                f"{folder} holds no DiLoCo state (global weights, outer optimizer): it was saved by a run "
+                "without fault_tolerance.semi_sync_method = diloco; resume it with "
+                "checkpoint.exclude_from_loading = diloco (the global weights then start from its weights)"
+            )
         if "rng" in parts and not any(key.startswith(f"rng.rank{self.rank}.") for key in plan.source.entries):
             parts.remove("rng")  # RNG streams are per rank; ranks the saving run did not have keep theirs
 

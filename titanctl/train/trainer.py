@@ -321,6 +321,8 @@ class Trainer:
             device=self.env.device,
             log=self.say,
             lora=self.lora,
+            # A DiLoCo group's global weights and outer optimizer: semi_sync gets model_parts[0] too.
+            extra_states=self.ft.checkpoint_states(self.model_parts[0]) if self.ft is not None else None,
         )
 
     def train(self) -> None:

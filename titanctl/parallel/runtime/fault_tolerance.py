@@ -40,6 +40,8 @@ from torch.distributed.tensor import DTensor
 from titanctl import _torch_compat
 from titanctl.errors import ConfigError, TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
+from titanctl.parallel.runtime.diloco_state import PART as DILOCO_PART
+from titanctl.parallel.runtime.diloco_state import DiLoCoState
 
 POSITIONS_FILE = "ft_positions_rank{rank}.json"
 REPLICA_ID_DIGITS = 4  # torchft orders groups by their id's text: replica_0002 < replica_0010
@@ -98,6 +100,7 @@ class ReplicaGroup:
         self._healed: float | None = None  # seconds the last heal took, until a metrics row reports it
         self._healed_from: int | None = None
         self.lost_steps = 0
+        self.diloco_state: DiLoCoState | None = None
         self.manager = torchft.Manager(
             pg=self.process_group,
             load_state_dict=self._load_state,
@@ -137,6 +140,14 @@ class ReplicaGroup:
         self._healed_at_sync = step
         self._missed_steps = 0
 
+    def checkpoint_states(self, model: torch.nn.Module) -> dict[str, Any]:
+        """What this group's checkpoints hold besides the Trainer's own state: with DiLoCo its fragments'
+        global weights and outer optimizers (``model``: the module semi_sync gets)."""
+        if self.semi_sync_method != "diloco":
+            return {}
+        self.diloco_state = DiLoCoState(model, self.manager, momentum=self.cfg.outer_momentum != 0)
+        return {DILOCO_PART: self.diloco_state}
+
     # ----------------------------------------------------------------------------- healing
 
     def _state(self) -> dict[str, Any]:
@@ -162,7 +173,7 @@ class ReplicaGroup:
         if self.semi_sync_method == "none":
             position = self.positions.at(state["step"])
         else:
-            position = self.positions.synced_loader()
+            position = self.positions.synced_loader(state["step"])
         if position is not None:  # None: the group never trained (or synced); its stream starts at its beginning
             t.loader.load_state_dict(position)
 
@@ -254,6 +265,8 @@ class ReplicaGroup:
                 for f in fragments
             ]
             algorithm = DiLoCo(self.manager, fragments, optimizer, outer, sync_every=self.cfg.sync_steps)
+            if self.diloco_state is not None:  # a loaded checkpoint's global weights and outer momentum
+                self.diloco_state.attach(fragments)
         # Resumed from a checkpoint between two syncs: the next sync comes at the same step as the live
         # groups' (and as it would have without the restart), not a whole interval later.
         _torch_compat.set_inner_steps_since_sync(algorithm, sync_position(self.trainable.get_step(), self.cfg)[1])
@@ -329,7 +342,9 @@ class Positions:
     (so that a whole-job restart from a checkpoint finds where each group's stream stood then), and
     after its last sync with the other groups (where a semi-synchronous group restarted between syncs
     resumes); at checkpoint steps also the Manager's count of syncs (where a group resumed from that
-    checkpoint counts from). One small JSON file, replaced atomically after every commit."""
+    checkpoint counts from) and the last sync's position then (where a group that heals after a
+    whole-job restart from that checkpoint resumes). One small JSON file, replaced atomically after
+    every commit."""
 
     def __init__(self, path: Path, keep: int):
         self.path = path
@@ -338,12 +353,14 @@ class Positions:
         self.saved: dict[int, Any] = {}
         self.synced: dict[str, Any] | None = None
         self.syncs: dict[int, int] = {}
+        self.synced_at: dict[int, dict[str, Any] | None] = {}
         if path.exists():
             data = json.loads(path.read_text())
             self.latest = data["latest"]
             self.saved = {int(k): v for k, v in data["at"].items()}
             self.synced = data.get("synced")
             self.syncs = {int(k): v for k, v in data.get("syncs_at", {}).items()}
+            self.synced_at = {int(k): v for k, v in data.get("synced_at", {}).items()}
 
     def latest_step(self) -> int:
         return 0 if self.latest is None else int(self.latest["step"])
@@ -365,9 +382,18 @@ class Positions:
         """The Manager's count of syncs after checkpoint step ``step``; None when not recorded."""
         return self.syncs.get(step)
 
-    def synced_loader(self) -> dict[str, Any] | None:
-        """The loader state after the last step that ended in a sync; None before the first."""
-        return None if self.synced is None else self.synced["loader"]
+    def synced_loader(self, step: int) -> dict[str, Any] | None:
+        """The loader state after the last step up to ``step`` that ended in a sync; None before the
+        first. A whole-job restart from checkpoint ``step`` comes back to a record that went on past it."""
+        synced = self.synced
+        if synced is not None and synced["step"] > step:
+            if step not in self.synced_at:
+                raise TitanError(
+                    f"{self.path} has no record of this group's last sync before step {step} (it has "
+                    f"{sorted(self.synced_at)}): its data stream cannot resume there"
+                )
+            synced = self.synced_at[step]
+        return None if synced is None else synced["loader"]
 
     def record(self, step: int, loader_state: dict[str, Any], keep_for_checkpoint: bool, synced: bool = False,
                syncs: int | None = None) -> None:
@@ -378,13 +404,16 @@ class Positions:
             self.saved[step] = loader_state
             if syncs is not None:
                 self.syncs[step] = syncs
+            self.synced_at[step] = self.synced
             if self.keep > 0:
                 for old in sorted(self.saved)[:-self.keep]:
                     del self.saved[old]
                     self.syncs.pop(old, None)
+                    self.synced_at.pop(old, None)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"latest": self.latest, "at": {str(k): v for k, v in self.saved.items()},
-                                   "synced": self.synced, "syncs_at": {str(k): v for k, v in self.syncs.items()}}))
+                                   "synced": self.synced, "syncs_at": {str(k): v for k, v in self.syncs.items()},
+                                   "synced_at": {str(k): v for k, v in self.synced_at.items()}}))
         os.replace(tmp, self.path)
 
 
