@@ -18,7 +18,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    if _WORLDS:
+    """Under xdist the other worker may still read the worlds this one runs: it ends after them."""
+    if _WORLDS and "PYTEST_XDIST_WORKER" in os.environ:
         _WORLDS[0].join()
 
 

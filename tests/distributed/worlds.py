@@ -102,7 +102,7 @@ class Worlds:
         self.thread.start()
 
     def join(self) -> None:
-        """Before the session of the worker that runs the worlds ends: the other workers may still read them."""
+        """Wait for the worlds this process runs (for the other xdist workers, which may still read them)."""
         if self.runs_worlds and getattr(self, "thread", None) is not None:
             self.thread.join()
 
