@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from titanctl import _torch_compat
 from titanctl.parallel.layouts.weight_init import canonical_name
+from titanctl.parallel.runtime import ft_state
 
 PART = "diloco"  # its entries' prefix in a checkpoint (titanctl.checkpoint.load_plan.STATE_PARTS)
 GLOBAL, MOMENTUM = "global.", "outer_momentum."
@@ -83,7 +84,7 @@ class DiLoCoState(Stateful):
             params, momentum = {}, {}
             for index, (name, p) in enumerate(fragment.named_parameters()):
                 key = self.names[id(p)]
-                params[name] = _local(state[GLOBAL + key])
+                params[name] = ft_state.local(state[GLOBAL + key])
                 if self.momentum:
                     momentum[index] = {"momentum_buffer": state[MOMENTUM + key]}
             load({"original_parameters": params, "outer_optimizer": {**outer, "state": momentum}})
@@ -98,7 +99,3 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                                   stride=param.stride(), run_check=False)
     return local
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -77,7 +77,6 @@ class ReplicaGroup:
         torchft = import_torchft()
         ft = cfg.fault_tolerance
         self.cfg = cfg.fault_tolerance
-        self.semi_sync_method = ft.semi_sync_method
         self.rank, self.world_size = rank, world_size
         self.trainable: Trainable | None = None
         self.replica_id = ft.replica_id
@@ -123,7 +122,7 @@ class ReplicaGroup:
         self.trainable = trainable
         # A semi-synchronous group that trained before (its positions say so) and now starts with no
         # checkpoint of its own was restarted: its weights are its initial ones, nothing to train alone.
-        self.rejoining = self.semi_sync_method != "none" and trainable.get_step() == 0 and self.restored_step > 0
+        self.rejoining = self.cfg.semi_sync_method != "none" and trainable.get_step() == 0 and self.restored_step > 0
         # The Manager's step counts committed syncs (every step's, without semi_sync_method). -1 is behind
         # every live group, even before their first sync (step 0, where torchft heals nobody without
         # init_sync): the quorum of the sync this group joins has it heal from one of them. A group that
@@ -143,7 +142,7 @@ class ReplicaGroup:
     def checkpoint_states(self, model: torch.nn.Module) -> dict[str, Any]:
         """What this group's checkpoints hold besides the Trainer's own state: with DiLoCo its fragments'
         global weights and outer optimizers (``model``: the module semi_sync gets)."""
-        if self.semi_sync_method != "diloco":
+        if self.cfg.semi_sync_method != "diloco":
             return {}
         self.diloco_state = DiLoCoState(model, self.manager, momentum=self.cfg.outer_momentum != 0)
         return {DILOCO_PART: self.diloco_state}
@@ -170,7 +169,7 @@ class ReplicaGroup:
         # The data stream stays this group's own: where it stood at the step the group now resumes. Semi-
         # synchronous: at its last sync; the steps it trained since then are replaced by the peer's state,
         # so their samples are trained again.
-        if self.semi_sync_method == "none":
+        if self.cfg.semi_sync_method == "none":
             position = self.positions.at(state["step"])
         else:
             position = self.positions.synced_loader(state["step"])
@@ -326,7 +325,7 @@ class ReplicaGroup:
 
     def _no_peer(self, why: str) -> str:
         return (f"{self.describe()} was restarted after training {self.restored_step} steps with "
-                f"{self.semi_sync_method}, but {why}: it would train alone from its initial weights; restart "
+                f"{self.cfg.semi_sync_method}, but {why}: it would train alone from its initial weights; restart "
                 "the whole job from the newest checkpoint instead (docs/fault-tolerance.md)")
 
     def describe(self) -> str:
