@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
+import gc
 import json
 import locale
 import os
@@ -40,8 +41,11 @@ _PRELOADED = ("torch", "numpy", "safetensors", "rich", "typer")
 
 def _serve(sock: socket.socket) -> None:
     """The server's loop: one JSON request per line, answered with the child's pid, then its status."""
+    gc.disable()  # as titanctl._startup.heavy_imports does (not imported here: titanctl stays unimported)
     for name in _PRELOADED:
         __import__(name)
+    gc.freeze()  # a child's collections never walk what the server imported
+    gc.enable()
     threads = len(os.listdir("/proc/self/task"))
     stream = sock.makefile("rwb", buffering=0)
     stream.write(json.dumps({"threads": threads}).encode() + b"\n")  # forking is safe with one thread only

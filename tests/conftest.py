@@ -3,6 +3,7 @@
 import _posixsubprocess
 import dis
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -28,6 +29,10 @@ os.environ.update(OFFLINE_ENV)
 # Two xdist workers, the torchrun worlds and the processes they start share a few cores: an OpenMP thread
 # that waits sleeps instead of spinning on a core another process needs (results do not change).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Some machines set PYTHONDONTWRITEBYTECODE: then every process the suite starts (several hundred) compiles
+# titanctl's and the tests' sources again. Their bytecode goes to __pycache__ (ignored by git) instead.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 REPO = Path(__file__).resolve().parents[1]
 TITANCTL = [sys.executable, "-m", "titanctl"]
@@ -183,6 +188,12 @@ def _is_slow(item: pytest.Item) -> bool:
             if _spawns(fixturedef.func, seen):
                 return True
     return False
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, the test modules) lives as long as the session: the collections
+    during the tests skip it (see titanctl/_startup.py)."""
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

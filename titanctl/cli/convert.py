@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from titanctl._startup import heavy_imports
 from titanctl.cli import console
 
 
@@ -73,7 +74,8 @@ def convert(
     from titanctl.config.recipe import check_overrides
 
     check_overrides("convert", ctx.args)  # before torch is imported and any checkpoint is looked at
-    from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
+    with heavy_imports():
+        from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
     from titanctl.safe_io import visible
 
     bar = console.ByteProgress()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from titanctl._startup import heavy_imports
+
 
 def estimate_memory(
     ctx: typer.Context,
@@ -40,7 +42,8 @@ def estimate_memory(
     # --validate also runs the real step, which reads a few more keys.
     cfg = load_config(config, ctx.args, command="estimate-memory --validate" if validate else "estimate-memory")
     from titanctl.parallel.runtime import elastic
-    from titanctl.tools import memory
+    with heavy_imports():
+        from titanctl.tools import memory
 
     rank = elastic.int_from_env("RANK", 0, minimum=0)
     # Every rank checks the request, so that a bad one fails everywhere before any rendezvous.

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from titanctl._startup import heavy_imports
+
 
 def infer_tp(
     ctx: typer.Context,
@@ -64,7 +66,8 @@ def infer_tp(
 
     if rank0:
         say("importing torch...")
-    from titanctl.tools.generate import run
+    with heavy_imports():
+        from titanctl.tools.generate import run
 
     report = run(
         checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,

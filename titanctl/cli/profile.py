@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from titanctl._startup import heavy_imports
+
 
 def profile(
     ctx: typer.Context,
@@ -25,7 +27,8 @@ def profile(
     from titanctl.config.recipe import load_config
 
     cfg = load_config(config, ctx.args, command="profile")  # before torch is imported: mistakes fail fast
-    from titanctl.tools import profile_run as profiling
+    with heavy_imports():
+        from titanctl.tools import profile_run as profiling
 
     summary = profiling.run(cfg, steps=steps, top=top)
     if summary is not None:  # rank 0

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from titanctl._startup import heavy_imports
+
 
 def train(
     ctx: typer.Context,
@@ -19,6 +21,7 @@ def train(
     if print_config:
         typer.echo(to_toml(cfg))
         return
-    from titanctl.train.trainer import Trainer
+    with heavy_imports():
+        from titanctl.train.trainer import Trainer
 
     Trainer(cfg).train()

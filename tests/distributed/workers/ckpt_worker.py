@@ -33,11 +33,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
+from titanctl._startup import heavy_imports
 
-from titanctl.cli.console import finish
-from titanctl.config.recipe import load_config
-from titanctl.train.trainer import Trainer
+with heavy_imports():
+    import torch.distributed as dist
+
+    from titanctl.cli.console import finish
+    from titanctl.config.recipe import load_config
+    from titanctl.train.trainer import Trainer
 
 
 def log_samples(trainer: Trainer, out: Path) -> None:

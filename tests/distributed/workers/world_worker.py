@@ -24,16 +24,19 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from titanctl._startup import heavy_imports
 
-from tests.distributed.workers.sync_train_worker import train_probed
-from titanctl.cli.console import finish
-from titanctl.config.recipe import load_config
-from titanctl.parallel.layouts.weight_init import canonical_name
-from titanctl.train.step import ForwardBackward
-from titanctl.train.trainer import Trainer
+with heavy_imports():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tests.distributed.workers.sync_train_worker import train_probed
+    from titanctl.cli.console import finish
+    from titanctl.config.recipe import load_config
+    from titanctl.parallel.layouts.weight_init import canonical_name
+    from titanctl.train.step import ForwardBackward
+    from titanctl.train.trainer import Trainer
 
 GRADS_TO: list[Path | None] = [None]  # the running case's folder when it dumps its first gradients
 
