@@ -16,7 +16,7 @@ import pytest
 from tests.distributed.harness import TINY_RUN, gathered, losses, max_rel_diff, worst_tensor_diff
 from tests.distributed.worlds import register
 
-MUON = ["--optimizer.name", "Muon", "--optimizer.muon_experts"]
+MUON = ["--optimizer.name", "Muon", "--optimizer.muon_experts", "--training.steps", "5"]
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
 QWEN3_MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
