@@ -36,7 +36,10 @@ from tests.conftest import REPO, TITANCTL
 # and the tests' secret, which they look for in /proc/self/environ: a forked child's is its server's.
 _READ_AT_START = re.compile(r"^(PYTHON|LANG$|LC_|LANGUAGE$|OMP_|KMP_|GOMP_|MKL_|ONEDNN_|DNNL_|ATEN_|TORCH|PYTORCH|"
                             r"LD_|MALLOC|GLIBC|OPENBLAS|CUDA|NVIDIA|TMPDIR$|HOME$|TITANCTL_TEST_SECRET$)")
-_PRELOADED = ("torch", "numpy", "safetensors", "rich", "typer")
+# torch's DTensor and DCP too (0.3 CPU-s of each child that trains or converts): neither imports inductor or
+# dynamo, whose configuration titanctl sets at its own import (titanctl/_inductor_cache.py).
+_PRELOADED = ("torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "numpy", "safetensors", "rich",
+              "typer")
 
 
 def _serve(sock: socket.socket) -> None:
