@@ -1,5 +1,5 @@
 """CPU-seconds a fresh process takes to import titanctl's training stack, with the cyclic garbage
-collector paused during the import (titanctl._startup.heavy_imports, what every titanctl command and
+collector paused during the import (titanctl.gc_pauses.heavy_imports, what every titanctl command and
 the test workers do) relative to the collector left running.
 
 Each round starts one interpreter of each kind (alternating, so that load from other processes hits
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--module", default="titanctl.train.trainer")
     args = parser.parse_args()
     plain = f"import {args.module}"
-    paused = f"from titanctl._startup import heavy_imports\nwith heavy_imports():\n    import {args.module}"
+    paused = f"from titanctl.gc_pauses import heavy_imports\nwith heavy_imports():\n    import {args.module}"
     rows = []
     for _ in range(args.rounds):
         rows.append((cpu_seconds(plain), cpu_seconds(paused)))

@@ -44,7 +44,7 @@ _PRELOADED = ("torch", "torch.distributed.tensor", "torch.distributed.checkpoint
 
 def _serve(sock: socket.socket) -> None:
     """The server's loop: one JSON request per line, answered with the child's pid, then its status."""
-    gc.disable()  # as titanctl._startup.heavy_imports does (not imported here: titanctl stays unimported)
+    gc.disable()  # as titanctl.gc_pauses.heavy_imports does (not imported here: titanctl stays unimported)
     for name in _PRELOADED:
         __import__(name)
     gc.freeze()  # a child's collections never walk what the server imported

@@ -192,7 +192,7 @@ def _is_slow(item: pytest.Item) -> bool:
 
 def pytest_collection_finish(session):
     """What collection imported (torch, the test modules) lives as long as the session: the collections
-    during the tests skip it (see titanctl/_startup.py)."""
+    during the tests skip it (see titanctl/gc_pauses.py)."""
     gc.freeze()
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from titanctl._startup import heavy_imports
 from titanctl.cli import console
+from titanctl.gc_pauses import heavy_imports
 
 
 def _size(nbytes: int) -> str:

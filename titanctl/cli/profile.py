@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from titanctl._startup import heavy_imports
+from titanctl.gc_pauses import heavy_imports
 
 
 def profile(

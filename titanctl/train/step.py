@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 from collections.abc import Callable
 
 import torch
@@ -161,18 +160,3 @@ class ForwardBackward:
             if loss is not None:
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         return loss_sum
-
-
-@contextlib.contextmanager
-def automatic_gc_paused():
-    """No automatic garbage collection inside the block: the Trainer collects every
-    training.gc_freq steps instead, never in the middle of a step (a collection pause on one rank
-    stalls every rank at the next collective); estimate-memory likewise, because whether a
-    collection ran mid-step decided which tensors held by reference cycles counted at the peak."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

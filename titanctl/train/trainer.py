@@ -21,6 +21,7 @@ from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.data.mixture import sources_from_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, TitanError, TrainingDiverged
+from titanctl.gc_pauses import automatic_gc_paused
 from titanctl.models.registry import model_args_from_config
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.float8 import emulation_note, precompute_float8_scales
@@ -39,7 +40,7 @@ from titanctl.train.metrics import MemoryMonitor, MetricSinks
 from titanctl.train.moe_balance import MoEBalance, check_moe_keys, gather_over_pipeline, load_metrics
 from titanctl.train.optim import build_optimizer
 from titanctl.train.peak import device_peak_tflops, slow_compute_note
-from titanctl.train.step import ForwardBackward, automatic_gc_paused
+from titanctl.train.step import ForwardBackward
 from titanctl.train.step_profiler import maybe_profile
 from titanctl.train.validate import ValidationSet, Validator
 

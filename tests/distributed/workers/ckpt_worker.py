@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from titanctl._startup import heavy_imports
+from titanctl.gc_pauses import heavy_imports
 
 with heavy_imports():
     import torch.distributed as dist

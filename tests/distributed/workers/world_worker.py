@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from titanctl._startup import heavy_imports
+from titanctl.gc_pauses import heavy_imports
 
 with heavy_imports():
     import torch

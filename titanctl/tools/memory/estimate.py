@@ -60,6 +60,7 @@ from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.gc_pauses import automatic_gc_paused
 from titanctl.models.common.moe import ClampedSwiGLUExperts, GroupedExperts
 from titanctl.models.registry import get_spec, model_args_from_config
 from titanctl.models.shapes import num_params
@@ -85,7 +86,7 @@ from titanctl.tools.memory.tracker import (
 from titanctl.train.loss import cross_entropy_sum
 from titanctl.train.lr_schedule import build_lr_scheduler
 from titanctl.train.optim import build_optimizer
-from titanctl.train.step import ForwardBackward, automatic_gc_paused
+from titanctl.train.step import ForwardBackward
 
 # Llama 3's tokenizer: 128,000 BPE ranks + 256 special tokens.
 LLAMA3_VOCAB_SIZE = 128_256

@@ -1,11 +1,11 @@
-"""titanctl._startup.heavy_imports: no automatic collection inside, the collector as it was after, and
+"""titanctl.gc_pauses.heavy_imports: no automatic collection inside, the collector as it was after, and
 everything alive at the end frozen (so that later collections skip it)."""
 
 import gc
 
 import pytest
 
-from titanctl._startup import heavy_imports
+from titanctl.gc_pauses import heavy_imports
 
 
 def test_no_collection_inside_and_the_survivors_frozen_after():
