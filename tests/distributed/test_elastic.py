@@ -250,8 +250,8 @@ def test_slurm_script_runs_two_nodes_with_fake_srun(short_single, tmp_path):
          "--training.local_batch_size", "2", "--job.dump_folder", str(out)],
         cwd=REPO, env={**env(), **slurm_env}, capture_output=True, text=True, timeout=300,
     )
-    node_logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("slurm.log.node*")))
-    assert proc.returncode == 0, proc.stderr[-3000:] + node_logs
+    node_logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("slurm.log.node*")))
+    assert proc.returncode == 0, proc.stderr[-3000:] + node_logs[-6000:]
     calls = slurm_log.read_text().splitlines()
     assert calls[0] == "srun --nodes=1 --ntasks=1 -w node1 hostname --ip-address"
     launch = calls[1]

@@ -70,10 +70,12 @@ def test_tps_and_mfu_are_per_device(worlds, world_case, name):
         previous_step = row["step"]
         # Tokens of the global batch in the window / the window's time measured by the worker / world size.
         expected_tps = GLOBAL_BATCH * SEQ_LEN * steps / window["seconds"] / 2
-        assert row["tps"] == pytest.approx(expected_tps, rel=0.01), (name, row, window)
-        assert row["step_time"] == pytest.approx(window["seconds"] / steps, rel=0.01), (name, row, window)
-        assert row["tflops"] == pytest.approx(expected_tps * fpt / 1e12, rel=0.01), (name, row)
-        assert row["mfu"] == pytest.approx(100 * expected_tps * fpt / (PEAK * 1e12), rel=0.01), (name, row)
+        # The two clocks start a window up to a GIL switch interval (5 ms) apart: leaving the hang
+        # watchdog after a log row wakes its thread. Every wrong accounting is off 1.5x or more.
+        assert row["tps"] == pytest.approx(expected_tps, rel=0.04), (name, row, window)
+        assert row["step_time"] == pytest.approx(window["seconds"] / steps, rel=0.04), (name, row, window)
+        assert row["tflops"] == pytest.approx(row["tps"] * fpt / 1e12, rel=0.01), (name, row)
+        assert row["mfu"] == pytest.approx(100 * row["tps"] * fpt / (PEAK * 1e12), rel=0.01), (name, row)
 
     for rank in range(2):
         syncs = json.loads((tmp_path / f"host_syncs_rank{rank}.json").read_text())

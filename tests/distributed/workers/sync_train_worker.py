@@ -9,8 +9,8 @@ Writes metrics.jsonl as usual (rank 0) and on every rank r:
   "first_step": [calls in the first step], "violations": [other calls, with call sites]};
 - OUT/log_windows_rank{r}.json: [{"step": the logged step, "seconds": wall time of its window}], a
   window running from the end of the process's first step (which the Trainer times apart: compile,
-  warm-up), or from the end of the previous log row, to the start of this one (after the log step's
-  host sync: the moment the Trainer reads its own clock);
+  warm-up), or from the end of the previous log row, to the end of this row's host sync (reading the
+  losses: the moment the Trainer reads its own clock);
 - OUT/float8_rank{r}.json with float8.enable_float8_linear: Float8Probe.report().
 """
 
@@ -27,10 +27,12 @@ from titanctl.train.trainer import Trainer
 
 
 def time_log_windows(trainer: Trainer) -> list[dict]:
-    """Wrap the end of the first step and every _log call of ``trainer`` with this worker's own clock."""
+    """Wrap the end of the first step, every read of the losses and every _log call of ``trainer`` with
+    this worker's own clock."""
     windows: list[dict] = []
     started: list[float] = []
-    first_step_done, log = trainer._first_step_done, trainer._log
+    losses_read: list[float] = []
+    first_step_done, read_losses, log = trainer._first_step_done, trainer.read_losses, trainer._log
 
     def timed_first_step_done(*args, **kwargs):
         try:
@@ -38,14 +40,22 @@ def time_log_windows(trainer: Trainer) -> list[dict]:
         finally:
             started.append(time.perf_counter())  # the first step, and what follows it, is in no window
 
+    def timed_read_losses(*args, **kwargs):
+        try:
+            return read_losses(*args, **kwargs)
+        finally:
+            # Where the Trainer ends its window too: entering the hang watchdog before _log wakes its
+            # thread, which may hold the GIL for a switch interval (5 ms) before _log runs.
+            losses_read.append(time.perf_counter())
+
     def timed_log(*args, **kwargs):
-        windows.append({"step": trainer.step, "seconds": time.perf_counter() - started[-1]})
+        windows.append({"step": trainer.step, "seconds": losses_read[-1] - started[-1]})
         try:
             return log(*args, **kwargs)
         finally:
             started.append(time.perf_counter())
 
-    trainer._first_step_done, trainer._log = timed_first_step_done, timed_log
+    trainer._first_step_done, trainer.read_losses, trainer._log = timed_first_step_done, timed_read_losses, timed_log
     return windows
 
 
