@@ -124,8 +124,9 @@ def run(argv: list[str]) -> int:
         bind="[::]:0", min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(),
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}  # the checkout first, once
     events = open(args.dump_folder / "ft_events.jsonl", "a", buffering=1)
 
     def event(**what) -> None:

@@ -17,11 +17,9 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
-import gc
 import json
 import locale
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -31,27 +29,14 @@ import threading
 from pathlib import Path
 
 from tests.conftest import REPO, TITANCTL
-
-# What Python, the C library, OpenMP, MKL, oneDNN or torch read when the interpreter or torch starts;
-# and the tests' secret, which they look for in /proc/self/environ: a forked child's is its server's.
-_READ_AT_START = re.compile(r"^(PYTHON|LANG$|LC_|LANGUAGE$|OMP_|KMP_|GOMP_|MKL_|ONEDNN_|DNNL_|ATEN_|TORCH|PYTORCH|"
-                            r"LD_|MALLOC|GLIBC|OPENBLAS|CUDA|NVIDIA|TMPDIR$|HOME$|TITANCTL_TEST_SECRET$)")
-# torch's DTensor and DCP too (0.3 CPU-s of each child that trains or converts): neither imports inductor or
-# dynamo, whose configuration titanctl sets at its own import (titanctl/_inductor_cache.py).
-_PRELOADED = ("torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "numpy", "safetensors", "rich",
-              "typer")
+from tests.fork_server import READ_AT_START, preload
 
 
 def _serve(sock: socket.socket) -> None:
     """The server's loop: one JSON request per line, answered with the child's pid, then its status."""
-    gc.disable()  # as titanctl.gc_pauses.heavy_imports does (not imported here: titanctl stays unimported)
-    for name in _PRELOADED:
-        __import__(name)
-    gc.freeze()  # a child's collections never walk what the server imported
-    gc.enable()
-    threads = len(os.listdir("/proc/self/task"))
+    forkable = preload()
     stream = sock.makefile("rwb", buffering=0)
-    stream.write(json.dumps({"threads": threads}).encode() + b"\n")  # forking is safe with one thread only
+    stream.write(json.dumps({"forkable": forkable}).encode() + b"\n")
     for line in stream:
         request = json.loads(line)
         pid = os.fork()
@@ -118,7 +103,7 @@ class _Server:
         theirs.close()
         self.sock, self.pending = ours, b""
         self.lock = threading.Lock()  # one command at a time (tests may call from threads)
-        self.forkable = self._answer(timeout=120)["threads"] == 1
+        self.forkable = self._answer(timeout=120)["forkable"]
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -174,7 +159,7 @@ def titanctl_run(args, *, env: dict | None = None, cwd=None, timeout: float | No
     """``subprocess.run([*TITANCTL, *args], capture_output=True, ...)``, answered the same, faster."""
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
-    at_start = tuple(sorted((k, v) for k, v in env.items() if _READ_AT_START.match(k)))
+    at_start = tuple(sorted((k, v) for k, v in env.items() if READ_AT_START.match(k)))
     with _STARTING:
         if at_start not in _SERVERS and len(_SERVERS) < _MAX_SERVERS:
             _SERVERS[at_start] = _Server(env)

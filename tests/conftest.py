@@ -190,6 +190,29 @@ def _is_slow(item: pytest.Item) -> bool:
     return False
 
 
+_FORK_SERVER: list[subprocess.Popen] = []
+
+
+def pytest_sessionstart(session):
+    """Each process that runs tests starts a server that the torchrun worker scripts run as forks of
+    (tests/fork_server.py), for the environment the tests launch torchrun with."""
+    config = session.config
+    xdist_controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if os.environ.get(FAST_ENV) == "1" or xdist_controller:
+        return
+    from tests.fork_server import VARIABLE, start
+
+    proc, path = start({**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    _FORK_SERVER.append(proc)
+    os.environ[VARIABLE] = path
+
+
+def pytest_sessionfinish(session):
+    for proc in _FORK_SERVER:
+        proc.stdin.close()  # the server ends, and any child it still runs
+        proc.wait(timeout=60)
+
+
 def pytest_collection_finish(session):
     """What collection imported (torch, the test modules) lives as long as the session: the collections
     during the tests skip it (see titanctl/gc_pauses.py)."""

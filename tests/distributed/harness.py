@@ -13,6 +13,8 @@ from scripts.ft_local import kill
 from tests.conftest import OFFLINE_ENV, REPO
 
 WORKERS = Path(__file__).parent / "workers"
+# `titanctl ARGS` on every rank, as a fork of the session's server (workers/cli_worker.py): [*CLI, "train", ...].
+CLI = [str(WORKERS / "cli_worker.py")]
 
 # A few tiny layers, fp32, fixed global batch: every layout must reproduce these losses.
 TINY_RUN = [
@@ -30,7 +32,8 @@ TINY_RUN = [
 def torchrun(
     nproc: int, target: list[str], args: list[str], timeout: int = 400, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """``target`` is a script path, or ['-m', 'titanctl', ...]; ``check`` raises on a non-zero exit."""
+    """``target`` is a script path, [*CLI, command], or ['-m', 'titanctl', command]; ``check`` raises on a
+    non-zero exit."""
     env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *target, *args]

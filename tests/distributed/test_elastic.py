@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import fork_server
 from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import (
+    CLI,
     WORKERS,
     kill_job,
     losses_by_step,
@@ -57,6 +59,11 @@ RUN = [
 
 def env() -> dict[str, str]:
     return {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+# Workers in processes of their own, not forks of the session's server (tests/fork_server.py): a test that
+# finds them in /proc and stops one with SIGSTOP.
+OWN_PROCESSES = {fork_server.VARIABLE: ""}
 
 
 def free_port() -> int:
@@ -127,7 +134,8 @@ def test_any_lost_rank_restarts_and_resumes_bit_for_bit(reference, tmp_path):
     log = tmp_path / "run.log"
     job = start(torchrun_cmd("--standalone", "--nproc_per_node=2", "--max-restarts=4", *WORKER,
                              "--test-write-delay", "0.6", "--test-fail-at", "2:1:8",
-                             *RUN, "--comm.train_timeout_seconds", "4", "--job.dump_folder", str(out)), log)
+                             *RUN, "--comm.train_timeout_seconds", "4", "--job.dump_folder", str(out)), log,
+                OWN_PROCESSES)
     try:
         # Attempt 0: rank 1 is SIGKILLed between saves, at a random step.
         kill_at = rng.choice([4, 5])
@@ -207,7 +215,7 @@ SHORT = [*RUN[:8], "--training.steps", "4", *RUN[10:16], "--compile.enable", "fa
 def short_single(tmp_path_factory) -> Path:
     """SHORT in one process: what the two-node and Slurm runs must equal."""
     single = tmp_path_factory.mktemp("short_single")
-    torchrun(1, ["-m", "titanctl", "train", "--config", "recipes/llama3_debug.toml"],
+    torchrun(1, [*CLI, "train", "--config", "recipes/llama3_debug.toml"],
              [*SHORT, "--training.local_batch_size", "8", "--job.dump_folder", str(single)])
     return single
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.distributed.harness import torchrun
+from tests.distributed.harness import CLI, torchrun
 from titanctl.checkpoint.convert import convert_checkpoint
 
 RUN = [
@@ -63,7 +63,7 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_hf_save_of_a_sharded_run_equals_convert_of_its_dcp_step(tmp_path, case):
     start = time.perf_counter()
     nproc, overrides = CASES[case]
-    torchrun(nproc, ["-m", "titanctl", "train"], [*RUN, *overrides, "--job.dump_folder", str(tmp_path / "run")])
+    torchrun(nproc, [*CLI, "train"], [*RUN, *overrides, "--job.dump_folder", str(tmp_path / "run")])
     seconds = time.perf_counter() - start
     root = tmp_path / "run" / "checkpoint"
     assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-2-hf"]  # step-1 went: keep 1

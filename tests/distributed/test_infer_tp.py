@@ -14,7 +14,7 @@ import torch
 
 from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV, REPO
-from tests.distributed.harness import WORKERS, torchrun
+from tests.distributed.harness import CLI, WORKERS, torchrun
 from tests.distributed.workers.gen_checkpoint import make_checkpoints
 from tests.distributed.workers.gen_worker import SAMPLING
 
@@ -63,7 +63,7 @@ def cli(args: list[str], env_extra: dict | None = None) -> subprocess.CompletedP
 def test_greedy_tp2_equals_one_process(checkpoints, reference, tmp_path):
     dcp_folder, _ = checkpoints
     out = tmp_path / "out.json"
-    proc = torchrun(2, ["-m", "titanctl", "infer-tp"], [
+    proc = torchrun(2, [*CLI, "infer-tp"], [
         "--checkpoint", str(dcp_folder), "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW),
         "--temperature", "0", "--out", str(out)], timeout=300)
     data = json.loads(out.read_text())
@@ -180,7 +180,7 @@ def test_qwen3_moe_tp2_equals_transformers(tmp_path):
 def greedy_tokens_under_tp2(folder: Path, prompt: str, new_tokens: int, tmp_path: Path) -> list[int]:
     """The tokens `titanctl infer-tp` generates greedily from ``folder`` on 2 ranks."""
     out = tmp_path / "out.json"
-    torchrun(2, ["-m", "titanctl", "infer-tp"], [
+    torchrun(2, [*CLI, "infer-tp"], [
         "--checkpoint", str(folder), "--prompt", prompt, "--max-new-tokens", str(new_tokens),
         "--temperature", "0", "--out", str(out)], timeout=300)
     data = json.loads(out.read_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import REPO
-from tests.distributed.harness import TINY_RUN, assert_same_init, init_digests, losses, max_rel_diff, torchrun
+from tests.distributed.harness import CLI, TINY_RUN, assert_same_init, init_digests, losses, max_rel_diff, torchrun
 from tests.distributed.worlds import register
 
 REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_size", "8"], always=True)
@@ -95,7 +95,7 @@ def test_bf16_mixed_precision_within_bf16_tolerance(reference, worlds, world_cas
     ],
 )
 def test_impossible_layouts_fail_before_any_collective(tmp_path, nproc, overrides, message):
-    proc = torchrun(nproc, ["-m", "titanctl", "train"], [*TINY_RUN, "--training.local_batch_size", "4", *overrides,
+    proc = torchrun(nproc, [*CLI, "train"], [*TINY_RUN, "--training.local_batch_size", "4", *overrides,
                                                          "--job.dump_folder", str(tmp_path)], timeout=120, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]

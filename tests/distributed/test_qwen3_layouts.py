@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.distributed.harness import (
+    CLI,
     TINY_RUN,
     assert_same_init,
     expert_loads,
@@ -156,7 +157,7 @@ def test_qwen3_layout_matches_single_process(references, worlds, world_case, ref
 
 def test_qwen3_tied_pipeline_fails_before_any_collective(tmp_path):
     start = time.perf_counter()
-    proc = torchrun(2, ["-m", "titanctl", "train"], [*TINY_RUN, *QWEN3, "--training.local_batch_size", "4", *PP2,
+    proc = torchrun(2, [*CLI, "train"], [*TINY_RUN, *QWEN3, "--training.local_batch_size", "4", *PP2,
                                                      "--job.dump_folder", str(tmp_path)], timeout=120, check=False)
     print(f"\nQWEN3 tied pipeline refused in {time.perf_counter() - start:.1f} s")
     assert proc.returncode != 0

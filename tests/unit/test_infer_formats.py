@@ -151,10 +151,10 @@ def test_qwen3_cli_equals_transformers(qwen, tmp_path):
 @pytest.mark.slow
 def test_qwen3_tensor_parallel_2_equals_transformers(qwen, tmp_path):
     """Two ranks: heads and the (448-row) output layer split, ids past the tokenizer's masked after the gather."""
-    from tests.distributed.harness import torchrun
+    from tests.distributed.harness import CLI, torchrun
 
     out = tmp_path / "out.json"
-    torchrun(2, ["-m", "titanctl", "infer-tp"], [
+    torchrun(2, [*CLI, "infer-tp"], [
         "--checkpoint", str(qwen.folder), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", str(NEW),
         "--out", str(out)], timeout=300)
     data = json.loads(out.read_text())

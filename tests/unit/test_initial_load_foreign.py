@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.harness import losses, max_rel_diff, torchrun
+from tests.distributed.harness import CLI, losses, max_rel_diff, torchrun
 from tests.unit.test_torchtitan_format import write_torchtitan
 from tests.unit.trained_model import N_LAYERS, SEQ
 from titanctl.checkpoint.convert import convert_checkpoint
@@ -94,7 +94,7 @@ def test_weights_only_is_the_only_way_to_take_a_foreign_checkpoint(exports, tmp_
 
 
 def test_fsdp_ranks_each_slice_the_hf_weights_they_hold(exports, from_dcp, tmp_path):
-    torchrun(2, ["-m", "titanctl", "train"], [*RUN, "--training.local_batch_size", "2",
+    torchrun(2, [*CLI, "train"], [*RUN, "--training.local_batch_size", "2",
                                               "--checkpoint.initial_load_path", str(exports["hf"]),
                                               "--job.dump_folder", str(tmp_path)])
     assert max_rel_diff(losses(tmp_path), [r["loss"] for r in from_dcp]) <= 1e-5

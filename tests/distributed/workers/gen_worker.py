@@ -11,6 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from tests.fork_server import hand_over
+
+if __name__ == "__main__":  # not when a test imports the module
+    hand_over()  # run as a fork of the test session's server, when it has one
+
 from torch.distributed.device_mesh import init_device_mesh
 
 from titanctl.cli.console import finish

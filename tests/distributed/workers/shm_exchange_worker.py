@@ -12,6 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from tests.fork_server import hand_over
+
+if __name__ == "__main__":  # not when a test imports the module
+    hand_over()  # run as a fork of the test session's server, when it has one
+
 import torch
 import torch.distributed as dist
 

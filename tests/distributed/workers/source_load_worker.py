@@ -11,6 +11,11 @@ import sys
 import warnings
 from pathlib import Path
 
+from tests.fork_server import hand_over
+
+if __name__ == "__main__":  # not when a test imports the module
+    hand_over()  # run as a fork of the test session's server, when it has one
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh

@@ -24,6 +24,11 @@ import time
 import traceback
 from pathlib import Path
 
+from tests.fork_server import hand_over
+
+if __name__ == "__main__":  # not when a test imports the module
+    hand_over()  # run as a fork of the test session's server, when it has one
+
 from titanctl.gc_pauses import heavy_imports
 
 with heavy_imports():
