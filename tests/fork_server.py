@@ -14,8 +14,9 @@ code, or the same signal). Signals sent to the client (torchrun's SIGTERM) go on
 client dies (SIGKILL), the server kills the child. Otherwise ``hand_over`` returns and the script runs
 in its own process, as it always could.
 
-What cannot be passed on: SIGSTOP, and what the child's /proc entry shows (its command line and
-environment are the server's). Tests that stop a worker or find it in /proc unset the variable.
+What differs: SIGSTOP cannot be passed on; the child's /proc entry shows the server's command line and
+environment; and a worker starts in a fraction of a second (a restarted torchft replica group rejoins before
+its peers have trained a step without it). Tests that need the real thing launch with ``OWN_PROCESSES``.
 
 Standard library only: a client must start in milliseconds.
 """
@@ -34,6 +35,9 @@ import sys
 import tempfile
 
 VARIABLE = "TITANCTL_TEST_FORK_SERVER"
+# In a launch's environment: its worker scripts run in processes of their own. For tests that stop a worker
+# with SIGSTOP, find it in /proc, or need a restarted one to take as long to start as a real process.
+OWN_PROCESSES = {VARIABLE: ""}
 
 # What Python, the C library, OpenMP, MKL, oneDNN or torch read when the interpreter or torch starts;
 # and the tests' secret, which they look for in /proc/self/environ: a forked child's is its server's.
@@ -141,6 +145,10 @@ def preload() -> bool:
 
 
 def _serve(path: str, expected: dict[str, str]) -> dict | None:
+    try:
+        os.close(os.pidfd_open(os.getpid()))  # how it learns that a child ended (Linux 5.3 and later)
+    except (AttributeError, OSError):
+        return None
     if not preload():
         return None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -61,10 +61,6 @@ def env() -> dict[str, str]:
     return {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
-# Workers in processes of their own, not forks of the session's server (tests/fork_server.py): a test that
-# finds them in /proc and stops one with SIGSTOP.
-OWN_PROCESSES = {fork_server.VARIABLE: ""}
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -135,7 +131,7 @@ def test_any_lost_rank_restarts_and_resumes_bit_for_bit(reference, tmp_path):
     job = start(torchrun_cmd("--standalone", "--nproc_per_node=2", "--max-restarts=4", *WORKER,
                              "--test-write-delay", "0.6", "--test-fail-at", "2:1:8",
                              *RUN, "--comm.train_timeout_seconds", "4", "--job.dump_folder", str(out)), log,
-                OWN_PROCESSES)
+                fork_server.OWN_PROCESSES)  # it stops a rank with SIGSTOP
     try:
         # Attempt 0: rank 1 is SIGKILLed between saves, at a random step.
         kill_at = rng.choice([4, 5])

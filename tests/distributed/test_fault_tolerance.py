@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import fork_server
 from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import TINY_RUN, WORKERS, losses, max_rel_diff, rows, sample_log
 from tests.distributed.test_layouts import REFERENCE
@@ -43,7 +44,8 @@ RUN = [
     # unevenly the two start.
     "--test-start-together", "120",
 ]
-ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+# A killed group restarts as slowly as a real one would: as a fork it rejoins before the others trained without it.
+ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **fork_server.OWN_PROCESSES}
 
 
 def ft_local(out: Path, *launcher: str) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests import fork_server
 from tests.conftest import OFFLINE_ENV, REPO
 from tests.distributed.harness import WORKERS, rows, sample_log
 from titanctl.checkpoint.convert import convert_checkpoint
@@ -52,7 +53,8 @@ METHODS = {"local_sgd": ["--fault_tolerance.sync_steps", "2"],
 # The DiLoCo run's checkpoints: step 3 lies between the syncs of steps 2 (fragment 0, which then has outer
 # momentum) and 4 (fragment 1, none yet). A whole-job restart from it is exact only if it holds both.
 CHECKPOINTS = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(KILL_STEP), "--checkpoint.keep_latest_k", "0"]
-ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+# A killed group restarts as slowly as a real one would: as a fork it rejoins before the others trained without it.
+ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **fork_server.OWN_PROCESSES}
 
 
 def options(method: str) -> list[str]:
