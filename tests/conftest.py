@@ -40,6 +40,12 @@ TITANCTL = [sys.executable, "-m", "titanctl"]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """The environment the tests launch torchrun in: offline, this checkout first on the path, one OpenMP
+    thread per rank. The session's fork server is started for it (tests/fork_server.py)."""
+    return {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
@@ -202,7 +208,7 @@ def pytest_sessionstart(session):
         return
     from tests.fork_server import VARIABLE, start
 
-    proc, path = start({**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc, path = start(torchrun_env())
     _FORK_SERVER.append(proc)
     os.environ[VARIABLE] = path
 

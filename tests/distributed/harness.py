@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from scripts.ft_local import kill
-from tests.conftest import OFFLINE_ENV, REPO
+from tests.conftest import REPO, torchrun_env
 
 WORKERS = Path(__file__).parent / "workers"
 # `titanctl ARGS` on every rank, as a fork of the session's server (workers/cli_worker.py): [*CLI, "train", ...].
@@ -34,7 +33,7 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """``target`` is a script path, [*CLI, command], or ['-m', 'titanctl', command]; ``check`` raises on a
     non-zero exit."""
-    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *target, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)

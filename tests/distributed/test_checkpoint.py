@@ -7,7 +7,6 @@ One uninterrupted FSDP-2 run is the reference for everything (6 steps, saves at 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO
+from tests.conftest import REPO, torchrun_env
 from tests.distributed.harness import (
     WORKERS,
     kill_job,
@@ -85,7 +84,7 @@ def flatten(state: dict, prefix: str = "") -> dict:
 
 
 def launch(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *WORKER, *args]
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -9,21 +9,20 @@ over 2 ranks is a layout change, which titanctl supports."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import OFFLINE_ENV, REPO, TRUSTED_RUN
+from tests.conftest import REPO, TRUSTED_RUN, torchrun_env
 from tests.unit.test_checkpoint_trust import FLIP_MESSAGE, PAYLOADS, STEP, clone, flip_4k, tree_hash
 
 FSDP2 = ["--training.local_batch_size", "4"]
 
 
 def torchrun_train(args: list) -> subprocess.CompletedProcess:
-    env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "titanctl", "train", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=REPO)

@@ -8,7 +8,6 @@ the rest checks the argument validation and registration without a process group
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, REPO
+from tests.conftest import REPO, torchrun_env
 from titanctl.errors import ParallelError
 from titanctl.parallel.layouts.context_parallel import (
     check_cp_divisibility,
@@ -35,7 +34,7 @@ ROTATE_METHODS = ("allgather", "alltoall")
 def cp_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One torchrun launch (2 processes) trains the reference and a CP run per rotate method."""
     out = tmp_path_factory.mktemp("cp") / "losses.json"
-    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(WORKER), ",".join(ROTATE_METHODS), str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests import fork_server
-from tests.conftest import OFFLINE_ENV, REPO
+from tests.conftest import REPO, torchrun_env
 from tests.distributed.harness import (
     CLI,
     WORKERS,
@@ -58,7 +58,7 @@ RUN = [
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return torchrun_env()
 
 
 def free_port() -> int:

@@ -14,7 +14,6 @@ The test functions read that one run (a module fixture):
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from tests import fork_server
-from tests.conftest import OFFLINE_ENV, REPO
+from tests.conftest import REPO, torchrun_env
 from tests.distributed.harness import TINY_RUN, WORKERS, losses, max_rel_diff, rows, sample_log
 from tests.distributed.test_layouts import REFERENCE
 
@@ -45,7 +44,7 @@ RUN = [
     "--test-start-together", "120",
 ]
 # A killed group restarts as slowly as a real one would: as a fork it rejoins before the others trained without it.
-ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **fork_server.OWN_PROCESSES}
+ENV = torchrun_env(**fork_server.OWN_PROCESSES)
 
 
 def ft_local(out: Path, *launcher: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,6 @@ checkpoint, its fragments' global weights and outer momentum with it; group 1 co
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import signal
 import subprocess
@@ -29,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from tests import fork_server
-from tests.conftest import OFFLINE_ENV, REPO
+from tests.conftest import REPO, torchrun_env
 from tests.distributed.harness import WORKERS, rows, sample_log
 from titanctl.checkpoint.convert import convert_checkpoint
 from titanctl.checkpoint.reader import DCPFolder
@@ -54,7 +53,7 @@ METHODS = {"local_sgd": ["--fault_tolerance.sync_steps", "2"],
 # momentum) and 4 (fragment 1, none yet). A whole-job restart from it is exact only if it holds both.
 CHECKPOINTS = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(KILL_STEP), "--checkpoint.keep_latest_k", "0"]
 # A killed group restarts as slowly as a real one would: as a fork it rejoins before the others trained without it.
-ENV = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **fork_server.OWN_PROCESSES}
+ENV = torchrun_env(**fork_server.OWN_PROCESSES)
 
 
 def options(method: str) -> list[str]:
