@@ -11,7 +11,7 @@ the same variables read at start (OMP_NUM_THREADS, PYTHONPATH, ...), the script'
 client: it passes the server its arguments, environment, folder and standard streams, the server forks a
 child that runs the script as ``__main__`` with them, and the client exits as the child did (the same exit
 code, or the same signal). Signals sent to the client (torchrun's SIGTERM) go on to the child; when the
-client dies (SIGKILL), the server kills the child. Otherwise ``hand_over`` returns and the script runs
+client dies (SIGKILL), the server kills the child, and a child dies with its server. Otherwise ``hand_over`` returns and the script runs
 in its own process, as it always could.
 
 What differs: SIGSTOP cannot be passed on; the child's /proc entry shows the server's command line and
@@ -69,18 +69,21 @@ def hand_over() -> None:
     path = os.environ.get(VARIABLE)
     if _IN_CHILD[0] or not path:
         return
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-    except OSError:  # not listening (yet, or any more)
-        sock.close()
-        return
     request = {"argv": [os.path.abspath(sys.argv[0]), *sys.argv[1:]], "env": dict(os.environ), "cwd": os.getcwd()}
     sys.stdout.flush()
     sys.stderr.flush()
-    socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    except OSError:  # not listening (yet, or any more)
+        sock.close()
+        return
     stream = sock.makefile("rb")
-    reply = json.loads(stream.readline() or b'{"refused": "the server ended"}')
+    try:
+        reply = json.loads(stream.readline() or b'{"refused": "the server ended"}')
+    except OSError:  # it ended (its children die with it)
+        reply = {"refused": "the server ended"}
     if "refused" in reply:
         stream.close()
         sock.close()
@@ -95,8 +98,11 @@ def hand_over() -> None:
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
-    line = stream.readline()
-    code = json.loads(line)["status"] if line else 1
+    try:
+        line = stream.readline()
+    except OSError:
+        line = b""
+    code = json.loads(line)["status"] if line else 1  # no answer: the server, and so the child, ended
     if code < 0:  # killed by a signal: so is the client
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
@@ -155,81 +161,109 @@ def _serve(path: str, expected: dict[str, str]) -> dict | None:
     listener.bind(path)
     listener.listen(64)
     selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
-    children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (the client's connection, pid)
-    by_connection: dict[socket.socket, int] = {}  # connection -> pid
+    selector.register(listener, selectors.EVENT_READ, ("accept", None))
+    selector.register(sys.stdin, selectors.EVENT_READ, ("stdin", None))
+    children: dict[int, tuple[int, socket.socket]] = {}  # pid -> (its pidfd, its client's connection)
     while True:
         for key, _ in selector.select():
-            what = key.data
+            what, pid = key.data
             if what == "stdin":
-                for _conn, pid in children.values():
-                    _kill(pid)
+                for child in children:
+                    _kill(child)
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
                 return None
             if what == "accept":
                 conn, _ = listener.accept()
-                request, fds = _receive(conn)
+                received = _receive(conn)
+                if received is None:  # the client died before its request was whole
+                    conn.close()
+                    continue
+                request, fds = received
                 problem = _refusal(request, expected)
                 if problem is not None:
                     for fd in fds:
                         os.close(fd)
-                    conn.sendall(json.dumps({"refused": problem}).encode() + b"\n")
+                    _answer(conn, {"refused": problem})
                     conn.close()
                     continue
-                pid = os.fork()
+                server, pid = os.getpid(), os.fork()
                 if pid == 0:
-                    selector.close()
-                    listener.close()
-                    for other in by_connection:
-                        other.close()
-                    for pidfd in children:
-                        os.close(pidfd)
-                    conn.close()
-                    os.setsid()
-                    for target, fd in enumerate(fds):
-                        os.dup2(fd, target)
-                        os.close(fd)
+                    _leave_the_server(server, selector, listener, children, conn, fds)
                     return request
                 for fd in fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)
-                children[pidfd] = (conn, pid)
-                by_connection[conn] = pid
-                selector.register(pidfd, selectors.EVENT_READ, "child")
-                selector.register(conn, selectors.EVENT_READ, "client")
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            elif what == "client":  # the client sends nothing more: it closed, so it died
-                selector.unregister(key.fileobj)
-                _kill(by_connection[key.fileobj])
-            else:  # a child ended
-                pidfd = key.fd
-                conn, pid = children.pop(pidfd)
-                _, status = os.waitpid(pid, 0)
-                selector.unregister(pidfd)
-                os.close(pidfd)
-                del by_connection[conn]
-                try:
-                    selector.unregister(conn)
-                except KeyError:  # unregistered when its client died
-                    pass
-                try:
-                    conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                except OSError:
-                    pass
-                conn.close()
+                children[pid] = (pidfd, conn)
+                selector.register(pidfd, selectors.EVENT_READ, ("child", pid))
+                selector.register(conn, selectors.EVENT_READ, ("client", pid))  # readable: its client died
+                _answer(conn, {"pid": pid})  # if the client died meanwhile, its connection says so next
+                continue
+            if pid not in children:  # its child ended and was answered earlier in this batch of events
+                continue
+            pidfd, conn = children[pid]
+            if what == "client":  # the client sends nothing more: it closed, so it died
+                selector.unregister(conn)
+                _kill(pid)
+                continue
+            del children[pid]  # the child ended
+            _, status = os.waitpid(pid, 0)
+            selector.unregister(pidfd)
+            os.close(pidfd)
+            try:
+                selector.unregister(conn)
+            except KeyError:  # unregistered when its client died
+                pass
+            _answer(conn, {"status": os.waitstatus_to_exitcode(status)})
+            conn.close()
 
 
-def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+def _answer(conn: socket.socket, reply: dict) -> None:
+    try:
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    except OSError:  # the client died
+        pass
+
+
+def _leave_the_server(server: int, selector, listener, children, conn, fds: list[int]) -> None:
+    """In a forked child: drop the server's sockets and pidfds, lead a session of its own, take the client's
+    standard streams, and die with the server (a child whose server is gone has no one to report to)."""
+    import ctypes
+
+    selector.close()
+    listener.close()
+    for pidfd, other in children.values():
+        os.close(pidfd)
+        other.close()
+    conn.close()
+    os.setsid()
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != server:  # it died before that took hold
+        os._exit(1)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """The client's request and its standard streams; None if it closed first."""
     data, fds = b"", []
     conn.settimeout(30)
-    while not data.endswith(b"\n"):
-        chunk, more, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        if not chunk:
-            break
-        data, fds = data + chunk, fds + more
+    try:
+        while not data.endswith(b"\n"):
+            chunk, more, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            fds += more
+            if not chunk:
+                break
+            data += chunk
+        request = json.loads(data) if data.endswith(b"\n") else None
+    except (OSError, ValueError):
+        request = None
     conn.settimeout(None)
-    return json.loads(data), fds
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return request, fds
 
 
 def _refusal(request: dict, expected: dict[str, str]) -> str | None:
