@@ -1,0 +1,165 @@
+"""Batch-invariant kernels: a row's result never depends on the other rows computed with it.
+
+The sampler scores a token in a decode step (a few rows, the KV cache's keys) and the trainer scores it
+again in a training forward (many rows, the sequence's keys). With the default kernels the two logprobs
+differ in their last bits, because a kernel's reduction order depends on the shape it is given:
+
+- CPU GEMMs (MKL, oneDNN) block and thread the reduction differently for different row counts
+  (measured on the debug model's shapes: ``F.linear`` of one row differs from the same row inside 2 to
+  1,000 rows in 16 of 17 row counts);
+- attention reduces over as many keys as it is given: the cache's length in decode, the sequence's in
+  training;
+- an elementwise kernel computes the vectors of a tensor with one instruction sequence and its last few
+  elements with another (``silu``: 79 of 2,000 values differ), so a value's result depends on where the
+  tensor's end falls.
+
+Under :class:`BatchInvariant` (a ``TorchFunctionMode``: the model runs as it is, unaware of it) every
+such kernel is replaced by one whose per-row work is fixed:
+
+- linear layers (``F.linear`` and oneDNN's linear op) multiply rows in tiles of ``ROW_TILE`` rows, one
+  batched GEMM of identical (ROW_TILE, in, out) products: each row is computed by the same product of
+  the same shape wherever it sits (checked for every row position and 1 to 4,096 tiles);
+- attention pads the keys to ``key_length`` (the KV cache's length) with zeros, scores each query row
+  against all of them in tiles of ``ATTENTION_TILE`` rows, masks by position, softmaxes in fp32 and
+  weighs the values in tiles again: decode and training reduce over the same keys in the same order;
+- ``silu`` runs on its input padded to whole vectors (every element takes the vector path), ``rsqrt``
+  as ``1 / sqrt`` (both correctly rounded on every path);
+- routed experts (``torch._grouped_mm``) multiply each expert's rows in tiles too.
+
+Everything else the families run is already row-local and exact per element (embedding lookups, RoPE's
+products, norms' means over a row, residual adds, softmax and log-softmax over a row). The mode is eager
+only: a compiled kernel fuses and reorders what it likes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from titanctl import _torch_compat
+from titanctl.parallel.converters.onednn_linear import onednn_mm_t
+
+ROW_TILE = 16  # rows per product of a linear layer
+ATTENTION_TILE = 8  # query rows per product of attention (a decode step has n_heads / n_kv_heads per KV head)
+VECTOR = 64  # elements: a multiple of every CPU vector width torch uses (AVX-512 loops take 2 x 16 floats)
+
+
+def row_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
+    """x (M, K) -> (ceil(M / tile), tile, K) zero-padded, and M."""
+    rows = x.shape[0]
+    return F.pad(x, (0, 0, 0, -rows % tile)).view(-1, tile, x.shape[1]), rows
+
+
+def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ w_t (K, N), each row computed the same way whatever the number of rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    tiles, rows = row_tiles(flat, ROW_TILE)
+    out = torch.bmm(tiles, w_t.expand(tiles.shape[0], *w_t.shape))  # (tiles, ROW_TILE, N)
+    return out.reshape(-1, w_t.shape[1])[:rows].view(*x.shape[:-1], w_t.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = tiled_matmul(x, weight.t())
+    return out if bias is None else out + bias
+
+
+def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.silu`` with every element on the vector path: the flattened input padded to whole vectors, on
+    one thread (a second one would start its share mid-vector)."""
+    flat = x.reshape(-1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = F.silu(F.pad(flat, (0, -flat.numel() % VECTOR)))[: flat.numel()]
+    finally:
+        torch.set_num_threads(threads)
+    return out.view(x.shape)
+
+
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / torch.sqrt(x)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+    key_length: int,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of q (B, H, T, D) over k, v (B, H_kv, S, D) with S <= key_length:
+    every query row scores all ``key_length`` keys (the missing ones zeros, masked), in tiles of
+    ATTENTION_TILE rows. ``attn_mask``: bool, True = attend, broadcast to (B, H, T, S); None with
+    ``is_causal``: key j seen from query t when j <= t."""
+    if dropout_p:
+        raise ValueError("batch-invariant attention has no dropout")
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if keys > key_length:
+        raise ValueError(f"attention over {keys} keys, more than the batch-invariant key length {key_length}")
+    if heads != kv_heads and not enable_gqa:
+        raise ValueError("query and key heads differ without enable_gqa")
+    group = heads // kv_heads
+    k = F.pad(k, (0, 0, 0, key_length - keys))  # (B, H_kv, L, D)
+    v = F.pad(v, (0, 0, 0, key_length - keys))
+    if attn_mask is None:
+        seen = torch.ones(length, keys, dtype=torch.bool, device=q.device)
+        if is_causal:
+            seen = seen.tril()
+        attn_mask = seen
+    seen = F.pad(attn_mask.expand(batch, heads, length, keys), (0, key_length - keys), value=False)
+    # The query rows that share a key/value head: head h = j * group + r serves KV head j.
+    rows = q.reshape(batch * kv_heads, group * length, dim)
+    count = rows.shape[1]
+    tiles = F.pad(rows, (0, 0, 0, -count % ATTENTION_TILE)).view(batch * kv_heads, -1, ATTENTION_TILE, dim)
+    n = tiles.shape[1]  # tiles per KV head
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # (B * H_kv, L, D) -> (B * H_kv * n, L, D)
+        return t.reshape(batch * kv_heads, 1, key_length, dim).expand(-1, n, -1, -1).reshape(-1, key_length, dim)
+
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    scores = torch.bmm(tiles.reshape(-1, ATTENTION_TILE, dim), per_tile(k).transpose(1, 2)).float() * scale
+    mask = F.pad(seen.reshape(batch * kv_heads, count, key_length), (0, 0, 0, n * ATTENTION_TILE - count))
+    scores = scores.masked_fill(~mask.view(-1, ATTENTION_TILE, key_length), float("-inf"))  # (B*H_kv*n, tile, L)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding row sees no key
+    out = torch.bmm(weights, per_tile(v).float()).view(batch * kv_heads, n * ATTENTION_TILE, dim)[:, :count]
+    return out.reshape(batch, heads, length, dim).to(q.dtype)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x (M, K), w (E, K, N), offs)``: expert e's rows (offs[e - 1]:offs[e]) times w[e],
+    each in tiles."""
+    ends = offs.tolist()
+    pieces, start = [], 0
+    for e, end in enumerate(ends):
+        pieces.append(tiled_matmul(x[start:end], w[e]))
+        start = end
+    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[-1])
+
+
+class BatchInvariant(TorchFunctionMode):
+    """Run the model with batch-invariant kernels (see the module docstring); ``key_length``: the KV
+    cache's length, over which every attention reduces."""
+
+    def __init__(self, key_length: int):
+        super().__init__()
+        self.key_length = key_length
+        self._grouped_mm = _torch_compat.GROUPED_MM.get()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear(*args, **kwargs)
+        if func is onednn_mm_t or func is torch.ops.titanctl.onednn_mm_t.default:
+            a, b = args
+            return tiled_matmul(a, b.t())
+        if func is F.scaled_dot_product_attention:
+            return attention(*args, **kwargs, key_length=self.key_length)
+        if func is F.silu:
+            return silu(*args, **kwargs)
+        if func is torch.rsqrt or func is torch.Tensor.rsqrt:
+            return rsqrt(*args)
+        if func is self._grouped_mm:
+            return grouped_mm(*args, **kwargs)
+        return func(*args, **kwargs)
