@@ -14,3 +14,8 @@ def raises(prompt: str, response: str, answer: str) -> float:
 
 def not_a_number(prompt: str, response: str, answer: str) -> float:
     return math.nan
+
+
+def chars(prompt: str, response: str, answer: str) -> float:
+    """The response's length in characters / 16: varied even among a randomly initialized model's samples."""
+    return len(response) / 16

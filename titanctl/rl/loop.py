@@ -152,6 +152,7 @@ class RLTrainer(Trainer):
             self.model, batch=rl.prompts_per_step // self.dims.dp * rl.group_size, key_length=key_length,
             stop_tokens=self.prompts.stop_tokens, vocab=vocab, temperature=rl.temperature, pad_id=pad,
             forward_context=forward_context, compile=rl.compile_sampler, record_routes=rl.routing_replay,
+            finished=self._all_done if self.dims.ep > 1 else None, dtype=compute_dtype,
         )
         self.update = PolicyUpdate(
             rl, self.model, cfg.training.local_batch_size, vocab, self._sum, self.dims.dp, forward_context,
@@ -191,6 +192,10 @@ class RLTrainer(Trainer):
         value = value.detach().clone()
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._dp_group)
         return value
+
+    def _all_done(self, done: torch.Tensor) -> bool:
+        """Every data-parallel rank's rows are done (expert parallelism: ranks decode in step)."""
+        return bool(self._sum((~done).sum()) == 0)
 
     def _agree(self, error: str | None) -> None:
         """Every rank stops with the first rank's error, or none does (a rank alone would leave the others
