@@ -60,3 +60,43 @@ def test_a_bad_reward_is_one_line(repo, tmp_path, trained_run, reward, says):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+COMPARED = ("loss", "grad_norm", "reward_mean", "reward_std", "entropy", "kl", "logprob_diff_max", "response_length")
+
+
+def test_a_resumed_run_continues_bitwise_with_its_reference_model(repo, tmp_path, trained_run):
+    """Policy, optimizer, reference model, prompt order and sampler: steps 3-4 of a run resumed from its step-2
+    checkpoint equal those of the run that went on (the schedule is constant: the recipe's lr_min = 1)."""
+    kl = ["--rl.kl_coef", "0.1", "--checkpoint.interval", "2"]
+    run(repo, tmp_path / "whole", trained_run, "--training.steps", "3", *kl)
+    run(repo, tmp_path / "parts", trained_run, "--training.steps", "2", *kl)
+    proc = run(repo, tmp_path / "parts", trained_run, "--training.steps", "3", *kl)
+    assert "loaded checkpoint" in proc.stdout and "(step 2)" in proc.stdout
+    saved = json.loads((tmp_path / "parts" / "rl" / "checkpoint" / "step-2" / "titanctl.json").read_text())
+    assert "reference" in saved["contents"]
+    whole, parts = rows(tmp_path / "whole" / "rl"), rows(tmp_path / "parts" / "rl")
+    assert [r["step"] for r in parts] == [1, 2, 3]
+    for got, want in zip(parts[2:], whole[2:]):
+        assert {k: got[k] for k in COMPARED} == {k: want[k] for k in COMPARED}
+    assert whole[-1]["kl"] > 0
+    # Out of titanctl as after SFT: the policy's weights (the reference stays behind).
+    hf = titanctl_run(["convert", str(tmp_path / "whole" / "rl" / "checkpoint" / "step-3"), str(tmp_path / "hf")],
+                      env={**os.environ, **OFFLINE_ENV}, timeout=600)
+    assert hf.returncode == 0 and (tmp_path / "hf" / "model.safetensors.index.json").exists(), hf.stderr
+
+
+def test_lora_policy_trains_adapters_and_exports_them(repo, tmp_path, trained_run):
+    """LoRA on the trained base, with a KL penalty to the base itself (the adapters off): the checkpoint holds
+    adapters only, and `convert --to peft` writes them for peft."""
+    run(repo, tmp_path, trained_run, "--training.steps", "2", "--lora.enable", "--rl.kl_coef", "0.1",
+        "--checkpoint.interval", "2", "--optimizer.lr", "1e-2")
+    data = rows(tmp_path / "rl")
+    assert data[0]["kl"] == 0 and data[-1]["kl"] > 0  # the policy left its base
+    step = tmp_path / "rl" / "checkpoint" / "step-2"
+    saved = json.loads((step / "titanctl.json").read_text())
+    assert "lora" in saved and "reference" not in saved["contents"]
+    peft = titanctl_run(["convert", str(step), str(tmp_path / "peft"), "--to", "peft"],
+                        env={**os.environ, **OFFLINE_ENV}, timeout=600)
+    assert peft.returncode == 0, peft.stderr
+    assert (tmp_path / "peft" / "adapter_model.safetensors").exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from titanctl.gc_pauses import heavy_imports
+from titanctl.cli.train import run_recipe
 
 
 def rl(
@@ -17,13 +17,4 @@ def rl(
 ) -> None:
     """Improve a model on prompts with checkable answers: sample completions with the model itself, reward
     them, update it on group-relative advantages. Any config key can be overridden: --section.key VALUE."""
-    from titanctl.config.recipe import load_config, to_toml
-
-    cfg = load_config(config, ctx.args, command="rl")
-    if print_config:
-        typer.echo(to_toml(cfg))
-        return
-    with heavy_imports():
-        from titanctl.rl.loop import RLTrainer
-
-    RLTrainer(cfg).train()
+    run_recipe("rl", config, ctx.args, print_config)

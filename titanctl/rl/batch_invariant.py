@@ -20,8 +20,9 @@ such kernel is replaced by one whose per-row work is fixed:
   batched GEMM of identical (ROW_TILE, in, out) products: each row is computed by the same product of
   the same shape wherever it sits (checked for every row position and 1 to 4,096 tiles);
 - attention pads the keys to ``key_length`` (the KV cache's length) with zeros, scores each query row
-  against all of them in tiles of ``ATTENTION_TILE`` rows, masks by position, softmaxes in fp32 and
-  weighs the values in tiles again: decode and training reduce over the same keys in the same order;
+  against all of them as products summed along a contiguous last dimension (head_dim), masks by position,
+  softmaxes in fp32 and sums the weighted values along one of key_length: decode and training reduce over
+  the same keys in the same order (a reduction along the last dimension depends on its length only);
 - ``silu`` runs on its input padded to whole vectors (every element takes the vector path), ``rsqrt``
   as ``1 / sqrt`` (both correctly rounded on every path);
 - routed experts (``torch._grouped_mm``) multiply each expert's rows in tiles too.
@@ -43,7 +44,6 @@ from titanctl import _torch_compat
 from titanctl.parallel.converters.onednn_linear import onednn_mm_t
 
 ROW_TILE = 16  # rows per product of a linear layer
-ATTENTION_TILE = 8  # query rows per product of attention (a decode step has n_heads / n_kv_heads per KV head)
 VECTOR = 64  # elements: a multiple of every CPU vector width torch uses (AVX-512 loops take 2 x 16 floats)
 
 
@@ -89,9 +89,10 @@ def attention(
     key_length: int,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of q (B, H, T, D) over k, v (B, H_kv, S, D) with S <= key_length:
-    every query row scores all ``key_length`` keys (the missing ones zeros, masked), in tiles of
-    ATTENTION_TILE rows. ``attn_mask``: bool, True = attend, broadcast to (B, H, T, S); None with
-    ``is_causal``: key j seen from query t when j <= t."""
+    every query row scores all ``key_length`` keys (the missing ones zeros, masked), each score a sum over D
+    products and each output a sum over key_length products, reduced along a contiguous last dimension of
+    that fixed length (the same order for every row, however many rows there are). ``attn_mask``: bool,
+    True = attend, broadcast to (B, H, T, S); None with ``is_causal``: key j seen from query t when j <= t."""
     if dropout_p:
         raise ValueError("batch-invariant attention has no dropout")
     batch, heads, length, dim = q.shape
@@ -104,26 +105,17 @@ def attention(
     k = F.pad(k, (0, 0, 0, key_length - keys))  # (B, H_kv, L, D)
     v = F.pad(v, (0, 0, 0, key_length - keys))
     if attn_mask is None:
-        seen = torch.ones(length, keys, dtype=torch.bool, device=q.device)
+        attn_mask = torch.ones(length, keys, dtype=torch.bool, device=q.device)
         if is_causal:
-            seen = seen.tril()
-        attn_mask = seen
+            attn_mask = attn_mask.tril()
     seen = F.pad(attn_mask.expand(batch, heads, length, keys), (0, key_length - keys), value=False)
     # The query rows that share a key/value head: head h = j * group + r serves KV head j.
-    rows = q.reshape(batch * kv_heads, group * length, dim)
-    count = rows.shape[1]
-    tiles = F.pad(rows, (0, 0, 0, -count % ATTENTION_TILE)).view(batch * kv_heads, -1, ATTENTION_TILE, dim)
-    n = tiles.shape[1]  # tiles per KV head
-
-    def per_tile(t: torch.Tensor) -> torch.Tensor:  # (B * H_kv, L, D) -> (B * H_kv * n, L, D)
-        return t.reshape(batch * kv_heads, 1, key_length, dim).expand(-1, n, -1, -1).reshape(-1, key_length, dim)
-
+    rows = q.reshape(batch, kv_heads, group * length, 1, dim)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    scores = torch.bmm(tiles.reshape(-1, ATTENTION_TILE, dim), per_tile(k).transpose(1, 2)).float() * scale
-    mask = F.pad(seen.reshape(batch * kv_heads, count, key_length), (0, 0, 0, n * ATTENTION_TILE - count))
-    scores = scores.masked_fill(~mask.view(-1, ATTENTION_TILE, key_length), float("-inf"))  # (B*H_kv*n, tile, L)
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding row sees no key
-    out = torch.bmm(weights, per_tile(v).float()).view(batch * kv_heads, n * ATTENTION_TILE, dim)[:, :count]
+    scores = (rows * k[:, :, None]).sum(-1).float() * scale  # (B, H_kv, rows, L)
+    scores = scores.masked_fill(~seen.reshape(batch, kv_heads, group * length, key_length), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)[:, :, :, None, :]  # (B, H_kv, rows, 1, L)
+    out = (weights * v.transpose(-2, -1)[:, :, None].float()).sum(-1)  # (B, H_kv, rows, D)
     return out.reshape(batch, heads, length, dim).to(q.dtype)
 
 

@@ -8,7 +8,6 @@ clipping, checkpoint manager and metric sinks. A step of ``training.steps`` is o
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from contextlib import contextmanager, nullcontext
@@ -34,9 +33,8 @@ from titanctl.rl.prompts import PromptLoader, PromptSet
 from titanctl.rl.rewards import build_rewards, score
 from titanctl.rl.rollout import Sampler, row_keys
 from titanctl.rl.update import Batch, PolicyUpdate
-from titanctl.train import run_folder
 from titanctl.train.lr_schedule import build_lr_scheduler
-from titanctl.train.metrics import MemoryMonitor, MetricSinks
+from titanctl.train.metrics import MemoryMonitor
 from titanctl.train.optim import build_optimizer
 from titanctl.train.trainer import Trainer
 
@@ -160,17 +158,7 @@ class RLTrainer(Trainer):
             recorder=self.sampler.recorder,
         )
         self.memory = MemoryMonitor(self.env.device)
-        if self.env.rank == 0:
-            note = run_folder.supersede_metrics(self.dump_folder, self.step)
-            if note:
-                self.say(note)
-            self.sinks = MetricSinks(
-                self.dump_folder,
-                tensorboard_folder=(
-                    self.dump_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None
-                ),
-                wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
-            )
+        self._open_sinks(self.step)
 
     def close(self) -> None:
         if self.sampler is not None:

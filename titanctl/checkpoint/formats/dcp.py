@@ -47,7 +47,7 @@ from titanctl.models.common.args import ModelArgs
 
 DCP_METADATA_FILE = ".metadata"
 # Top-level entries of a full training checkpoint besides the model (metadata.py's contract).
-TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco")
+TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco", "reference")
 GROUP_BYTES = 256 * 2**20  # tensors read per DCP load call (a tensor larger than this goes alone)
 
 
