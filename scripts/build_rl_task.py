@@ -1,13 +1,16 @@
 """Build the arithmetic task shipped in titanctl/assets/arithmetic/ (recipes/llama3_debug_task_sft.toml and
 recipes/llama3_debug_grpo.toml train on it).
 
-Every sum of two two-digit numbers, "What is 37 + 48?", answered "85": short prompts and answers with one
-exact right answer, which the debug model learns on 2 CPU cores. A row holds the prompt, the answer (what
-``titanctl rl``'s rewards check, rl.answer_field) and the same answer as a completion (what chat
-fine-tuning learns: ``chat:arithmetic`` reads prompt and completion). The 8,100 pairs are shuffled with a
-fixed seed: 7,000 make train.jsonl.gz, the rest validation.jsonl.gz (a folder laid out like a Hugging Face
-dataset). gzip'd JSON Lines with mtime 0 and no file name in the header: rerunning gives byte-identical
-files.
+Which of two two-digit numbers is larger: "Which is larger, 37 or 52?", answered "52". Short prompts and
+answers with one exact right answer that is always one of the prompt's numbers: chat fine-tuning teaches
+the debug model the format and to copy a number within minutes on 2 CPU cores, while choosing the right one
+(the tens digits, then the units) takes longer, which is what reinforcement learning then improves. (Sums
+of two numbers, tried first, are learned far too slowly from scratch.) A row holds the prompt, the answer
+(what ``titanctl rl``'s rewards check, rl.answer_field) and the same answer as a completion (what chat
+fine-tuning learns: ``chat:arithmetic`` reads prompt and completion). The 8,010 ordered pairs of distinct
+numbers are shuffled with a fixed seed: 7,000 make train.jsonl.gz, the rest validation.jsonl.gz (a folder
+laid out like a Hugging Face dataset). gzip'd JSON Lines with mtime 0 and no file name in the header:
+rerunning gives byte-identical files.
 
 Usage: python scripts/build_rl_task.py [--out DIR]
 """
@@ -26,9 +29,10 @@ TRAIN = 7000
 
 
 def rows() -> list[dict]:
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     random.Random(0).shuffle(pairs)
-    return [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), "completion": str(a + b)} for a, b in pairs]
+    return [{"prompt": f"Which is larger, {a} or {b}?", "answer": str(max(a, b)), "completion": str(max(a, b))}
+            for a, b in pairs]
 
 
 def write(path: Path, items: list[dict]) -> None:
