@@ -121,7 +121,9 @@ class OptimizerGroup:
     optimizer: str = opt("", "Muon or AdamW; empty means the one optimizer.name gives these parameters.",
                          choices=("", "Muon", "AdamW"))
     lr: float | None = opt(None, "Peak learning rate of this group; unset means optimizer.lr.", above=0)
-    weight_decay: float | None = opt(None, "Decoupled weight decay; unset means optimizer.weight_decay.", min=0)
+    weight_decay: float | None = opt(None, "Weight decay of this group's parameters (0 exempts them), as "
+                                           "optimizer.weight_decay applies it; unset means optimizer.weight_decay.",
+                                     min=0)
     momentum: float | None = opt(None, "Muon momentum; unset means optimizer.muon_momentum.", min=0, below=1)
     beta1: float | None = opt(None, "AdamW beta1; unset means optimizer.beta1.", min=0, below=1)
     beta2: float | None = opt(None, "AdamW beta2; unset means optimizer.beta2.", min=0, below=1)
@@ -141,7 +143,13 @@ class Optimizer:
     beta1: float = opt(0.9, "Adam beta1.", min=0, below=1)
     beta2: float = opt(0.95, "Adam beta2.", min=0, below=1)
     eps: float = opt(1e-8, "Adam epsilon.", min=0)
-    weight_decay: float = opt(0.1, "Decoupled weight decay.", min=0)
+    weight_decay: float = opt(
+        0.1,
+        "Weight decay of every trainable parameter, norm gains, biases, embeddings and routers included (as in "
+        "torchtitan; an [[optimizer.groups]] table with weight_decay = 0 exempts some): decoupled "
+        "(w -= lr x weight_decay x w) for AdamW and Muon, an L2 term added to the gradient for Adam.",
+        min=0,
+    )
     implementation: str = opt(
         "fused",
         "Kernel: fused (one kernel, where the device supports it), foreach, or for-loop.",
