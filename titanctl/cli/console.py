@@ -10,7 +10,7 @@ import time
 from rich.console import Console
 
 from titanctl.errors import ConfigError, ParallelError, TitanError
-from titanctl.parallel.runtime import elastic
+from titanctl.parallel.runtime import elastic, peers
 from titanctl.safe_io import shown
 
 err = Console(stderr=True, highlight=False, emoji=False)
@@ -76,6 +76,7 @@ def report(e: TitanError) -> None:
     then exit with the same code, so that the error is not cut short by torchrun's SIGTERM.
     """
     elastic.record_failure(str(e))
+    peers.publish_failure(str(e))
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     if rank == "0" or world == "1" or not isinstance(e, (ConfigError, ParallelError)):
         error(str(e))

@@ -62,6 +62,7 @@ from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.layouts import inference_tp
 from titanctl.parallel.runtime import elastic
 from titanctl.parallel.runtime.env import init_process
+from titanctl.parallel.runtime.peers import peer_failures_named
 from titanctl.tools.chat_prompt import chat_messages, chat_prompt
 from titanctl.tools.host_memory import available_bytes
 from titanctl.tools.sampling import Sampling, sample, seed_key
@@ -712,19 +713,20 @@ def run(
     cache = cache_length(len(prompt_ids) + max_new_tokens, args.max_seq_len)
     args = args.replace(max_seq_len=cache)  # the RoPE table and KV cache length
 
-    env = init_process(cfg.comm.init_timeout_seconds)
-    check_memory(args, tp, env.device, len(prompt_ids), max_new_tokens)
+    with peer_failures_named(elastic.int_from_env("RANK", 0, minimum=0), tp, "while loading the model"):
+        env = init_process(cfg.comm.init_timeout_seconds)
+        check_memory(args, tp, env.device, len(prompt_ids), max_new_tokens)
 
-    def tell(text: str) -> None:
-        if say is not None and env.rank == 0:
-            say(text)
+        def tell(text: str) -> None:
+            if say is not None and env.rank == 0:
+                say(text)
 
-    mesh = None
-    if tp > 1:
-        mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
-    seed = _agreed_seed(seed, env.device)
-    tell(f"loading {source.describe()} from {source.folder}...")
-    model = load_model(source, args, env.device, mesh)
+        mesh = None
+        if tp > 1:
+            mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
+        seed = _agreed_seed(seed, env.device)
+        tell(f"loading {source.describe()} from {source.folder}...")
+        model = load_model(source, args, env.device, mesh)
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < args.vocab_size else 0  # ids it can decode
     sampling = Sampling(temperature, top_k, vocab)
     first_token_seconds = None

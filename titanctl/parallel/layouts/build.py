@@ -27,7 +27,7 @@ from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
 from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import apply_ep, expert_gradient_divide_factor
-from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
+from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
 from titanctl.parallel.layouts.weight_init import initialize_weights
@@ -46,7 +46,8 @@ class ModelParts:
 
 
 def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
-    """Every layout error that needs no communication, raised before the first collective."""
+    """Every layout error that the config and the model's shape decide: the Trainer raises them before
+    its rank joins the process group, so a bad layout never leaves a rank half-connected."""
     p = cfg.parallelism
     if dims.tp > 1:
         check_tp(args, dims.tp, cfg.training.seq_len)
@@ -75,6 +76,8 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
+    if dims.pp > 1:
+        plan_pipeline(args.n_layers, p, cfg.training.local_batch_size)  # stages, schedule, microbatches
     if dims.ep > 1:
         if args.moe is None:
             raise ParallelError(
