@@ -27,6 +27,7 @@ import torch
 from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
 from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf_names import HF_FILES_KEY
 from titanctl.checkpoint.locate import Located, locate
 from titanctl.checkpoint.reader import one_line
 from titanctl.checkpoint.serving_kernels import serving_warning
@@ -324,6 +325,7 @@ def write_checkpoint(
         if said:
             notes.append(said)
     source_config = source.extra_metadata().get(HF_CONFIG_KEY) if fmt in ("dcp", "hf") else None
+    source_files = source.extra_metadata().get(HF_FILES_KEY) if fmt in ("dcp", "hf") else None
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
     tmp = _prepare_destination(dst, src_folder)
@@ -339,12 +341,15 @@ def write_checkpoint(
             options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
         options["source_config"] = source_config
         options["notes"] = notes
+        options["layout"] = source_files if max_shard_size is None else None  # a size asked for: new shards
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
         options["extra"] = {"converted_from": source.format, **(extra_metadata or {})}
         if source_config is not None:
             options["extra"][HF_CONFIG_KEY] = source_config
+        if source_files is not None:
+            options["extra"][HF_FILES_KEY] = source_files
         if recorded_path is not None:
             options["extra"]["tokenizer_path"] = recorded_path
     try:
@@ -455,7 +460,7 @@ def _convert_lora(
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
     from titanctl.checkpoint.lora_base import base_folder, base_record, check_same_base
-    from titanctl.checkpoint.lora_export import MergedSource, read_adapters, write_peft
+    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE, MergedSource, read_adapters, write_peft
     from titanctl.checkpoint.metadata import model_args_from_metadata
 
     if lora is None:
@@ -479,6 +484,8 @@ def _convert_lora(
                 notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
                              f"convert {record['base']['path']} BASE_HF --to hf` makes it")
             write_peft(tmp, adapters, args, record, record["base"]["path"], dtype)
+            if any(kind == "experts" for kind in record["targets"].values()):
+                notes.append(EXPERT_ADAPTERS_NOTE)
             os.rename(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
