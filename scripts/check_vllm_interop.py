@@ -148,7 +148,10 @@ def main() -> None:
     version = subprocess.run([options.vllm_python, "-c", "import vllm, torch, transformers; print("
                               "f'vllm {vllm.__version__}, torch {torch.__version__}, transformers "
                               "{transformers.__version__}')"], capture_output=True, text=True).stdout.strip()
-    print(f"{version}; greedy, {len(PROMPTS)} prompts x {NEW_TOKENS} tokens, fp32")
+    import transformers
+
+    print(f"vLLM venv: {version}; logprobs from transformers {transformers.__version__} (titanctl's venv); greedy, "
+          f"{len(PROMPTS)} prompts x {NEW_TOKENS} tokens, fp32")
     print("| family | attention | vLLM tokens = infer-tp's | max abs(logprob vLLM - transformers) | export warned |")
     print("|---|---|---|---|---|")
     for family in options.family or FAMILIES:
