@@ -206,8 +206,9 @@ def test_model_n_kv_heads_overrides_the_flavors():
     def kv_heads(*overrides):
         return model_args_from_config(load_config(None, list(overrides)).model, 300, 32).kv_heads
 
-    assert kv_heads() == 4  # titanctl's debugmodel
-    assert kv_heads("--model.n_kv_heads", "16") == 16  # torchtitan's debugmodel: multi-head attention
+    assert kv_heads() == 2  # titanctl's debugmodel
+    assert kv_heads("--model.n_kv_heads", "8") == 8  # multi-head attention
+    assert kv_heads("--model.flavor", "debugmodel_torchtitan") == 16  # torchtitan's debugmodel: multi-head attention
     assert kv_heads("--model.flavor", "8B", "--model.n_kv_heads", "4") == 4
-    with pytest.raises(ConfigError, match="'model.n_kv_heads' = 3 must divide flavor debugmodel's n_heads 16"):
+    with pytest.raises(ConfigError, match="'model.n_kv_heads' = 3 must divide flavor debugmodel's n_heads 8"):
         kv_heads("--model.n_kv_heads", "3")

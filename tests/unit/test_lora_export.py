@@ -120,3 +120,24 @@ def test_what_convert_refuses(lora_step, trained_run, tmp_path):
     with pytest.raises(CheckpointError, match="is not the one the adapters of .* were trained on"):
         convert_checkpoint(step, tmp_path / "out", merge_lora=True, lora_base=other)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_peft_export_of_expert_adapters_says_which_transformers_load_them(tmp_path):
+    """peft's target_parameters attach to transformers 5's packed experts; on 4.57 they match nothing (peft only
+    warns): the export says so in one note."""
+    from titanctl.checkpoint.convert import save_state_dict
+    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE
+    from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
+
+    args = QWEN3_MOE_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=4352, max_seq_len=64)
+    torch.manual_seed(0)
+    save_state_dict(Transformer(args).state_dict(), args, tmp_path / "base")
+    cfg = load_config(None, [*LORA_RUN, "--model.name", "qwen3_moe", "--checkpoint.initial_load_path",
+                             str(tmp_path / "base"), "--training.steps", "1", "--checkpoint.interval", "1",
+                             "--lora.target_modules", "attention,moe.experts", "--lora.rank", "8",
+                             "--job.dump_folder", str(tmp_path / "run")])
+    Trainer(cfg).train()
+    report = convert_checkpoint(tmp_path / "run" / "checkpoint" / "step-1", tmp_path / "peft", dst_format="peft")
+    assert EXPERT_ADAPTERS_NOTE in report.notes and "transformers 5.x" in EXPERT_ADAPTERS_NOTE
+    assert json.loads((tmp_path / "peft" / PEFT_CONFIG).read_text())["target_parameters"]

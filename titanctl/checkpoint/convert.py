@@ -27,9 +27,12 @@ import torch
 from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
 from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf_names import HF_FILES_KEY
 from titanctl.checkpoint.locate import Located, locate
 from titanctl.checkpoint.reader import one_line
+from titanctl.checkpoint.serving_kernels import serving_warning
 from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.checkpoint.uncarried import check_carried
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
@@ -43,6 +46,7 @@ TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 FP8_DEFAULT_DTYPE = torch.bfloat16  # what FP8 weights of a source become when --dtype says nothing
+WARNING = "warning: "  # a note that begins so is a warning (the CLI shows it so)
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -291,13 +295,15 @@ def write_checkpoint(
     extra_metadata: dict | None = None,
     tokenizer_path: str | os.PathLike | None = None,
     notes: list[str] | None = None,
+    drop_expert_bias: bool = False,
 ) -> list[str]:
     """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
 
     hf and torchtune outputs also get the tokenizer files (see ``tokenizer_export``); a dcp
     output records the tokenizer path. A Hugging Face source's config.json travels with the weights:
     a dcp output stores it, an hf output writes it back (``hf_carried_config``). What is worth telling
-    the user is appended to `notes`.
+    the user is appended to `notes`. Trained state the format has no slot for is refused unless
+    ``drop_expert_bias`` (``titanctl.checkpoint.uncarried``).
     """
     _check_format(fmt, "--to")
     _check_options(fmt, shards, max_shard_size, tokenizer_path)
@@ -309,12 +315,17 @@ def write_checkpoint(
     if source.args.tie_embeddings and fmt in UNTIED_FORMATS:
         source = UntiedView(source)
     notes = [] if notes is None else notes
+    if (dropped := check_carried(source, fmt, drop_expert_bias)) is not None:
+        notes.append(dropped)
+    if fmt == "hf" and (unservable := serving_warning(source.args)):
+        notes.append(f"{WARNING}{unservable}")
     tokenizer, recorded_path = None, None
     if fmt in TOKENIZER_FORMATS:  # before anything is written: a wrong tokenizer is an error
         tokenizer, recorded_path, said = resolve_tokenizer(source, source.args, tokenizer_path, fmt == "dcp")
         if said:
             notes.append(said)
     source_config = source.extra_metadata().get(HF_CONFIG_KEY) if fmt in ("dcp", "hf") else None
+    source_files = source.extra_metadata().get(HF_FILES_KEY) if fmt in ("dcp", "hf") else None
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
     tmp = _prepare_destination(dst, src_folder)
@@ -330,12 +341,15 @@ def write_checkpoint(
             options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
         options["source_config"] = source_config
         options["notes"] = notes
+        options["layout"] = source_files if max_shard_size is None else None  # a size asked for: new shards
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
         options["extra"] = {"converted_from": source.format, **(extra_metadata or {})}
         if source_config is not None:
             options["extra"][HF_CONFIG_KEY] = source_config
+        if source_files is not None:
+            options["extra"][HF_FILES_KEY] = source_files
         if recorded_path is not None:
             options["extra"]["tokenizer_path"] = recorded_path
     try:
@@ -372,6 +386,7 @@ def convert_checkpoint(
     tokenizer_path: str | os.PathLike | None = None,
     merge_lora: bool = False,
     lora_base: str | os.PathLike | None = None,
+    drop_expert_bias: bool = False,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -397,7 +412,7 @@ def convert_checkpoint(
     if lora is not None or merge_lora or dst_format in ADAPTER_FORMATS or lora_base is not None:
         return _convert_lora(located, Path(src), dst, lora, dst_format=dst_format, merge=merge_lora, base=lora_base,
                              dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-                             tokenizer_path=tokenizer_path)
+                             tokenizer_path=tokenizer_path, drop_expert_bias=drop_expert_bias)
 
     start = time.perf_counter()
     dequantize_to = torch_dtype or FP8_DEFAULT_DTYPE
@@ -410,7 +425,7 @@ def convert_checkpoint(
             notes.insert(0, f"read {located.folder.name}, the newest complete checkpoint in {src}")
         files = write_checkpoint(
             source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-            tokenizer_path=tokenizer_path, notes=notes,
+            tokenizer_path=tokenizer_path, notes=notes, drop_expert_bias=drop_expert_bias,
         )
         return ConversionReport(
             src=Path(src),
@@ -441,10 +456,11 @@ def _convert_lora(
     located: Located, src: Path, dst: Path, lora: dict | None, *, dst_format: str | None, merge: bool,
     base: str | os.PathLike | None, dtype: torch.dtype | None, shards: int | None,
     max_shard_size: int | str | None, progress: ProgressSink | None, tokenizer_path: str | os.PathLike | None,
+    drop_expert_bias: bool = False,
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
     from titanctl.checkpoint.lora_base import base_folder, base_record, check_same_base
-    from titanctl.checkpoint.lora_export import MergedSource, read_adapters, write_peft
+    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE, MergedSource, read_adapters, write_peft
     from titanctl.checkpoint.metadata import model_args_from_metadata
 
     if lora is None:
@@ -468,6 +484,8 @@ def _convert_lora(
                 notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
                              f"convert {record['base']['path']} BASE_HF --to hf` makes it")
             write_peft(tmp, adapters, args, record, record["base"]["path"], dtype)
+            if any(kind == "experts" for kind in record["targets"].values()):
+                notes.append(EXPERT_ADAPTERS_NOTE)
             os.rename(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -489,7 +507,8 @@ def _convert_lora(
         fmt = dst_format or "hf"
         notes += [f"merged {len(record['targets'])} LoRA adapters into the base {base_located.folder}", *source.notes]
         files = write_checkpoint(merged, dst, fmt, dtype=dtype, shards=shards, max_shard_size=max_shard_size,
-                                 progress=progress, tokenizer_path=tokenizer_path, notes=notes)
+                                 progress=progress, tokenizer_path=tokenizer_path, notes=notes,
+                                 drop_expert_bias=drop_expert_bias)
         return ConversionReport(src, dst, "dcp", fmt, args, "titanctl.json", len(merged.infos),
                                 merged.total_bytes(dtype), time.perf_counter() - start, files, notes)
 

@@ -41,6 +41,8 @@ _OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 # Derived buffers that old transformers versions saved; they carry no weights.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
+HF_FILES_KEY = "hf_files"  # a Hugging Face source's files, carried to its exports (formats.hf.file_layout)
+
 
 # ----------------------------------------------------------------------------- names
 

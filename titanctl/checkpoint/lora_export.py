@@ -36,6 +36,11 @@ from titanctl.parallel.converters.lora import adapter_names
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# peft 0.21 attaches target_parameters to transformers 5's packed experts; transformers 4.57 holds them per
+# expert, where peft matches no parameter (it warns) and attaches the attention adapters alone.
+EXPERT_ADAPTERS_NOTE = ("the expert adapters are peft target_parameters on transformers 5's packed experts: they "
+                        "load with transformers 5.x; transformers 4.x attaches only the other adapters (peft warns "
+                        "that no parameter was matched)")
 # titanctl's expert stacks -> transformers 5's packed expert parameter, and the slot in it.
 _PACKED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
 

@@ -82,6 +82,7 @@ from titanctl.checkpoint.load_plan import (
 from titanctl.checkpoint.lora_base import LORA_KEY, LoRAPlan, base_record, check_same_base
 from titanctl.checkpoint.metadata import write_metadata
 from titanctl.checkpoint.reader import DCP_INDEX, first_failure, one_line, quiet_dcp
+from titanctl.checkpoint.serving_kernels import serving_warning
 from titanctl.checkpoint.state import (
     LoaderState,
     ModelState,
@@ -90,6 +91,7 @@ from titanctl.checkpoint.state import (
     SchedulerState,
     TrainState,
 )
+from titanctl.checkpoint.uncarried import check_hf_saves
 from titanctl.config.job_config import JobConfig
 from titanctl.config.recipe import to_toml
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
@@ -189,7 +191,11 @@ class CheckpointManager:
         self.saving = ck.enable_checkpoint or ck.create_seed_checkpoint
         # Hugging Face saves carry the run's tokenizer: checked now rather than after the last step.
         writes_hf = ck.enable_checkpoint and (ck.save_format != "dcp" or ck.last_save_in_hf)
+        if writes_hf:
+            check_hf_saves(cfg.moe.load_balance_coeff, model_args)
         self._hf_tokenizer = run_tokenizer(cfg.model.tokenizer_path, model_args) if writes_hf else None
+        if writes_hf and (unservable := serving_warning(model_args)):
+            self.log(f"warning: the run's Hugging Face saves: {unservable}")
         self.async_mode = ck.async_mode if ck.enable_checkpoint else "disabled"
         # The run's state, one Stateful per part of STATE_PARTS: what DCP saves and loads. A LoRA run's
         # model state is its adapters and saved buffers; its frozen base (``weights``) is only loaded.

@@ -58,6 +58,12 @@ def convert(
         help="Where the LoRA step's base is now, when it moved (its weights must be the ones the adapters were "
         "trained on).",
     ),
+    drop_expert_bias: bool = typer.Option(
+        False, "--drop-expert-bias",
+        help="Export to a format that has no slot for the MoE expert bias that moe.load_balance_coeff trains "
+        "(Hugging Face's Qwen3-MoE and gpt-oss) without it: the export then routes tokens as with a zero bias. "
+        "Without the flag such an export is refused.",
+    ),
     tokenizer_path: Path | None = typer.Option(
         None,
         "--tokenizer-path",
@@ -75,7 +81,7 @@ def convert(
 
     check_overrides("convert", ctx.args)  # before torch is imported and any checkpoint is looked at
     with heavy_imports():
-        from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
+        from titanctl.checkpoint.convert import WARNING, ConversionReport, convert_checkpoint
     from titanctl.safe_io import visible
 
     bar = console.ByteProgress()
@@ -95,6 +101,7 @@ def convert(
             tokenizer_path=tokenizer_path,
             merge_lora=merge_lora,
             lora_base=lora_base,
+            drop_expert_bias=drop_expert_bias,
         )
     except KeyboardInterrupt:
         bar.stop()
@@ -109,4 +116,4 @@ def convert(
         f"model from {visible(str(report.origin))}) → {visible(str(report.dst))}"
     )
     for note in report.notes:
-        typer.echo(f"  note: {visible(note)}")
+        typer.echo(f"  {'' if note.startswith(WARNING) else 'note: '}{visible(note)}")

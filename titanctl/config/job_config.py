@@ -51,7 +51,7 @@ class Job:
 # model.name -> its flavors, as titanctl.models.registry declares them (a test keeps the two equal;
 # the config layer sits below the models and cannot ask the registry).
 MODEL_FLAVORS = {
-    "llama3": ("debugmodel", "8B", "70B", "405B", "1B", "3B"),
+    "llama3": ("debugmodel", "debugmodel_torchtitan", "8B", "70B", "405B", "1B", "3B"),
     "qwen3": ("debugmodel", "debugmodel_untied", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
     "qwen3_moe": ("debugmodel", "30B-A3B", "235B-A22B"),
     "deepseek_v3": ("debugmodel", "16B", "671B"),
