@@ -39,7 +39,7 @@ from titanctl.data.chat_rows import Unreadable, chat_files, read_rows
 from titanctl.data.chat_template import ChatTemplate, find_chat_template, special_token_texts
 from titanctl.data.local_files import fingerprint
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.errors import DataError
+from titanctl.errors import DataError, counted
 from titanctl.safe_io import visible
 
 CHAT_PREFIX = "chat:"
@@ -100,11 +100,6 @@ class ChatReport:
                        "(sft.overlong = drop)")
         return DataError(f"chat dataset {self.description} has no usable conversation among "
                          f"{counted(self.rows, 'row')}: {'; '.join(why) or 'no rows'}")
-
-
-def counted(n: int, noun: str) -> str:
-    """``1 row``, ``2 rows``, ``1,024 rows``: the one place refusals and reports count things."""
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 class ChatSource:
