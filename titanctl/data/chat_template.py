@@ -39,8 +39,6 @@ import functools
 import hashlib
 import json
 import re
-import signal
-import threading
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -48,6 +46,7 @@ from typing import Any
 
 from titanctl.data import template_budget as budget
 from titanctl.data.template_budget import Bound
+from titanctl.deadline import Expired, time_limit
 from titanctl.errors import DataError
 from titanctl.safe_io import load_json, read_text, visible
 
@@ -217,32 +216,16 @@ def _one_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- the environment
 
 
-class _Timeout(Exception):
-    pass
-
-
 @contextlib.contextmanager
 def _time_limit(seconds: float, origin: str) -> Iterator[None]:
-    """Raise ChatTemplateError when the body runs longer than ``seconds`` (main thread only: Python
-    delivers signals there; elsewhere the other bounds still hold)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise _Timeout
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    """Raise ChatTemplateError when the body runs longer than ``seconds`` (titanctl.deadline)."""
     try:
-        yield
-    except _Timeout:
+        with time_limit(seconds):
+            yield
+    except Expired:
         raise ChatTemplateError(
             f"chat template {origin} took more than {seconds:g} s for one conversation: refused"
         ) from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _bounded_filter(env, name: str, function):
