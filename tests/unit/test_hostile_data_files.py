@@ -11,7 +11,6 @@ import gzip
 import json
 import os
 import re
-import signal
 import time
 import tracemalloc
 import zlib
@@ -25,6 +24,7 @@ from titanctl.data.chat_encode import MAX_ROW_RENDER_CHARS, BadConversation, Cha
 from titanctl.data.chat_rows import MAX_ROW_BYTES
 from titanctl.data.chat_template import ChatTemplate
 from titanctl.data.datasets import load_documents
+from titanctl.deadline import Expired, time_limit
 from titanctl.errors import DataError
 
 ANSWER = {"role": "assistant", "content": "Joshua."}
@@ -35,16 +35,11 @@ MIB = 1 << 20
 @contextmanager
 def within(seconds: float):
     """Fail (instead of hanging the suite) when the body takes longer than ``seconds``."""
-    def on_alarm(signum, frame):
-        raise AssertionError(f"took more than {seconds} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        with time_limit(seconds):
+            yield
+    except Expired:
+        raise AssertionError(f"took more than {seconds} s: a hang") from None
 
 
 @contextmanager

@@ -113,21 +113,21 @@ class ReplicaGroup:
                              f"({source}): {visible(first)[:300]}") from None
 
     def _manager(self, torchft, lighthouse: str):
-        ft, seconds = self.cfg, datetime.timedelta
+        seconds = datetime.timedelta
         return torchft.Manager(
             pg=self.process_group,
             load_state_dict=self._load_state,
             state_dict=self._state,
-            min_replica_size=ft.min_replica_size,
+            min_replica_size=self.cfg.min_replica_size,
             # A group that heals takes the peer's state before its forward, then trains the step with the others.
             use_async_quorum=False,
-            timeout=seconds(seconds=ft.timeout_seconds),
-            quorum_timeout=seconds(seconds=ft.quorum_timeout_seconds),
-            connect_timeout=seconds(seconds=ft.connect_timeout_seconds),
+            timeout=seconds(seconds=self.cfg.timeout_seconds),
+            quorum_timeout=seconds(seconds=self.cfg.quorum_timeout_seconds),
+            connect_timeout=seconds(seconds=self.cfg.connect_timeout_seconds),
             rank=self.rank,
             world_size=self.world_size,
             lighthouse_addr=lighthouse,
-            replica_id=f"replica_{ft.replica_id:0{REPLICA_ID_DIGITS}d}",
+            replica_id=f"replica_{self.cfg.replica_id:0{REPLICA_ID_DIGITS}d}",
             # Every group initializes the same weights from training.seed: step 0 needs no copy.
             init_sync=False,
         )
