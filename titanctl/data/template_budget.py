@@ -20,6 +20,7 @@ Breaking either raises ``Bound``, which the template's caller turns into a one-l
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import string
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
@@ -84,15 +85,19 @@ def size_of(value: Any) -> int:
 def rendered_size(value: Any, limit: int = MAX_VALUE_CHARS, *, indent: int | str | None = None,
                   separators: tuple | None = None) -> int:
     """An upper bound of ``len(str(value))``, and of ``json.dumps(value, indent=indent,
-    separators=separators)``, that stops counting past ``limit``; without recursion, in at most
-    ``limit`` steps."""
+    separators=separators)``, that stops counting past ``limit``: without recursion, holding one
+    iterator per level of nesting, in at most ``limit`` steps."""
     if isinstance(value, str):
         return len(value)
     pad = len(indent) if isinstance(indent, str) else max(0, indent) if isinstance(indent, int) else -1
     gaps = sum(len(s) for s in separators if isinstance(s, str)) if isinstance(separators, (list, tuple)) else 0
-    total, stack = 0, [(value, 0)]
-    while stack and total <= limit:
-        item, depth = stack.pop()
+    total, levels = 0, [iter((value,))]  # the items left at each level of nesting
+    while levels:
+        item = next(levels[-1], _END)
+        if item is _END:
+            levels.pop()
+            continue
+        depth = len(levels) - 1
         if isinstance(item, str):
             total += _ESCAPED * len(item) + 2
         elif isinstance(item, bytes):
@@ -104,16 +109,22 @@ def rendered_size(value: Any, limit: int = MAX_VALUE_CHARS, *, indent: int | str
         elif isinstance(item, float):
             total += 24
         elif isinstance(item, (dict, list, tuple, set, frozenset, KeysView, ValuesView, ItemsView)):
-            children = [x for pair in item.items() for x in pair] if isinstance(item, dict) else list(item)
+            count = 2 * len(item) if isinstance(item, dict) else len(item)
             each = 4 + gaps + (pad * (depth + 1) + 1 if pad >= 0 else 0)  # separators, a newline and its indent
-            total += 16 + len(children) * each + (pad * depth + 1 if pad >= 0 else 0)
-            stack.extend((child, depth + 1) for child in children)
+            total += 16 + count * each + (pad * depth + 1 if pad >= 0 else 0)
+            if total <= limit:
+                levels.append(itertools.chain.from_iterable(item.items()) if isinstance(item, dict) else iter(item))
         else:
             attrs = _namespace_attrs(item)
             if attrs is not None:
-                stack.append((attrs, depth))
+                levels.append(iter((attrs,)))
             total += 64  # the repr of any other object a template can reach is short (a loop, a macro)
+        if total > limit:
+            return total
     return total
+
+
+_END = object()
 
 
 def _namespace_attrs(item: Any) -> dict | None:
