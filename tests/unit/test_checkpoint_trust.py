@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import OFFLINE_ENV, TRUSTED_RUN
+from titanctl.checkpoint.metadata import fields_digest
 
 STEP = Path("checkpoint") / "step-2"
 
@@ -198,8 +199,10 @@ HUGE_DIM = 10**9
 
 
 def bomb_titanctl_json(step: Path, **changes) -> None:
+    """A careful attacker's edit: the model arguments changed, and the checksum of the fields re-recorded."""
     meta = json.loads((step / "titanctl.json").read_text())
     meta["model_args"].update(changes)
+    meta["checksums"]["fields"] = fields_digest(meta)
     rewrite(step / "titanctl.json", json.dumps(meta).encode())
 
 
@@ -449,7 +452,8 @@ def test_zero_heads_is_one_line_not_a_division_by_zero(trained_run, formats, tmp
         shutil.copytree(formats[fmt], folder)
         bomb_json(folder / file, **change)
     line = error_line(cli(["convert", folder, tmp_path / "out", "--to", "torchtune"], capsys))
-    assert re.search(rf"{re.escape(file)}: n_heads is 0, expected an integer >= 1", line), line
+    key = "num_attention_heads" if file == "config.json" else "n_heads"  # config.json's reader names its own key
+    assert re.search(rf"{re.escape(file)}: {key} is 0, expected an integer >= 1", line), line
 
 
 # ----------------------------------------------------------------------------- file-system faults

@@ -147,7 +147,7 @@ def test_every_float_key_must_be_finite_in_toml_too(tmp_path, key):
         (["--optimizer.beta2", "-0.1"], "'optimizer.beta2' = -0.1 must be in [0, 1)"),
         (["--lr_scheduler.lr_min", "1.01"], "'lr_scheduler.lr_min' = 1.01 must be in [0, 1]"),
         (["--training.seed", str(2**64)], f"'training.seed' = {2**64} must be in [0, 2^64)"),
-        (["--comm.trace_buf_size", str(2**63)], "does not fit in 64 bits; valid: [-2^63, 2^63)"),
+        (["--checkpoint.keep_latest_k", str(2**63)], "does not fit in 64 bits; valid: [-2^63, 2^63)"),
         (["--job.dump_folder", ""], "'job.dump_folder' is empty"),
         (["--job.dump_folder", "  "], "'job.dump_folder' is empty"),
     ],

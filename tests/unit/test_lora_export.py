@@ -141,3 +141,65 @@ def test_peft_export_of_expert_adapters_says_which_transformers_load_them(tmp_pa
     report = convert_checkpoint(tmp_path / "run" / "checkpoint" / "step-1", tmp_path / "peft", dst_format="peft")
     assert EXPERT_ADAPTERS_NOTE in report.notes and "transformers 5.x" in EXPERT_ADAPTERS_NOTE
     assert json.loads((tmp_path / "peft" / PEFT_CONFIG).read_text())["target_parameters"]
+
+
+# ----------------------------------------------------------------------------- edited records (issue 57, class 6)
+
+
+def edited_copy(step: Path, root: Path, change, *, rerecord: bool) -> Path:
+    """A copy of the LoRA step whose titanctl.json is changed; ``rerecord``: as a careful attacker, with the
+    checksum of its fields recomputed."""
+    from titanctl.checkpoint.metadata import fields_digest
+
+    copy = root / "step-3"
+    shutil.copytree(step, copy)
+    meta = json.loads((copy / "titanctl.json").read_text())
+    change(meta)
+    if rerecord:
+        meta["checksums"]["fields"] = fields_digest(meta)
+    (copy / "titanctl.json").write_text(json.dumps(meta))
+    return copy
+
+
+@pytest.mark.parametrize("to", ["merge", "peft"])
+def test_an_edited_lora_record_is_refused(lora_step, tmp_path, to):
+    """A titanctl.json edited to rank 10^9 (the adapters have rank 4) merged and exported with exit 0."""
+    def rank(meta):
+        meta["lora"]["rank"] = 10**9
+
+    kwargs = dict(dst_format="hf", merge_lora=True) if to == "merge" else dict(dst_format="peft")
+    plain = edited_copy(lora_step["step"], tmp_path / "plain", rank, rerecord=False)
+    with pytest.raises(CheckpointError, match="titanctl.json: its fields do not match the sha256 checksum"):
+        convert_checkpoint(plain, tmp_path / "out", **kwargs)
+    careful = edited_copy(lora_step["step"], tmp_path / "careful", rank, rerecord=True)
+    with pytest.raises(CheckpointError) as e:
+        convert_checkpoint(careful, tmp_path / "out", **kwargs)
+    assert str(e.value) == (f"{careful}/titanctl.json records LoRA rank 1,000,000,000, but the adapters of "
+                            "layers.0.attention.wq have rank 4 (A (4, 256), B (256, 4))")
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_peft_checks_the_recorded_base_as_merge_lora_does(lora_step, trained_run, tmp_path):
+    """--to peft named whatever base the record said (fingerprint zeroed, path /etc) and exported."""
+    def zeroed(meta):
+        meta["lora"]["base"]["fingerprint"] = "sha256:files:" + "0" * 64
+
+    def elsewhere(meta):
+        meta["lora"]["base"]["path"] = str(tmp_path / "gone")
+
+    step = edited_copy(lora_step["step"], tmp_path / "zeroed", zeroed, rerecord=True)
+    with pytest.raises(CheckpointError, match="is not the one the adapters of .* were trained on"):
+        convert_checkpoint(step, tmp_path / "out", dst_format="peft")
+    step = edited_copy(lora_step["step"], tmp_path / "elsewhere", elsewhere, rerecord=True)
+    with pytest.raises(CheckpointError, match=r"gone \(recorded in .*\), which the adapters of .* were trained on, "
+                                              r"is missing \(moved\? .*--lora-base\)"):
+        convert_checkpoint(step, tmp_path / "out", dst_format="peft")
+    moved = tmp_path / "moved_base"
+    shutil.copytree(lora_step["base"], moved)
+    convert_checkpoint(step, tmp_path / "out", dst_format="peft", lora_base=moved)  # named where it is now
+    assert json.loads((tmp_path / "out" / PEFT_CONFIG).read_text())["base_model_name_or_path"] == str(moved)
+    other = tmp_path / "other_base"
+    shutil.copytree(trained_run / "checkpoint" / "step-1", other)
+    with pytest.raises(CheckpointError, match="is not the one the adapters of .* were trained on"):
+        convert_checkpoint(lora_step["step"], tmp_path / "out2", dst_format="peft", lora_base=other)
+    assert not (tmp_path / "out2").exists()

@@ -466,8 +466,8 @@ def _convert_lora(
     if lora is None:
         what = "--merge-lora" if merge else "--lora-base" if dst_format not in ADAPTER_FORMATS else f"--to {dst_format}"
         raise CheckpointError(f"{what} reads a LoRA run's step folder; {located.folder} holds no LoRA adapters")
-    if dst_format in ADAPTER_FORMATS and (merge or base is not None):
-        raise CheckpointError("--to peft writes the adapters alone: --merge-lora and --lora-base do not apply")
+    if dst_format in ADAPTER_FORMATS and merge:
+        raise CheckpointError("--to peft writes the adapters alone: --merge-lora does not apply")
     if not merge and dst_format not in ADAPTER_FORMATS:
         raise CheckpointError(
             f"{located.folder} holds LoRA adapters only (trained on {lora['base']['path']}): add --merge-lora "
@@ -477,13 +477,17 @@ def _convert_lora(
     meta, record, adapters = read_adapters(located.folder)
     args = model_args_from_metadata(meta, str(located.folder))
     notes = [] if located.folder == src else [f"read {located.folder.name}, the newest complete checkpoint in {src}"]
+    # The adapters mean something only on the base they were trained on: peft's too (it names the base).
+    folder = base_folder(record, base, located.folder)
+    base_located = _locate_source(folder, None)
+    check_same_base(record["base"], base_record(base_located.folder, base_located.format), located.folder)
     if dst_format in ADAPTER_FORMATS:
         tmp = _prepare_destination(dst, src)
         try:
             if record["base"]["format"] != "hf":
                 notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
                              f"convert {record['base']['path']} BASE_HF --to hf` makes it")
-            write_peft(tmp, adapters, args, record, record["base"]["path"], dtype)
+            write_peft(tmp, adapters, args, record, str(folder), dtype)
             if any(kind == "experts" for kind in record["targets"].values()):
                 notes.append(EXPERT_ADAPTERS_NOTE)
             os.rename(tmp, dst)
@@ -495,9 +499,6 @@ def _convert_lora(
         nbytes = sum(t.numel() * (dtype or t.dtype).itemsize for t in adapters.values())
         return ConversionReport(src, dst, "dcp", dst_format, args, "titanctl.json", len(adapters), nbytes,
                                 time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
-    folder = base_folder(record, base, located.folder)
-    base_located = _locate_source(folder, None)
-    check_same_base(record["base"], base_record(base_located.folder, base_located.format), located.folder)
     source = open_source(base_located.folder, base_located.format)
     source.dequantize_to = dtype or FP8_DEFAULT_DTYPE
     with source:

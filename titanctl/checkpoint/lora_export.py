@@ -165,6 +165,11 @@ def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
     if set(tensors) != expected:
         odd = sorted(set(tensors) ^ expected)
         raise CheckpointError(f"{folder}: its adapters do not match the targets its titanctl.json records ({odd[0]})")
+    for target, kind in record["targets"].items():  # A (r, in) and B (out, r), per expert for a stack
+        a, b = (tensors[n] for n in adapter_names(target, kind))
+        if a.shape[-2] != record["rank"] or b.shape[-1] != record["rank"]:
+            raise CheckpointError(f"{folder}/titanctl.json records LoRA rank {record['rank']:,}, but the adapters of "
+                                  f"{target} have rank {a.shape[-2]} (A {tuple(a.shape)}, B {tuple(b.shape)})")
     with quiet_dcp():
         reader.load(tensors)
     return reader.meta, record, tensors

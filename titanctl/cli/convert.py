@@ -56,7 +56,7 @@ def convert(
     lora_base: Path | None = typer.Option(
         None, "--lora-base", readable=False,
         help="Where the LoRA step's base is now, when it moved (its weights must be the ones the adapters were "
-        "trained on).",
+        "trained on); for --merge-lora and --to peft, which both check the base, and name it in peft's config.",
     ),
     drop_expert_bias: bool = typer.Option(
         False, "--drop-expert-bias",

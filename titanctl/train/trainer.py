@@ -320,9 +320,11 @@ class Trainer:
         loss, diverged = self.losses.read(self.dims)
         if diverged is not None:
             step, value = diverged
+            lora = self.cfg.lora
+            alpha = f", lora.alpha (now {lora.alpha:g}, scale {lora.alpha / lora.rank:g})" if lora.enable else ""
             raise TrainingDiverged(
                 f"loss is {value} at step {step}; lower optimizer.lr "
-                f"(now {self.cfg.optimizer.lr}) or raise lr_scheduler.warmup_steps"
+                f"(now {self.cfg.optimizer.lr}){alpha} or raise lr_scheduler.warmup_steps"
             )
         return loss
 

@@ -325,9 +325,10 @@ class HFSource(Source):
         view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
         _, tensor = from_hf_tensor(info.shown, view, self.args)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-            return self.pages.copy_out(tensor)  # not permuted (perhaps transposed): copy chunk by chunk
-        self.pages.release(view)  # q/k: the permutation made the copy
-        return tensor
+            tensor = self.pages.copy_out(tensor)  # not permuted (perhaps transposed): copy chunk by chunk
+        else:
+            self.pages.release(view)  # q/k: the permutation made the copy
+        return mxfp4.check_finite(tensor, info.shown, self.folder / info.where) if self.mxfp4 else tensor
 
     def _dequantized(self, key: str, path: Path, out: torch.Tensor | None = None) -> torch.Tensor:
         """The FP8 weight `key` of `path` times its block scales, in ``dequantize_to`` (into `out`)."""

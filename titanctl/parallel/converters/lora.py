@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titanctl.config.job_config import JobConfig
 from titanctl.config.job_config import LoRA as LoRAConfig
+from titanctl.config.user_regex import UserRegex
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import ParamInit
@@ -125,12 +126,8 @@ def resolve_targets(model: nn.Module, cfg: LoRAConfig) -> dict[str, str]:
     """{target: kind} chosen by lora.target_regex, or else lora.target_modules; one-line ConfigErrors."""
     found = candidates(model)
     if cfg.target_regex:
-        try:
-            regex = re.compile(cfg.target_regex)
-        except re.error as e:
-            raise ConfigError(f"config key 'lora.target_regex' = {cfg.target_regex!r} is no regular expression: {e}") \
-                from None
-        chosen = {name: kind for name, kind in found.items() if regex.fullmatch(name)}
+        matched = set(UserRegex("lora.target_regex", cfg.target_regex).matching(found))
+        chosen = {name: kind for name, kind in found.items() if name in matched}
         if not chosen:
             raise ConfigError(
                 f"config key 'lora.target_regex' = {cfg.target_regex!r} matches no linear layer or expert stack; "
@@ -198,6 +195,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> LoRAConversion:
             f"lora.rank = {cfg.rank} with adapters on routed experts: their grouped matmuls (torch._grouped_mm) "
             f"need the rank to be a multiple of {EXPERT_RANK_MULTIPLE} (rows of 16 bytes in bf16)"
         )
+    _check_rank(model, targets, cfg.rank)
     conversion = LoRAConversion(targets, cfg.rank, cfg.alpha, cfg.dropout)
     r = cfg.rank
     stacks: dict[str, list[str]] = {}
@@ -224,6 +222,24 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> LoRAConversion:
     freeze_base(model)
     conversion.shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if is_adapter(name)}
     return conversion
+
+
+def _check_rank(model: nn.Module, targets: dict[str, str], rank: int) -> None:
+    """A rank above min(in, out) of a target adds parameters (and memory) but no expressiveness: B A of
+    such a layer already spans every matrix of its shape. Refused before any adapter is made."""
+    def dims(name: str, kind: str) -> tuple[int, int]:  # (out, in)
+        if kind == "experts":
+            module, _, weight = name.rpartition(".")
+            return tuple(getattr(model.get_submodule(module), weight).shape[1:])
+        return tuple(model.get_submodule(name).weight.shape)
+
+    name, (out_dim, in_dim) = min(((n, dims(n, k)) for n, k in targets.items()), key=lambda item: min(item[1]))
+    if rank > min(out_dim, in_dim):
+        raise ConfigError(
+            f"config key 'lora.rank' = {rank} exceeds min(in, out) = {min(out_dim, in_dim)} of target {name} "
+            f"(in {in_dim}, out {out_dim}): a higher rank adds parameters, not expressiveness; valid: 1 to "
+            f"{min(out_dim, in_dim)} for these targets"
+        )
 
 
 def freeze_base(model: nn.Module) -> None:
