@@ -29,7 +29,7 @@ from titanctl.parallel.layouts.build import build_model_parts
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm, global_mean_loss
 from titanctl.parallel.runtime import elastic, hang_watchdog
-from titanctl.parallel.runtime.env import init_process
+from titanctl.parallel.runtime.env import init_process, use_deterministic_algorithms
 from titanctl.parallel.runtime.fault_tolerance import ReplicaGroup, Trainable
 from titanctl.safe_io import shown, visible
 from titanctl.train import run_folder
@@ -119,7 +119,7 @@ class Trainer:
             self.say(f"{self.ft.describe()}: rank {self.env.rank} of {self.env.world_size}")
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
+            use_deterministic_algorithms(self.env.device)
 
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
