@@ -114,12 +114,11 @@ def last_error(lines: list[str]) -> str:
 
 
 def json_output(text: str) -> dict:
-    """The JSON object a ``--json`` command printed (its other lines, if any, before it)."""
-    start = text.find("\n{")
-    start = 0 if text.startswith("{") else start + 1
-    if start < 0 or not text[start:].strip().startswith("{"):
+    """The JSON object a ``--json`` command printed on a line of its own (warnings may come before or after)."""
+    start = 0 if text.startswith("{") else text.find("\n{") + 1
+    if start == 0 and not text.startswith("{"):
         raise StepFailed("the command printed no JSON object")
-    return json.loads(text[start:text.rindex("}") + 1])
+    return json.JSONDecoder().raw_decode(text, start)[0]
 
 
 def metrics(folder: Path) -> list[dict]:
@@ -296,8 +295,6 @@ def matmul_rate(torch) -> float:
 
 def install(ctx: Context, out: dict) -> None:
     site = ctx.work / SITE_FOLDER
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-           "--disable-pip-version-check", "--target", str(site)]
     out["skipped_parts"] = {}
     if not ctx.cuda:
         out["skipped_parts"]["pip install"] = (
@@ -305,12 +302,13 @@ def install(ctx: Context, out: dict) -> None:
             f"{ctx.wheels.name}/ and the project with pip --target")
     else:
         wheels = sorted(str(p) for p in ctx.wheels.glob("*.whl"))
-        if wheels:
-            command(ctx, [*pip, *wheels], "pip install (wheels)")
-        else:
+        if not wheels:
             out["skipped_parts"]["wheels"] = f"no wheels in {ctx.wheels} (scripts/gpu_wheels.py fills it)"
         out["wheels"] = [Path(w).name for w in wheels]
-        command(ctx, [*pip, "--no-build-isolation", str(ctx.repo)], "pip install (titanctl)")
+        # One pip run: a second one into the same --target keeps the first's bin/ (titanctl's script lost).
+        command(ctx, [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+                      "--no-compile", "--no-cache-dir", "--disable-pip-version-check", "--upgrade", "--target",
+                      str(site), *wheels, str(ctx.repo)], "pip install")
     probe = json_output(command(ctx, [sys.executable, __file__, "requirements"], "the requirements probe"))
     out.update(probe)
     before = ctx.facts.get("torch")
@@ -440,8 +438,10 @@ def moe(recipe: str) -> Callable[[Context, dict], None]:
     run eagerly inside compiled blocks anyway, and FlexAttention is compiled on its own."""
 
     def run(ctx: Context, out: dict) -> None:
+        from titanctl.config.recipe import load_config
         from titanctl.models.common.document_mask import mask_form_for
         from titanctl.models.registry import get_spec
+        from titanctl.train.attention_masks import needs_layer_masks
 
         folder = ctx.folder(Path(recipe).stem)
         rows, output = train(ctx, folder, "--config", recipe, "--model.attn_mask_type", "block_causal",
@@ -450,11 +450,13 @@ def moe(recipe: str) -> Callable[[Context, dict], None]:
         losses = [r["loss"] for r in rows]
         if not all(isinstance(v, float) and v == v for v in losses):
             raise StepFailed(f"non-finite losses: {losses}")
-        name = "gpt_oss" if "gpt_oss" in recipe else "qwen3_moe"
-        sinks = get_spec(name).flavors["debugmodel"].attention_sinks
+        model = load_config(ctx.repo / recipe, []).model
+        args = get_spec(model.name).flavors[model.flavor]
+        # The mask form the training step builds (titanctl.train.attention_masks.MicrobatchMasks).
+        form = "dense" if needs_layer_masks(args) else mask_form_for(ctx.device)
+        kernel = "sink attention" if args.attention_sinks else {"block": "FlexAttention", "dense": "SDPA"}[form]
         out.update(losses=losses, expert_imbalance_max=rows[-1].get("expert_imbalance_max"),
-                   attention="sink attention, dense mask" if sinks else
-                   {"block": "FlexAttention, block mask", "dense": "SDPA, dense mask"}[mask_form_for(ctx.device)])
+                   attention=f"{kernel}, {form} mask")
 
     return run
 
