@@ -218,12 +218,13 @@ def train(ctx: Context, folder: Path, *args: str) -> tuple[list[dict], str]:
 def environment(ctx: Context, out: dict) -> None:
     import torch
 
+    from titanctl.tools.plan.calibrate import _cpu_name  # /proc/cpuinfo's model name
     from titanctl.train.peak import cpu_peak, gpu_peak_tflops
 
     out["versions"] = versions(torch)
     if not ctx.cuda:
         peak = cpu_peak(torch.float32)
-        out.update(device="cpu", cpu=cpu_name(), cores=len(os.sched_getaffinity(0)),
+        out.update(device="cpu", cpu=_cpu_name(), cores=len(os.sched_getaffinity(0)),
                    peak_fp32_tflops=None if peak is None else round(peak.tflops, 4),
                    peak_source="titanctl.train.peak.cpu_peak: " + (peak.describe() if peak else "unknown CPU"))
         out["skipped_parts"] = {"bf16 matmul rate": "measured on GPUs only (a CPU without bf16 units takes minutes)"}
@@ -253,16 +254,6 @@ def versions(torch) -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
     return found
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def nvidia_smi(field: str) -> str | None:
