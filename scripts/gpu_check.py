@@ -152,6 +152,33 @@ def _read_result(path: Path) -> dict | None:
         return None
 
 
+def describe(result: dict) -> str:
+    """One line per step for the console: status, time, its headline figures."""
+    keys = ("gpu", "cpu", "tps", "mfu", "tflops", "bitwise", "estimate_over_measured", "decode_speedup",
+            "max_abs_logit_difference", "timeline")
+    figures = ", ".join(f"{k} {result[k]}" for k in keys if result.get(k) is not None)
+    why = result.get("error") or result.get("reason") or ""
+    text = f"  {result['name']:<20} {result['status']:<8} {result['seconds']:7.1f} s  {figures}"
+    return text + (f"  [{why}]" if why else "")
+
+
+def device_summary(results: dict[str, dict]) -> dict | None:
+    env = results.get("environment")
+    if env is None or env["status"] != "passed":
+        return None
+    keys = ("device", "gpu", "gpu_count", "capability", "multiprocessors", "memory_total_bytes", "memory_free_bytes",
+            "driver", "peak_bf16_tflops", "peak_source", "matmul_bf16_tflops", "cpu", "cores", "peak_fp32_tflops")
+    return {k: env[k] for k in keys if k in env}
+
+
+def versions_summary(results: dict[str, dict]) -> dict | None:
+    env = results.get("environment") or {}
+    found = dict(env.get("versions") or {})
+    installed = (results.get("install") or {}).get("requirements") or {}
+    found.update({k: v for k, v in installed.items() if k in found or k == "torchao"})
+    return found or None
+
+
 def goals(results: dict[str, dict]) -> list[dict]:
     """The issue's goals, each with the measured value (None where its step did not measure it)."""
 
@@ -213,8 +240,8 @@ def main(argv: list[str]) -> int:
                 results[step.name] = result
                 report["steps"].append(result)
                 context["facts"].update(result.pop("facts", {}))
-                print(steps.describe(result), flush=True)
-                report.update(device=steps.device_summary(results), versions=steps.versions_summary(results),
+                print(describe(result), flush=True)
+                report.update(device=device_summary(results), versions=versions_summary(results),
                               goals=goals(results) if args.device == "cuda" else [],
                               seconds=round(time.monotonic() - started, 1))
                 _write_json(out / "gpu_check.json", report)  # after every step: a killed check keeps what it had

@@ -581,35 +581,5 @@ def run_in_this_process(name: str, context: dict, result_path: Path) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------ the report
-
-
-def describe(result: dict) -> str:
-    """One line per step for the console: status, time, its headline figures."""
-    keys = ("gpu", "cpu", "tps", "mfu", "tflops", "bitwise", "estimate_over_measured", "decode_speedup",
-            "max_abs_logit_difference", "timeline")
-    figures = ", ".join(f"{k} {result[k]}" for k in keys if result.get(k) is not None)
-    why = result.get("error") or result.get("reason") or ""
-    text = f"  {result['name']:<20} {result['status']:<8} {result['seconds']:7.1f} s  {figures}"
-    return text + (f"  [{why}]" if why else "")
-
-
-def device_summary(results: dict[str, dict]) -> dict | None:
-    env = results.get("environment")
-    if env is None or env["status"] != "passed":
-        return None
-    keys = ("device", "gpu", "gpu_count", "capability", "multiprocessors", "memory_total_bytes", "memory_free_bytes",
-            "driver", "peak_bf16_tflops", "peak_source", "matmul_bf16_tflops", "cpu", "cores", "peak_fp32_tflops")
-    return {k: env[k] for k in keys if k in env}
-
-
-def versions_summary(results: dict[str, dict]) -> dict | None:
-    env = results.get("environment") or {}
-    found = dict(env.get("versions") or {})
-    installed = (results.get("install") or {}).get("requirements") or {}
-    found.update({k: v for k, v in installed.items() if k in found or k == "torchao"})
-    return found or None
-
-
 if __name__ == "__main__" and sys.argv[1:] == ["requirements"]:
     print(json.dumps(requirements_probe(), indent=1))
