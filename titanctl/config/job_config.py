@@ -374,8 +374,15 @@ class Compile:
 class Float8:
     enable_float8_linear: bool = opt(
         False,
-        "Train linear layers in float8 with torchao (dynamic tensorwise scales). Float8 hardware on CUDA "
+        "Train linear layers in float8 with torchao (dynamic scales, see recipe_name). Float8 hardware on CUDA "
         "SM 8.9+; emulated elsewhere (CPU included), which tests the path but is slower, not faster.",
+    )
+    recipe_name: str = opt(
+        "tensorwise",
+        "torchao's scaling recipe: tensorwise (one scale per tensor; the only one with float8 FSDP all-gathers "
+        "and float8 tensor-parallel communication) or rowwise (one scale per row of each operand, power-of-2 "
+        "scales: closer to bf16's accuracy, communication in high precision).",
+        choices=("tensorwise", "rowwise"),
     )
     enable_fsdp_float8_all_gather: bool = opt(
         False, "FSDP all-gathers float8 linears' weights in float8 (half of bf16's traffic); needs FSDP."

@@ -529,7 +529,8 @@ def _cache_prefix(model: nn.Module, length: int, causal: bool):
 
 
 def _compile_options(model: nn.Module) -> dict[str, Any]:
-    """Inductor settings for the decode step, each measured on the debug model (CPU, 2 cores):
+    """Inductor settings for the decode step on a CPU, each measured on the debug model (2 cores); other
+    devices keep inductor's defaults (a CUDA step is Triton kernels called from the Python wrapper):
 
     - the C++ wrapper calls the kernels without a line of Python per op; it cannot call the
       process group's collectives (torch 2.13), so a tensor-parallel model whose ranks do not
@@ -539,6 +540,8 @@ def _compile_options(model: nn.Module) -> dict[str, Any]:
       second thread is often not running (``benchmarks/generate_throughput.py --threads 2``).
       Matrix products keep torch's thread count.
     """
+    if model.rope_cache.device.type != "cpu":
+        return {}
     return {"cpp_wrapper": not inference_tp.decode_uses_process_group(model), "cpp.threads": 1}
 
 

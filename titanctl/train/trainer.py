@@ -30,7 +30,7 @@ from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm, global_mean_loss
 from titanctl.parallel.layouts.tensor_parallel import check_async_tp
 from titanctl.parallel.runtime import elastic, hang_watchdog
-from titanctl.parallel.runtime.env import device_type, init_process, read_layout
+from titanctl.parallel.runtime.env import device_type, init_process, read_layout, use_deterministic_algorithms
 from titanctl.parallel.runtime.fault_tolerance import ReplicaGroup, Trainable
 from titanctl.parallel.runtime.peers import peer_failures_named
 from titanctl.safe_io import shown, visible
@@ -140,7 +140,7 @@ class Trainer:
             self.say(f"{self.ft.describe()}: rank {self.env.rank} of {self.env.world_size}")
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
+            use_deterministic_algorithms(self.env.device)
 
         # A checkpoint to resume is chosen and checked before the model exists: a bad one fails fast,
         # and weights that the checkpoint restores need no initialization (costly for big models).

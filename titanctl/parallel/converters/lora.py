@@ -36,7 +36,7 @@ from titanctl.config.user_regex import UserRegex
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import ParamInit
-from titanctl.models.common.moe import GroupedExperts
+from titanctl.models.common.moe import GroupedExperts, autocast_operands
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 EXPERT_RANK_MULTIPLE = 8  # torch._grouped_mm's operands need strides of 16 bytes
@@ -94,10 +94,11 @@ class LoRAGroupedExperts(GroupedExperts):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
         def project(which: str, inputs: torch.Tensor) -> torch.Tensor:
-            out = grouped_mm(inputs, _local(getattr(self, which)).transpose(-2, -1), offs=offsets)
+            inputs, weight = autocast_operands(inputs, _local(getattr(self, which)))
+            out = grouped_mm(inputs, weight.transpose(-2, -1), offs=offsets)
             if which not in self.lora_targets:
                 return out
-            a, b = _local(getattr(self, f"{which}_lora_a")), _local(getattr(self, f"{which}_lora_b"))
+            a, b = autocast_operands(_local(getattr(self, f"{which}_lora_a")), _local(getattr(self, f"{which}_lora_b")))
             h = F.dropout(inputs, self.lora_dropout, self.training) if self.lora_dropout else inputs
             low = grouped_mm(h, a.transpose(-2, -1), offs=offsets)  # (M, rank)
             return out + grouped_mm(low, b.transpose(-2, -1), offs=offsets) * self.lora_scale

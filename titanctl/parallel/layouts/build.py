@@ -19,7 +19,13 @@ from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import build_model
-from titanctl.parallel.converters.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
+from titanctl.parallel.converters.float8 import (
+    Float8Conversion,
+    check_float8,
+    communicates_float8,
+    convert_to_float8,
+    sends_float8,
+)
 from titanctl.parallel.converters.lora import LoRAConversion, apply_lora, check_lora, freeze_base
 from titanctl.parallel.converters.onednn_linear import linear_kernel, use_onednn_linears
 from titanctl.parallel.layouts.activation_checkpoint import apply_ac
@@ -109,7 +115,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             loss_parallel=not p.disable_loss_parallel,
             async_tp=p.enable_async_tensor_parallel,
             compiled=cfg.compile.enable,
-            float8=cfg.float8.enable_float8_linear,
+            float8=communicates_float8(cfg.float8),
         )
     # The routed experts get their own mesh under EP, and under TP too (replicated there).
     experts_placed = model.args.moe is not None and (dims.ep > 1 or dims.tp > 1)
@@ -175,7 +181,12 @@ def build_model_parts(
         result = ModelParts(pipeline.model_parts, pipeline, float8, lora)
     else:
         result = ModelParts([parallelize(model, cfg, dims)], float8=float8, lora=lora)
-    if float8 is not None and dims.tp > 1 and not sends_float8(dims.mesh["tp"]):
+    if float8 is not None and dims.tp > 1 and not communicates_float8(cfg.float8):
+        float8.notes.append(
+            f"float8 {cfg.float8.recipe_name} with tensor parallel: activations are all-gathered in high precision "
+            "(torchao's float8 tensor-parallel styles are tensorwise)"
+        )
+    elif float8 is not None and dims.tp > 1 and not sends_float8(dims.mesh["tp"]):
         float8.notes.append(
             "float8 with tensor parallel on gloo: activations are all-gathered in high precision "
             "(gloo has no float8 dtypes; NCCL all-gathers them in float8)"
