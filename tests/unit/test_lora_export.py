@@ -63,6 +63,8 @@ def test_merged_and_peft_exports_give_the_logits_of_base_plus_adapters(lora_step
     assert report.dst_format == "hf" and any("merged" in note for note in report.notes)
     convert_checkpoint(lora_step["step"], adapter, dst_format="peft")
     assert {p.name for p in adapter.iterdir()} == {PEFT_CONFIG, PEFT_WEIGHTS}
+    shards = sorted(p.name for p in lora_step["base"].glob("model*"))
+    assert sorted(p.name for p in merged.glob("model*")) == shards and len(shards) > 2  # the base's own files
     config = json.loads((adapter / PEFT_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, str(lora_step["base"]))
     keys = set(load_file(adapter / PEFT_WEIGHTS))

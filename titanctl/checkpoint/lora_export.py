@@ -223,8 +223,9 @@ class MergedSource(Source):
 
     def extra_metadata(self) -> dict[str, Any]:
         from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+        from titanctl.checkpoint.hf_names import HF_FILES_KEY
 
-        kinds = {"step": int, HF_CONFIG_KEY: dict}
+        kinds = {"step": int, HF_CONFIG_KEY: dict, HF_FILES_KEY: dict}
         return {key: self.meta[key] for key, kind in kinds.items() if isinstance(self.meta.get(key), kind)}
 
     def close(self) -> None:
