@@ -12,6 +12,7 @@ of SRC and DST, so a mistyped path fails at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -328,7 +330,6 @@ def write_checkpoint(
     source_files = source.extra_metadata().get(HF_FILES_KEY) if fmt in ("dcp", "hf") else None
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
-    tmp = _prepare_destination(dst, src_folder)
     sink = progress or ProgressSink()
     sink.start(source.total_bytes(dtype), f"{source.format} → {fmt}")
     options: dict = {}
@@ -352,9 +353,19 @@ def write_checkpoint(
             options["extra"][HF_FILES_KEY] = source_files
         if recorded_path is not None:
             options["extra"]["tokenizer_path"] = recorded_path
-    try:
+    with _written_into(dst, src_folder) as tmp:
         WRITERS[fmt](tmp, source.args, source, dtype=dtype, progress=sink.advance, **options)
         notes.extend(write_companion_files(tmp, fmt, source.args, tokenizer))
+    return sorted(p.name for p in dst.iterdir())
+
+
+@contextlib.contextmanager
+def _written_into(dst: Path, src: Path | None) -> Iterator[Path]:
+    """The temporary folder beside DST (``_prepare_destination``) to write into: renamed to DST when the
+    block completes, removed when it fails (a full disk said in one line), so DST is whole or untouched."""
+    tmp = _prepare_destination(dst, src)
+    try:
+        yield tmp
         if dst.exists():
             dst.rmdir()  # empty, checked above
         os.rename(tmp, dst)
@@ -367,7 +378,6 @@ def write_checkpoint(
         raise
     finally:
         _release(tmp)
-    return sorted(p.name for p in dst.iterdir())
 
 
 def convert_checkpoint(
@@ -460,8 +470,9 @@ def _convert_lora(
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
     from titanctl.checkpoint.lora_base import base_folder, base_record, check_same_base
-    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE, MergedSource, read_adapters, write_peft
+    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE, MergedSource, read_lora_step, write_peft
     from titanctl.checkpoint.metadata import model_args_from_metadata
+    from titanctl.checkpoint.uncarried import check_adapter_export
 
     if lora is None:
         what = "--merge-lora" if merge else "--lora-base" if dst_format not in ADAPTER_FORMATS else f"--to {dst_format}"
@@ -474,24 +485,22 @@ def _convert_lora(
             "(the base with the adapters folded in) or use --to peft (the adapters for peft)"
         )
     start = time.perf_counter()
-    meta, record, adapters = read_adapters(located.folder)
+    step = read_lora_step(located.folder)
+    meta, record, adapters = step.meta, step.record, step.adapters
     args = model_args_from_metadata(meta, str(located.folder))
     notes = [] if located.folder == src else [f"read {located.folder.name}, the newest complete checkpoint in {src}"]
     if dst_format in ADAPTER_FORMATS:
-        tmp = _prepare_destination(dst, src)
-        try:
+        # peft adapts the base's Hugging Face model: the buffers it holds are the base's (zero where it has no slot).
+        dropped = check_adapter_export(step.buffers, args, drop_expert_bias,
+                                       lambda names: _base_tensors(record, located.folder, args, names))
+        notes += [dropped] if dropped else []
+        with _written_into(dst, src) as tmp:
             if record["base"]["format"] != "hf":
                 notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
                              f"convert {record['base']['path']} BASE_HF --to hf` makes it")
             write_peft(tmp, adapters, args, record, record["base"]["path"], dtype)
             if any(kind == "experts" for kind in record["targets"].values()):
                 notes.append(EXPERT_ADAPTERS_NOTE)
-            os.rename(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            _release(tmp)
         nbytes = sum(t.numel() * (dtype or t.dtype).itemsize for t in adapters.values())
         return ConversionReport(src, dst, "dcp", dst_format, args, "titanctl.json", len(adapters), nbytes,
                                 time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
@@ -502,7 +511,7 @@ def _convert_lora(
     source.dequantize_to = dtype or FP8_DEFAULT_DTYPE
     with source:
         source.bind(args, f"{located.folder}/titanctl.json")
-        merged = MergedSource(source, adapters, record, located.folder, meta)
+        merged = MergedSource(source, adapters, record, located.folder, meta, step.buffers)
         merged.origin = "titanctl.json"
         fmt = dst_format or "hf"
         notes += [f"merged {len(record['targets'])} LoRA adapters into the base {base_located.folder}", *source.notes]
@@ -511,6 +520,16 @@ def _convert_lora(
                                  drop_expert_bias=drop_expert_bias)
         return ConversionReport(src, dst, "dcp", fmt, args, "titanctl.json", len(merged.infos),
                                 merged.total_bytes(dtype), time.perf_counter() - start, files, notes)
+
+
+def _base_tensors(record: dict, folder: Path, args: ModelArgs, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the base a LoRA step records (read where it records it)."""
+    from titanctl.checkpoint.lora_base import base_folder
+
+    base = _locate_source(base_folder(record, None, folder), None)
+    with open_source(base.folder, base.format) as source:
+        source.bind(args, f"{folder}/titanctl.json")
+        return {name: source.load(name) for name in names}
 
 
 def save_state_dict(

@@ -15,11 +15,14 @@ packed adapter of twice the rank (A stacked, B block-diagonal), the same product
 
 ``--merge-lora`` gives a ``Source`` of the merged model, ``W + (alpha / rank) B A`` per adapted weight
 (per expert for a stack), computed in float32 and cast back to the base's dtype, that any format's
-writer takes.
+writer takes; the model's saved buffers (an MoE's expert bias, which balancing moves while the base is
+frozen) are the step's. peft has no slot for such a bias: ``--to peft`` of a step whose bias moved is
+refused unless ``--drop-expert-bias`` (``titanctl.checkpoint.uncarried``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -144,11 +147,22 @@ def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], ran
     return out
 
 
-def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
-    """(titanctl.json, its checked ``lora`` entry, {adapter name: tensor}) of a LoRA step folder, its
-    files verified against their checksums first. A CheckpointError for a folder without adapters."""
+@dataclasses.dataclass
+class LoRAStep:
+    """What a LoRA step folder holds of the model: its adapters, and the model's saved buffers."""
+
+    meta: dict[str, Any]  # titanctl.json
+    record: dict[str, Any]  # its checked ``lora`` entry
+    adapters: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]  # e.g. an MoE's expert bias, as the run left it
+
+
+def read_lora_step(folder: Path) -> LoRAStep:
+    """A LoRA step folder's model tensors, its files verified against their checksums first. A
+    CheckpointError for a folder without adapters."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from titanctl.checkpoint.formats.dcp import TRAINING_STATE
     from titanctl.checkpoint.lora_base import read_record
     from titanctl.checkpoint.reader import DCPFolder, quiet_dcp
     from titanctl.parallel.converters.lora import is_adapter
@@ -160,14 +174,22 @@ def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
     reader.verify()
     tensors = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                for name, entry in reader.entries.items()
-               if isinstance(entry, TensorStorageMetadata) and is_adapter(name)}
+               if isinstance(entry, TensorStorageMetadata) and name.split(".", 1)[0] not in TRAINING_STATE}
+    adapters = {name: t for name, t in tensors.items() if is_adapter(name)}
     expected = {n for target, kind in record["targets"].items() for n in adapter_names(target, kind)}
-    if set(tensors) != expected:
-        odd = sorted(set(tensors) ^ expected)
+    if set(adapters) != expected:
+        odd = sorted(set(adapters) ^ expected)
         raise CheckpointError(f"{folder}: its adapters do not match the targets its titanctl.json records ({odd[0]})")
     with quiet_dcp():
         reader.load(tensors)
-    return reader.meta, record, tensors
+    buffers = {name: t for name, t in tensors.items() if name not in adapters}
+    return LoRAStep(reader.meta, record, adapters, buffers)
+
+
+def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(titanctl.json, its checked ``lora`` entry, {adapter name: tensor}) of a LoRA step folder."""
+    step = read_lora_step(folder)
+    return step.meta, step.record, step.adapters
 
 
 def write_peft(folder: Path, adapters: dict[str, torch.Tensor], args: ModelArgs, record: dict[str, Any],
@@ -183,12 +205,12 @@ def write_peft(folder: Path, adapters: dict[str, torch.Tensor], args: ModelArgs,
 
 class MergedSource(Source):
     """A bound base source with the adapters folded in: W + (alpha / rank) B A, in float32, cast back
-    to the base tensor's dtype (per expert for a stack)."""
+    to the base tensor's dtype (per expert for a stack); the step's ``buffers`` in place of the base's."""
 
     format = "dcp"
 
     def __init__(self, base: Source, adapters: dict[str, torch.Tensor], record: dict[str, Any], folder: Path,
-                 meta: dict[str, Any]) -> None:
+                 meta: dict[str, Any], buffers: dict[str, torch.Tensor] | None = None) -> None:
         # Seen as the LoRA step (``folder``, its titanctl.json ``meta``): its tokenizer, step and carried
         # Hugging Face config are the export's.
         super().__init__(folder)
@@ -199,9 +221,10 @@ class MergedSource(Source):
         self.merges = {f"{target}.weight" if kind == "linear" else target: adapter_names(target, kind)
                        for target, kind in record["targets"].items()}
         self.adapters = adapters
-        missing = [name for name in self.merges if name not in {info.name for info in base.infos}]
+        self.buffers = buffers or {}
+        missing = [name for name in [*self.merges, *self.buffers] if name not in {info.name for info in base.infos}]
         if missing:
-            raise CheckpointError(f"the base {base.folder} has no weight {missing[0]} that an adapter was trained on")
+            raise CheckpointError(f"the base {base.folder} has no tensor {missing[0]}, which {folder} holds")
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
         return self.args, self.origin
@@ -213,6 +236,8 @@ class MergedSource(Source):
         raise TypeError("a MergedSource is made of a bound source")
 
     def load(self, name: str) -> torch.Tensor:
+        if name in self.buffers:
+            return self.buffers[name]
         weight = self.base.load(name)
         pair = self.merges.get(name)
         if pair is None:

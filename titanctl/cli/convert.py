@@ -61,8 +61,8 @@ def convert(
     drop_expert_bias: bool = typer.Option(
         False, "--drop-expert-bias",
         help="Export to a format that has no slot for the MoE expert bias that moe.load_balance_coeff trains "
-        "(Hugging Face's Qwen3-MoE and gpt-oss) without it: the export then routes tokens as with a zero bias. "
-        "Without the flag such an export is refused.",
+        "(Hugging Face's Qwen3-MoE and gpt-oss; peft, for a LoRA step whose bias moved) without it: the export then "
+        "routes tokens as with a zero bias (peft: the base's). Without the flag such an export is refused.",
     ),
     tokenizer_path: Path | None = typer.Option(
         None,
