@@ -115,8 +115,8 @@ def test_what_convert_refuses(lora_step, trained_run, tmp_path):
         convert_checkpoint(step, tmp_path / "out", dst_format="peft", merge_lora=True)
     with pytest.raises(CheckpointError, match="holds LoRA adapters only .*not a whole model: merge them"):
         open_checkpoint(step)  # what generation and every reader of whole models open
-    with pytest.raises(CheckpointError, match="unknown --from format 'peft'"):
-        convert_checkpoint(step, tmp_path / "out", src_format="peft")
+    with pytest.raises(CheckpointError, match="no peft adapter folder: adapter_config.json is missing"):
+        convert_checkpoint(step, tmp_path / "out", src_format="peft", lora_base=lora_step["base"])
     other = tmp_path / "other_base"
     shutil.copytree(trained_run / "checkpoint" / "step-1", other)
     with pytest.raises(CheckpointError, match="is not the one the adapters of .* were trained on"):

@@ -42,7 +42,8 @@ from titanctl.models.registry import flavor_args, model_args_from_config, spec_o
 from titanctl.safe_io import open_no_follow
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
-ADAPTER_FORMATS = ("peft",)  # written from a LoRA step's adapters alone (titanctl.checkpoint.lora_export)
+# A LoRA step's adapters alone: written by titanctl.checkpoint.lora_export, read onto a base by lora_import.
+ADAPTER_FORMATS = ("peft",)
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
 UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
@@ -75,7 +76,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def _check_format(fmt: str | None, flag: str) -> None:
-    valid = (*FORMATS, *ADAPTER_FORMATS) if flag == "--to" else FORMATS
+    valid = (*FORMATS, *ADAPTER_FORMATS)
     if fmt is not None and fmt not in valid:
         raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(valid)}")
 
@@ -408,11 +409,24 @@ def convert_checkpoint(
 
     A LoRA run's step (adapters only) converts with ``merge_lora`` (the base with the adapters folded in,
     in any format; the base from ``lora_base`` or where the step records it) or to ``peft`` (the
-    adapters alone): ``titanctl.checkpoint.lora_export``.
+    adapters alone): ``titanctl.checkpoint.lora_export``. A peft adapter (``src_format`` peft, or a
+    folder holding adapter_config.json) becomes such a step on the base ``lora_base``
+    (``titanctl.checkpoint.lora_import``).
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if src_format in ADAPTER_FORMATS or (src_format is None and _holds_peft_adapter(Path(src))):
+        given = {"--merge-lora": merge_lora, f"--to {dst_format}": dst_format not in (None, "dcp"), "--flavor": flavor,
+                 "--config": config, " ".join(overrides or ()): overrides, "--shards": shards,
+                 "--max-shard-size": max_shard_size, "--tokenizer-path": tokenizer_path,
+                 "--drop-expert-bias": drop_expert_bias}
+        if (misused := next((flag for flag, value in given.items() if value), None)) is not None:
+            raise CheckpointError(
+                f"{misused} does not apply to --from peft, which writes a titanctl LoRA checkpoint (dcp) of the "
+                "adapter on its base: export or merge that one (`titanctl convert OUT MERGED --merge-lora`)"
+            )
+        return _import_peft(Path(src), Path(dst), lora_base, torch_dtype, progress)
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None and dst_format not in ADAPTER_FORMATS:
@@ -450,6 +464,37 @@ def convert_checkpoint(
             files=files,
             notes=notes,
         )
+
+
+def _holds_peft_adapter(folder: Path) -> bool:
+    from titanctl.checkpoint.lora_export import PEFT_CONFIG
+
+    try:
+        return (folder / PEFT_CONFIG).is_file()
+    except OSError:  # an unreadable folder: locate says so in one line
+        return False
+
+
+def _import_peft(src: Path, dst: Path, base: str | os.PathLike | None, dtype: torch.dtype | None,
+                 progress: ProgressSink | None) -> ConversionReport:
+    """A peft adapter folder onto ``base``: a titanctl LoRA step in ``dst``, written under a temporary name."""
+    from titanctl.checkpoint.lora_import import import_peft
+
+    if base is None:
+        raise CheckpointError(
+            "--from peft reads an adapter onto the model it was made for: give --lora-base BASE (a titanctl step, or "
+            "a Hugging Face, torchtitan, Meta or torchtune folder)"
+        )
+    if not src.is_dir():
+        raise CheckpointError(f"peft adapter folder {src} {'is a file' if src.exists() else 'does not exist'}")
+    start = time.perf_counter()
+    base_located = locate(base, "--lora-base")
+    _check_destination(dst, base_located.folder)  # the base's own files are fingerprinted
+    with _written_into(dst, src) as tmp, open_checkpoint(base_located.folder, base_located.format) as source:
+        count, nbytes, notes = import_peft(src, tmp, source, base_located.format, dtype=dtype,
+                                           progress=progress or ProgressSink())
+    return ConversionReport(src, dst, "peft", "dcp", source.args, f"the base {base_located.folder}", count, nbytes,
+                            time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
 
 
 def _lora_record(located: Located) -> dict | None:

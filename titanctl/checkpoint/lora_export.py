@@ -11,7 +11,8 @@ likewise). A's columns and B's rows follow the Hugging Face weight's layout: for
 layout inside titanctl) the rows of B on ``q_proj``/``k_proj`` are permuted as the weight's are.
 Routed experts, which transformers 5 holds packed (``mlp.experts.gate_up_proj`` [E, 2F, D],
 ``down_proj`` [E, D, F]), are peft ``target_parameters``: the gate's and up's adapters share one
-packed adapter of twice the rank (A stacked, B block-diagonal), the same product.
+packed adapter of twice the rank (A stacked, B block-diagonal), the same product; of the rank itself
+when the two share their A (as a peft-made adapter read by ``titanctl.checkpoint.lora_import`` does).
 
 ``--merge-lora`` gives a ``Source`` of the merged model, ``W + (alpha / rank) B A`` per adapted weight
 (per expert for a stack), computed in float32 and cast back to the base's dtype, that any format's
@@ -32,11 +33,12 @@ from safetensors.torch import save_file
 
 from titanctl.checkpoint.formats.base import Source
 from titanctl.checkpoint.hf_names import to_hf_rows
+from titanctl.checkpoint.locate import PEFT_ADAPTER_CONFIG
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.parallel.converters.lora import adapter_names
 
-PEFT_CONFIG = "adapter_config.json"
+PEFT_CONFIG = PEFT_ADAPTER_CONFIG
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 # peft 0.21 attaches target_parameters to transformers 5's packed experts; transformers 4.57 holds them per
@@ -45,7 +47,7 @@ EXPERT_ADAPTERS_NOTE = ("the expert adapters are peft target_parameters on trans
                         "load with transformers 5.x; transformers 4.x attaches only the other adapters (peft warns "
                         "that no parameter was matched)")
 # titanctl's expert stacks -> transformers 5's packed expert parameter, and the slot in it.
-_PACKED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
+PACKED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
 
 
 def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dict[str, Any],
@@ -59,7 +61,7 @@ def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dic
         a, b = (adapters[name] for name in adapter_names(target, kind))
         if kind == "experts":
             layer_module, _, weight = target.rpartition(".")
-            hf_module = _hf_experts_module(layer_module, args)
+            hf_module = hf_experts_module(layer_module, args)
             stacks.setdefault(hf_module, {})[weight] = (a, b)
             continue
         if target.endswith("router.gate") and args.moe is not None:
@@ -108,7 +110,7 @@ def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dic
     return config, tensors
 
 
-def _hf_experts_module(layer_module: str, args: ModelArgs) -> str:
+def hf_experts_module(layer_module: str, args: ModelArgs) -> str:
     """``layers.{i}.moe.experts`` -> ``model.layers.{i}.mlp.experts`` (transformers' packed experts)."""
     from titanctl.checkpoint.hf_names import hf_names_of
 
@@ -122,11 +124,13 @@ def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], ran
     peft's ``ParamWrapper`` on a parameter [E, out, in] has lora_A.weight [E * r, in] (expert-major
     rows) and lora_B.weight [out, r * E] (column k * E + e: rank-major), and adds per expert
     ``scale * B_e A_e``. gate_up_proj stacks the gate's rows over the up's: its adapter of rank 2r
-    stacks their A's and puts their B's on the block diagonal, so it adds both and nothing else.
+    stacks their A's and puts their B's on the block diagonal, so it adds both and nothing else. When
+    the gate's and the up's A are one (a peft adapter of rank r read in), it is of rank r: A, and B the
+    gate's rows over the up's.
     """
     out = {}
     for param in ("gate_up_proj", "down_proj"):
-        slots = {w: slot for w, (p, slot) in _PACKED_EXPERTS.items() if p == param}
+        slots = {w: slot for w, (p, slot) in PACKED_EXPERTS.items() if p == param}
         present = {w: by_weight[w] for w in slots if w in by_weight}
         if not present:
             continue
@@ -134,6 +138,11 @@ def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], ran
         experts, in_dim = some_a.shape[0], some_a.shape[2]
         out_rows = some_b.shape[1]
         parts = len(slots)  # gate_up_proj: gate then up
+        if len(present) == parts > 1 and all(torch.equal(a, some_a) for a, _ in present.values()):
+            b = torch.cat([present[w][1] for w in sorted(slots, key=slots.get)], dim=1)  # (E, 2F, r)
+            out[param] = (some_a.reshape(experts * rank, in_dim).contiguous(),
+                          b.permute(1, 2, 0).reshape(out_rows * parts, rank * experts).contiguous(), rank)
+            continue
         r = rank * parts
         a = torch.zeros(experts, r, in_dim, dtype=some_a.dtype)
         b = torch.zeros(experts, out_rows * parts, r, dtype=some_b.dtype)

@@ -494,16 +494,17 @@ class CheckpointManager:
 
     def _load_lora(self, plan: LoRAPlan) -> Resumed:
         """The base's weights (its fingerprint checked against the one the run's step records), then
-        the run's own step when it resumes."""
+        the run's own step when it resumes, or the adapters of the LoRA step it starts from."""
         record = base_record(plan.base.folder, plan.base_format, self._pg)
+        adapters = plan.own or plan.start
         if plan.recorded is not None:
-            check_same_base(plan.recorded, record, plan.own.folder)
+            check_same_base(plan.recorded, record, adapters.folder)
         self.lora_base = record
         resumed = self._load(plan.base)
-        if plan.own is None:
+        if adapters is None:
             return resumed
         base_config, base_files = self.hf_config, self.hf_files
-        resumed = self._load(plan.own)
+        resumed = self._load(adapters)
         self.hf_config, self.hf_files = self.hf_config or base_config, self.hf_files or base_files
         return resumed
 
@@ -577,7 +578,8 @@ class CheckpointManager:
                 f"data setup or titanctl version?); skip it with checkpoint.exclude_from_loading = {part}"
             )
 
-        model = self.weights if plan.initial else self.model
+        # A LoRA step's model tensors are adapters and buffers, also when a new run starts from them.
+        model = self.weights if plan.initial and LORA_KEY not in plan.meta else self.model
         state = self._dcp_state(parts, model=model)
         try:
             plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing)
