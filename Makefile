@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-unit test-fast test-distributed test-torch lint clean
+.PHONY: install train test test-unit test-fast test-distributed test-torch gpu-check gpu-wheels lint clean
 
 install: $(STAMP)
 
@@ -47,6 +47,16 @@ test-distributed: install
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0"; exit 2; }
 	PYTHON=$(PYTHON) scripts/test_torch.sh $(TORCH)
+
+# The GPU check (docs/gpu.md): every step on this machine's GPU in one command, within 9 minutes; the JSON
+# and log go to $$OUT or outputs/gpu_check. `make gpu-check ARGS="--device cpu"` runs it on the CPU. No
+# install first: on a GPU machine it runs on the image's own Python and torch and installs the rest itself.
+gpu-check:
+	scripts/gpu_check.sh $(ARGS)
+
+# The wheels a bare GPU image lacks, pinned, for Python 3.12, into .whl/ (docs/gpu.md); checks the set.
+gpu-wheels: install
+	$(BIN)/python scripts/gpu_wheels.py
 
 clean:
 	rm -rf $(VENV) outputs

@@ -14,11 +14,13 @@ titanctl, whatever the borrowed venv's editable install points at):
 
     .venv/bin/python -m titanctl train --config recipes/llama3_debug.toml --training.steps 5 \
         --training.seq_len 64 --training.local_batch_size 2 --checkpoint.enable_checkpoint \
-        --checkpoint.interval 5 --job.dump_folder /tmp/run [--model.n_kv_heads 16]
+        --checkpoint.interval 5 --job.dump_folder /tmp/run --model.flavor debugmodel_torchtitan \
+        [--model.n_kv_heads 4]
     PYTHONPATH=. /tmp/ttv/bin/python scripts/check_torchtitan_interop.py /tmp/run/checkpoint/step-5
 
-``--model.n_kv_heads 16`` makes the model torchtitan's own debugmodel (multi-head attention);
-without it, titanctl's debugmodel (4 key/value heads) is checked.
+Flavor ``debugmodel_torchtitan`` is torchtitan's own debugmodel (16 heads of 16, multi-head attention);
+``--model.n_kv_heads 4`` makes it grouped-query. (titanctl's ``debugmodel``, 8 heads of 32, is not a
+shape of torchtitan's debugmodel config, which this script builds: it stops at "not one shape".)
 
 1. titanctl -> torchtitan: ``titanctl convert STEP TT --to torchtitan``; torchtitan's own
    ``CheckpointManager`` (``initial_load_path`` TT, model only) loads it into torchtitan's own

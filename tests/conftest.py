@@ -82,13 +82,14 @@ def trained_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def foreign_formats(trained_run, tmp_path_factory) -> dict[str, Path]:
-    """The trained run's step-2 weights as a Hugging Face folder (with an index) and as a Meta folder.
-    Shared by the session: tests copy them, never change them."""
+    """The trained run's step-2 weights as a Hugging Face folder (shards and their index) and as a Meta
+    folder. Shared by the session: tests copy them, never change them."""
     from titanctl.checkpoint.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("foreign")
-    for fmt in ("hf", "meta"):
-        convert_checkpoint(trained_run / "checkpoint" / "step-2", root / fmt, dst_format=fmt)
+    for fmt in ("hf", "meta"):  # a few MB: 2MB shards make several, with an index
+        convert_checkpoint(trained_run / "checkpoint" / "step-2", root / fmt, dst_format=fmt,
+                           max_shard_size="2MB" if fmt == "hf" else None)
     return {"hf": root / "hf", "meta": root / "meta"}
 
 

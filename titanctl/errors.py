@@ -5,6 +5,12 @@ exception is a programming error and keeps its traceback.
 """
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``1 row``, ``2 rows``, ``1,024 rows``: how refusals and reports count things (one place, so that
+    no message says "1 rows")."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
+
+
 class TitanError(Exception):
     """Bad input from the user: a config value, a file, a checkpoint, a layout."""
 

@@ -110,7 +110,7 @@ def test_torchtitan_training_checkpoint_to_hf_says_what_it_ignored(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("torchtitan → hf: 12 tensors"), proc.stdout
     assert "model from tensor shapes (dim 256, 1 layers, vocab 300" in lines[0]
-    assert "flavor debugmodel's with 1 layers; n_heads 16, n_kv_heads 4" in lines[0]
+    assert "flavor debugmodel's with 1 layers; n_heads 8, n_kv_heads 2" in lines[0]
     assert lines[1:] == [
         "  note: torchtitan 0.3 names (attention.qkv_linear.*, lm_head)",
         "  note: full training checkpoint: model weights taken; dataloader, lr_scheduler, optimizer, train_state "
@@ -125,12 +125,12 @@ def test_torchtitan_training_checkpoint_to_hf_says_what_it_ignored(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(tmp_path):
-    """torchtitan's debugmodel is multi-head attention (16 key/value heads; titanctl's flavor has 4)."""
+    """torchtitan's debugmodel is 16 heads of 16, all key/value (titanctl's debugmodel: 8 of 32, 2 key/value)."""
     import torch.distributed.checkpoint as dcp
 
     from titanctl.models.llama.args import LLAMA3_FLAVORS
 
-    args = LLAMA3_FLAVORS["debugmodel"].replace(n_layers=1, n_kv_heads=16, vocab_size=300)
+    args = LLAMA3_FLAVORS["debugmodel_torchtitan"].replace(n_layers=1, vocab_size=300)
     torch.manual_seed(0)
     state = Transformer(args).state_dict()
     step = tmp_path / "step-1"
@@ -139,18 +139,43 @@ def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(
              checkpoint_id=str(step), no_dist=True)
     proc = run("convert", step, tmp_path / "hf", "--to", "hf")
     first = proc.stdout.splitlines()[0]
-    assert "flavor debugmodel's with 1 layers; n_heads 16, RoPE and norm eps taken from it; n_kv_heads 16 from the " \
-           "key/value width (multi-head attention, where the flavor has 4)" in first, proc.stdout
-    # The flavor alone is not this model; a recipe that sets model.n_kv_heads is.
+    assert "flavor debugmodel_torchtitan's with 1 layers; n_heads 16, n_kv_heads 16, RoPE and norm eps taken from " \
+           "it" in first, proc.stdout
+    # titanctl's debugmodel is not this model; the recipe with torchtitan's flavor is.
     proc = run("convert", step, tmp_path / "out", "--flavor", "debugmodel", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "16 key/value heads of 16, the model 4; set model.n_kv_heads = 16 in the recipe" in proc.stderr
+    assert "the checkpoint has flavor debugmodel_torchtitan's key/value width (16 heads of 16)" in proc.stderr
     # The family's recipe with command-line overrides, as train takes them.
     recipe = REPO / "recipes" / "llama3_debug.toml"
-    proc = run("convert", step, tmp_path / "dcp", "--config", recipe, "--model.n_layers", "1", "--model.n_kv_heads", "16")
-    assert f"model from --config {recipe} --model.n_layers 1 --model.n_kv_heads 16" in proc.stdout, proc.stdout
+    proc = run("convert", step, tmp_path / "dcp", "--config", recipe, "--model.n_layers", "1",
+               "--model.flavor", "debugmodel_torchtitan")
+    assert f"model from --config {recipe} --model.n_layers 1 --model.flavor debugmodel_torchtitan" in proc.stdout, \
+        proc.stdout
     for folder in ("hf", "dcp"):
         back, got = load_checkpoint(tmp_path / folder)
         assert got.kv_heads == 16
         for name, tensor in state.items():
             assert torch.equal(back[name], tensor), (folder, name)
+
+
+def test_a_peft_adapter_converts_onto_its_base(tmp_path):
+    """The adapter folder as peft writes it (here by titanctl's own --to peft writer, from random adapters)."""
+    from titanctl.checkpoint.lora_export import write_peft
+    from titanctl.config.job_config import LoRA
+    from titanctl.parallel.converters.lora import apply_lora, is_adapter
+
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    save_state_dict(model.state_dict(), ARGS, tmp_path / "base")
+    record = apply_lora(model, LoRA(rank=4, alpha=8.0, target_modules=["attention.wq", "attention.wv"])).record()
+    (tmp_path / "adapter").mkdir()
+    write_peft(tmp_path / "adapter", {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}, ARGS,
+               record, None)
+    proc = run("convert", tmp_path / "adapter", tmp_path / "step", "--from", "peft", "--lora-base", tmp_path / "base")
+    assert proc.stdout.startswith("peft → dcp: 8 tensors"), proc.stdout  # A and B of wq and wv, 2 layers
+    assert ("note: to train on: --lora.enable --lora.rank 4 --lora.alpha 8 --lora.target_modules "
+            "attention.wq,attention.wv --checkpoint.initial_load_path OUT") in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "step" / "titanctl.json").read_text())["lora"]["rank"] == 4
+    proc = run("convert", tmp_path / "adapter", tmp_path / "again", check=False)  # told by its files; no base named
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "again").exists()
+    assert "--from peft reads an adapter onto the model it was made for: give --lora-base" in proc.stderr, proc.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_server import titanctl_run
-from tests.conftest import OFFLINE_ENV, REPO, TITANCTL
+from tests.conftest import OFFLINE_ENV, REPO, TITANCTL, torchrun_env
 
 TINY = ["--config", "recipes/llama3_debug.toml", "--model.n_layers", "1", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
@@ -110,23 +110,58 @@ def test_a_new_run_keeps_the_metrics_of_the_previous_one_apart(tmp_path):
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
-def test_a_config_error_under_torchrun_is_printed_once_and_leaves_nothing(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanctl",
-         "train", *TINY, "--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", str(out)],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"},
-        timeout=300,
+def torchrun_titanctl(target: list[str], args: list[str], *torchrun_args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *torchrun_args,
+         *target, *args],
+        capture_output=True, text=True, cwd=REPO, env=torchrun_env(), timeout=300,
     )
+
+
+def exit_codes(proc: subprocess.CompletedProcess) -> list[str]:
+    """Each failed rank's exit code in torchrun's summary."""
+    return [line.split(":")[1].split("(")[0].strip() for line in proc.stderr.splitlines()
+            if line.strip().startswith("exitcode")]
+
+
+def test_a_config_error_under_torchrun_is_printed_once_and_leaves_nothing(tmp_path):
+    """Every rank refuses the layout before it joins the process group, so none is left half-connected to a
+    peer that already left (which ended in a gloo traceback, "connectFullMesh failed", on a slower machine)."""
+    out = tmp_path / "run"
+    proc = torchrun_titanctl(["-m", "titanctl", "train"],
+                             [*TINY, "--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", str(out)])
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "tp 3" in errors[0], proc.stderr[-3000:]
-    root_cause = proc.stderr.split("Root Cause")[-1]
-    exit_codes = [line.split(":")[1].split("(")[0].strip() for line in proc.stderr.splitlines()
-                  if line.strip().startswith("exitcode")]
-    # The first rank to fail exits 2; torchrun then stops the other with SIGTERM (-15) unless it has
-    # already exited 2 itself: which happens first is a race, and neither is a crash.
-    assert "exitcode  : 2 " in root_cause and len(exit_codes) == 2, proc.stderr[-3000:]
-    assert set(exit_codes) <= {"2", "-15"}, proc.stderr[-3000:]
+    assert "Gloo" not in proc.stderr and f"{REPO}/titanctl/" not in proc.stderr, proc.stderr[-3000:]  # no traceback
+    assert "exitcode  : 2 " in proc.stderr.split("Root Cause")[-1], proc.stderr[-3000:]
+    # Rank 0 says it and exits 2; the other exits 2 as well, or torchrun stops it first (SIGTERM): a rank
+    # that has not reached its own check yet when rank 0 ends is stopped, which is no crash.
+    assert len(exit_codes(proc)) == 2 and set(exit_codes(proc)) <= {"2", "-15"}, proc.stderr[-3000:]
     assert "To enable traceback" not in proc.stderr, "torchrun's summary should carry the error itself"
     assert not out.exists()
+
+
+def test_a_rank_whose_peer_failed_during_set_up_names_the_peers_failure(tmp_path):
+    """Rank 0 fails alone after the group formed (workers/peer_failure_worker.py plants it); rank 1, waiting
+    for it in a collective, stops in one line that names rank 0's failure. The two ranks run as torchrun
+    starts them, with this test as the agent that hosts their store, and no agent that would stop rank 1
+    with SIGTERM once rank 0 has exited: what rank 1 does then is always seen."""
+    import torch.distributed as dist
+
+    from tests.distributed.harness import WORKERS
+    from tests.distributed.workers.peer_failure_worker import PLANTED
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=3, is_master=True, wait_for_workers=False)
+    agent = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "GROUP_RANK": "0"}
+    ranks = [subprocess.Popen(
+        [sys.executable, str(WORKERS / "peer_failure_worker.py"), *TINY, "--training.steps", "1",
+         "--job.dump_folder", str(tmp_path / "run")],
+        cwd=REPO, env=torchrun_env(**agent, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    errors = [[line for line in err.splitlines() if line.strip()] for _, err in outputs]
+    assert errors == [[f"error: [rank 0] {PLANTED}"],
+                      [f"error: [rank 1] stopped while the job was setting up: rank 0 failed: {PLANTED}"]], errors
+    assert [rank.returncode for rank in ranks] == [2, 2]

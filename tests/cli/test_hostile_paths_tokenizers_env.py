@@ -44,11 +44,15 @@ def one_line_error(proc) -> str:
 
 
 def step_copy(trained_run: Path, dst: Path, **fields) -> Path:
-    """A copy of the trained run's last step folder with `fields` set in its titanctl.json."""
+    """A copy of the trained run's last step folder with `fields` set in its titanctl.json, whose checksum of
+    its fields is re-recorded (as a careful attacker does: the check under test is the path's)."""
+    from titanctl.checkpoint.metadata import fields_digest
+
     shutil.copytree(trained_run / STEP, dst)
     meta_path = dst / "titanctl.json"
     meta = json.loads(meta_path.read_text())
     meta.update(fields)
+    meta["checksums"]["fields"] = fields_digest(meta)
     meta_path.write_text(json.dumps(meta))
     return dst
 

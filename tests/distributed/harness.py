@@ -16,7 +16,13 @@ WORKERS = Path(__file__).parent / "workers"
 CLI = [str(WORKERS / "cli_worker.py")]
 
 # A few tiny layers, fp32, fixed global batch: every layout must reproduce these losses.
+# Every step clips (max_norm 0.02, the norms are ~0.85), and AdamW's eps is raised so that it sees the
+# clipping: with 1e-8, AdamW is blind to a gradient's scale and an unclipped run's loss 2 is only 5e-6
+# (relative) away; with 1e-6 it is 1.2e-3 away, a hundred times the tolerance. So a layout that skips the
+# clipping, or clips by a norm that misses some ranks' gradients, fails.
 TINY_RUN = [
+    "--training.max_norm", "0.02",
+    "--optimizer.eps", "1e-6",
     "--model.n_layers", "4",
     "--training.seq_len", "64",
     "--training.global_batch_size", "8",
@@ -40,6 +46,22 @@ def torchrun(
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun exit {proc.returncode}: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def lone_rank(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    """``titanctl ARGS`` as rank 0 of a torchrun job of ``nproc`` whose other ranks never come: a refusal
+    that the Trainer makes before it joins the process group ends at once, anything later would wait for
+    the missing ranks until comm.init_timeout_seconds."""
+    import socket
+
+    from tests.cli_server import titanctl_run
+
+    with socket.socket() as s:  # a port nobody listens on: rank 0 would host the job's store there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = torchrun_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return titanctl_run([*args, "--comm.init_timeout_seconds", "60"], env=env, cwd=REPO, timeout=120)
 
 
 def losses(folder: Path) -> list[float]:

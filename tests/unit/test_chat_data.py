@@ -22,15 +22,15 @@ GOOD = {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": 
                      {"role": "assistant", "content": "Moses, they say."}, {"role": "user", "content": "And then?"},
                      {"role": "assistant", "content": "Joshua."}]}
 BAD = [
-    ({"messages": [{"role": "user", "content": "no answer"}]}, "rows without an assistant turn"),
-    ({"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "rows with an unknown role"),
+    ({"messages": [{"role": "user", "content": "no answer"}]}, "without an assistant turn"),
+    ({"messages": [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}]}, "with an unknown role"),
     ({"messages": [{"role": "user", "content": ["a", "list"]}, {"role": "assistant", "content": "x"}]},
-     "rows with content that is not a string"),
+     "with content that is not a string"),
     ({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]},
-     "rows with content that is not a string"),
-    ({"text": "plain text"}, "rows without messages (or prompt and completion)"),
-    ({"messages": "hello"}, "rows whose messages is not a list of messages"),
-    (["a", "list"], "rows that are not objects"),
+     "with content that is not a string"),
+    ({"text": "plain text"}, "without messages (or prompt and completion)"),
+    ({"messages": "hello"}, "with messages that are not a list of messages"),
+    (["a", "list"], "not a JSON object"),
 ]
 
 
@@ -47,12 +47,13 @@ def test_bad_rows_are_counted_and_said_in_one_line(tok, tmp_path, offline_data):
     windows = source.windows(tok, 64)
     report = source.report
     assert report.rows == len(rows) + 2 and report.used == 6
-    assert report.skipped["rows with content that is not a string"] == 2
+    assert report.skipped["with content that is not a string"] == 2
     for _, reason in BAD:
         assert reason in report.skipped
-    assert report.skipped["rows not valid JSON"] == 1 and report.skipped["rows not UTF-8"] == 1
+    assert report.skipped["not valid JSON"] == 1 and report.skipped["not UTF-8"] == 1
     summary = report.summary()
     assert "\n" not in summary and "6 of 15 conversations" in summary and "chat.jsonl:8: role 'bot'" in summary
+    assert "; 2 rows with content that is not a string" in summary and "; 1 row with an unknown role" in summary
     assert windows.shape[1:] == (3, 64) and (windows[:, LABELS] != IGNORE_INDEX).sum() == report.targets
 
 
@@ -61,7 +62,7 @@ def test_a_dataset_with_no_usable_row_is_one_line(tok, tmp_path, offline_data):
     with pytest.raises(DataError) as e:
         ChatSource(str(path)).windows(tok, 64)
     message = str(e.value)
-    assert "no usable conversation among 7 rows" in message and "rows without an assistant turn" in message
+    assert "no usable conversation among 7 rows" in message and "1 row without an assistant turn" in message
     assert "\n" not in message
 
 
@@ -71,7 +72,7 @@ def test_prompt_completion_rows_become_a_user_and_an_assistant_turn(tok, tmp_pat
             {"prompt": "no completion"}]
     source = ChatSource(str(write_jsonl(tmp_path / "pc.jsonl", rows)))
     windows = source.windows(tok, 64)
-    assert source.report.used == 2 and source.report.skipped == {"rows without messages (or prompt and completion)": 1}
+    assert source.report.used == 2 and source.report.skipped == {"without messages (or prompt and completion)": 1}
     learned = windows[:, LABELS][windows[:, LABELS] != IGNORE_INDEX]
     assert tok.decode(learned.tolist()) in ("4<|eot_id|>Hello<|eot_id|>", "Hello<|eot_id|>4<|eot_id|>")
 

@@ -146,7 +146,7 @@ def test_qwen3s_own_template_masks_single_turns_and_refuses_multi_turn_prefixes(
             assert list(targets) == mask_of(len(ids), prefix_reference(theirs, messages)[0])
             continue
         multi += 1
-        with pytest.raises(BadConversation, match="renders an earlier turn differently"):
+        with pytest.raises(BadConversation, match="earlier turns the chat template renders differently"):
             ours.encode(messages)
         ids, targets = last.encode(messages)  # the last turn alone is still a prefix
         assert targets.any() and not targets[: len(ids) // 2].all()
@@ -159,7 +159,7 @@ def test_a_conversation_the_template_refuses_is_a_bad_row(folders):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call, call]}]
     with pytest.raises(BadConversation) as e:
         ours.encode(*conversation_of({"messages": messages}))
-    assert e.value.reason == "the chat template refused it" and "single tool-calls" in e.value.detail
+    assert e.value.reason == "that the chat template refused" and "single tool-calls" in e.value.detail
 
 
 @pytest.mark.parametrize("name, end", [("qwen3", "<|im_end|>"), ("qwen3_training", "<|im_end|>"),

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import OFFLINE_ENV, TRUSTED_RUN
+from titanctl.checkpoint.metadata import fields_digest
 
 STEP = Path("checkpoint") / "step-2"
 
@@ -198,8 +199,10 @@ HUGE_DIM = 10**9
 
 
 def bomb_titanctl_json(step: Path, **changes) -> None:
+    """A careful attacker's edit: the model arguments changed, and the checksum of the fields re-recorded."""
     meta = json.loads((step / "titanctl.json").read_text())
     meta["model_args"].update(changes)
+    meta["checksums"]["fields"] = fields_digest(meta)
     rewrite(step / "titanctl.json", json.dumps(meta).encode())
 
 
@@ -375,6 +378,11 @@ def test_unreadable_step_folder_is_one_line(outcomes, path):
 
 def escape_hf_index(folder: Path, target: str) -> None:
     index = folder / "model.safetensors.index.json"
+    if not index.is_file():  # one model.safetensors: the index save_pretrained writes for shards
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            index.write_text(json.dumps({"weight_map": dict.fromkeys(f.keys(), "model.safetensors")}))
     data = json.loads(index.read_text())
     first = sorted(data["weight_map"])[0]
     data["weight_map"][first] = target
@@ -400,8 +408,8 @@ TRAVERSALS = {
     "hf-absolute": ("hf", lambda f, t: escape_hf_index(f, "/etc/passwd"), r"names '/etc/passwd', a path outside"),
     "hf-dotdot": ("hf", lambda f, t: escape_hf_index(f, "../../../etc/passwd"),
                   r"names '\.\./\.\./\.\./etc/passwd', a path outside"),
-    "hf-symlink": ("hf", lambda f, t: link_out(f, "model-00001-of-00001.safetensors", t / "elsewhere"),
-                   r"names 'model-00001-of-00001\.safetensors', a link to .*/elsewhere outside"),
+    "hf-symlink": ("hf", lambda f, t: link_out(f, sorted(p.name for p in f.glob("*.safetensors"))[0], t / "elsewhere"),
+                   r"names 'model-00001-of-\d+\.safetensors', a link to .*/elsewhere outside"),  # the session's shards
     "dcp-dotdot": ("dcp", lambda f, t: escape_dcp_storage(f, "../../../etc/passwd"),
                    r"\.metadata names '\.\./\.\./\.\./etc/passwd', a path outside"),
     "dcp-symlink": ("dcp", lambda f, t: link_out(f, "__0_0.distcp", t / "elsewhere"),
@@ -444,7 +452,8 @@ def test_zero_heads_is_one_line_not_a_division_by_zero(trained_run, formats, tmp
         shutil.copytree(formats[fmt], folder)
         bomb_json(folder / file, **change)
     line = error_line(cli(["convert", folder, tmp_path / "out", "--to", "torchtune"], capsys))
-    assert re.search(rf"{re.escape(file)}: n_heads is 0, expected an integer >= 1", line), line
+    key = "num_attention_heads" if file == "config.json" else "n_heads"  # config.json's reader names its own key
+    assert re.search(rf"{re.escape(file)}: {key} is 0, expected an integer >= 1", line), line
 
 
 # ----------------------------------------------------------------------------- file-system faults

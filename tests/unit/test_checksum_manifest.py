@@ -54,3 +54,52 @@ def test_resume_falls_back_to_the_previous_step(trained_run, tmp_path, capsys, c
     flip_4k(run_dir / STEP)
     edit_manifest(run_dir / STEP, change)
     resume_falls_back(run_dir, message, capsys)
+
+
+# ----------------------------------------------------------------------------- titanctl.json's own fields (issue 57)
+
+
+def set_field(path: str, value):
+    def change(meta: dict) -> None:
+        *parents, last = path.split(".")
+        target = meta
+        for key in parents:
+            target = target[key]
+        target[last] = value
+    return change
+
+
+FIELD_EDITS = {
+    "step": set_field("step", 7),
+    "dim": set_field("model_args.dim", 96),
+    "dtype": set_field("dtype", "bfloat16"),
+    "weights_only": set_field("weights_only", True),
+    "tokens_seen": set_field("tokens_seen", 1),
+    "version": set_field("version", 2),  # a downgrade, to skip the check, is an edit too
+}
+
+
+@pytest.mark.parametrize("case", list(FIELD_EDITS))
+def test_an_edited_field_of_titanctl_json_is_refused(trained_run, tmp_path, capsys, case):
+    """titanctl.json recorded the checksums of every file but itself: an edited field (a LoRA rank of 10^9,
+    a model dimension, a step) was read as saved. Its fields are checksummed too since version 3."""
+    step = clone(trained_run, tmp_path / "run") / STEP
+    edit_manifest(step, FIELD_EDITS[case])
+    line = error_line(cli(["convert", step, tmp_path / "out", "--to", "hf"], capsys))
+    assert re.search(r"step-2/titanctl\.json: its fields do not match the sha256 checksum recorded when the "
+                     r"checkpoint was saved: the file was edited or damaged$", line), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_titanctl_json_without_the_checksum_of_its_fields_is_refused(trained_run, tmp_path, capsys):
+    step = clone(trained_run, tmp_path / "run") / STEP
+    edit_manifest(step, lambda meta: meta["checksums"].pop("fields"))
+    line = error_line(cli(["convert", step, tmp_path / "out", "--to", "hf"], capsys))
+    assert "titanctl.json records no checksum of its own fields, but titanctl writes one from version 3 on" in line
+
+
+@pytest.mark.slow
+def test_resume_falls_back_from_an_edited_titanctl_json(trained_run, tmp_path, capsys):
+    run_dir = clone(trained_run, tmp_path / "run")
+    edit_manifest(run_dir / STEP, FIELD_EDITS["tokens_seen"])
+    resume_falls_back(run_dir, r"step-2/titanctl\.json: its fields do not match", capsys)

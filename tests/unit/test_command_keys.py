@@ -336,6 +336,7 @@ CHECKED_ONLY["rl"] = {
     # the dump folder's subfolders are checked for links and rights (the trainer's shell); nothing is recorded
     "profiling.enable_profiling", "profiling.save_traces_folder", "profiling.enable_memory_snapshot",
     "profiling.save_memory_snapshot_folder",
+    "moe.load_balance_coeff",  # Hugging Face saves check the expert bias it would train; rl refuses the key: 0
 }
 
 

@@ -150,7 +150,7 @@ def test_every_float_key_must_be_finite_in_toml_too(tmp_path, key):
         (["--optimizer.beta2", "-0.1"], "'optimizer.beta2' = -0.1 must be in [0, 1)"),
         (["--lr_scheduler.lr_min", "1.01"], "'lr_scheduler.lr_min' = 1.01 must be in [0, 1]"),
         (["--training.seed", str(2**64)], f"'training.seed' = {2**64} must be in [0, 2^64)"),
-        (["--comm.trace_buf_size", str(2**63)], "does not fit in 64 bits; valid: [-2^63, 2^63)"),
+        (["--checkpoint.keep_latest_k", str(2**63)], "does not fit in 64 bits; valid: [-2^63, 2^63)"),
         (["--job.dump_folder", ""], "'job.dump_folder' is empty"),
         (["--job.dump_folder", "  "], "'job.dump_folder' is empty"),
     ],
@@ -209,8 +209,9 @@ def test_model_n_kv_heads_overrides_the_flavors():
     def kv_heads(*overrides):
         return model_args_from_config(load_config(None, list(overrides)).model, 300, 32).kv_heads
 
-    assert kv_heads() == 4  # titanctl's debugmodel
-    assert kv_heads("--model.n_kv_heads", "16") == 16  # torchtitan's debugmodel: multi-head attention
+    assert kv_heads() == 2  # titanctl's debugmodel
+    assert kv_heads("--model.n_kv_heads", "8") == 8  # multi-head attention
+    assert kv_heads("--model.flavor", "debugmodel_torchtitan") == 16  # torchtitan's debugmodel: multi-head attention
     assert kv_heads("--model.flavor", "8B", "--model.n_kv_heads", "4") == 4
-    with pytest.raises(ConfigError, match="'model.n_kv_heads' = 3 must divide flavor debugmodel's n_heads 16"):
+    with pytest.raises(ConfigError, match="'model.n_kv_heads' = 3 must divide flavor debugmodel's n_heads 8"):
         kv_heads("--model.n_kv_heads", "3")

@@ -90,7 +90,9 @@ def stored_names(folder) -> set[str]:
     """Every tensor name a written folder holds, read without our readers."""
     fmt = detect(folder)
     if fmt == "hf":
-        return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+        from safetensors import safe_open
+
+        return {k for f in sorted(folder.glob("*.safetensors")) for k in safe_open(str(f), framework="pt").keys()}
     if fmt in ("dcp", "torchtitan"):
         return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
     return {k for f in sorted(folder.glob("*.pt*")) + sorted(folder.glob("*.bin")) for k in torch.load(f)}

@@ -440,6 +440,42 @@ def test_validation_counts_blocks_freed_where_no_profiler_saw_it_once():
     assert thread == {1: 2 * MiB}
 
 
+def test_validation_on_cuda_takes_each_steps_allocator_peak():
+    """On CUDA --validate reads the caching allocator's peak per step: reset as the step starts (so the
+    bytes alive then count), read once the step's kernels have run. A stand-in for torch.cuda records
+    the calls; the real one runs on a GPU (scripts/gpu_check.py's memory step)."""
+
+    class Allocator:
+        def __init__(self):
+            self.calls, self.allocated, self.peak = [], 0, 0
+
+        def synchronize(self, device):
+            self.calls.append("sync")
+
+        def reset_peak_memory_stats(self, device):
+            self.calls.append("reset")
+            self.peak = self.allocated
+
+        def max_memory_allocated(self, device):
+            return self.peak
+
+        def use(self, delta):
+            self.allocated += delta
+            self.peak = max(self.peak, self.allocated)
+
+    cuda, peaks = Allocator(), {}
+    marker = memory.cuda_step_peaks("cuda:0", peaks, cuda)
+    cuda.use(100)  # weights, before step 1
+    with marker(1):
+        cuda.use(50)
+        cuda.use(-50)
+    cuda.use(30)  # Adam's state stays
+    with marker(2):
+        cuda.use(10)
+    assert peaks == {1: 150, 2: 140}
+    assert cuda.calls == ["sync", "reset", "sync"] * 2
+
+
 MUON = ["--optimizer.name", "Muon"]
 
 

@@ -44,8 +44,8 @@ def export(trained_debug, tmp_path_factory):
 
 def test_hf_export_is_a_complete_model_folder(export):
     names = {p.name for p in export.iterdir()}
-    assert names == {"config.json", "generation_config.json", "model-00001-of-00001.safetensors",
-                     "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+    assert names == {"config.json", "generation_config.json", "model.safetensors",
+                     "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja"}
     # The bundled tokenizer's chat template travels with it: a chat-tuned export chats as it was trained.
     bundled_template = DEFAULT_TOKENIZER_PATH.parent / "chat_template.jinja"

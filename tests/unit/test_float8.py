@@ -88,6 +88,8 @@ def test_a_filter_entry_that_names_nothing_is_an_error():
          "float8.enable_fsdp_float8_all_gather = true needs FSDP"),
         (["--float8.enable_float8_linear", "--float8.precompute_float8_dynamic_scale_for_fsdp"], 2, ConfigError,
          "needs float8.enable_fsdp_float8_all_gather = true"),
+        (["--float8.enable_float8_linear", "--float8.enable_fsdp_float8_all_gather", "--float8.recipe_name",
+          "rowwise"], 2, ConfigError, "needs float8.recipe_name = 'tensorwise'"),
     ],
 )
 def test_impossible_float8_settings_fail_before_building(overrides, world, error, message):
@@ -121,6 +123,26 @@ def test_float8_model_has_the_same_weights_under_the_same_names():
     assert state.keys() == ref.keys()
     for key, tensor in ref.items():
         assert type(state[key]) is torch.Tensor and state[key].dtype == tensor.dtype and torch.equal(state[key], tensor)
+
+
+def test_the_recipe_name_picks_torchaos_scaling():
+    """rowwise: one scale per row of every operand (torchao's axiswise casts), power-of-2 scales;
+    tensorwise (the default): one per tensor. A rowwise linear's output differs from a tensorwise one's."""
+    plain, tensorwise = converted_pair()
+    rowwise = Transformer(ARGS)
+    rowwise.load_state_dict(plain.state_dict())
+    float8.convert_to_float8(rowwise, Float8(recipe_name="rowwise"), tp=1, device=CPU)
+    granularity = float8.torchao_float8().config.ScalingGranularity
+    for model, expected in ((tensorwise, granularity.TENSORWISE), (rowwise, granularity.AXISWISE)):
+        config = model.layers["0"].attention.wq.config
+        assert config.cast_config_input.scaling_granularity is expected
+        assert config.cast_config_weight.scaling_granularity is expected
+    assert rowwise.layers["0"].attention.wq.config.round_scales_to_power_of_2
+    x = torch.randn(64, ARGS.dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.equal(rowwise.layers["0"].attention.wq(x), tensorwise.layers["0"].attention.wq(x))
+    assert float8.communicates_float8(Float8(enable_float8_linear=True))
+    assert not float8.communicates_float8(Float8(enable_float8_linear=True, recipe_name="rowwise"))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from titanctl.parallel.runtime.fault_tolerance import (
     Positions,
     ReplicaGroup,
     Trainable,
+    import_torchft,
     model_fragments,
     sync_position,
 )
@@ -429,3 +430,103 @@ def test_watchdog_messages_name_the_group():
         hang_watchdog.set_replica_group(None)
     assert hang_watchdog.who(3) == "rank 3"
 
+
+
+# ----------------------------------------------------------------------------- hostile Lighthouse addresses (issue 57)
+
+BAD_LIGHTHOUSES = {  # address -> what the one line says
+    "not a url": "has scheme 'none', not http or https",
+    "file:///etc/passwd": "has scheme 'file', not http or https",
+    "http://localhost:99999": "is no URL (Port out of range 0-65535)",
+    "http://localhost:port": "is no URL (Port could not be cast to integer value as 'port')",
+    "http://localhost": "names no a port",
+    "http://:29510": "names no a host",
+    "http://[::1:29510": "is no URL (Invalid IPv6 URL)",
+    "http://[fe80::zz]:29510": "does not appear to be an IPv4 or IPv6 address",
+    "http://\x1b[31mred\x1b[0m:29510": "'http://\\x1b[31mred\\x1b[0m:29510' holds control characters",
+    "http://no-such-host.invalid:29510": "names a host that does not resolve",
+    "http://127.0.0.1:1": "refuses connections (Connection refused)",
+}
+
+
+@pytest.fixture(scope="module")
+def torchrun_store():
+    """torchrun's store, one for the module: a master TCPStore waits seconds for its server thread when it is
+    freed, which a time bound would count."""
+    return torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+
+
+@pytest.fixture
+def lighthouse_group(monkeypatch, tmp_path, torchrun_store):
+    return lambda address, **kwargs: _lighthouse_group(monkeypatch, tmp_path, torchrun_store, address, **kwargs)
+
+
+def _lighthouse_group(monkeypatch, tmp_path, store, address: str, env: bool = False,
+                      timeouts: tuple[str, ...] = ("1", "2", "3", "60")) -> ReplicaGroup:
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address if env else "")
+    where = [] if env else ["--fault_tolerance.lighthouse_address", address]
+    keys = ("connect_timeout_seconds", "process_group_timeout_seconds", "timeout_seconds", "quorum_timeout_seconds")
+    cfg = load_config(None, ["--fault_tolerance.enable", *where,
+                             *(x for key, value in zip(keys, timeouts) for x in (f"--fault_tolerance.{key}", value))])
+    return ReplicaGroup(cfg, 0, 1, tmp_path, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("address", sorted(BAD_LIGHTHOUSES))
+@pytest.mark.parametrize("env", [False, True])
+def test_a_bad_lighthouse_address_is_one_line_before_the_manager_starts(lighthouse_group, address, env):
+    """Each was an 83-line traceback from torchft's Manager; the escape bytes were printed raw."""
+    import gc
+    import time
+
+    import_torchft()  # its first import takes seconds on a busy machine: not the check's time
+    gc.collect()  # nor an earlier test's Manager, whose shutdown waits when it is collected
+    start = time.monotonic()
+    with pytest.raises(TitanError) as e:
+        lighthouse_group(address, env=env)
+    message = str(e.value)
+    assert BAD_LIGHTHOUSES[address] in message and "\n" not in message and "\x1b" not in message, message
+    assert ("TORCHFT_LIGHTHOUSE" if env else "fault_tolerance.lighthouse_address") in message
+    assert time.monotonic() - start < 3  # within connect_timeout_seconds (1 s) and then some
+
+
+def test_an_address_that_does_not_answer_is_refused_within_the_connect_timeout(lighthouse_group, monkeypatch):
+    """An unreachable Lighthouse took 77 s and 1,319 lines; now fault_tolerance.connect_timeout_seconds."""
+    import socket
+    import time
+
+    from titanctl.parallel.runtime import lighthouse
+
+    def silent(*args, **kwargs):  # a host that never answers: the lookup waits past the limit
+        time.sleep(5)
+        raise socket.gaierror("no answer")
+
+    monkeypatch.setattr(lighthouse.socket, "getaddrinfo", silent)
+    import_torchft()
+    start = time.monotonic()
+    with pytest.raises(TitanError) as e:
+        lighthouse_group("http://10.255.255.1:29510")
+    assert str(e.value) == ("the torchft Lighthouse 'http://10.255.255.1:29510' (fault_tolerance.lighthouse_address) "
+                            "does not answer within 1 s (fault_tolerance.connect_timeout_seconds); start it first "
+                            "(scripts/ft_local.py), or fix the address")
+    assert time.monotonic() - start < 3
+    assert socket.getaddrinfo is silent
+
+
+def test_an_address_that_answers_but_is_no_lighthouse_is_one_line_at_the_first_quorum(lighthouse_group):
+    """A port that accepts connections and says nothing: the Manager starts, its first quorum times out."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    group = lighthouse_group(f"http://127.0.0.1:{listener.getsockname()[1]}", timeouts=("0.2", "0.4", "0.8", "1"))
+    try:
+        model, opt, sched = trained(0, 0)
+        group.attach(Trainable([model], opt, sched, loader=None, get_step=lambda: 0, set_step=lambda s: None))
+        with pytest.raises(TitanError) as e:
+            group.begin_step()
+        assert "formed no quorum within fault_tolerance.quorum_timeout_seconds = 1 s for this group's first step" in \
+            str(e.value) and "is it a Lighthouse" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        group.close()
+        listener.close()

@@ -441,3 +441,33 @@ def test_a_generation_that_does_not_fit_in_memory_is_refused_before_loading(tmp_
                                           r"positions: 0.00 GiB beside the model's 0.00 GiB per process, but this host "
                                           r"has available 0.00 GiB; give a shorter prompt or fewer new tokens"):
         generation.run(tmp_path, "To be, or not to be", max_new_tokens=200, temperature=0)
+
+
+def test_inductor_options_measured_on_cpu_stay_on_cpu(model):
+    """The C++ wrapper and one kernel thread were measured on CPUs; a model on another device (a GPU;
+    meta stands in for it here) compiles its decode step with inductor's defaults."""
+    from titanctl.tools.generate import _compile_options
+
+    assert _compile_options(model) == {"cpp_wrapper": True, "cpp.threads": 1}
+    with torch.device("meta"):
+        elsewhere = Transformer(ARGS)
+    elsewhere.init_buffers(torch.device("meta"))
+    assert _compile_options(elsewhere) == {}
+
+
+@torch.no_grad()
+def test_a_long_prefill_says_how_far_it_is(monkeypatch):
+    """Issue 57: a 43k-token prefill ran for minutes with nothing said after "prefill of ... tokens"."""
+    import titanctl.tools.generate as generation
+
+    monkeypatch.setattr(generation, "PREFILL_MASK_ELEMENTS", 1)  # chunks of CACHE_BUCKET tokens
+    monkeypatch.setattr(generation, "PREFILL_PROGRESS_SECONDS", 0.0)  # a line after every chunk but the last
+    decoder, heard = Decoder(long_prompt_model("llama3"), 192), []
+    try:
+        decoder.generate(list(range(150)), 1, say=heard.append)
+    finally:
+        decoder.close()
+    progress = [line for line in heard if line.startswith("prefill:")]
+    assert [line.split(" in ")[0] for line in progress] == ["prefill: 64 of 150 prompt tokens",
+                                                             "prefill: 128 of 150 prompt tokens"]
+    assert all(line.endswith("s left") for line in progress)

@@ -96,7 +96,7 @@ def test_transformers_loads_it_with_the_logits_of_the_converted_step(llama_run, 
 
 def test_hf_save_matches_the_live_weights(llama_run):
     root, trainer = llama_run
-    saved = load_file(root / "step-4-hf" / "model-00001-of-00001.safetensors")
+    saved = load_file(root / "step-4-hf" / "model.safetensors")
     params = dict(trainer.model_parts[0].named_parameters())
     assert torch.equal(saved["model.embed_tokens.weight"], params["tok_embeddings.weight"].detach())
     assert torch.equal(saved["model.layers.1.mlp.down_proj.weight"], params["layers.1.feed_forward.w2.weight"].detach())
@@ -133,7 +133,7 @@ def test_qwen3_tied_last_save_writes_no_lm_head_and_the_source_config(tmp_path):
           "--checkpoint.keep_latest_k", "0", "--checkpoint.initial_load_path", str(tmp_path / "hf"))
     root = tmp_path / "run" / "checkpoint"
     assert listing(root) == {"step-2", "step-2-hf"}
-    saved = load_file(root / "step-2-hf" / "model-00001-of-00001.safetensors")
+    saved = load_file(root / "step-2-hf" / "model.safetensors")
     assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
     source, written = (json.loads((f / "config.json").read_text()) for f in (tmp_path / "hf", root / "step-2-hf"))
     assert written["tie_word_embeddings"] is True and written["max_position_embeddings"] == 512

@@ -125,7 +125,7 @@ def refused(argv, capsys) -> str:
     ('[{"role": "wizard", "content": "hi"}]', "--prompt with --chat: a conversation with an unknown role "
                                               "(role 'wizard'); give a JSON list of "),
     ('{"messages": [{"role": "user", "content": 3}]}', "a conversation with content that is not a string"),
-    ("[]", "a conversation whose messages is not a list of messages"),
+    ("[]", "a conversation with messages that are not a list of messages"),
 ])
 def test_a_prompt_that_is_not_a_conversation_is_refused_before_any_file_is_read(tmp_path, capsys, prompt, says):
     err = refused(["infer-tp", "--checkpoint", str(tmp_path / "missing"), "--chat", "--prompt", prompt], capsys)

@@ -102,18 +102,19 @@ def test_fsdp_ranks_each_slice_the_hf_weights_they_hold(exports, from_dcp, tmp_p
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.slow
-def test_torchtitans_multi_head_debugmodel_trains_with_model_n_kv_heads(tmp_path):
-    """torchtitan's debugmodel has 16 key/value heads, titanctl's flavor 4: `--model.n_kv_heads 16` makes
-    the run's model torchtitan's, and its first steps equal those from the converted checkpoint."""
-    args = LLAMA3_FLAVORS["debugmodel"].replace(n_layers=N_LAYERS, n_kv_heads=16, vocab_size=Tokenizer().vocab_size)
+def test_torchtitans_multi_head_debugmodel_trains_with_its_flavor(tmp_path):
+    """torchtitan's debugmodel has 16 heads of 16, all key/value, titanctl's debugmodel 8 of 32 with 2 key/value:
+    `--model.flavor debugmodel_torchtitan` makes the run's model torchtitan's, and its first steps equal those
+    from the converted checkpoint."""
+    args = LLAMA3_FLAVORS["debugmodel_torchtitan"].replace(n_layers=N_LAYERS, vocab_size=Tokenizer().vocab_size)
     torch.manual_seed(0)
     step = tmp_path / "step-5"
     write_torchtitan(step, Transformer(args).state_dict(), full=True)
-    with pytest.raises(CheckpointError, match=r"16 key/value heads of 16, the model 4; set model\.n_kv_heads = 16"):
+    with pytest.raises(CheckpointError, match=r"flavor debugmodel_torchtitan's key/value width \(16 heads of 16\)"):
         train(tmp_path / "refused", step)
     convert_checkpoint(step, tmp_path / "dcp")
-    direct = train(tmp_path / "direct", step, "--model.n_kv_heads", "16")
-    converted = train(tmp_path / "converted", tmp_path / "dcp", "--model.n_kv_heads", "16")
+    direct = train(tmp_path / "direct", step, "--model.flavor", "debugmodel_torchtitan")
+    converted = train(tmp_path / "converted", tmp_path / "dcp", "--model.flavor", "debugmodel_torchtitan")
     assert [(r["loss"], r["grad_norm"]) for r in direct] == [(r["loss"], r["grad_norm"]) for r in converted]
     meta = json.loads((tmp_path / "dcp" / "titanctl.json").read_text())
     assert meta["model_args"]["n_kv_heads"] == 16

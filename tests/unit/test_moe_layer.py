@@ -4,6 +4,7 @@ routes deterministically, and its grouped GEMMs equal a loop over experts, gradi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -77,6 +78,36 @@ def test_grouped_gemms_equal_a_loop_over_experts_with_gradients():
     grads = [torch.autograd.grad(out.square().sum(), list(moe.parameters())) for out in (moe(x), _loop_reference(moe, x))]
     for fast_grad, slow_grad in zip(*grads):
         assert torch.allclose(fast_grad, slow_grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+def test_experts_multiply_in_the_autocast_dtype(kind):
+    """Autocast leaves torch._grouped_mm alone: without the experts' own cast a bf16-autocast model ran
+    them in fp32 (on CUDA: the per-expert fallback). Their grouped GEMMs get bf16 operands and give what
+    the same experts give on bf16 weights and inputs; gradients reach the fp32 weights."""
+    torch.manual_seed(0)
+    moe = MoE(32, MoEArgs(num_experts=4, top_k=2, hidden_dim=16, expert_kind=kind))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    seen, grouped_mm = [], moe.experts.grouped_mm
+
+    def recording(a, b, offs):
+        seen.append((a.dtype, b.dtype))
+        return grouped_mm(a, b, offs=offs)
+
+    moe.experts.grouped_mm = recording
+    x = torch.randn(40, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    order = torch.arange(40)
+    counts = torch.tensor([10, 10, 10, 10])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routed = moe.experts(x[order], counts)
+    bf16 = copy.deepcopy(moe.experts).to(torch.bfloat16)
+    assert routed.dtype == torch.bfloat16 and torch.equal(routed, bf16(x[order].to(torch.bfloat16), counts))
+    out.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in moe.experts.parameters())
 
 
 def test_expert_bias_moves_the_choice_not_the_weights():

@@ -40,17 +40,17 @@ def _loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def _reference_newton_schulz(g: torch.Tensor) -> torch.Tensor:
+def _reference_newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:
     """Moonlight's zeropower_via_newtonschulz5, on one matrix, in fp32."""
     x = g.T if g.size(0) > g.size(1) else g
     x = x / (x.norm() + 1e-7)
-    for _ in range(5):
+    for _ in range(steps):
         a = x @ x.T
         x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
     return x.T if g.size(0) > g.size(1) else x
 
 
-def _reference_run(muon_names: set[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference_run(muon_names: set[str], mu: float = MU, steps: int = 5) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _model()
     named = dict(model.named_parameters())
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=LR, betas=(0.9, 0.95),
@@ -64,10 +64,10 @@ def _reference_run(muon_names: set[str]) -> tuple[list[float], dict[str, torch.T
         with torch.no_grad():
             for n in muon_names:
                 w, g, m = named[n], named[n].grad, momentum[n]
-                m.mul_(MU).add_(g)  # M_t = mu M_{t-1} + G_t
-                nesterov = g + MU * m
-                o = torch.stack([_reference_newton_schulz(e) for e in nesterov]) if w.dim() == 3 \
-                    else _reference_newton_schulz(nesterov)
+                m.mul_(mu).add_(g)  # M_t = mu M_{t-1} + G_t
+                nesterov = g + mu * m
+                o = torch.stack([_reference_newton_schulz(e, steps) for e in nesterov]) if w.dim() == 3 \
+                    else _reference_newton_schulz(nesterov, steps)
                 # W_t = W_{t-1} - lr (0.2 sqrt(max(A, B)) O_t + wd W_{t-1}), in the published code's order
                 w.mul_(1 - LR * WD).add_(o, alpha=-LR * 0.2 * math.sqrt(max(w.shape[-2:])))
         adamw.step()
@@ -98,12 +98,13 @@ def _hidden_matrices(experts: bool) -> set[str]:
     return names | ({n for n, p in _model().named_parameters() if p.dim() == 3} if experts else set())
 
 
-@pytest.mark.parametrize("experts", [False, True], ids=["experts-adamw", "experts-muon"])
-def test_ten_steps_equal_the_papers_algorithm(experts):
+@pytest.mark.parametrize("experts, mu, steps", [(False, MU, 5), (True, MU, 5), (False, 0.5, 5), (False, MU, 2)],
+                         ids=["experts-adamw", "experts-muon", "momentum-0.5", "ns_steps-2"])
+def test_ten_steps_equal_the_papers_algorithm(experts, mu, steps):
     muon_names = _hidden_matrices(experts)
     assert any("attention.wq" in n for n in muon_names) and not any("tok_embeddings" in n for n in muon_names)
-    ref_losses, ref_params = _reference_run(muon_names)
-    losses, params, optimizer = _titanctl_run(_muon_cfg(muon_experts=experts))
+    ref_losses, ref_params = _reference_run(muon_names, mu, steps)
+    losses, params, optimizer = _titanctl_run(_muon_cfg(muon_experts=experts, muon_momentum=mu, muon_ns_steps=steps))
     assert isinstance(optimizer, Muon)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
     worst = max((params[n] - ref_params[n]).abs().max().item() for n in params)

@@ -250,6 +250,13 @@ def broken(folder: Folder, tmp_path: Path, how: str) -> tuple[Path, str]:
         scales[2, 7, 0], blocks[2, 7, 0, 3] = 254, 0x70
         by_file[scales_file][f"{KEY}_scales"], by_file[file][f"{KEY}_blocks"] = scales, blocks
         message = rf"MXFP4 tensor '{KEY}' decodes to a value that is not finite in bfloat16 at block \(2, 7, 0\)"
+    elif how == "sinks-nan":  # a tensor beside the blocks (issue 57: its NaN was copied)
+        sinks_key = "model.layers.0.self_attn.sinks"
+        sinks_file = path / index["weight_map"][sinks_key]
+        tensors = by_file.setdefault(sinks_file, load_file(sinks_file))
+        tensors[sinks_key] = tensors[sinks_key].clone()
+        tensors[sinks_key][1] = float("nan")
+        message = rf"tensor '{sinks_key}' holds a value that is not finite \(NaN or infinity\)"
     elif how == "undeclared":
         config = json.loads((path / "config.json").read_text())
         del config["quantization_config"]
@@ -262,7 +269,7 @@ def broken(folder: Folder, tmp_path: Path, how: str) -> tuple[Path, str]:
 
 
 REFUSALS = ("blocks-dtype", "scales-dtype", "blocks-shape", "scales-shape", "missing-scales", "orphan-scales",
-            "scale-nan", "decodes-to-inf", "undeclared")
+            "scale-nan", "decodes-to-inf", "sinks-nan", "undeclared")
 
 
 @pytest.mark.parametrize("how", REFUSALS)
@@ -278,7 +285,7 @@ def test_a_malformed_mxfp4_folder_is_refused_in_one_line(folder, tmp_path, capsy
     assert re.search(message, line), line
     assert list((tmp_path / "dst").iterdir()) == [] and not (tmp_path / "api").exists()
     assert not list(tmp_path.glob(".*partial*"))
-    if how != "decodes-to-inf":  # found from the headers and scales, before the model is built
+    if how not in ("decodes-to-inf", "sinks-nan"):  # found from the headers and scales, before the model is built
         cfg = load_config(None, ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path",
                                  str(src)])
         with pytest.raises(CheckpointError, match=message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -137,3 +138,25 @@ def test_zero_bubble_schedules_refuse_op_level_selective_checkpointing_before_tr
         check_layout(cfg, layout, model_args_from_config(cfg.model, 256, 64))
     every_second = load_config(None, [*overrides, "--activation_checkpoint.selective_ac_option", "2"])
     check_layout(every_second, layout, model_args_from_config(every_second.model, 256, 64))
+
+
+@pytest.mark.parametrize("device, set_before, expected", [
+    ("cuda", None, ":4096:8"),  # torch raises at the first CUDA matmul in deterministic mode without it
+    ("cuda", ":16:8", ":16:8"),  # the user's own setting is kept
+    ("cpu", None, None),  # no cuBLAS
+])
+def test_deterministic_training_sets_the_cublas_workspace_on_cuda(monkeypatch, device, set_before, expected):
+    import torch
+
+    from titanctl.parallel.runtime.env import use_deterministic_algorithms
+
+    if set_before is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", set_before)
+    try:
+        use_deterministic_algorithms(torch.device(device))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == expected

@@ -183,10 +183,11 @@ def test_dcp_output_of_a_torchtitan_source_carries_no_step(trained_debug, tmp_pa
     assert meta["step"] == 0 and meta["converted_from"] == "torchtitan" and meta["weights_only"] is True
 
 
-# torchtitan's own debugmodel (0.2 and 0.3: torchtitan/models/llama3/__init__.py): titanctl's debugmodel
-# shape (dim 256, 16 heads, 6 layers, MLP 768, RoPE theta 5e5 with Llama 3.1 scaling), but n_kv_heads
-# unset, i.e. multi-head attention with 16 key/value heads, and its test tokenizer's 2048 tokens.
-TORCHTITAN_DEBUGMODEL = LLAMA3_FLAVORS["debugmodel"].replace(n_kv_heads=16, vocab_size=2048)
+# torchtitan's own debugmodel (0.2 and 0.3: torchtitan/models/llama3/__init__.py): dim 256, 16 heads of 16,
+# 6 layers, MLP 768, RoPE theta 5e5 with Llama 3.1 scaling, n_kv_heads unset (multi-head attention), and its
+# test tokenizer's 2048 tokens: titanctl's flavor debugmodel_torchtitan. titanctl's debugmodel has the same
+# widths in 8 heads of 32, 2 of them key/value.
+TORCHTITAN_DEBUGMODEL = LLAMA3_FLAVORS["debugmodel_torchtitan"].replace(vocab_size=2048)
 # titanctl's own debugmodel flavor at the same vocabulary: what --flavor debugmodel means.
 TITANCTL_DEBUGMODEL = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=2048)
 
@@ -230,11 +231,11 @@ def test_torchtitans_own_debugmodel_converts_to_hf_and_matches_transformers(
     write_torchtitan(step, torchtitan_debugmodel, full=full)
     assert stored(step)["layers.0.attention.qkv_linear.wk.weight"].size == torch.Size([256, 256])
     report = convert_checkpoint(step, tmp_path / "hf", dst_format="hf")
-    # The shapes are titanctl's debugmodel but for the key/value width: 16 heads, as many as the queries.
+    # titanctl's debugmodel has the same widths but for the key/value width: the flavor whose key/value width
+    # is the checkpoint's too is taken, with its 16 heads of 16.
     assert report.origin == (
         "tensor shapes (dim 256, 6 layers, vocab 2048, query width 256, key/value width 256, ffn 768: flavor "
-        "debugmodel's; n_heads 16, RoPE and norm eps taken from it; n_kv_heads 16 from the key/value width "
-        "(multi-head attention, where the flavor has 4))"
+        "debugmodel_torchtitan's; n_heads 16, n_kv_heads 16, RoPE and norm eps taken from it)"
     )
     assert report.args == TORCHTITAN_DEBUGMODEL.replace(max_seq_len=report.args.max_seq_len)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 16
@@ -252,13 +253,14 @@ def test_torchtitans_own_debugmodel_converts_to_hf_and_matches_transformers(
 
 @pytest.mark.parametrize("fmt", ["torchtitan", "hf"])
 def test_the_flavor_of_other_kv_heads_is_refused_saying_what_to_set(torchtitan_debugmodel, tmp_path, fmt):
-    """titanctl's debugmodel flavor has 4 key/value heads, torchtitan's debugmodel 16: the error says how
-    many the checkpoint has, and which setting says so (--config with model.n_kv_heads, as tested below)."""
+    """titanctl's debugmodel flavor has 2 key/value heads of 32, torchtitan's debugmodel 16 of 16: the error
+    names the flavor whose key/value width the checkpoint has."""
     write_configless(tmp_path / "in", torchtitan_debugmodel, TORCHTITAN_DEBUGMODEL, fmt)
     with pytest.raises(CheckpointError, match=r"(k|v)_proj\.weight|qkv_linear\.w[kv]\.weight") as error:
         load_checkpoint(tmp_path / "in", flavor="debugmodel")
     assert "has shape (256, 256), expected (64, 256) for " in str(error.value)
-    assert "the checkpoint has 16 key/value heads of 16, the model 4; set model.n_kv_heads = 16" in str(error.value)
+    assert ("the checkpoint has flavor debugmodel_torchtitan's key/value width (16 heads of 16); use that flavor "
+            "(model.flavor, or convert's --flavor)") in str(error.value)
     assert "--flavor debugmodel" in str(error.value)
 
 
@@ -278,7 +280,7 @@ def test_flavor_reads_a_folder_without_config(titanctl_debugmodel, tmp_path, fmt
 @pytest.mark.slow
 def test_config_reads_a_folder_without_config(torchtitan_debugmodel, tmp_path, fmt):
     write_configless(tmp_path / "in", torchtitan_debugmodel, TORCHTITAN_DEBUGMODEL, fmt)
-    recipe = recipe_file(tmp_path, '[model]\nflavor = "debugmodel"\nn_kv_heads = 16\n[training]\nseq_len = 128\n')
+    recipe = recipe_file(tmp_path, '[model]\nflavor = "debugmodel_torchtitan"\n[training]\nseq_len = 128\n')
     report = convert_checkpoint(tmp_path / "in", tmp_path / "dcp", config=recipe, dst_format="dcp")
     assert report.origin == f"--config {recipe}"
     assert report.args == TORCHTITAN_DEBUGMODEL.replace(max_seq_len=128)

@@ -128,7 +128,7 @@ def test_perplexity_is_exp_of_the_loss():
 def test_step_count_errors_are_one_line():
     tokens = np.zeros(5 * 8 * 4, dtype=np.int32)  # 40 windows of 3 + 1 tokens: 5 batches of 8
     kwargs = dict(seq_len=3, global_batch_size=8, local_batch_size=4, dp_rank=0, dp_degree=1)
-    with pytest.raises(DataError, match=r"'validation.steps' = 6 asks for more batches .* make 5 batch\(es\) "
+    with pytest.raises(DataError, match=r"'validation.steps' = 6 asks for more batches .* make 5 batches "
                                         r"of 8; set validation.steps to at most 5, or -1 for all"):
         ValidationSet(tokens, "x", steps=6, **kwargs)
     with pytest.raises(ConfigError, match=r"'validation.steps' = 0 must be -1 \(the whole validation set\) or >= 1"):

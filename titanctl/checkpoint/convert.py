@@ -12,6 +12,7 @@ of SRC and DST, so a mistyped path fails at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +29,12 @@ import torch
 from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
 from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf_names import HF_FILES_KEY
 from titanctl.checkpoint.locate import Located, locate
 from titanctl.checkpoint.reader import one_line
+from titanctl.checkpoint.serving_kernels import serving_warning
 from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.checkpoint.uncarried import check_carried
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
@@ -37,12 +42,14 @@ from titanctl.models.registry import flavor_args, model_args_from_config, spec_o
 from titanctl.safe_io import open_no_follow
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
-ADAPTER_FORMATS = ("peft",)  # written from a LoRA step's adapters alone (titanctl.checkpoint.lora_export)
+# A LoRA step's adapters alone: written by titanctl.checkpoint.lora_export, read onto a base by lora_import.
+ADAPTER_FORMATS = ("peft",)
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
 UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 FP8_DEFAULT_DTYPE = torch.bfloat16  # what FP8 weights of a source become when --dtype says nothing
+WARNING = "warning: "  # a note that begins so is a warning (the CLI shows it so)
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -69,7 +76,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def _check_format(fmt: str | None, flag: str) -> None:
-    valid = (*FORMATS, *ADAPTER_FORMATS) if flag == "--to" else FORMATS
+    valid = (*FORMATS, *ADAPTER_FORMATS)
     if fmt is not None and fmt not in valid:
         raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(valid)}")
 
@@ -291,13 +298,15 @@ def write_checkpoint(
     extra_metadata: dict | None = None,
     tokenizer_path: str | os.PathLike | None = None,
     notes: list[str] | None = None,
+    drop_expert_bias: bool = False,
 ) -> list[str]:
     """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
 
     hf and torchtune outputs also get the tokenizer files (see ``tokenizer_export``); a dcp
     output records the tokenizer path. A Hugging Face source's config.json travels with the weights:
     a dcp output stores it, an hf output writes it back (``hf_carried_config``). What is worth telling
-    the user is appended to `notes`.
+    the user is appended to `notes`. Trained state the format has no slot for is refused unless
+    ``drop_expert_bias`` (``titanctl.checkpoint.uncarried``).
     """
     _check_format(fmt, "--to")
     _check_options(fmt, shards, max_shard_size, tokenizer_path)
@@ -309,15 +318,19 @@ def write_checkpoint(
     if source.args.tie_embeddings and fmt in UNTIED_FORMATS:
         source = UntiedView(source)
     notes = [] if notes is None else notes
+    if (dropped := check_carried(source, fmt, drop_expert_bias)) is not None:
+        notes.append(dropped)
+    if fmt == "hf" and (unservable := serving_warning(source.args)):
+        notes.append(f"{WARNING}{unservable}")
     tokenizer, recorded_path = None, None
     if fmt in TOKENIZER_FORMATS:  # before anything is written: a wrong tokenizer is an error
         tokenizer, recorded_path, said = resolve_tokenizer(source, source.args, tokenizer_path, fmt == "dcp")
         if said:
             notes.append(said)
     source_config = source.extra_metadata().get(HF_CONFIG_KEY) if fmt in ("dcp", "hf") else None
+    source_files = source.extra_metadata().get(HF_FILES_KEY) if fmt in ("dcp", "hf") else None
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
-    tmp = _prepare_destination(dst, src_folder)
     sink = progress or ProgressSink()
     sink.start(source.total_bytes(dtype), f"{source.format} → {fmt}")
     options: dict = {}
@@ -330,17 +343,30 @@ def write_checkpoint(
             options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
         options["source_config"] = source_config
         options["notes"] = notes
+        options["layout"] = source_files if max_shard_size is None else None  # a size asked for: new shards
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
         options["extra"] = {"converted_from": source.format, **(extra_metadata or {})}
         if source_config is not None:
             options["extra"][HF_CONFIG_KEY] = source_config
+        if source_files is not None:
+            options["extra"][HF_FILES_KEY] = source_files
         if recorded_path is not None:
             options["extra"]["tokenizer_path"] = recorded_path
-    try:
+    with _written_into(dst, src_folder) as tmp:
         WRITERS[fmt](tmp, source.args, source, dtype=dtype, progress=sink.advance, **options)
         notes.extend(write_companion_files(tmp, fmt, source.args, tokenizer))
+    return sorted(p.name for p in dst.iterdir())
+
+
+@contextlib.contextmanager
+def _written_into(dst: Path, src: Path | None) -> Iterator[Path]:
+    """The temporary folder beside DST (``_prepare_destination``) to write into: renamed to DST when the
+    block completes, removed when it fails (a full disk said in one line), so DST is whole or untouched."""
+    tmp = _prepare_destination(dst, src)
+    try:
+        yield tmp
         if dst.exists():
             dst.rmdir()  # empty, checked above
         os.rename(tmp, dst)
@@ -353,7 +379,6 @@ def write_checkpoint(
         raise
     finally:
         _release(tmp)
-    return sorted(p.name for p in dst.iterdir())
 
 
 def convert_checkpoint(
@@ -372,6 +397,7 @@ def convert_checkpoint(
     tokenizer_path: str | os.PathLike | None = None,
     merge_lora: bool = False,
     lora_base: str | os.PathLike | None = None,
+    drop_expert_bias: bool = False,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -383,11 +409,24 @@ def convert_checkpoint(
 
     A LoRA run's step (adapters only) converts with ``merge_lora`` (the base with the adapters folded in,
     in any format; the base from ``lora_base`` or where the step records it) or to ``peft`` (the
-    adapters alone): ``titanctl.checkpoint.lora_export``.
+    adapters alone): ``titanctl.checkpoint.lora_export``. A peft adapter (``src_format`` peft, or a
+    folder holding adapter_config.json) becomes such a step on the base ``lora_base``
+    (``titanctl.checkpoint.lora_import``).
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if src_format in ADAPTER_FORMATS or (src_format is None and _holds_peft_adapter(Path(src))):
+        given = {"--merge-lora": merge_lora, f"--to {dst_format}": dst_format not in (None, "dcp"), "--flavor": flavor,
+                 "--config": config, " ".join(overrides or ()): overrides, "--shards": shards,
+                 "--max-shard-size": max_shard_size, "--tokenizer-path": tokenizer_path,
+                 "--drop-expert-bias": drop_expert_bias}
+        if (misused := next((flag for flag, value in given.items() if value), None)) is not None:
+            raise CheckpointError(
+                f"{misused} does not apply to --from peft, which writes a titanctl LoRA checkpoint (dcp) of the "
+                "adapter on its base: export or merge that one (`titanctl convert OUT MERGED --merge-lora`)"
+            )
+        return _import_peft(Path(src), Path(dst), lora_base, torch_dtype, progress)
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None and dst_format not in ADAPTER_FORMATS:
@@ -397,7 +436,7 @@ def convert_checkpoint(
     if lora is not None or merge_lora or dst_format in ADAPTER_FORMATS or lora_base is not None:
         return _convert_lora(located, Path(src), dst, lora, dst_format=dst_format, merge=merge_lora, base=lora_base,
                              dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-                             tokenizer_path=tokenizer_path)
+                             tokenizer_path=tokenizer_path, drop_expert_bias=drop_expert_bias)
 
     start = time.perf_counter()
     dequantize_to = torch_dtype or FP8_DEFAULT_DTYPE
@@ -410,7 +449,7 @@ def convert_checkpoint(
             notes.insert(0, f"read {located.folder.name}, the newest complete checkpoint in {src}")
         files = write_checkpoint(
             source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-            tokenizer_path=tokenizer_path, notes=notes,
+            tokenizer_path=tokenizer_path, notes=notes, drop_expert_bias=drop_expert_bias,
         )
         return ConversionReport(
             src=Path(src),
@@ -427,6 +466,37 @@ def convert_checkpoint(
         )
 
 
+def _holds_peft_adapter(folder: Path) -> bool:
+    from titanctl.checkpoint.lora_export import PEFT_CONFIG
+
+    try:
+        return (folder / PEFT_CONFIG).is_file()
+    except OSError:  # an unreadable folder: locate says so in one line
+        return False
+
+
+def _import_peft(src: Path, dst: Path, base: str | os.PathLike | None, dtype: torch.dtype | None,
+                 progress: ProgressSink | None) -> ConversionReport:
+    """A peft adapter folder onto ``base``: a titanctl LoRA step in ``dst``, written under a temporary name."""
+    from titanctl.checkpoint.lora_import import import_peft
+
+    if base is None:
+        raise CheckpointError(
+            "--from peft reads an adapter onto the model it was made for: give --lora-base BASE (a titanctl step, or "
+            "a Hugging Face, torchtitan, Meta or torchtune folder)"
+        )
+    if not src.is_dir():
+        raise CheckpointError(f"peft adapter folder {src} {'is a file' if src.exists() else 'does not exist'}")
+    start = time.perf_counter()
+    base_located = locate(base, "--lora-base")
+    _check_destination(dst, base_located.folder)  # the base's own files are fingerprinted
+    with _written_into(dst, src) as tmp, open_checkpoint(base_located.folder, base_located.format) as source:
+        count, nbytes, notes = import_peft(src, tmp, source, base_located.format, dtype=dtype,
+                                           progress=progress or ProgressSink())
+    return ConversionReport(src, dst, "peft", "dcp", source.args, f"the base {base_located.folder}", count, nbytes,
+                            time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
+
+
 def _lora_record(located: Located) -> dict | None:
     """The ``lora`` entry of a titanctl step folder's titanctl.json (None: no adapters, or another format)."""
     from titanctl.checkpoint.lora_base import read_record
@@ -441,57 +511,71 @@ def _convert_lora(
     located: Located, src: Path, dst: Path, lora: dict | None, *, dst_format: str | None, merge: bool,
     base: str | os.PathLike | None, dtype: torch.dtype | None, shards: int | None,
     max_shard_size: int | str | None, progress: ProgressSink | None, tokenizer_path: str | os.PathLike | None,
+    drop_expert_bias: bool = False,
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
     from titanctl.checkpoint.lora_base import base_folder, base_record, check_same_base
-    from titanctl.checkpoint.lora_export import MergedSource, read_adapters, write_peft
+    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE, MergedSource, read_lora_step, write_peft
     from titanctl.checkpoint.metadata import model_args_from_metadata
+    from titanctl.checkpoint.uncarried import check_adapter_export
 
     if lora is None:
         what = "--merge-lora" if merge else "--lora-base" if dst_format not in ADAPTER_FORMATS else f"--to {dst_format}"
         raise CheckpointError(f"{what} reads a LoRA run's step folder; {located.folder} holds no LoRA adapters")
-    if dst_format in ADAPTER_FORMATS and (merge or base is not None):
-        raise CheckpointError("--to peft writes the adapters alone: --merge-lora and --lora-base do not apply")
+    if dst_format in ADAPTER_FORMATS and merge:
+        raise CheckpointError("--to peft writes the adapters alone: --merge-lora does not apply")
     if not merge and dst_format not in ADAPTER_FORMATS:
         raise CheckpointError(
             f"{located.folder} holds LoRA adapters only (trained on {lora['base']['path']}): add --merge-lora "
             "(the base with the adapters folded in) or use --to peft (the adapters for peft)"
         )
     start = time.perf_counter()
-    meta, record, adapters = read_adapters(located.folder)
+    step = read_lora_step(located.folder)
+    meta, record, adapters = step.meta, step.record, step.adapters
     args = model_args_from_metadata(meta, str(located.folder))
     notes = [] if located.folder == src else [f"read {located.folder.name}, the newest complete checkpoint in {src}"]
-    if dst_format in ADAPTER_FORMATS:
-        tmp = _prepare_destination(dst, src)
-        try:
-            if record["base"]["format"] != "hf":
-                notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
-                             f"convert {record['base']['path']} BASE_HF --to hf` makes it")
-            write_peft(tmp, adapters, args, record, record["base"]["path"], dtype)
-            os.rename(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            _release(tmp)
-        nbytes = sum(t.numel() * (dtype or t.dtype).itemsize for t in adapters.values())
-        return ConversionReport(src, dst, "dcp", dst_format, args, "titanctl.json", len(adapters), nbytes,
-                                time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
+    # The adapters mean something only on the base they were trained on: peft's too (it names the base).
     folder = base_folder(record, base, located.folder)
     base_located = _locate_source(folder, None)
     check_same_base(record["base"], base_record(base_located.folder, base_located.format), located.folder)
+    if dst_format in ADAPTER_FORMATS:
+        # peft adapts the base's Hugging Face model: the buffers it holds are the base's (zero where it has no slot).
+        dropped = check_adapter_export(step.buffers, args, drop_expert_bias,
+                                       lambda names: _base_tensors(record, located.folder, args, names))
+        notes += [dropped] if dropped else []
+        with _written_into(dst, src) as tmp:
+            if record["base"]["format"] != "hf":
+                notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
+                             f"convert {record['base']['path']} BASE_HF --to hf` makes it")
+            write_peft(tmp, adapters, args, record, str(folder), dtype)
+            if any(kind == "experts" for kind in record["targets"].values()):
+                notes.append(EXPERT_ADAPTERS_NOTE)
+        nbytes = sum(t.numel() * (dtype or t.dtype).itemsize for t in adapters.values())
+        return ConversionReport(src, dst, "dcp", dst_format, args, "titanctl.json", len(adapters), nbytes,
+                                time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
     source = open_source(base_located.folder, base_located.format)
     source.dequantize_to = dtype or FP8_DEFAULT_DTYPE
     with source:
         source.bind(args, f"{located.folder}/titanctl.json")
-        merged = MergedSource(source, adapters, record, located.folder, meta)
+        merged = MergedSource(source, adapters, record, located.folder, meta, step.buffers)
         merged.origin = "titanctl.json"
         fmt = dst_format or "hf"
         notes += [f"merged {len(record['targets'])} LoRA adapters into the base {base_located.folder}", *source.notes]
         files = write_checkpoint(merged, dst, fmt, dtype=dtype, shards=shards, max_shard_size=max_shard_size,
-                                 progress=progress, tokenizer_path=tokenizer_path, notes=notes)
+                                 progress=progress, tokenizer_path=tokenizer_path, notes=notes,
+                                 drop_expert_bias=drop_expert_bias)
         return ConversionReport(src, dst, "dcp", fmt, args, "titanctl.json", len(merged.infos),
                                 merged.total_bytes(dtype), time.perf_counter() - start, files, notes)
+
+
+def _base_tensors(record: dict, folder: Path, args: ModelArgs, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the base a LoRA step records (read where it records it)."""
+    from titanctl.checkpoint.lora_base import base_folder
+
+    base = _locate_source(base_folder(record, None, folder), None)
+    with open_source(base.folder, base.format) as source:
+        source.bind(args, f"{folder}/titanctl.json")
+        return {name: source.load(name) for name in names}
 
 
 def save_state_dict(

@@ -41,6 +41,8 @@ _OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 # Derived buffers that old transformers versions saved; they carry no weights.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
+HF_FILES_KEY = "hf_files"  # a Hugging Face source's files, carried to its exports (formats.hf.file_layout)
+
 
 # ----------------------------------------------------------------------------- names
 
@@ -73,6 +75,11 @@ def _ours_of(hf_name: str, hf: HFFormat, n_layers: int | None = None) -> str | N
                 if theirs == m.group(2):
                     return f"mtp.{int(m.group(1)) - n_layers}.{ours}"
     return None
+
+
+def canonical_name(hf_name: str, args: ModelArgs) -> str | None:
+    """The titanctl name of a Hugging Face weight name in the model's family (None: not one of its names)."""
+    return _ours_of(hf_name, spec_of(args).hf, args.n_layers)
 
 
 def shared_copy(hf_name: str, args: ModelArgs) -> bool:
@@ -300,6 +307,14 @@ def to_hf_rows(name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, tor
     hf = _hf_name(name, args)
     heads = _heads_of(name, args)
     return hf, (rows if heads is None else _interleaved_to_halves(rows, heads))
+
+
+def from_hf_rows(hf_name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
+    """``to_hf_rows`` inverted: rows in the Hugging Face weight ``hf_name``'s order (a peft adapter's
+    lora_B, (out, rank)) -> the titanctl weight's name and the rows in its order. Dtype is kept."""
+    meta = _meta_name(hf_name, args)
+    heads = _heads_of(meta, args)
+    return meta, (rows if heads is None else _halves_to_interleaved(rows, heads))
 
 
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) -> Iterator[tuple[str, torch.Tensor]]:

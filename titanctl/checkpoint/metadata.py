@@ -10,6 +10,7 @@ checkpoint share the model keys. A full checkpoint adds the top-level entries
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,13 +18,14 @@ from typing import Any
 
 from titanctl.checkpoint.model_args import args_from_fields
 from titanctl.checkpoint.paths import inside
-from titanctl.errors import CheckpointError
+from titanctl.errors import CheckpointCorrupt, CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.safe_io import load_json, replace_atomically
 
 METADATA_FILE = "titanctl.json"
 FORMAT = "titanctl-dcp"
-VERSION = 2  # 2: every titanctl.json records the checksum of every file of its folder (checksums.MANIFEST_SINCE)
+VERSION = 3  # 2: every titanctl.json records the checksum of every file of its folder (checksums.MANIFEST_SINCE)
+FIELDS_SINCE = 3  # 3: ... and of its own fields (``checksums.fields``)
 # titanctl.json holds the model's arguments, a few counters and one checksum per file: kilobytes.
 MAX_METADATA_BYTES = 16 << 20
 
@@ -38,6 +40,8 @@ def write_metadata(folder: Path, args: ModelArgs, *, step: int, weights_only: bo
         "model_args": dataclasses.asdict(args),
         **extra,
     }
+    if "checksums" in extra:  # the manifest covers the file's own fields too (a rank edited in place)
+        meta["checksums"] = {**extra["checksums"], "fields": fields_digest(meta)}
     # Never through a link the folder holds: a fresh temporary file renamed over the name.
     replace_atomically(folder / METADATA_FILE, json.dumps(meta, indent=1).encode(), what="checkpoint metadata",
                        error=CheckpointError)
@@ -79,7 +83,29 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         what, ok = _KINDS[kind]
         if not ok(meta[key]):
             raise CheckpointError(f"{path}: {key!r} is {_brief(meta[key])}, expected {what}")
+    _verify_fields(meta, path)
     return meta
+
+
+def fields_digest(meta: dict[str, Any]) -> str:
+    """sha256 of every field of a titanctl.json but ``checksums`` (which holds it), in a canonical form."""
+    fields = {key: value for key, value in meta.items() if key != "checksums"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _verify_fields(meta: dict[str, Any], path: Path) -> None:
+    """The fields as saved: a titanctl.json of version FIELDS_SINCE or later records their checksum (as its
+    manifest does the files'), so an edited rank, step or model argument is a damaged checkpoint."""
+    entry = meta.get("checksums")
+    if not isinstance(entry, dict):
+        return  # no manifest at all: checksums.require_manifest says whether one must be there
+    recorded, version = entry.get("fields"), meta.get("version", 1)
+    if recorded is None and isinstance(version, int) and version >= FIELDS_SINCE:
+        raise CheckpointCorrupt(f"{path} records no checksum of its own fields, but titanctl writes one from version "
+                                f"{FIELDS_SINCE} on (this file says {version}): the file was altered")
+    if recorded is not None and recorded != fields_digest(meta):
+        raise CheckpointCorrupt(f"{path}: its fields do not match the sha256 checksum recorded when the checkpoint "
+                                "was saved: the file was edited or damaged")
 
 
 def _brief(value: Any, limit: int = 60) -> str:

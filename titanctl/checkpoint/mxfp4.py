@@ -53,6 +53,19 @@ class Packed:
     shape: tuple[int, ...]  # of the decoded tensor, its last two dimensions swapped (transformers')
 
 
+def check_finite(tensor: torch.Tensor, name: str, where: Path) -> torch.Tensor:
+    """A tensor stored beside MXFP4 blocks (attention sinks, biases, norms, the router) whose values are
+    all finite, as the decoded blocks' are: checked a few million values at a time (a boolean temporary
+    of that size), so a NaN sink is refused naming it instead of copied into the checkpoint."""
+    if tensor.is_floating_point() and tensor.numel():
+        rows = max(1, (1 << 24) // max(1, tensor[0].numel())) if tensor.dim() else 1
+        for chunk in tensor.split(rows) if tensor.dim() else (tensor,):
+            if not torch.isfinite(chunk).all():
+                raise CheckpointError(f"{where}: tensor {name!r} holds a value that is not finite (NaN or infinity); "
+                                      "a model holding it computes NaN")
+    return tensor
+
+
 def declared(config: dict[str, Any] | None) -> bool:
     """Whether a config.json declares MXFP4 weights."""
     quantization = (config or {}).get("quantization_config")

@@ -6,11 +6,11 @@ Shapes give the width (embedding columns), the vocabulary (embedding rows), the 
 heads of 128 or 64 of 64), nor RoPE's theta and scaling or the norm epsilon. So a model
 is inferred only when its width, query width and MLP width are those of a published
 flavor (any depth): the flavor supplies the heads (so the head width), RoPE and norm eps,
-and the origin string says so. The key/value width then counts the key/value heads; it
-may differ from the flavor's, as in torchtitan's debugmodel: titanctl's debugmodel shape,
-but multi-head attention (16 key/value heads where titanctl's flavor has 4), and the origin
-says that too. Otherwise the error lists what the shapes did say and asks for ``--flavor``
-or ``--config``.
+and the origin string says so. A flavor whose key/value width is the checkpoint's too is
+preferred (torchtitan's debugmodel has titanctl's debugmodel widths in 16 heads of 16, all of
+them key/value: flavor ``debugmodel_torchtitan``); else the key/value width counts the key/value
+heads, which may differ from the flavor's, and the origin says that too. Otherwise the error
+lists what the shapes did say and asks for ``--flavor`` or ``--config``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def kv_heads_hint(name: str, shape: tuple[int, ...], want: tuple[int, ...], args
     has and the setting that says so; '' otherwise."""
     if not name.endswith(("attention.wk.weight", "attention.wv.weight")) or tuple(shape[1:]) != tuple(want[1:]):
         return ""
+    for label, other in _same_widths(args):
+        if other.kv_heads * other.head_dim == shape[0]:
+            return (f": the checkpoint has flavor {label}'s key/value width ({other.kv_heads} heads of "
+                    f"{other.head_dim}); use that flavor (model.flavor, or convert's --flavor)")
     heads = kv_heads_of(shape[0], args)
     if heads is None:
         return ""
@@ -46,6 +50,19 @@ def kv_heads_hint(name: str, shape: tuple[int, ...], want: tuple[int, ...], args
         f": the checkpoint has {heads} key/value heads of {args.head_dim}, the model {args.kv_heads}; "
         f"set model.n_kv_heads = {heads} in the recipe"
     )
+
+
+def _flavors() -> list[tuple[str, ModelArgs]]:
+    """(name as --flavor takes it, args) of every published flavor."""
+    return [(flavor if spec.name == "llama3" else f"{spec.name}:{flavor}", args)
+            for spec in all_specs() for flavor, args in spec.flavors.items()]
+
+
+def _same_widths(args: ModelArgs) -> list[tuple[str, ModelArgs]]:
+    """The flavors of `args`' family with its width, query width and MLP width."""
+    widths = (args.dim, args.n_heads * args.head_dim, args.ffn_hidden_dim)
+    return [(label, other) for label, other in _flavors() if other.family == args.family
+            and (other.dim, other.n_heads * other.head_dim, other.ffn_hidden_dim) == widths]
 
 
 def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[ModelArgs, str]:
@@ -67,8 +84,10 @@ def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[Mo
     seen = f"dim {dim}, {n_layers} layers, vocab {vocab}, query width {q_dim}, key/value width {kv_dim}, ffn {ffn}"
     qk_norm = "layers.0.attention.q_norm.weight" in shapes
     tied = "output.weight" not in shapes
-    flavors = [(spec.name, flavor, args) for spec in all_specs() for flavor, args in spec.flavors.items()]
-    for family, flavor, args in flavors:
+    flavors = _flavors()
+    # A flavor of the checkpoint's key/value width first; then one whose head width counts its heads.
+    flavors.sort(key=lambda found: found[1].kv_heads * found[1].head_dim != kv_dim)
+    for label, args in flavors:
         if args.qk_norm != qk_norm or (tied and not args.tie_embeddings):
             continue
         # A tied flavor's checkpoint that stores its output layer (torchtitan's Llama 3.2) is read
@@ -88,7 +107,6 @@ def infer_model_args(shapes: dict[str, tuple[int, ...]], where: str) -> tuple[Mo
                 f"n_heads {args.n_heads}, RoPE and norm eps taken from it; n_kv_heads {kv_heads} from the "
                 f"key/value width ({kind}, where the flavor has {args.kv_heads})"
             )
-        label = flavor if family == "llama3" else f"{family}:{flavor}"  # as --flavor takes it
         origin = f"tensor shapes ({seen}: flavor {label}'s{depth}; {heads})"
         return args.replace(n_layers=n_layers, vocab_size=vocab, n_kv_heads=kv_heads), origin
     raise CheckpointError(

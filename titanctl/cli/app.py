@@ -11,15 +11,21 @@ import sys
 
 import click
 import typer
-from typer import _click as typer_click  # Typer >= 0.22 vendors click: its own exception classes
 from typer.core import TyperCommand, TyperGroup
 
 from titanctl.cli import console
 from titanctl.errors import ConfigError, TitanError
 
+try:  # Typer >= 0.26 vendors click, with exception classes of its own; older Typers run on click itself
+    from typer import _click as typer_click
+except ImportError:
+    typer_click = click
+
 # Usage errors from either click hierarchy: Typer's vendored copy raises its own classes.
 _CLICK_ERRORS = (typer_click.exceptions.ClickException, click.ClickException)
 _EXITS = (typer.Exit, click.exceptions.Exit)
+# Raised after printing the help for a bare `titanctl` (click >= 8.2).
+_NO_ARGS_IS_HELP = getattr(typer_click.exceptions, "NoArgsIsHelpError", ())
 _ABORTS = (typer.Abort, click.exceptions.Abort, KeyboardInterrupt)
 
 
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     argv, debug = _strip_debug(list(sys.argv[1:] if argv is None else argv))
     try:
         code = app(args=argv, prog_name="titanctl", standalone_mode=False)
-    except typer_click.exceptions.NoArgsIsHelpError:
+    except _NO_ARGS_IS_HELP:
         code = 2  # the help was printed; like click, no command at all is a usage error
     except (TitanError, *_CLICK_ERRORS) as e:
         if debug:

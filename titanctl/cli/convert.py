@@ -23,7 +23,9 @@ def convert(
     src: Path = typer.Argument(..., readable=False, help="Checkpoint folder to read."),
     dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
     from_format: str | None = typer.Option(
-        None, "--from", help="Source format: meta, dcp, hf, torchtune or torchtitan. Default: told by SRC's files."
+        None, "--from",
+        help="Source format: meta, dcp, hf, torchtune or torchtitan, or peft (an adapter folder, read onto "
+        "--lora-base into a titanctl LoRA checkpoint). Default: told by SRC's files.",
     ),
     to_format: str | None = typer.Option(
         None, "--to",
@@ -56,7 +58,15 @@ def convert(
     lora_base: Path | None = typer.Option(
         None, "--lora-base", readable=False,
         help="Where the LoRA step's base is now, when it moved (its weights must be the ones the adapters were "
-        "trained on).",
+        "trained on): for --merge-lora and --to peft, which both check the base and name it in peft's config; "
+        "with --from peft, the model the adapter was made for (a titanctl step, or a Hugging Face, torchtitan, "
+        "Meta or torchtune folder).",
+    ),
+    drop_expert_bias: bool = typer.Option(
+        False, "--drop-expert-bias",
+        help="Export to a format that has no slot for the MoE expert bias that moe.load_balance_coeff trains "
+        "(Hugging Face's Qwen3-MoE and gpt-oss; peft, for a LoRA step whose bias moved) without it: the export then "
+        "routes tokens as with a zero bias (peft: the base's). Without the flag such an export is refused.",
     ),
     tokenizer_path: Path | None = typer.Option(
         None,
@@ -66,7 +76,8 @@ def convert(
     ),
 ) -> None:
     """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats; export a LoRA
-    run's adapters for peft (--to peft) or merged into their base (--merge-lora).
+    run's adapters for peft (--to peft) or merged into their base (--merge-lora); read a peft adapter onto
+    its base (--from peft --lora-base BASE).
 
     Extra --section.key VALUE options override the --config recipe: the model's shape (model.name, flavor,
     n_layers, n_kv_heads, mtp_layers, norm_type) and training.seq_len; any other key is an error.
@@ -75,7 +86,7 @@ def convert(
 
     check_overrides("convert", ctx.args)  # before torch is imported and any checkpoint is looked at
     with heavy_imports():
-        from titanctl.checkpoint.convert import ConversionReport, convert_checkpoint
+        from titanctl.checkpoint.convert import WARNING, ConversionReport, convert_checkpoint
     from titanctl.safe_io import visible
 
     bar = console.ByteProgress()
@@ -95,6 +106,7 @@ def convert(
             tokenizer_path=tokenizer_path,
             merge_lora=merge_lora,
             lora_base=lora_base,
+            drop_expert_bias=drop_expert_bias,
         )
     except KeyboardInterrupt:
         bar.stop()
@@ -109,4 +121,4 @@ def convert(
         f"model from {visible(str(report.origin))}) → {visible(str(report.dst))}"
     )
     for note in report.notes:
-        typer.echo(f"  note: {visible(note)}")
+        typer.echo(f"  {'' if note.startswith(WARNING) else 'note: '}{visible(note)}")

@@ -18,8 +18,8 @@ def estimate_memory(
         "auto", "--device", help="Device to estimate for: auto (the recipe's: GPUs for 8B/70B/405B), cuda, cpu."
     ),
     validate: bool = typer.Option(
-        False, "--validate", help="Also run the real step on the current processes (CPU: alone or under "
-        "torchrun) and compare the measured peak with the estimate."
+        False, "--validate", help="Also run the real step on the current processes (CPU or GPUs: alone or "
+        "under torchrun) and compare the measured peak with the estimate."
     ),
     all_layers: bool = typer.Option(
         False, "--all-layers", help="Run every layer instead of extrapolating deep models from shallow ones "

@@ -37,6 +37,7 @@ def opt(
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600  # a week: longer is no timeout, and past ~292 years torch's clocks overflow
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Job:
 # model.name -> its flavors, as titanctl.models.registry declares them (a test keeps the two equal;
 # the config layer sits below the models and cannot ask the registry).
 MODEL_FLAVORS = {
-    "llama3": ("debugmodel", "8B", "70B", "405B", "1B", "3B"),
+    "llama3": ("debugmodel", "debugmodel_torchtitan", "8B", "70B", "405B", "1B", "3B"),
     "qwen3": ("debugmodel", "debugmodel_untied", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
     "qwen3_moe": ("debugmodel", "30B-A3B", "235B-A22B"),
     "deepseek_v3": ("debugmodel", "16B", "671B"),
@@ -108,7 +109,7 @@ class Model:
         0.1,
         "Weight of the multi-token prediction loss in the objective (DeepSeek-V3 used 0.3, then 0.1). "
         "No effect without model.mtp_layers.",
-        min=0,
+        min=0, max=10,
     )
 
 
@@ -121,11 +122,13 @@ class OptimizerGroup:
     optimizer: str = opt("", "Muon or AdamW; empty means the one optimizer.name gives these parameters.",
                          choices=("", "Muon", "AdamW"))
     lr: float | None = opt(None, "Peak learning rate of this group; unset means optimizer.lr.", above=0)
-    weight_decay: float | None = opt(None, "Decoupled weight decay; unset means optimizer.weight_decay.", min=0)
+    weight_decay: float | None = opt(None, "Weight decay of this group's parameters (0 exempts them), as "
+                                           "optimizer.weight_decay applies it; unset means optimizer.weight_decay.",
+                                     min=0, max=1)
     momentum: float | None = opt(None, "Muon momentum; unset means optimizer.muon_momentum.", min=0, below=1)
     beta1: float | None = opt(None, "AdamW beta1; unset means optimizer.beta1.", min=0, below=1)
     beta2: float | None = opt(None, "AdamW beta2; unset means optimizer.beta2.", min=0, below=1)
-    eps: float | None = opt(None, "AdamW epsilon; unset means optimizer.eps.", min=0)
+    eps: float | None = opt(None, "AdamW epsilon; unset means optimizer.eps.", min=0, max=1)
 
 
 @dataclass
@@ -140,15 +143,23 @@ class Optimizer:
     lr: float = opt(8e-4, "Peak learning rate.", above=0)
     beta1: float = opt(0.9, "Adam beta1.", min=0, below=1)
     beta2: float = opt(0.95, "Adam beta2.", min=0, below=1)
-    eps: float = opt(1e-8, "Adam epsilon.", min=0)
-    weight_decay: float = opt(0.1, "Decoupled weight decay.", min=0)
+    eps: float = opt(1e-8, "Adam epsilon.", min=0, max=1)
+    weight_decay: float = opt(
+        0.1,
+        "Weight decay of every trainable parameter, norm gains, biases, embeddings and routers included (as in "
+        "torchtitan; an [[optimizer.groups]] table with weight_decay = 0 exempts some): decoupled "
+        "(w -= lr x weight_decay x w) for AdamW and Muon, an L2 term added to the gradient for Adam.",
+        min=0,
+        max=1,
+    )
     implementation: str = opt(
         "fused",
         "Kernel: fused (one kernel, where the device supports it), foreach, or for-loop.",
         choices=("fused", "foreach", "for-loop"),
     )
     muon_momentum: float = opt(0.95, "Muon: Nesterov momentum.", min=0, below=1)
-    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per update.", min=1)
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per update (published: 5; more add nothing past ~10).",
+                             min=1, max=100)
     muon_ns_dtype: str = opt(
         "float32",
         "Muon: dtype of the Newton-Schulz iterations; bfloat16 is the published code's choice (faster on GPUs).",
@@ -167,7 +178,7 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(200, "Steps of linear warmup from near zero to optimizer.lr.", min=0)
+    warmup_steps: int = opt(200, "Steps of linear warmup from near zero to optimizer.lr.", min=0, max=10**9)
     decay_ratio: float | None = opt(
         None,
         "Fraction of steps spent decaying at the end (WSD: warmup, stable, decay); "
@@ -221,16 +232,17 @@ class Training:
         "Virtual shards of each streaming dataset (c4, hf:): global sample i of a stream comes from shard "
         "i mod N, so the data does not depend on the data-parallel degree; a rank reads only its own "
         "shards when the degree divides N. 0: one shard per file of the dataset. Fixed for a run's life.",
-        min=0,
+        min=0, max=65536,
     )
-    local_batch_size: int = opt(8, "Sequences per data-parallel rank per microbatch.", min=1)
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per microbatch.", min=1, max=1 << 20)
     global_batch_size: int = opt(
         -1,
         "Sequences per optimizer step over all ranks; more than local_batch_size x data-parallel "
         "degree means gradient accumulation. -1: local_batch_size x data-parallel degree, except that a run "
         "resuming its own checkpoint keeps the checkpoint's (a restart on fewer ranks accumulates more).",
+        max=1 << 30,
     )
-    seq_len: int = opt(2048, "Tokens per sequence.", min=1)
+    seq_len: int = opt(2048, "Tokens per sequence (the longest published contexts have 2^20).", min=1, max=1 << 20)
     max_norm: float = opt(1.0, "Gradient clipping max norm (0 disables clipping).", min=0)
     steps: int = opt(10000, "Optimizer steps to train (a run of 10^9 steps would never end).", min=1, max=10**9)
     seed: int = opt(0, "Seed for weight init, data order and dropout-free RNG state.", min=0, below=2**64)
@@ -362,8 +374,15 @@ class Compile:
 class Float8:
     enable_float8_linear: bool = opt(
         False,
-        "Train linear layers in float8 with torchao (dynamic tensorwise scales). Float8 hardware on CUDA "
+        "Train linear layers in float8 with torchao (dynamic scales, see recipe_name). Float8 hardware on CUDA "
         "SM 8.9+; emulated elsewhere (CPU included), which tests the path but is slower, not faster.",
+    )
+    recipe_name: str = opt(
+        "tensorwise",
+        "torchao's scaling recipe: tensorwise (one scale per tensor; the only one with float8 FSDP all-gathers "
+        "and float8 tensor-parallel communication) or rowwise (one scale per row of each operand, power-of-2 "
+        "scales: closer to bf16's accuracy, communication in high precision).",
+        choices=("tensorwise", "rowwise"),
     )
     enable_fsdp_float8_all_gather: bool = opt(
         False, "FSDP all-gathers float8 linears' weights in float8 (half of bf16's traffic); needs FSDP."
@@ -391,7 +410,8 @@ class LoRA:
         "optimizer and the step (docs/post-training.md: LoRA).",
     )
     rank: int = opt(8, "Rank r of every adapter.", min=1, max=65536)
-    alpha: float = opt(16.0, "The adapters' scale numerator: their output is multiplied by alpha / rank.", above=0)
+    alpha: float = opt(16.0, "The adapters' scale numerator: their output is multiplied by alpha / rank "
+                             "(published recipes use 8 to 512).", above=0, max=10_000)
     dropout: float = opt(
         0.0, "Dropout on the adapters' input while training (the frozen path sees none).", min=0, below=1
     )
@@ -417,7 +437,7 @@ class MoEBalancing:
         "expert bias moves by this much toward the experts that received fewer tokens than the mean over "
         "the global batch (b_e += coeff x sign(mean - tokens_e)); the bias changes which experts are chosen, "
         "not their weights. 0 turns it off. Needs a Mixture-of-Experts model.",
-        min=0,
+        min=0, max=1,
     )
     router_aux_loss_coef: float = opt(
         0.0,
@@ -428,7 +448,7 @@ class MoEBalancing:
         "layers at once: the same for one sequence and one MoE layer). Its gradient is added to the "
         "training loss's; the logged loss stays the cross-entropy. 0 turns it off. Needs a "
         "Mixture-of-Experts model.",
-        min=0,
+        min=0, max=10,
     )
 
 
@@ -442,7 +462,7 @@ class Metrics:
         0.0,
         "Peak device TFLOP/s for MFU; 0 takes the GPU's datasheet figure, or on CPU cores x clock x "
         "FLOPs per cycle of its vector units (nothing is timed).",
-        min=0,
+        min=0, max=100_000,
     )
     disable_color_printing: bool = opt(False, "Plain console output.")
 
@@ -628,9 +648,10 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "Timeout of the first collectives.", min=1)
-    train_timeout_seconds: int = opt(100, "Timeout of collectives after the first step.", min=1)
-    trace_buf_size: int = opt(20000, "Flight Recorder entries kept per rank (0 disables it).", min=0)
+    init_timeout_seconds: int = opt(300, "Timeout of the first collectives.", min=1, max=MAX_TIMEOUT_SECONDS)
+    train_timeout_seconds: int = opt(100, "Timeout of collectives after the first step.", min=1,
+                                     max=MAX_TIMEOUT_SECONDS)
+    trace_buf_size: int = opt(20000, "Flight Recorder entries kept per rank (0 disables it).", min=0, max=1_000_000)
 
 
 @dataclass
@@ -652,17 +673,20 @@ class FaultTolerance:
         "", "The Lighthouse, e.g. http://host:29510; empty: the TORCHFT_LIGHTHOUSE environment variable."
     )
     connect_timeout_seconds: float = opt(
-        10.0, "Connecting to the Lighthouse and the group managers; below process_group_timeout_seconds.", above=0
+        10.0, "Connecting to the Lighthouse and the group managers; below process_group_timeout_seconds.", above=0,
+        max=MAX_TIMEOUT_SECONDS,
     )
     process_group_timeout_seconds: float = opt(
-        20.0, "One collective between the replica groups before it is aborted; below timeout_seconds.", above=0
+        20.0, "One collective between the replica groups before it is aborted; below timeout_seconds.", above=0,
+        max=MAX_TIMEOUT_SECONDS,
     )
     timeout_seconds: float = opt(
         30.0, "The Manager's operations (should_commit, a peer's checkpoint transfer); below quorum_timeout_seconds.",
-        above=0,
+        above=0, max=MAX_TIMEOUT_SECONDS,
     )
     quorum_timeout_seconds: float = opt(
-        60.0, "Waiting for a quorum of live groups; below comm.train_timeout_seconds (the hang watchdog).", above=0
+        60.0, "Waiting for a quorum of live groups; below comm.train_timeout_seconds (the hang watchdog).", above=0,
+        max=MAX_TIMEOUT_SECONDS,
     )
     semi_sync_method: str = opt(
         "none",
@@ -674,7 +698,7 @@ class FaultTolerance:
     fragments: int = opt(
         1, "diloco: model fragments (consecutive layer ranges) synced in turn, one every sync_steps/fragments.", min=1
     )
-    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate.", above=0)
+    outer_lr: float = opt(0.7, "diloco: the outer SGD's learning rate (DiLoCo's: 0.7).", above=0, max=10)
     outer_momentum: float = opt(0.9, "diloco: the outer SGD's momentum.", min=0, below=1)
     outer_nesterov: bool = opt(True, "diloco: Nesterov momentum in the outer SGD.")
 

@@ -12,7 +12,6 @@ import difflib
 import functools
 import math
 import posixpath
-import re
 import types
 import typing
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -20,10 +19,12 @@ from typing import Any
 
 from titanctl.config import commands
 from titanctl.config.job_config import MODEL_FLAVORS, SFT, JobConfig
+from titanctl.config.user_regex import check_user_regex
 from titanctl.errors import ConfigError
 from titanctl.safe_io import parse_toml, read_bytes, regular_file_size
 
 MAX_RECIPE_BYTES = 1 << 20  # recipes are a few KiB
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -236,13 +237,17 @@ def _in_range(value: float, meta: dict) -> bool:
 
 
 def _check_number(key: str, value: float, meta: dict) -> None:
-    """Finite floats, ints that fit in 64 bits, and the field's own bounds."""
+    """Finite floats within float32's range, ints that fit in 64 bits, and the field's own bounds."""
     bounds = valid_range(meta)
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{key}' = {value!r} must be a finite number" + (f" {bounds}" if bounds else ""))
     if not _in_range(value, meta):
         raise ConfigError(f"config key '{key}' = {value!r} must be {bounds}")
     own_limit = meta.get("max") is not None or meta.get("below") is not None
+    if isinstance(value, float) and not own_limit and abs(value) > FLOAT32_MAX:
+        # Float keys become float32 tensor values (a learning rate, a loss weight), where this overflows.
+        raise ConfigError(f"config key '{key}' = {value!r} is past float32's largest value, {FLOAT32_MAX:.4g}, which "
+                          f"training computes in; valid: {bounds + ' and ' if bounds else ''}at most {FLOAT32_MAX:.4g}")
     if isinstance(value, int) and not own_limit and not -(2**63) <= value < 2**63:
         raise ConfigError(f"config key '{key}' = {value!r} does not fit in 64 bits; valid: [-2^63, 2^63)")
 
@@ -323,6 +328,8 @@ def validate(cfg: JobConfig, command: str | None = None) -> None:
     _check_pipeline_keys(cfg.parallelism)
     _check_datasets(cfg.training)
     _check_optimizer_groups(cfg.optimizer)
+    if cfg.lora.target_regex:
+        check_user_regex("lora.target_regex", cfg.lora.target_regex)
     _check_chat_masking(cfg, command)
     _check_hf_save_keys(cfg.checkpoint)
     _check_fault_tolerance(cfg)
@@ -387,11 +394,7 @@ def _check_optimizer_groups(optimizer) -> None:
         where = f"optimizer.groups[{n}]"
         if not table.params:
             raise ConfigError(f"config key '{where}.params' is empty; give a canonical parameter name or a regex")
-        try:
-            re.compile(table.params)
-        except re.error as e:
-            raise ConfigError(f"config key '{where}.params' = {table.params!r} is no regular expression: {e}") \
-                from None
+        check_user_regex(f"{where}.params", table.params)
         if table.optimizer not in ("", "Muon", "AdamW"):
             raise ConfigError(f"config key '{where}.optimizer' = {table.optimizer!r} is not one of Muon, AdamW")
         if table.optimizer and optimizer.name == "Adam":  # Adam's L2 decay has no per-group Muon/AdamW form

@@ -37,12 +37,15 @@ from titanctl.data.chat_encode import TRAIN_ON, BadConversation, ChatEncoder
 from titanctl.data.chat_pack import WINDOW_ROWS, pack_windows
 from titanctl.data.chat_rows import Unreadable, chat_files, read_rows
 from titanctl.data.chat_template import ChatTemplate, find_chat_template, special_token_texts
-from titanctl.data.datasets import _content_fingerprint
+from titanctl.data.local_files import fingerprint
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.errors import DataError
+from titanctl.errors import DataError, counted
 from titanctl.safe_io import visible
 
 CHAT_PREFIX = "chat:"
+# One conversation's bounds, checked before it is rendered (a row past them is skipped and counted):
+MAX_MESSAGES = 1024  # messages of one conversation: the longest chats of public sets have a few hundred
+MAX_CONVERSATION_CHARS = 1 << 21  # characters of its text (2 Mi: ~500k tokens, past any seq_len)
 ROLES = ("system", "user", "assistant", "tool")
 OVERLONG = ("truncate", "drop")
 _CACHE_FORMAT = "titanctl-chat-windows-v1"  # bump when rendering, masking or packing changes
@@ -69,30 +72,34 @@ class ChatReport:
     first: dict[str, str] = dataclasses.field(default_factory=dict)  # reason -> the first such row (and why)
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
+        """Count a skipped row; ``reason`` says what the row is, after the word "row" ("without an
+        assistant turn"), so that ``counted`` can say "1 row ..." and "2 rows ..." alike."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.first.setdefault(reason, where + (f": {visible(detail)[:120]}" if detail else ""))
 
-    def _skips(self) -> str:
-        return "; ".join(f"{n:,} {reason} (first: {self.first[reason]})" for reason, n in self.skipped.items())
+    def _skips(self) -> list[str]:
+        return [f"{counted(n, 'row')} {reason} (first: {self.first[reason]})" for reason, n in self.skipped.items()]
 
     def summary(self) -> str:
         fill = self.tokens / max(1, self.windows * self.seq_len)
-        text = (f"chat data {self.description}: {self.used:,} of {self.rows:,} conversations in {self.windows:,} "
-                f"windows of {self.seq_len} tokens ({fill:.0%} filled), {self.targets:,} tokens learned")
+        parts = [f"chat data {self.description}: {self.used:,} of {counted(self.rows, 'conversation')} in "
+                 f"{counted(self.windows, 'window')} of {self.seq_len} tokens ({fill:.0%} filled), "
+                 f"{self.targets:,} tokens learned"]
         if self.truncated:
-            text += f"; {self.truncated:,} cut to seq_len"
+            parts.append(f"{self.truncated:,} cut to seq_len")
         if self.too_long:
-            text += f"; {self.too_long:,} longer than seq_len dropped (sft.overlong)"
+            parts.append(f"{self.too_long:,} longer than seq_len dropped (sft.overlong)")
         if self.skipped:
-            text += f"; skipped {sum(self.skipped.values()):,} rows: {self._skips()}"
-        return text
+            parts.append(f"skipped {counted(sum(self.skipped.values()), 'row')}: {'; '.join(self._skips())}")
+        return "; ".join(parts)
 
     def nothing_usable(self) -> DataError:
-        why = self._skips() or "no rows"
+        why = self._skips()
         if self.too_long:
-            why += (f"{'; ' if self.skipped else ''}{self.too_long:,} longer than seq_len {self.seq_len} "
-                    "(sft.overlong = drop)")
-        return DataError(f"chat dataset {self.description} has no usable conversation among {self.rows:,} rows: {why}")
+            why.append(f"{counted(self.too_long, 'conversation')} longer than seq_len {self.seq_len} "
+                       "(sft.overlong = drop)")
+        return DataError(f"chat dataset {self.description} has no usable conversation among "
+                         f"{counted(self.rows, 'row')}: {'; '.join(why) or 'no rows'}")
 
 
 class ChatSource:
@@ -111,7 +118,8 @@ class ChatSource:
         self.train_on, self.overlong, self.chat_template_path = train_on, overlong, chat_template_path
         self.files, self.description = chat_files(target, split)
         settings = f"{train_on}:{overlong}"
-        self.fingerprint = hashlib.sha256(f"{_content_fingerprint(self.files)}:{settings}".encode()).hexdigest()
+        content = fingerprint(self.files, "chat dataset file")
+        self.fingerprint = hashlib.sha256(f"{content}:{settings}".encode()).hexdigest()
         self.report: ChatReport | None = None  # after windows()
         self.template_sha256: str | None = None
 
@@ -150,7 +158,7 @@ def build_windows(source: ChatSource, encoder: ChatEncoder, seq_len: int, pad_id
     for row, where in read_rows(source.files):
         report.rows += 1
         if isinstance(row, Unreadable):
-            report.skip(f"rows {row.reason}", where)
+            report.skip(row.reason, where)
             continue
         try:
             messages, tools = conversation_of(row)
@@ -185,34 +193,39 @@ def conversation_of(row: Any, *, to_answer: bool = False) -> tuple[list[dict], l
     """(messages, tools) of a row; raises BadConversation. ``to_answer``: a conversation for a model to
     answer (infer-tp --chat), which needs no assistant turn."""
     if not isinstance(row, dict):
-        raise BadConversation("rows that are not objects")
+        raise BadConversation("not a JSON object")
     tools = row.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise BadConversation("rows whose tools is not a list")
+        raise BadConversation("with tools that are not a list")
     if row.get("messages") is not None:
         messages = row["messages"]
     elif row.get("prompt") is not None and row.get("completion") is not None:
         messages = _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
     else:
-        raise BadConversation("rows without messages (or prompt and completion)")
+        raise BadConversation("without messages (or prompt and completion)")
     if not isinstance(messages, list) or not messages:
-        raise BadConversation("rows whose messages is not a list of messages")
+        raise BadConversation("with messages that are not a list of messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadConversation(f"with more than {MAX_MESSAGES:,} messages", f"{len(messages):,} messages")
     clean = []
     for message in messages:
         if not isinstance(message, dict):
-            raise BadConversation("rows with a message that is not an object")
+            raise BadConversation("with a message that is not a JSON object")
         message = {k: v for k, v in message.items() if v is not None}  # as transformers drops them
         role = message.get("role")
         if role not in ROLES:
-            raise BadConversation("rows with an unknown role", f"role {str(role)[:40]!r}")
+            raise BadConversation("with an unknown role", f"role {str(role)[:40]!r}")
         content = message.get("content")
         if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
-            raise BadConversation("rows with content that is not a string", f"{role} content {type(content).__name__}")
+            raise BadConversation("with content that is not a string", f"{role} content {type(content).__name__}")
         clean.append(message)
     if not to_answer and not any(m["role"] == "assistant" for m in clean):
-        raise BadConversation("rows without an assistant turn")
-    if not _plain(clean) or not _plain(tools):
-        raise BadConversation("rows holding values that are not plain JSON text")
+        raise BadConversation("without an assistant turn")
+    chars = _plain_chars([clean, tools])
+    if chars is None:
+        raise BadConversation("holding values that are not plain JSON text")
+    if chars > MAX_CONVERSATION_CHARS:
+        raise BadConversation(f"with more than {MAX_CONVERSATION_CHARS:,} characters", f"{chars:,} characters")
     return clean, tools
 
 
@@ -221,29 +234,31 @@ def _as_messages(value: Any, role: str) -> list:
         return [{"role": role, "content": value}]
     if isinstance(value, list):
         return value
-    raise BadConversation("rows whose prompt or completion is neither text nor a list of messages")
+    raise BadConversation("with a prompt or completion that is neither text nor a list of messages")
 
 
-def _plain(value: Any) -> bool:
-    """JSON data only (what the sandboxed template may touch), with text that is valid Unicode."""
-    stack = [value]
+def _plain_chars(value: Any) -> int | None:
+    """The characters of the strings of ``value`` if it is JSON data only (what the sandboxed template
+    may touch) with text that is valid Unicode; else None."""
+    stack, chars = [value], 0
     while stack:
         item = stack.pop()
         if isinstance(item, str):
+            chars += len(item)
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:  # a lone surrogate from a JSON escape
-                return False
+                return None
         elif isinstance(item, dict):
             if not all(isinstance(k, str) for k in item):
-                return False
+                return None
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
         elif item is not None and type(item) not in (int, float, bool):
-            return False
-    return True
+            return None
+    return chars
 
 
 # ----------------------------------------------------------------------------- cache

@@ -33,6 +33,7 @@ from titanctl.data.chat_template import ChatTemplate, ConversationRefused
 from titanctl.data.tokenizer import Tokenizer
 
 TRAIN_ON = ("assistant", "last_assistant", "all")
+MAX_ROW_RENDER_CHARS = 64 << 20  # all renderings of one conversation: a 32k-token one with 50 answers needs 7 Mi
 MARK_START, MARK_END = "\U000f0000", "\U000f0001"  # private-use: never in a tokenizer's vocabulary as a whole
 
 
@@ -53,6 +54,7 @@ class ChatEncoder:
         alternatives = "|".join(map(re.escape, sorted(self.special_ids, key=len, reverse=True))) or "(?!)"
         self._special = re.compile(alternatives)
         self._marked = re.compile(f"{MARK_START}({alternatives}){MARK_END}|[{MARK_START}{MARK_END}]")
+        self._rendered = 0  # characters rendered for the conversation being encoded
         self._byte_lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
         for token, rank in tokenizer.ranks.items():
             self._byte_lengths[rank] = len(token)
@@ -62,6 +64,7 @@ class ChatEncoder:
     def encode(self, messages: list[dict], tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(token ids (L,) int32, target mask (L,) bool). Raises BadConversation."""
         messages, tools = self.mark(messages), self.mark(tools)
+        self._rendered = 0
         text, generated = self._render(messages, tools=tools)
         spans = self._target_spans(messages, tools, text, generated)
         ids, starts, ends = self.tokenize(text)
@@ -73,6 +76,7 @@ class ChatEncoder:
     def prompt_ids(self, messages: list[dict], tools: list | None = None) -> np.ndarray:
         """The ids of a conversation and then the template's generation prompt, for a model to answer
         (``apply_chat_template(..., add_generation_prompt=True)``'s). Raises BadConversation."""
+        self._rendered = 0
         text, _ = self._render(self.mark(messages), tools=self.mark(tools), add_generation_prompt=True)
         return self.tokenize(text)[0]
 
@@ -84,6 +88,7 @@ class ChatEncoder:
         changes the probe text, or writes no special token after it."""
         probe = "titanctl turn-end probe"  # plain words: a template that trims or escapes content keeps them
         answered = [*self.mark(messages), {"role": "assistant", "content": probe}]
+        self._rendered = 0
         try:
             text, _ = self._render(answered, tools=self.mark(tools))
             at = text.rfind(probe)
@@ -148,7 +153,7 @@ class ChatEncoder:
         char_bytes = _utf8_lengths(piece)
         token_ends = np.cumsum(self._byte_lengths[encoded])
         if token_ends[-1] != char_bytes.sum():  # NFC changed the text the template wrote
-            raise BadConversation("text that the tokenizer's NFC normalization changes")
+            raise BadConversation("with text that the tokenizer's NFC normalization changes")
         byte_to_char = np.repeat(np.arange(len(piece)), char_bytes)  # the character of each byte
         ids.append(encoded)
         starts.append(offset + byte_to_char[token_ends - self._byte_lengths[encoded]])
@@ -156,16 +161,23 @@ class ChatEncoder:
 
     def _render(self, messages: list[dict], **kwargs) -> tuple[str, list[tuple[int, int]]]:
         try:
-            return self.template.render(messages, **kwargs)
+            text, spans = self.template.render(messages, **kwargs)
         except ConversationRefused as e:
-            raise BadConversation("the chat template refused it", str(e)) from None
+            raise BadConversation("that the chat template refused", str(e)) from None
+        # Without generation marks a conversation is rendered twice per assistant turn, each time its
+        # prefix: quadratic in its turns. The characters of all its renderings together are bounded.
+        self._rendered += len(text)
+        if self._rendered > MAX_ROW_RENDER_CHARS:
+            raise BadConversation(f"whose renderings (two per assistant turn without {{% generation %}} marks) "
+                                  f"exceed {MAX_ROW_RENDER_CHARS:,} characters together")
+        return text, spans
 
     def _target_spans(self, messages, tools, text: str, generated: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if self.train_on == "all":
             return [(0, len(text))]
         if self.template.marks_generation:
             if not generated:
-                raise BadConversation("the chat template marks no assistant text in it")
+                raise BadConversation("in which the chat template marks no assistant text")
             return generated[-1:] if self.train_on == "last_assistant" else generated
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if self.train_on == "last_assistant":
@@ -176,7 +188,7 @@ class ChatEncoder:
             through, _ = self._render(messages[: i + 1], tools=tools)
             if not (through.startswith(before) and text.startswith(through)):
                 raise BadConversation(
-                    "the chat template renders an earlier turn differently once later turns follow, so its "
+                    "whose earlier turns the chat template renders differently once later turns follow, so its "
                     "assistant turns cannot be found by rendering prefixes"
                 )
             spans.append((len(before), len(through)))

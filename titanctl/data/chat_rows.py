@@ -19,7 +19,6 @@ opened at all is a one-line DataError.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titanctl.data import local_files
 from titanctl.errors import DataError
 from titanctl.safe_io import MAX_NESTING, open_regular, visible
 
@@ -35,6 +35,9 @@ _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED = _ASSETS / "chat"
 SHIPPED = {"bundled": BUNDLED, "arithmetic": _ASSETS / "arithmetic"}  # sets titanctl ships, by name
 _SKIPPED_SUFFIXES = (".md",)  # a repository's README sits beside its data
+# A JSON line longer than this is skipped unread: 8x the longest conversation (chat.MAX_CONVERSATION_CHARS)
+# leaves room for JSON's escapes, and parsing it takes at most a few hundred MB.
+MAX_ROW_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,10 @@ def _parse(line: bytes) -> Any:
     try:
         value = json.loads(text)
     except RecursionError:
-        return Unreadable("nests too deep")
+        return Unreadable("nesting too deep")
     except ValueError:
         return Unreadable("not valid JSON")
-    return value if _shallow(value) else Unreadable("nests too deep")
+    return value if _shallow(value) else Unreadable("nesting too deep")
 
 
 def _shallow(value: Any) -> bool:
@@ -165,21 +168,19 @@ def _shallow(value: Any) -> bool:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[Any, str]]:
     where = visible(str(path))
-    with open_regular(path, what="chat dataset file", error=DataError) as raw:
-        f = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.lower().endswith(".gz") else raw
-        try:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    yield _parse(line), f"{where}:{number}"
-        except (OSError, EOFError) as e:  # a damaged gzip stream
-            raise DataError(f"cannot read {where}: {visible(str(e))}") from None
+    for number, line in local_files.lines(path, "chat dataset file", MAX_ROW_BYTES):
+        yield (Unreadable(line.reason) if isinstance(line, local_files.TooLong) else _parse(line)), f"{where}:{number}"
 
 
 def _json_rows(path: Path) -> Iterator[tuple[Any, str]]:
     """A JSON array of rows (one object counts as one row); a file of JSON lines named .json works too."""
     where = visible(str(path))
-    with open_regular(path, what="chat dataset file", error=DataError) as f:
-        data = f.read()
+    data = local_files.whole(path, "chat dataset file")
+    if data is None:  # too large to read whole: JSON lines, or refused
+        if local_files.starts_with(path, b"[", "chat dataset file"):
+            raise local_files.too_large(path, "chat dataset file")
+        yield from _jsonl_rows(path)
+        return
     whole = _parse(data)
     if isinstance(whole, Unreadable):
         if b"\n" in data.strip():
@@ -198,6 +199,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[Any, str]]:
     with open_regular(path, what="chat dataset file", error=DataError) as f:
         try:
             file = pq.ParquetFile(f)
+            local_files.check_parquet_size(file, path, f)
             number = 0
             for batch in file.iter_batches(batch_size=1024):
                 for row in batch.to_pylist():

@@ -17,9 +17,12 @@ a message's reasoning is also offered as ``reasoning_content`` and ``thinking``,
 
 Templates come from the Hub and are untrusted code, so beyond Jinja's sandbox (which refuses
 attributes that reach Python internals, such as ``__class__``):
-- any integer argument of a call or filter is at most ``MAX_ARGUMENT``, and repetition (``*``),
-  powers (``**``) and ``%``/``format`` widths are bounded, so no single value can grow past
-  ``MAX_VALUE_CHARS``;
+- any integer argument of a call or filter is at most ``MAX_ARGUMENT``, powers (``**``) are bounded,
+  and every operation that can build more than it is given (string methods, filters, ``+``, ``*``,
+  ``%``, ``~``, ``str.format``, a block's text, a printed value) is refused before it runs when its
+  result would pass ``MAX_VALUE_CHARS``; what one rendering builds in all is at most
+  ``MAX_RENDER_CHARS`` (titanctl.data.template_budget); ``urlize`` and ``pprint``, which no chat
+  template uses, are left out;
 - the whole output is at most ``MAX_OUTPUT_CHARS`` plus 16 characters per character of input;
 - one rendering takes at most ``MAX_SECONDS`` (a timer, when rendering runs in the main thread);
 - recursion ends at Python's recursion limit.
@@ -36,14 +39,14 @@ import functools
 import hashlib
 import json
 import re
-import signal
-import string
-import threading
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from titanctl.data import template_budget as budget
+from titanctl.data.template_budget import Bound
+from titanctl.deadline import Expired, time_limit
 from titanctl.errors import DataError
 from titanctl.safe_io import load_json, read_text, visible
 
@@ -51,13 +54,9 @@ TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20  # Qwen3's template is 4 kB, Llama 3.1's 5 kB
 
-MAX_ARGUMENT = 1_000_000  # the largest integer a template may hand a call or filter
-MAX_VALUE_CHARS = 4_000_000  # the longest string or list one operation may build
 MAX_OUTPUT_CHARS = 1 << 20  # output allowed on top of 16 characters per character of input
 MAX_SECONDS = 10.0
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# printf-style conversions: flags, then width and precision
-_PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\d*)(?:\.(\d*))?")
 # Where a conversation's reasoning may be: transformers offers it under the first two names too.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -108,7 +107,7 @@ class ChatTemplate:
         pieces: list[str] = []
         produced = 0
         try:
-            with _time_limit(MAX_SECONDS, self.origin), tracker.tracking(pieces):
+            with _time_limit(MAX_SECONDS, self.origin), tracker.tracking(pieces), self._env.budget.rendering():
                 for piece in self._template.generate(
                     messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                     **self.special_tokens,
@@ -121,7 +120,7 @@ class ChatTemplate:
                             "conversation: refused"
                         )
                 spans = list(tracker.spans)
-        except _Bound as e:  # raised inside the template's code, which knows no origin
+        except Bound as e:  # raised inside the template's code, which knows no origin
             raise ChatTemplateError(f"chat template {self.origin}: {e}: refused") from None
         except ChatTemplateError:
             raise
@@ -153,6 +152,10 @@ def find_chat_template(tokenizer_path: Path, override: str = "") -> tuple[str, s
         config = load_json(config_file, what="tokenizer config", error=DataError)
         text = _template_of_config(config.get("chat_template") if isinstance(config, dict) else None)
         if text is not None:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > MAX_TEMPLATE_BYTES:  # as a template file of that size is
+                raise DataError(f"chat template {visible(str(config_file))} (chat_template) has {size:,} bytes; at "
+                                f"most {MAX_TEMPLATE_BYTES:,} are read")
             return text, f"{config_file} (chat_template)"
     raise DataError(
         f"tokenizer {visible(str(tokenizer_path))} has no chat template (no {TEMPLATE_FILE}, no chat_template in "
@@ -213,74 +216,36 @@ def _one_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- the environment
 
 
-class _Timeout(Exception):
-    pass
-
-
 @contextlib.contextmanager
 def _time_limit(seconds: float, origin: str) -> Iterator[None]:
-    """Raise ChatTemplateError when the body runs longer than ``seconds`` (main thread only: Python
-    delivers signals there; elsewhere the other bounds still hold)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise _Timeout
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    """Raise ChatTemplateError when the body runs longer than ``seconds`` (titanctl.deadline)."""
     try:
-        yield
-    except _Timeout:
+        with time_limit(seconds):
+            yield
+    except Expired:
         raise ChatTemplateError(
             f"chat template {origin} took more than {seconds:g} s for one conversation: refused"
         ) from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
-class _Bound(ChatTemplateError):
-    pass
+def _bounded_filter(env, name: str, function):
+    """``function`` (the filter ``name``) with its arguments checked and its result's size predicted
+    (template_budget.FILTERS) before it runs, and counted once made."""
+    import jinja2.utils
 
+    passes = jinja2.utils._PassArg.from_obj(function) is not None  # a context or environment comes first
 
-def _check_size(value: Any, what: str) -> Any:
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_VALUE_CHARS:
-        raise _Bound(f"{what} built a value of {len(value):,} items, more than {MAX_VALUE_CHARS:,}")
-    return value
-
-
-def _check_arguments(args: tuple, kwargs: dict, what: str) -> None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_ARGUMENT:
-            raise _Bound(f"{what} was given {value}, more than {MAX_ARGUMENT:,}")
-
-
-def _check_format_sizes(numbers: list[str], what: str) -> None:
-    for number in numbers:
-        if number and int(number) > MAX_ARGUMENT:
-            raise _Bound(f"{what} asks for a field of {int(number):,} characters")
-
-
-def _brace_format_sizes(text: str) -> list[str]:
-    try:
-        specs = [spec or "" for _, _, spec, _ in string.Formatter().parse(text)]
-    except ValueError:  # not a valid format string: str.format will say so
-        return []
-    return [n for spec in specs for n in re.findall(r"\d+", spec)]
-
-
-def _bounded_filter(name: str, function):
     @functools.wraps(function)  # keeps Jinja's pass_context / pass_environment marks
     def bounded(*args, **kwargs):
-        _check_arguments(args, kwargs, f"filter {name}")
-        if name == "format":  # printf-style on its first (string) argument
-            for value in args:
-                if isinstance(value, str):
-                    _check_format_sizes([n for pair in _PRINTF_SIZES.findall(value) for n in pair], "filter format")
-                    break
-        return _check_size(function(*args, **kwargs), f"filter {name}")
+        budget.check_arguments(args, kwargs, f"filter {name}")
+        lead, rest = (args[:1], args[1:]) if passes else ((), args)
+        if name in budget.MATERIALIZED and rest:  # the iterable listed, so that its size is known first
+            rest = (list(rest[0]), *rest[1:])
+            env.made(rest[0], f"filter {name}")
+        predicted = budget.predict(budget.FILTERS, name, rest, kwargs)
+        if predicted is not None:
+            budget.check(predicted, f"filter {name}")
+        return env.made(function(*lead, *rest, **kwargs), f"filter {name}")
 
     return bounded
 
@@ -308,6 +273,7 @@ class _GenerationTracker:
 
 def _environment(now: datetime):
     import jinja2
+    from jinja2.compiler import CodeGenerator, optimizeconst
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -326,20 +292,40 @@ def _environment(now: datetime):
             self.environment.generation_tracker.record(text)
             return text
 
+    class BoundedCode(CodeGenerator):
+        """Jinja's compiler, with ``a ~ b`` joined by the environment (whose join is bounded)."""
+
+        @optimizeconst
+        def visit_Concat(self, node, frame):
+            self.write("environment.joined((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "%"})
+        intercepted_binops = frozenset({"+", "*", "**", "%"})
+        code_generator_class = BoundedCode
+
+        def made(self, value, what):
+            """A value an operation made: within MAX_VALUE_CHARS, and counted against the rendering's budget."""
+            size = budget.size_of(value)
+            budget.check(size, what)
+            self.budget.spend(size, what)
+            return value
 
         def call_binop(self, context, operator, left, right):
             if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
-                raise _Bound(f"{left!r:.20} ** {right!r:.20} is too large")
+                raise Bound(f"{left!r:.20} ** {right!r:.20} is too large")
             if operator == "*":
                 count, seq = (right, left) if isinstance(right, int) else (left, right)
-                repeats = isinstance(count, int) and isinstance(seq, (str, list, tuple))
-                if repeats and len(seq) * count > MAX_VALUE_CHARS:
-                    raise _Bound(f"repeating a value {count:,} times exceeds {MAX_VALUE_CHARS:,} items")
+                if isinstance(count, int) and isinstance(seq, (str, list, tuple)):
+                    budget.check(len(seq) * count, f"repeating a value {count:,} times")
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                budget.check(len(left) + len(right), "operator +")
             if operator == "%" and isinstance(left, str):
-                _check_format_sizes([n for pair in _PRINTF_SIZES.findall(left) for n in pair], "a % format")
-            return _check_size(super().call_binop(context, operator, left, right), f"operator {operator}")
+                budget.check(budget.printf(left, right, "a % format"), "a % format")
+            return self.made(super().call_binop(context, operator, left, right), f"operator {operator}")
 
         def unsafe_undefined(self, obj, attribute):
             # Jinja returns an undefined value that fails only when used (printing it writes nothing):
@@ -349,14 +335,47 @@ def _environment(now: datetime):
             )
 
         def call(__self, __context, __obj, *args, **kwargs):  # Jinja's own signature
-            _check_arguments(args, kwargs, "a call")
-            return _check_size(super().call(__context, __obj, *args, **kwargs), "a call")
+            budget.check_arguments(args, kwargs, "a call")
+            owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+            if isinstance(owner, str) and name == "join" and len(args) == 1 and not kwargs:
+                args = (__self.made(list(args[0]), "str.join"),)  # listed, so that its size is known first
+                budget.check(budget.join_size(owner, args[0]), "str.join")
+            elif isinstance(owner, str):
+                predicted = budget.predict(budget.STR_METHODS, name, (owner, *args), kwargs)
+                if predicted is not None:
+                    budget.check(predicted, f"str.{name}")
+            return __self.made(super().call(__context, __obj, *args, **kwargs), "a call")
 
         def wrap_str_format(self, value):
             wrapped = super().wrap_str_format(value)  # str.format and format_map, looked up in the template
-            if wrapped is not None:
-                _check_format_sizes(_brace_format_sizes(value.__self__), "a format string")
-            return wrapped
+            if wrapped is None:
+                return None
+            text, mapping = value.__self__, value.__name__ == "format_map"
+
+            def bounded(*args, **kwargs):
+                values = (args[0] if args and isinstance(args[0], dict) else {}) if mapping else kwargs
+                budget.check(budget.brace_format(text, () if mapping else args, values), "a format string")
+                return wrapped(*args, **kwargs)
+
+            return functools.update_wrapper(bounded, wrapped)
+
+        def joined(self, values):
+            """``a ~ b ~ ...`` (Jinja's ``str_join``), its size known before it is joined."""
+            budget.check(sum(budget.rendered_size(v) for v in values), "operator ~")
+            return self.made("".join(map(str, values)), "operator ~")
+
+        def block_text(self, pieces):
+            """The text of a ``{% set %}`` block, a macro, a ``{% filter %}`` or ``{% call %}`` block
+            (Jinja's ``concat`` of its pieces), its size known before it is joined."""
+            pieces = list(pieces)
+            budget.check(sum(len(p) for p in pieces), "a block")
+            return self.made("".join(pieces), "a block")
+
+    def printed(value):
+        """Each ``{{ value }}``, checked before Jinja turns it into text."""
+        size = budget.check(budget.rendered_size(value), "a printed value")
+        env.budget.spend(size, "a printed value")
+        return value
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -366,6 +385,8 @@ def _environment(now: datetime):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(format):
+        if isinstance(format, str):
+            budget.check(16 * len(format), "strftime_now")  # %c writes 24 characters for 2
         return now.strftime(format)
 
     class Namespace(jinja2.utils.Namespace):
@@ -395,10 +416,15 @@ def _environment(now: datetime):
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols],
+                  finalize=printed)
+    env.concat = env.block_text
     env.generation_tracker = _GenerationTracker()
+    env.budget = budget.Budget()
     env.filters["tojson"] = tojson
-    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
+    for unused in ("urlize", "pprint"):  # their output has no bound we check, and no chat template uses them
+        env.filters.pop(unused)
+    env.filters = {name: _bounded_filter(env, name, f) for name, f in env.filters.items()}
     env.globals.pop("lipsum", None)  # text generator: no template needs it
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=DictMaker(),
                        namespace=Namespace)

@@ -52,7 +52,7 @@ from titanctl.data.datasets import DocumentSource
 from titanctl.data.mixture import MixtureSampler, WeightedSource, label_of
 from titanctl.data.streaming import ShardedStream
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.errors import DataError
+from titanctl.errors import DataError, counted
 
 _ENCODE_CHUNK_DOCS = 256  # documents per encode_batch call: enough to keep threads busy
 _CACHE_FORMAT = "titanctl-tokens-v1"  # bump when the packing of documents changes
@@ -124,8 +124,9 @@ class TokenWindowLoader:
                 needed = 1 if mixed else global_batch_size
                 if windows.n_windows < needed:
                     raise DataError(
-                        f"chat dataset {source.description} packs into {windows.n_windows} windows of seq_len="
-                        f"{seq_len}, " + (f"fewer than one global batch of {global_batch_size}; " if not mixed else "")
+                        f"chat dataset {source.description} packs into {counted(windows.n_windows, 'window')} of "
+                        f"seq_len={seq_len}, "
+                        + (f"fewer than one global batch of {global_batch_size}; " if not mixed else "")
                         + "lower training.global_batch_size, or add data"
                     )
                 self._readers.append(windows)
@@ -141,8 +142,8 @@ class TokenWindowLoader:
             needed = 1 if mixed else global_batch_size
             if windows.n_windows < needed:
                 raise DataError(
-                    f"dataset {source.description} has {windows.n_tokens} tokens = "
-                    f"{windows.n_windows} windows of seq_len+1={seq_len + 1}, "
+                    f"dataset {source.description} has {counted(windows.n_tokens, 'token')} = "
+                    f"{counted(windows.n_windows, 'window')} of seq_len+1={seq_len + 1}, "
                     + (f"fewer than one global batch of {global_batch_size}; " if not mixed else "not one; ")
                     + "lower training.seq_len or training.global_batch_size, or add data"
                 )

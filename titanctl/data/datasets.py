@@ -21,7 +21,6 @@ only ever read forward (see streaming.py). The `datasets` library is imported on
 from __future__ import annotations
 
 import difflib
-import gzip
 import hashlib
 import json
 import os
@@ -33,8 +32,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from titanctl.data import local_files
 from titanctl.errors import DataError
-from titanctl.safe_io import visible
+from titanctl.safe_io import open_regular, visible
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "assets" / "corpus"
 TEXT_FIELD = "text"
@@ -67,7 +67,7 @@ class FileDocumentSource(DocumentSource):
         self.name = name
         self.files = files
         self.description = description
-        self.fingerprint = _content_fingerprint(files)
+        self.fingerprint = local_files.fingerprint(files)
 
     def __iter__(self) -> Iterator[str]:
         for path in self.files:
@@ -156,7 +156,7 @@ def _local(path: str) -> DocumentSource:
             f"dataset path {path!r} does not exist; "
             f"give a {'/'.join(LOCAL_SUFFIXES)} file or a folder of them"
         )
-    if root.is_file():
+    if not root.is_dir():  # a file, or something that is not one (refused when read)
         if _suffix(root) is None:
             raise DataError(
                 f"dataset file {path!r} has an unsupported type; expected one of {', '.join(LOCAL_SUFFIXES)}"
@@ -295,24 +295,30 @@ def _text_of(record: Any, where: str) -> str:
 
 
 def _read_jsonl(path: Path) -> Iterator[str]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    yield _text_of(_parse_json(line, f"{path}:{n}"), f"{path}:{n}")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}") from None
+    where = visible(str(path))
+    for n, line in local_files.lines(path):
+        if isinstance(line, local_files.TooLong):
+            raise DataError(f"{where}:{n}: a line {line.reason}; titanctl reads documents of at most that: "
+                            "split it")
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}:{n}: not UTF-8 (byte {e.start + 1} of the line)") from None
+        yield _text_of(_parse_json(text, f"{where}:{n}"), f"{where}:{n}")
 
 
 def _read_json(path: Path) -> Iterator[str]:
     """A JSON list of records or strings; a file of JSON lines named .json works too."""
+    raw = local_files.whole(path)
+    if raw is None:
+        if local_files.starts_with(path, b"["):
+            raise local_files.too_large(path, "dataset file")
+        yield from _read_jsonl(path)
+        return
     try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}") from None
-    try:
-        whole = json.loads(raw)
+        whole = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{visible(str(path))} is not UTF-8 (byte {e.start})") from None
     except RecursionError:
         raise DataError(f"{path}: nests too deep to read") from None
     except json.JSONDecodeError:
@@ -326,23 +332,29 @@ def _read_json(path: Path) -> Iterator[str]:
 def _read_parquet(path: Path) -> Iterator[str]:
     import pyarrow.parquet as pq  # only parquet files need it
 
-    try:
-        file = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises its own ArrowInvalid for a non-parquet file
-        raise DataError(f"cannot read {path} as parquet: {e}") from None
-    if TEXT_FIELD not in file.schema_arrow.names:
-        raise DataError(f"{path}: no {TEXT_FIELD!r} column (columns: {', '.join(file.schema_arrow.names)})")
-    for batch in file.iter_batches(columns=[TEXT_FIELD], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield text
+    with open_regular(path, what="dataset file", error=DataError) as f:
+        try:
+            file = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises its own ArrowInvalid for a non-parquet file
+            raise DataError(f"cannot read {path} as parquet: {e}") from None
+        local_files.check_parquet_size(file, path, f)
+        if TEXT_FIELD not in file.schema_arrow.names:
+            raise DataError(f"{path}: no {TEXT_FIELD!r} column (columns: {', '.join(file.schema_arrow.names)})")
+        for batch in file.iter_batches(columns=[TEXT_FIELD], batch_size=4096):
+            for text in batch.column(0).to_pylist():
+                if text is not None:
+                    yield text
 
 
 def _read_txt(path: Path) -> Iterator[str]:
+    raw = local_files.whole(path)
+    if raw is None:
+        raise DataError(f"{visible(str(path))} is one document of more than {local_files.MAX_DOCUMENT_BYTES:,} bytes; "
+                        "titanctl reads documents of at most that: split it")
     try:
-        yield path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}") from None
+        yield raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{visible(str(path))} is not UTF-8 (byte {e.start})") from None
 
 
 def _parse_json(line: str, where: str) -> Any:
@@ -353,16 +365,3 @@ def _parse_json(line: str, where: str) -> Any:
     except RecursionError:  # Python's parser stops at its recursion limit: safe, but not a document
         raise DataError(f"{where}: nests too deep to read") from None
 
-
-def _content_fingerprint(files: list[Path]) -> str:
-    """sha256 over the files' bytes (and names), so a copied dataset keeps its identity."""
-    digest = hashlib.sha256()
-    for path in files:
-        try:
-            digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-            with path.open("rb") as f:
-                while chunk := f.read(1 << 20):
-                    digest.update(chunk)
-        except OSError as e:
-            raise DataError(f"cannot read dataset file {path}: {e.strerror or e}") from None
-    return digest.hexdigest()

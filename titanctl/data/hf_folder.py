@@ -38,10 +38,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from titanctl.data.local_files import MAX_DOCUMENT_BYTES  # a longer line is refused: datasets holds it many times
 from titanctl.errors import DataError
 from titanctl.safe_io import MAX_NESTING, open_regular, visible
 
-MAX_DOCUMENT_BYTES = 64 << 20  # a longer line (document) is refused: datasets holds it many times over
 _BLOCK_BYTES = 8 << 20  # read and checked at once
 _READ_LINES = frozenset({"json", "csv", "text"})  # datasets' packaged modules titanctl can check
 # How datasets tells compression from a file name (its last dotted part, cut at ?, - or _), and,

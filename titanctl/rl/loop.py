@@ -18,14 +18,13 @@ import torch.distributed as dist
 from titanctl.checkpoint.manager import CheckpointManager, plan_load
 from titanctl.checkpoint.state import ModelState
 from titanctl.config.job_config import JobConfig
-from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, DataError, TrainingDiverged
 from titanctl.gc_pauses import automatic_gc_paused
-from titanctl.models.registry import model_args_from_config
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.lora import LoRAGroupedExperts, LoRALinear
-from titanctl.parallel.layouts.build import build_model_parts
+from titanctl.parallel.layouts.build import build_model_parts, check_layout
 from titanctl.parallel.layouts.reductions import clip_grad_norm
+from titanctl.parallel.runtime.env import use_deterministic_algorithms
 from titanctl.rl import advantages as adv
 from titanctl.rl.batch_invariant import BatchInvariant
 from titanctl.rl.layouts import check_rl_layout, gathered
@@ -85,15 +84,18 @@ class RLTrainer(Trainer):
 
     sampler: Sampler | None = None
 
+    def _check_config(self) -> None:
+        """RL's keys and the layouts it samples under, then the layout as training builds it (on every rank
+        before it joins the process group: Trainer._preflight)."""
+        check_rl_keys(self.cfg)
+        check_rl_layout(self.cfg, self.dims, self.model_args)
+        check_layout(self.cfg, self.dims, self.model_args)
+
     def _build(self) -> None:
         cfg, rl = self.cfg, self.cfg.rl
-        check_rl_keys(cfg)
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-        self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
-        check_rl_layout(cfg, self.dims, self.model_args)
+            use_deterministic_algorithms(self.env.device)
         self.prompts = PromptSet(rl, self.tokenizer, cfg.training.seq_len, cfg.sft.chat_template_path)
         self.rewards = build_rewards(rl)
         load_plan = plan_load(cfg, self.model_args)

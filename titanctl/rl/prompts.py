@@ -55,7 +55,7 @@ class PromptSet:
                 messages, tools = conversation_of({"messages": prompt, "tools": row.get("tools")}, to_answer=True)
                 ids = tuple(int(i) for i in encoder.prompt_ids(messages, tools))
             except BadConversation as e:
-                why = f"{e.reason.replace('rows', 'a row', 1)} {visible(e.detail)}".rstrip()
+                why = f"a row {e.reason} {visible(e.detail)}".rstrip()  # a reason says what a row is
                 raise DataError(f"rl.dataset {self.description}: row {where} is no prompt the chat template "
                                 f"renders: {why}") from None
             if len(ids) > room:

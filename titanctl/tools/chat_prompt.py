@@ -59,7 +59,7 @@ def chat_messages(prompt: str) -> tuple[list[dict], list | None]:
     try:
         return conversation_of({"messages": value} if isinstance(value, list) else value, to_answer=True)
     except BadConversation as e:
-        what = e.reason.replace("rows", "a conversation", 1)  # the reasons count rows of chat data
+        what = f"a conversation {e.reason}"  # the reasons say what a row of chat data is
         detail = f" ({visible(e.detail)})" if e.detail else ""
         raise ConfigError(f"--prompt with --chat: {what}{detail}; {_HINT}") from None
 

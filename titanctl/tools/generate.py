@@ -62,6 +62,7 @@ from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.layouts import inference_tp
 from titanctl.parallel.runtime import elastic
 from titanctl.parallel.runtime.env import init_process
+from titanctl.parallel.runtime.peers import peer_failures_named
 from titanctl.tools.chat_prompt import chat_messages, chat_prompt
 from titanctl.tools.host_memory import available_bytes
 from titanctl.tools.sampling import Sampling, sample, seed_key
@@ -199,6 +200,7 @@ PREFILL_PROBE_TOKENS = 64  # at most this many prompt tokens per candidate in th
 # ~1.9 GB of mask per layer. Prompts up to ~11k tokens still run in one forward: the chunks' masks cost
 # time (debug model, 8k tokens in chunks of 1024: 1.27x the CPU time of one forward).
 PREFILL_MASK_ELEMENTS = 2**27
+PREFILL_PROGRESS_SECONDS = 10.0
 
 
 def compiled_attention(device: torch.device) -> SDPBackend | None:
@@ -313,7 +315,7 @@ class Decoder:
         threads_before = torch.get_num_threads()
         try:
             start = time.perf_counter()
-            token, prefill_threads = self._prefill(list(prompt), sampling, key)  # (1, 1)
+            token, prefill_threads = self._prefill(list(prompt), sampling, key, say)  # (1, 1)
             chosen = [token]
             stopped = _has_stop(chosen, stops)
             prefill_seconds = time.perf_counter() - start
@@ -354,12 +356,15 @@ class Decoder:
             if hook is not None:
                 hook.remove()
 
-    def _prefill(self, prompt: list[int], sampling: Sampling, key: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _prefill(self, prompt: list[int], sampling: Sampling, key: torch.Tensor,
+                 say: Callable[[str], None] | None = None) -> tuple[torch.Tensor, int]:
         """The first token (1, 1) and the thread count the prompt's forward ended with.
 
         With several candidate thread counts, the prompt's first chunks (equal sizes, each the
         same work: every position attends over the whole cache, masked) run one per candidate,
-        and the rest at the fastest."""
+        and the rest at the fastest. A prefill in chunks that takes long says how far it is, every
+        PREFILL_PROGRESS_SECONDS, with the time left at its pace (a 43k-token prompt takes minutes on a CPU)."""
+        start = last_said = time.perf_counter()
         done, seconds = 0, {}
         if len(self.threads) > 1 and len(prompt) >= 2 * len(self.threads):
             chunk = min(PREFILL_PROBE_TOKENS, len(prompt) // (2 * len(self.threads)) or 1)
@@ -377,6 +382,13 @@ class Decoder:
             chunk = prompt[done:done + per_forward]
             logits = self._forward_last(chunk, done)
             done += len(chunk)
+            now = time.perf_counter()
+            if say is not None and done < len(prompt) and now - last_said >= PREFILL_PROGRESS_SECONDS:
+                # Later chunks attend over more keys: the pace so far understates what is left.
+                left = (now - start) / done * (len(prompt) - done)
+                say(f"prefill: {done:,} of {len(prompt):,} prompt tokens in {now - start:.0f} s, at least "
+                    f"{left:.0f} s left")
+                last_said = now
         return sample(logits, sampling, key, torch.tensor([len(prompt)], device=self.device)), torch.get_num_threads()
 
     def _decode(self, chosen: list[torch.Tensor], stopped: bool, stops: torch.Tensor, prompt_len: int,
@@ -528,7 +540,8 @@ def _cache_prefix(model: nn.Module, length: int, causal: bool):
 
 
 def _compile_options(model: nn.Module) -> dict[str, Any]:
-    """Inductor settings for the decode step, each measured on the debug model (CPU, 2 cores):
+    """Inductor settings for the decode step on a CPU, each measured on the debug model (2 cores); other
+    devices keep inductor's defaults (a CUDA step is Triton kernels called from the Python wrapper):
 
     - the C++ wrapper calls the kernels without a line of Python per op; it cannot call the
       process group's collectives (torch 2.13), so a tensor-parallel model whose ranks do not
@@ -538,6 +551,8 @@ def _compile_options(model: nn.Module) -> dict[str, Any]:
       second thread is often not running (``benchmarks/generate_throughput.py --threads 2``).
       Matrix products keep torch's thread count.
     """
+    if model.rope_cache.device.type != "cpu":
+        return {}
     return {"cpp_wrapper": not inference_tp.decode_uses_process_group(model), "cpp.threads": 1}
 
 
@@ -712,19 +727,20 @@ def run(
     cache = cache_length(len(prompt_ids) + max_new_tokens, args.max_seq_len)
     args = args.replace(max_seq_len=cache)  # the RoPE table and KV cache length
 
-    env = init_process(cfg.comm.init_timeout_seconds)
-    check_memory(args, tp, env.device, len(prompt_ids), max_new_tokens)
+    with peer_failures_named(elastic.int_from_env("RANK", 0, minimum=0), tp, "while loading the model"):
+        env = init_process(cfg.comm.init_timeout_seconds)
+        check_memory(args, tp, env.device, len(prompt_ids), max_new_tokens)
 
-    def tell(text: str) -> None:
-        if say is not None and env.rank == 0:
-            say(text)
+        def tell(text: str) -> None:
+            if say is not None and env.rank == 0:
+                say(text)
 
-    mesh = None
-    if tp > 1:
-        mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
-    seed = _agreed_seed(seed, env.device)
-    tell(f"loading {source.describe()} from {source.folder}...")
-    model = load_model(source, args, env.device, mesh)
+        mesh = None
+        if tp > 1:
+            mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
+        seed = _agreed_seed(seed, env.device)
+        tell(f"loading {source.describe()} from {source.folder}...")
+        model = load_model(source, args, env.device, mesh)
     vocab = tokenizer.vocab_size if tokenizer.vocab_size < args.vocab_size else 0  # ids it can decode
     sampling = Sampling(temperature, top_k, vocab)
     first_token_seconds = None

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
 from titanctl.config.job_config import Optimizer as OptimizerConfig
+from titanctl.config.user_regex import UserRegex
 from titanctl.errors import ConfigError
 from titanctl.models.common.moe import ClampedSwiGLUExperts, GroupedExperts
 from titanctl.parallel.layouts.weight_init import canonical_name
@@ -58,16 +57,12 @@ def build_param_groups(model_parts: list[nn.Module], cfg: OptimizerConfig) -> li
     params = named_trainable(model_parts)
     muon = cfg.name == "Muon"
     muon_experts = muon and cfg.muon_experts
-    regexes = []
-    for n, table in enumerate(cfg.groups):
-        try:
-            regexes.append(re.compile(table.params))
-        except re.error as e:
-            raise ConfigError(f"config key 'optimizer.groups[{n}].params' = {table.params!r} is no regular "
-                              f"expression: {e}") from None
+    names = [name for name, _, _ in params]
+    matched = [set(UserRegex(f"optimizer.groups[{n}].params", table.params).matching(names))
+               for n, table in enumerate(cfg.groups)]
     chosen: dict[int, list] = {}  # table index (-1: the default rule) -> parameters
     for name, module, p in params:
-        hits = [n for n, regex in enumerate(regexes) if regex.fullmatch(name)]
+        hits = [n for n, names_of in enumerate(matched) if name in names_of]
         if len(hits) > 1:
             raise ConfigError(f"parameter {name!r} is matched by optimizer.groups[{hits[0]}] and "
                               f"optimizer.groups[{hits[1]}]; each parameter may belong to one group only")

@@ -25,12 +25,14 @@ from titanctl.gc_pauses import automatic_gc_paused
 from titanctl.models.registry import model_args_from_config
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.float8 import emulation_note, precompute_float8_scales
-from titanctl.parallel.layouts.build import build_model_parts
+from titanctl.parallel.layouts.build import build_model_parts, check_layout
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm, global_mean_loss
+from titanctl.parallel.layouts.tensor_parallel import check_async_tp
 from titanctl.parallel.runtime import elastic, hang_watchdog
-from titanctl.parallel.runtime.env import init_process
+from titanctl.parallel.runtime.env import device_type, init_process, read_layout, use_deterministic_algorithms
 from titanctl.parallel.runtime.fault_tolerance import ReplicaGroup, Trainable
+from titanctl.parallel.runtime.peers import peer_failures_named
 from titanctl.safe_io import shown, visible
 from titanctl.train import run_folder
 from titanctl.train.flops import flops_per_token, throughput
@@ -41,7 +43,7 @@ from titanctl.train.moe_balance import MoEBalance, check_moe_keys, gather_over_p
 from titanctl.train.optim import build_optimizer
 from titanctl.train.peak import device_peak_tflops, slow_compute_note
 from titanctl.train.step import ForwardBackward
-from titanctl.train.step_profiler import maybe_profile
+from titanctl.train.step_profiler import check_profiling, maybe_profile
 from titanctl.train.validate import ValidationSet, Validator
 
 
@@ -52,12 +54,36 @@ class Trainer:
         self.cfg = cfg
         self.dump_folder = Path(cfg.job.dump_folder)
         self.flight_recorder_folder = self.dump_folder / run_folder.FLIGHT_RECORDER_FOLDER
+        self._preflight()
+        with peer_failures_named(self.rank, self.dims.world_size, "while the job was setting up"):
+            self._set_up()
+
+    def _preflight(self) -> None:
+        """What the config alone decides, checked by every rank before it joins the process group (and
+        before anything is written): a refused layout or model never leaves a rank connected to peers that
+        already left, whose broken sockets would end it in a traceback instead of the refusal."""
+        cfg = self.cfg
+        self.rank, _, world_size, _ = read_layout()
+        self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+        self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        self._check_config()
+
+    def _check_config(self) -> None:
+        """The relations between keys, the layout and the model that training needs (``_preflight``)."""
+        cfg = self.cfg
+        check_moe_keys(cfg.moe, self.model_args, cfg.model.name)
+        check_layout(cfg, self.dims, self.model_args)
+        if self.dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel:
+            check_async_tp(device_type(), cfg.compile.enable)
+        check_profiling(cfg.profiling, device_type())
+
+    def _set_up(self) -> None:
+        cfg = self.cfg
         self.env = init_process(
             cfg.comm.init_timeout_seconds, cfg.comm.trace_buf_size, self.flight_recorder_folder
         )
         self.attempt = elastic.Attempt.from_env()
-        # A layout that does not fit is refused before anything is written.
-        self.dims = ParallelDims.from_config(cfg.parallelism, self.env.world_size)
         self.is_logging_rank = self.env.rank in cfg.job.log_ranks
         self.console = Console(quiet=not self.is_logging_rank, no_color=cfg.metrics.disable_color_printing, emoji=False)
         self.sinks = None
@@ -119,11 +145,8 @@ class Trainer:
             self.say(f"{self.ft.describe()}: rank {self.env.rank} of {self.env.world_size}")
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
+            use_deterministic_algorithms(self.env.device)
 
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-        self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
-        check_moe_keys(cfg.moe, self.model_args, cfg.model.name)
         # A checkpoint to resume is chosen and checked before the model exists: a bad one fails fast,
         # and weights that the checkpoint restores need no initialization (costly for big models).
         load_plan = None if cfg.checkpoint.create_seed_checkpoint else plan_load(cfg, self.model_args)
@@ -304,9 +327,11 @@ class Trainer:
         loss, diverged = self.losses.read(self.dims)
         if diverged is not None:
             step, value = diverged
+            lora = self.cfg.lora
+            alpha = f", lora.alpha (now {lora.alpha:g}, scale {lora.alpha / lora.rank:g})" if lora.enable else ""
             raise TrainingDiverged(
                 f"loss is {value} at step {step}; lower optimizer.lr "
-                f"(now {self.cfg.optimizer.lr}) or raise lr_scheduler.warmup_steps"
+                f"(now {self.cfg.optimizer.lr}){alpha} or raise lr_scheduler.warmup_steps"
             )
         return loss
 

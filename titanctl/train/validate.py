@@ -32,7 +32,7 @@ from titanctl.data.dataloader import Microbatch, tokenize_finite
 from titanctl.data.datasets import load_documents
 from titanctl.data.mixture import chat_source
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.errors import ConfigError, DataError
+from titanctl.errors import ConfigError, DataError, counted
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.reductions import global_mean_loss
 from titanctl.train.step import ForwardBackward
@@ -92,16 +92,17 @@ class ValidationSet:
         available = n_windows // global_batch_size
         if available == 0:
             raise DataError(
-                f"validation dataset {description} has {n_windows} windows of seq_len={seq_len}, fewer than one "
-                f"validation batch (the global batch) of "
+                f"validation dataset {description} has {counted(n_windows, 'window')} of seq_len={seq_len}, fewer "
+                f"than one validation batch (the global batch) of "
                 f"{global_batch_size}; give validation.dataset_path more data, or lower training.seq_len "
                 "or training.global_batch_size"
             )
         if steps > available:
             raise DataError(
                 f"config key 'validation.steps' = {steps} asks for more batches than validation dataset "
-                f"{description} holds: {n_windows} windows of seq_len+1={seq_len + 1} make {available} "
-                f"batch(es) of {global_batch_size}; set validation.steps to at most {available}, or -1 for all"
+                f"{description} holds: {counted(n_windows, 'window')} of seq_len+1={seq_len + 1} make "
+                f"{counted(available, 'batch', 'batches')} of {global_batch_size}; set validation.steps to at most "
+                f"{available}, or -1 for all"
             )
         self.batches = available if steps == -1 else steps
 

@@ -39,6 +39,7 @@ from titanctl.checkpoint.formats.base import (
     dtype_name,
 )
 from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf_names import HF_FILES_KEY
 from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, write_metadata
 from titanctl.checkpoint.model_args import check_declared
 from titanctl.checkpoint.reader import DCP_INDEX, DCPFolder
@@ -122,9 +123,10 @@ class DCPSource(Source):
         self.reader.verify()  # every file against its checksum, before the first tensor is read
 
     def extra_metadata(self) -> dict[str, Any]:
-        """The step, and the Hugging Face config.json the weights came from (``hf_carried_config``)."""
+        """The step, and the Hugging Face config.json the weights came from (``hf_carried_config``) and
+        that folder's files (``hf.HF_FILES_KEY``)."""
         meta = self.meta or {}
-        kinds = {"step": int, HF_CONFIG_KEY: dict}
+        kinds = {"step": int, HF_CONFIG_KEY: dict, HF_FILES_KEY: dict}
         return {key: meta[key] for key, kind in kinds.items() if isinstance(meta.get(key), kind)}
 
     def _read_group(self, first: str) -> None:

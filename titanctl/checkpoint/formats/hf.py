@@ -8,9 +8,12 @@ to the source's ``dequantize_to``, and so are MXFP4 matrices (gpt-oss's release:
 ``X_scales``, read as the tensor ``X`` they encode: ``titanctl.checkpoint.mxfp4``);
 writing holds one output shard (``--max-shard-size``) and one source tensor at a time. The output
 is what ``save_pretrained`` writes: routed experts one tensor per expert (the Hub's layout; a folder
-of transformers 5's packed ``mlp.experts.gate_up_proj`` reads too), ``model-00001-of-0000N.safetensors``
-files and ``model.safetensors.index.json`` (also when N is 1), which transformers 4.x and 5.x load,
-and the source's own config.json where the model came from one (``titanctl.checkpoint.hf_carried_config``).
+of transformers 5's packed ``mlp.experts.gate_up_proj`` reads too), one ``model.safetensors`` with no
+index when the model fits one shard, else ``model-00001-of-0000N.safetensors`` files and
+``model.safetensors.index.json``, which transformers 4.x and 5.x load, and the source's own
+config.json where the model came from one (``titanctl.checkpoint.hf_carried_config``). A model that
+came from a Hugging Face folder goes back into that folder's files (``HF_FILES_KEY``: which file held
+each tensor, carried as its config.json is), as long as they hold exactly the tensors written.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from titanctl.checkpoint.formats.base import (
 from titanctl.checkpoint.fp8_blocks import DEFAULT_BLOCK, BlockScale, declared_block_size, dequantize, pair_scales
 from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY, carried, export_config
 from titanctl.checkpoint.hf_names import (
+    HF_FILES_KEY,
     IGNORED_HF_SUFFIXES,
     Piece,
     args_from_hf_config,
@@ -61,6 +65,7 @@ from titanctl.safe_io import regular_file_size
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"  # save_pretrained's name for a model in one shard (then no index)
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # the Hub's customary 5GB
 MAX_CARRIED_CONFIG_BYTES = 1 << 20  # published configs are a few kB
 _DTYPES = {
@@ -256,7 +261,12 @@ class HFSource(Source):
         if regular_file_size(config, what="config.json", error=CheckpointError) > MAX_CARRIED_CONFIG_BYTES:
             # titanctl.json, which carries it, is read back with a size limit: no model's config is this big.
             raise CheckpointError(f"{config} is larger than {MAX_CARRIED_CONFIG_BYTES >> 20} MiB: not a model's config")
-        return {HF_CONFIG_KEY: carried(read_json(config))}
+        return {HF_CONFIG_KEY: carried(read_json(config)), HF_FILES_KEY: self._layout()}
+
+    def _layout(self) -> dict[str, Any]:
+        """The folder's layout: which file holds each stored tensor (``file_layout``)."""
+        files = {key: str(path.relative_to(self.folder)) for key, path, _shape, _dtype in self.raw}
+        return file_layout(files, (self.folder / INDEX_FILE).is_file())
 
     def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
         """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
@@ -315,9 +325,10 @@ class HFSource(Source):
         view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
         _, tensor = from_hf_tensor(info.shown, view, self.args)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-            return self.pages.copy_out(tensor)  # not permuted (perhaps transposed): copy chunk by chunk
-        self.pages.release(view)  # q/k: the permutation made the copy
-        return tensor
+            tensor = self.pages.copy_out(tensor)  # not permuted (perhaps transposed): copy chunk by chunk
+        else:
+            self.pages.release(view)  # q/k: the permutation made the copy
+        return mxfp4.check_finite(tensor, info.shown, self.folder / info.where) if self.mxfp4 else tensor
 
     def _dequantized(self, key: str, path: Path, out: torch.Tensor | None = None) -> torch.Tensor:
         """The FP8 weight `key` of `path` times its block scales, in ``dequantize_to`` (into `out`)."""
@@ -363,11 +374,60 @@ class HFSource(Source):
         self._close_file()
 
 
-def write_order(names: list[str], args: ModelArgs) -> list[str]:
-    """The order in which ``write`` loads the tensors of a source whose infos name ``names`` (the
-    ranks of a training run walk it together: ``titanctl.checkpoint.hf_save``): theirs, less the
-    state the format does not store."""
-    return [name for name in names if hf_names_of(name, args)]
+def file_layout(files: dict[str, str], index: bool) -> dict[str, Any]:
+    """{HF name: file} kept small (a 671B model has some 90,000 tensors): the file names, the files of the
+    sorted names as runs [file number, count], and a digest of those names (an export whose tensors are
+    others does not use it)."""
+    names = sorted(files)
+    order = list(dict.fromkeys(files[name] for name in names))
+    numbers = {file: number for number, file in enumerate(order)}
+    runs: list[list[int]] = []
+    for name in names:
+        number = numbers[files[name]]
+        if runs and runs[-1][0] == number:
+            runs[-1][1] += 1
+        else:
+            runs.append([number, 1])
+    return {"files": order, "runs": runs, "names_sha256": _names_digest(names), "index": index}
+
+
+def files_of(layout: Any, names: list[str]) -> dict[str, str] | None:
+    """{HF name: file} that ``layout`` (``file_layout``) records for exactly these tensor names, else None."""
+    try:
+        names = sorted(names)
+        if layout["names_sha256"] != _names_digest(names) or sum(n for _, n in layout["runs"]) != len(names):
+            return None
+        assigned = [layout["files"][number] for number, count in layout["runs"] for _ in range(count)]
+    except (KeyError, TypeError, IndexError, ValueError):
+        return None  # not a layout titanctl wrote
+    if not all(isinstance(f, str) and f.endswith(".safetensors") and "/" not in f for f in assigned):
+        return None
+    return dict(zip(names, assigned))
+
+
+def _names_digest(names: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()
+
+
+def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None = None) -> list[str]:
+    """The order in which ``write`` (given ``layout``) loads the tensors of a source whose infos name
+    ``names`` (the ranks of a training run walk it together: ``titanctl.checkpoint.hf_save``): theirs,
+    less the state the format does not store, file by file when the source's files are kept."""
+    stored = [name for name in names if hf_names_of(name, args)]
+    kept = _kept_files([(hf_name, name, 0) for name in stored for hf_name in hf_names_of(name, args)], layout)
+    return stored if kept is None else list(dict.fromkeys(name for shard in kept[1] for _, name, _ in shard))
+
+
+def _kept_files(entries: list[tuple[str, str, int]], layout: dict[str, Any] | None) -> tuple[list[str], list] | None:
+    """(file names, the (HF name, titanctl weight, bytes) entries each holds, in order) of the source's
+    files, when ``layout`` (``file_layout``) records exactly these Hugging Face tensors; else None."""
+    kept = files_of(layout, [hf_name for hf_name, *_ in entries]) if layout else None
+    if kept is None:
+        return None
+    names = list(dict.fromkeys(kept.values()))
+    return names, [[entry for entry in entries if kept[entry[0]] == file] for file in names]
 
 
 def write(
@@ -381,12 +441,15 @@ def write(
     token_ids: tuple[int | None, int | None] | None = None,
     source_config: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> None:
     """``token_ids``: (bos, eos) of the tokenizer exported beside the weights, for config.json.
     ``source_config``: the config.json the model came from (``hf_carried_config``), written back
     when it still describes the model; else config.json is written from ``args``. Tensors are
     loaded in ``write_order``, each once; its Hugging Face tensors (one per expert for routed
-    experts) fill the shards in order, so no shard exceeds ``max_shard_size`` unless one tensor does."""
+    experts) fill the shards in order, so no shard exceeds ``max_shard_size`` unless one tensor does.
+    ``layout``: the source folder's files (``file_layout``), used when they hold exactly these tensors
+    (and no --max-shard-size was asked for)."""
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
     # Plan the shards from shapes alone: (HF name, titanctl weight, bytes), greedy in the source's order.
@@ -401,16 +464,23 @@ def write(
                 size = 0
             plan[-1].append((hf_name, info.name, nbytes))
             size += nbytes
+    kept = _kept_files([entry for shard in plan for entry in shard], layout)
+    if kept is not None:  # the source's files: each holds what it held, in the source's order of files
+        names, plan = kept
+        index_file = bool(layout.get("index"))
+    else:
+        names = [SINGLE_FILE] if len(plan) == 1 else [shard_name(i, len(plan)) for i in range(1, len(plan) + 1)]
+        index_file = len(plan) > 1
     weight_map: dict[str, str] = {}
-    loaded, pending = None, {}  # the titanctl weight last loaded, and its HF tensors not yet written
-    for index, shard in enumerate(plan, start=1):
-        file = shard_name(index, len(plan))
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # titanctl weight -> its HF tensors not yet written
+    for file, shard in zip(names, plan, strict=True):
         tensors = {}
         for hf_name, name, nbytes in shard:
-            if name != loaded:
-                pending = dict(to_hf_tensors(name, cast(source.load(name), dtype), args))
-                loaded = name
-            tensors[hf_name] = pending.pop(hf_name).contiguous()
+            if name not in pending:
+                pending[name] = dict(to_hf_tensors(name, cast(source.load(name), dtype), args))
+            tensors[hf_name] = pending[name].pop(hf_name).contiguous()
+            if not pending[name]:
+                del pending[name]
             weight_map[hf_name] = file
             progress(hf_name, nbytes)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
@@ -425,8 +495,9 @@ def write(
     total = sum(n for shard in plan for *_, n in shard)
     # As save_pretrained writes it: the parameters (saved buffers such as an expert bias are not) and bytes.
     metadata = {"total_parameters": num_params(args), "total_size": total}
-    index_data = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
+    if index_file:
+        index_data = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
 
 
 def _layer_of(hf_name: str) -> int:

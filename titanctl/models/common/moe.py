@@ -135,6 +135,20 @@ class Router(nn.Module):
         return scores if self.moe.score_func != "sigmoid" else scores / scores.sum(dim=-1, keepdim=True)
 
 
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in the autocast dtype when autocast is on, as it casts a linear's input and weights.
+
+    Autocast leaves ``torch._grouped_mm`` alone (it is on none of its cast lists): under bf16 autocast
+    (one process, DDP or TP without FSDP) the experts multiplied in fp32 beside a bf16 model, which on
+    CUDA is not the grouped kernel but its fallback, one matmul per expert after copying the offsets to
+    the host. FSDP's bf16 parameters need no cast (autocast is off there)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden)."""
 
@@ -151,6 +165,7 @@ class GroupedExperts(nn.Module):
         # Under expert parallelism the weights are split over experts (DTensors): the local part
         # holds exactly this rank's experts.
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        x, w1, w2, w3 = autocast_operands(x, w1, w2, w3)
         grouped_mm = self.grouped_mm
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -178,6 +193,7 @@ class ClampedSwiGLUExperts(nn.Module):
         """x (M, dim): tokens sorted by expert, counts[e] of them for (local) expert e. Returns (M, dim)."""
         params = (self.w13, self.b13, self.w2, self.b2)
         w13, b13, w2, b2 = (w.to_local() if hasattr(w, "to_local") else w for w in params)
+        x, w13, b13, w2, b2 = autocast_operands(x, w13, b13, w2, b2)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         # Each row's expert, for its biases: (M,), a static size (fake tensors allow it).
         expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,

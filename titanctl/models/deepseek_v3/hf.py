@@ -21,10 +21,9 @@ from titanctl.models.common.hf_config import (
     DECODER_LAYER_NAMES,
     DECODER_TOP_NAMES,
     DEFAULT_THETA,
+    ConfigJson,
     check_plain_decoder,
     decoder_args,
-    require,
-    whole,
     yarn_from_config,
 )
 from titanctl.models.qwen3_moe.hf import PACKED, PER_EXPERT
@@ -123,44 +122,46 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
-    declared = decoder_args(cfg, "deepseek_v3", max_seq_len, where)
+def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    cfg = ConfigJson(config, where)
+    declared = decoder_args(cfg, "deepseek_v3", max_seq_len)
     check_plain_decoder(cfg, "DeepSeek-V3")
-    if cfg.get("moe_layer_freq", 1) != 1:
-        raise CheckpointError(f"{where}: moe_layer_freq {cfg['moe_layer_freq']}: every layer after the dense ones "
+    if cfg.integer("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"{where}: moe_layer_freq {cfg.get('moe_layer_freq')}: every layer after the dense ones "
                               "is sparse in DeepSeek-V3")
-    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
-        raise CheckpointError(f"{where}: scoring_func {cfg['scoring_func']!r}: transformers' DeepSeek-V3 scores "
+    if cfg.text("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(f"{where}: scoring_func {cfg.get('scoring_func')!r}: transformers' DeepSeek-V3 scores "
                               "experts with a sigmoid, so does titanctl")
-    theta, yarn = yarn_from_config(cfg, where, "DeepSeek-V3", DEFAULT_THETA, takes_mscale=True, takes_truncate=False)
+    theta, yarn = yarn_from_config(cfg, "DeepSeek-V3", DEFAULT_THETA, takes_mscale=True, takes_truncate=False)
     mla = MLAArgs(
-        q_lora_rank=whole(cfg.get("q_lora_rank") or 0),
-        kv_lora_rank=whole(require(cfg, "kv_lora_rank")),
-        qk_nope_head_dim=whole(require(cfg, "qk_nope_head_dim")),
-        qk_rope_head_dim=whole(require(cfg, "qk_rope_head_dim")),
-        v_head_dim=whole(require(cfg, "v_head_dim")),
+        q_lora_rank=cfg.integer("q_lora_rank", 0, minimum=0),
+        kv_lora_rank=cfg.integer("kv_lora_rank", minimum=1),
+        qk_nope_head_dim=cfg.integer("qk_nope_head_dim", minimum=1),
+        qk_rope_head_dim=cfg.integer("qk_rope_head_dim", minimum=1),
+        v_head_dim=cfg.integer("v_head_dim", minimum=1),
     )
+    experts = "n_routed_experts" if cfg.has("n_routed_experts") else "num_local_experts"
     moe = MoEArgs(
-        num_experts=whole(cfg.get("n_routed_experts", cfg.get("num_local_experts"))),
-        top_k=whole(require(cfg, "num_experts_per_tok")),
-        hidden_dim=whole(require(cfg, "moe_intermediate_size")),
+        num_experts=cfg.integer(experts, minimum=1),
+        top_k=cfg.integer("num_experts_per_tok", minimum=1),
+        hidden_dim=cfg.integer("moe_intermediate_size", minimum=1),
         score_func="sigmoid",
-        norm_topk_prob=bool(cfg.get("norm_topk_prob")),
-        route_scale=float(cfg.get("routed_scaling_factor", 1.0)),
-        num_shared_experts=whole(cfg.get("n_shared_experts") or 0),
-        first_dense_layers=whole(cfg.get("first_k_dense_replace") or 0),
-        n_group=whole(cfg.get("n_group") or 1),
-        topk_group=whole(cfg.get("topk_group") or 1),
+        norm_topk_prob=cfg.flag("norm_topk_prob", False),
+        route_scale=cfg.number("routed_scaling_factor", 1.0, above=0),
+        num_shared_experts=cfg.integer("n_shared_experts", 0, minimum=0),
+        first_dense_layers=cfg.integer("first_k_dense_replace", 0, minimum=0),
+        n_group=cfg.integer("n_group", 0, minimum=0) or 1,
+        topk_group=cfg.integer("topk_group", 0, minimum=0) or 1,
     )
     if not 1 <= moe.top_k <= moe.num_experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to n_routed_experts "
                               f"{moe.num_experts}")
     return declared.replace(
         n_kv_heads=None,  # MLA expands one latent into every head's key and value
-        explicit_head_dim=mla.qk_head_dim, explicit_ffn_hidden_dim=whole(require(cfg, "intermediate_size")),
+        explicit_head_dim=mla.qk_head_dim, explicit_ffn_hidden_dim=cfg.integer("intermediate_size", minimum=1),
         mla=mla, moe=moe, rope_theta=theta, rope_scaling=None, yarn=yarn,
-        rope_layout="interleaved" if cfg.get("rope_interleave", True) else "halves",
-        mtp_layers=whole(cfg.get("num_nextn_predict_layers") or 0),
+        rope_layout="interleaved" if cfg.flag("rope_interleave", True) else "halves",
+        mtp_layers=cfg.integer("num_nextn_predict_layers", 0, minimum=0),
     )
 
 

@@ -20,9 +20,8 @@ from titanctl.models.common.args import LAYER_TYPES, ModelArgs, MoEArgs
 from titanctl.models.common.hf_config import (
     DECODER_LAYER_NAMES,
     DECODER_TOP_NAMES,
+    ConfigJson,
     decoder_args,
-    require,
-    whole,
     yarn_from_config,
 )
 from titanctl.models.spec import HFFormat
@@ -99,48 +98,46 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def _layer_types(cfg: dict[str, Any], n_layers: int, where: str) -> tuple[tuple[str, ...], int]:
+def _layer_types(cfg: ConfigJson, n_layers: int) -> tuple[tuple[str, ...], int]:
     """(layer_types, sliding_window): GptOssConfig's default alternation (layer 0 slides) when the
     config names none; no sliding layer at all when its sliding_window is null."""
-    window = cfg.get("sliding_window", 128)
-    if window is None:
+    if "sliding_window" in cfg.cfg and cfg.cfg["sliding_window"] is None:
         return (), 0
-    window = whole(window)
+    window = cfg.integer("sliding_window", 128)
     if window < 1:
-        raise CheckpointError(f"{where}: sliding_window {window} must be >= 1 (or null: no sliding layers)")
-    types = cfg.get("layer_types")
+        raise CheckpointError(f"{cfg.where}: sliding_window {window} must be >= 1 (or null: no sliding layers)")
+    types = cfg.strings("layer_types", length=n_layers, choices=LAYER_TYPES)
     if types is None:
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers or not all(t in LAYER_TYPES for t in types):
-        raise CheckpointError(f"{where}: layer_types must list {n_layers} of {', '.join(LAYER_TYPES)} (one per "
-                              f"layer), got {str(types)[:80]}")
     # Kept as its shortest repeating pattern (ModelArgs.layer_types repeats over the layers), so that the
     # published configs read as the flavors that declare ("sliding_attention", "full_attention").
     period = next(k for k in range(1, n_layers + 1) if all(types[i] == types[i % k] for i in range(n_layers)))
     return tuple(types[:period]), window
 
 
-def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
-    declared = decoder_args(cfg, "gpt_oss", max_seq_len, where)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r}: gpt-oss's experts run a clamped SwiGLU")
-    theta, yarn = yarn_from_config(cfg, where, "gpt-oss", DEFAULT_THETA, takes_mscale=False, takes_truncate=True)
-    types, window = _layer_types(cfg, declared.n_layers, where)
-    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
-    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    cfg = ConfigJson(config, where)
+    declared = decoder_args(cfg, "gpt_oss", max_seq_len, eps=1e-5)
+    if cfg.text("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {cfg.get('hidden_act')!r}: gpt-oss's experts run a clamped SwiGLU")
+    theta, yarn = yarn_from_config(cfg, "gpt-oss", DEFAULT_THETA, takes_mscale=False, takes_truncate=True)
+    types, window = _layer_types(cfg, declared.n_layers)
+    experts = "num_local_experts" if cfg.has("num_local_experts") else "num_experts"
+    top_k = "num_experts_per_tok" if cfg.has("num_experts_per_tok") else "experts_per_token"
     moe = MoEArgs(
-        num_experts=whole(experts), top_k=whole(top_k), hidden_dim=whole(require(cfg, "intermediate_size")),
+        num_experts=cfg.integer(experts, minimum=1), top_k=cfg.integer(top_k, minimum=1),
+        hidden_dim=cfg.integer("intermediate_size", minimum=1),
         score_func="softmax_topk", norm_topk_prob=True, router_bias=True, expert_kind="clamped_swiglu",
-        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=cfg.number("swiglu_limit", 7.0, above=0), swiglu_alpha=cfg.number("swiglu_alpha", 1.702, above=0),
     )
     if not 1 <= moe.top_k <= moe.num_experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to num_local_experts "
                               f"{moe.num_experts}")
-    head_dim = whole(cfg.get("head_dim") or declared.dim // declared.n_heads)
+    head_dim = cfg.integer("head_dim", 0, minimum=0) or declared.dim // declared.n_heads
     return declared.replace(
         explicit_head_dim=head_dim, explicit_ffn_hidden_dim=moe.hidden_dim, moe=moe, rope_theta=theta,
-        rope_scaling=None, yarn=yarn, rope_layout="halves", norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        attention_bias=bool(cfg.get("attention_bias", True)), attention_sinks=True, layer_types=types,
+        rope_scaling=None, yarn=yarn, rope_layout="halves",
+        attention_bias=cfg.flag("attention_bias", True), attention_sinks=True, layer_types=types,
         sliding_window=window,
     )
 

@@ -14,7 +14,12 @@ LLAMA32_ROPE = RopeScaling(
 )
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
-    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4),
+    # CPU-sized: 8 heads of 32 (vLLM's CPU attention takes no head narrower than 32:
+    # titanctl.checkpoint.serving_kernels), 2 of them key/value, as 8B's ratio of 4.
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=2),
+    # torchtitan's own debugmodel (0.2 and 0.3): the same widths in 16 heads of 16, all of them
+    # key/value; what a torchtitan debug checkpoint, which records no config, is read as.
+    "debugmodel_torchtitan": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16),
     "8B": ModelArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024
     ),

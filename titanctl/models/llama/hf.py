@@ -14,11 +14,11 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.hf_config import (
     DECODER_LAYER_NAMES,
     DECODER_TOP_NAMES,
+    ConfigJson,
     check_plain_decoder,
     decoder_args,
     decoder_config,
     rope_from_hf,
-    whole,
 )
 from titanctl.models.spec import HFFormat
 
@@ -69,17 +69,18 @@ def _ffn_args(dim: int, hidden: int) -> tuple[int, float | None]:
     raise CheckpointError(f"cannot express intermediate_size {hidden} for dim {dim} in ModelArgs")
 
 
-def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
-    declared = decoder_args(cfg, "llama3", max_seq_len, where)
+def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    cfg = ConfigJson(config, where)
+    declared = decoder_args(cfg, "llama3", max_seq_len)
     if declared.dim % declared.n_heads:
         raise CheckpointError(f"{where}: dim {declared.dim} is not divisible by n_heads {declared.n_heads}")
-    if cfg.get("head_dim") not in (None, declared.head_dim):
+    if cfg.integer("head_dim", None) not in (None, declared.head_dim):
         raise CheckpointError(
-            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {declared.head_dim}"
+            f"{where}: head_dim {cfg.get('head_dim')} != hidden_size / num_attention_heads = {declared.head_dim}"
         )
     check_plain_decoder(cfg, "Llama 3")
     theta, scaling = rope_from_hf(cfg, "Llama 3")
-    multiple_of, multiplier = _ffn_args(declared.dim, whole(cfg.get("intermediate_size")))
+    multiple_of, multiplier = _ffn_args(declared.dim, cfg.integer("intermediate_size", minimum=1))
     return declared.replace(multiple_of=multiple_of, ffn_dim_multiplier=multiplier, rope_theta=theta,
                             rope_scaling=scaling)
 

@@ -15,12 +15,11 @@ from titanctl.models.common.hf_config import (
     DECODER_LAYER_NAMES,
     DECODER_TOP_NAMES,
     QK_NORM_NAMES,
+    ConfigJson,
     check_plain_decoder,
     decoder_args,
     decoder_config,
-    require,
     rope_from_hf,
-    whole,
 )
 from titanctl.models.spec import HFFormat
 
@@ -36,17 +35,20 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
-    declared = decoder_args(cfg, "qwen3", max_seq_len, where)
+def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    cfg = ConfigJson(config, where)
+    declared = decoder_args(cfg, "qwen3", max_seq_len)
     check_plain_decoder(cfg, "Qwen3")
-    if cfg.get("use_sliding_window"):
+    if cfg.flag("use_sliding_window", False):
         raise CheckpointError(f"{where}: use_sliding_window=true (sliding-window attention) is not supported")
+    # transformers' Qwen3Config lists each layer's attention; without a sliding window, every one is full
+    cfg.strings("layer_types", length=declared.n_layers, choices=("full_attention",))
     theta, scaling = rope_from_hf(cfg, "Qwen3")
     if scaling is not None:
         raise CheckpointError(f"{where}: Qwen3 with Llama 3.1 RoPE scaling is not a published Qwen3")
-    head_dim = whole(cfg.get("head_dim") or declared.dim // declared.n_heads)
+    head_dim = cfg.integer("head_dim", 0, minimum=0) or declared.dim // declared.n_heads
     return declared.replace(
-        explicit_head_dim=head_dim, explicit_ffn_hidden_dim=whole(require(cfg, "intermediate_size")),
+        explicit_head_dim=head_dim, explicit_ffn_hidden_dim=cfg.integer("intermediate_size", minimum=1),
         qk_norm=True, rope_layout="halves", rope_theta=theta, rope_scaling=None,
     )
 

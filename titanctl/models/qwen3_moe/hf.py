@@ -11,7 +11,7 @@ from typing import Any
 
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs, MoEArgs
-from titanctl.models.common.hf_config import whole
+from titanctl.models.common.hf_config import ConfigJson
 from titanctl.models.qwen3 import hf as qwen3_hf
 from titanctl.models.spec import HFFormat
 
@@ -48,14 +48,16 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def args_from_config(cfg: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
-    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    cfg = ConfigJson(config, where)
+    if cfg.get("mlp_only_layers") or cfg.integer("decoder_sparse_step", 1) != 1:
         raise CheckpointError(f"{where}: dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step) "
                               "are not supported: every Qwen3-MoE block is sparse")
-    dense = qwen3_hf.args_from_config({**cfg, "model_type": "qwen3"}, max_seq_len, where)
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # 4.x name, 5.x name
-    moe = MoEArgs(num_experts=whole(experts), top_k=whole(cfg.get("num_experts_per_tok")),
-                  hidden_dim=whole(cfg.get("moe_intermediate_size")), norm_topk_prob=bool(cfg.get("norm_topk_prob")))
+    dense = qwen3_hf.args_from_config({**config, "model_type": "qwen3"}, max_seq_len, where)
+    experts = "num_experts" if cfg.has("num_experts") else "num_local_experts"  # 4.x name, 5.x name
+    moe = MoEArgs(num_experts=cfg.integer(experts, minimum=1), top_k=cfg.integer("num_experts_per_tok", minimum=1),
+                  hidden_dim=cfg.integer("moe_intermediate_size", minimum=1),
+                  norm_topk_prob=cfg.flag("norm_topk_prob", False))
     if not 1 <= moe.top_k <= moe.num_experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to num_experts {moe.num_experts}")
     return dense.replace(family="qwen3_moe", moe=moe, explicit_ffn_hidden_dim=moe.hidden_dim)

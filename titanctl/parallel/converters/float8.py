@@ -1,5 +1,6 @@
-"""Float8 training with torchao: linear layers that multiply in float8 (e4m3 forward, e5m2 for
-gradients) with dynamic tensorwise scales, keeping their weights in high precision.
+"""Float8 training with torchao: linear layers that multiply in float8 with dynamic scales
+(``float8.recipe_name``: tensorwise, e4m3 forward and e5m2 for gradients; or rowwise, e4m3 with one
+power-of-2 scale per row), keeping their weights in high precision.
 
 The swap is a model converter: it runs on the whole model on the meta device, before the model
 is split into pipeline stages and before TP, activation checkpointing, compile and FSDP, which
@@ -14,6 +15,7 @@ torchao is imported only here and only when float8 is on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -81,6 +83,12 @@ def is_float8_linear(module: nn.Module) -> bool:
     return isinstance(module, torchao_float8().float8_linear.Float8Linear)
 
 
+def communicates_float8(cfg: Float8Config) -> bool:
+    """Whether tensor parallel may all-gather in float8: torchao's float8 TP styles cast with one
+    scale per tensor, so they serve the tensorwise recipe only (rowwise keeps the plain styles)."""
+    return cfg.enable_float8_linear and cfg.recipe_name == "tensorwise"
+
+
 def float8_tp_styles() -> LinearStyles:
     """torchao's TP styles: they cast a linear's input to float8 before its all-gather."""
     tp = torchao_float8().float8_tensor_parallel
@@ -145,6 +153,11 @@ def check_float8(cfg: JobConfig, *, fsdp: bool) -> None:
             "float8.enable_fsdp_float8_all_gather = true needs FSDP (data_parallel_shard_degree > 1, "
             "or context parallel), and this layout has none: set it to false"
         )
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather = true needs float8.recipe_name = 'tensorwise' (torchao "
+            f"all-gathers tensorwise-scaled weights only), not {f8.recipe_name!r}"
+        )
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
         raise ConfigError(
             "float8.precompute_float8_dynamic_scale_for_fsdp = true needs "
@@ -202,7 +215,8 @@ def convert_to_float8(model: nn.Module, cfg: Float8Config, *, tp: int, device: t
         raise ParallelError(f"float8.enable_float8_linear runs on CUDA or CPU, not on {device.type}: set it to false")
     plan = plan_conversion(model, cfg, tp)
     f8 = torchao_float8()
-    config = f8.Float8LinearConfig(
+    config = dataclasses.replace(
+        f8.Float8LinearConfig.from_recipe_name(cfg.recipe_name),
         enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
         # Without float8 units and without a _scaled_mm kernel, torchao dequantizes and multiplies.
         emulate=not has_float8_hardware(device) and not _scaled_mm_runs(device.type),

@@ -32,10 +32,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titanctl.config.job_config import JobConfig
 from titanctl.config.job_config import LoRA as LoRAConfig
+from titanctl.config.user_regex import UserRegex
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import ParamInit
-from titanctl.models.common.moe import GroupedExperts
+from titanctl.models.common.moe import GroupedExperts, autocast_operands
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 EXPERT_RANK_MULTIPLE = 8  # torch._grouped_mm's operands need strides of 16 bytes
@@ -93,10 +94,11 @@ class LoRAGroupedExperts(GroupedExperts):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
         def project(which: str, inputs: torch.Tensor) -> torch.Tensor:
-            out = grouped_mm(inputs, _local(getattr(self, which)).transpose(-2, -1), offs=offsets)
+            inputs, weight = autocast_operands(inputs, _local(getattr(self, which)))
+            out = grouped_mm(inputs, weight.transpose(-2, -1), offs=offsets)
             if which not in self.lora_targets:
                 return out
-            a, b = _local(getattr(self, f"{which}_lora_a")), _local(getattr(self, f"{which}_lora_b"))
+            a, b = autocast_operands(_local(getattr(self, f"{which}_lora_a")), _local(getattr(self, f"{which}_lora_b")))
             h = F.dropout(inputs, self.lora_dropout, self.training) if self.lora_dropout else inputs
             low = grouped_mm(h, a.transpose(-2, -1), offs=offsets)  # (M, rank)
             return out + grouped_mm(low, b.transpose(-2, -1), offs=offsets) * self.lora_scale
@@ -125,12 +127,8 @@ def resolve_targets(model: nn.Module, cfg: LoRAConfig) -> dict[str, str]:
     """{target: kind} chosen by lora.target_regex, or else lora.target_modules; one-line ConfigErrors."""
     found = candidates(model)
     if cfg.target_regex:
-        try:
-            regex = re.compile(cfg.target_regex)
-        except re.error as e:
-            raise ConfigError(f"config key 'lora.target_regex' = {cfg.target_regex!r} is no regular expression: {e}") \
-                from None
-        chosen = {name: kind for name, kind in found.items() if regex.fullmatch(name)}
+        matched = set(UserRegex("lora.target_regex", cfg.target_regex).matching(found))
+        chosen = {name: kind for name, kind in found.items() if name in matched}
         if not chosen:
             raise ConfigError(
                 f"config key 'lora.target_regex' = {cfg.target_regex!r} matches no linear layer or expert stack; "
@@ -198,6 +196,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> LoRAConversion:
             f"lora.rank = {cfg.rank} with adapters on routed experts: their grouped matmuls (torch._grouped_mm) "
             f"need the rank to be a multiple of {EXPERT_RANK_MULTIPLE} (rows of 16 bytes in bf16)"
         )
+    _check_rank(model, targets, cfg.rank)
     conversion = LoRAConversion(targets, cfg.rank, cfg.alpha, cfg.dropout)
     r = cfg.rank
     stacks: dict[str, list[str]] = {}
@@ -224,6 +223,24 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> LoRAConversion:
     freeze_base(model)
     conversion.shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if is_adapter(name)}
     return conversion
+
+
+def _check_rank(model: nn.Module, targets: dict[str, str], rank: int) -> None:
+    """A rank above min(in, out) of a target adds parameters (and memory) but no expressiveness: B A of
+    such a layer already spans every matrix of its shape. Refused before any adapter is made."""
+    def dims(name: str, kind: str) -> tuple[int, int]:  # (out, in)
+        if kind == "experts":
+            module, _, weight = name.rpartition(".")
+            return tuple(getattr(model.get_submodule(module), weight).shape[1:])
+        return tuple(model.get_submodule(name).weight.shape)
+
+    name, (out_dim, in_dim) = min(((n, dims(n, k)) for n, k in targets.items()), key=lambda item: min(item[1]))
+    if rank > min(out_dim, in_dim):
+        raise ConfigError(
+            f"config key 'lora.rank' = {rank} exceeds min(in, out) = {min(out_dim, in_dim)} of target {name} "
+            f"(in {in_dim}, out {out_dim}): a higher rank adds parameters, not expressiveness; valid: 1 to "
+            f"{min(out_dim, in_dim)} for these targets"
+        )
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -301,6 +318,19 @@ def saved_shapes(args: ModelArgs, cfg: LoRAConfig) -> dict[str, tuple[int, ...]]
     """{canonical name: shape} of what a LoRA run's checkpoint holds: the adapters and the model's saved
     buffers (an MoE's expert bias, which balancing moves while the base is frozen)."""
     return dict(_saved_shapes(args, cfg.rank, tuple(cfg.target_modules), cfg.target_regex))
+
+
+def adapter_slots(args: ModelArgs) -> dict[str, str]:
+    """``candidates`` of the model ``args`` describes: what an adapter may sit on (a peft import asks)."""
+    return dict(_slots(args))
+
+
+@functools.lru_cache(maxsize=8)
+def _slots(args: ModelArgs) -> tuple:
+    from titanctl.models.registry import build_model
+
+    with torch.device("meta"):
+        return tuple(candidates(build_model(args.replace(max_seq_len=1))).items())
 
 
 @functools.lru_cache(maxsize=8)

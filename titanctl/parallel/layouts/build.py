@@ -19,7 +19,13 @@ from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import build_model
-from titanctl.parallel.converters.float8 import Float8Conversion, check_float8, convert_to_float8, sends_float8
+from titanctl.parallel.converters.float8 import (
+    Float8Conversion,
+    check_float8,
+    communicates_float8,
+    convert_to_float8,
+    sends_float8,
+)
 from titanctl.parallel.converters.lora import LoRAConversion, apply_lora, check_lora, freeze_base
 from titanctl.parallel.converters.onednn_linear import linear_kernel, use_onednn_linears
 from titanctl.parallel.layouts.activation_checkpoint import apply_ac
@@ -27,7 +33,7 @@ from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
 from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import apply_ep, expert_gradient_divide_factor
-from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
+from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
 from titanctl.parallel.layouts.weight_init import initialize_weights
@@ -46,7 +52,8 @@ class ModelParts:
 
 
 def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
-    """Every layout error that needs no communication, raised before the first collective."""
+    """Every layout error that the config and the model's shape decide: the Trainer raises them before
+    its rank joins the process group, so a bad layout never leaves a rank half-connected."""
     p = cfg.parallelism
     if dims.tp > 1:
         check_tp(args, dims.tp, cfg.training.seq_len)
@@ -75,6 +82,8 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1 and dims.ddp_enabled:
         raise ParallelError("DDP does not compose with pipeline parallel: use FSDP (data_parallel_shard_degree)")
+    if dims.pp > 1:
+        plan_pipeline(args.n_layers, p, cfg.training.local_batch_size)  # stages, schedule, microbatches
     if dims.ep > 1:
         if args.moe is None:
             raise ParallelError(
@@ -106,7 +115,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             loss_parallel=not p.disable_loss_parallel,
             async_tp=p.enable_async_tensor_parallel,
             compiled=cfg.compile.enable,
-            float8=cfg.float8.enable_float8_linear,
+            float8=communicates_float8(cfg.float8),
         )
     # The routed experts get their own mesh under EP, and under TP too (replicated there).
     experts_placed = model.args.moe is not None and (dims.ep > 1 or dims.tp > 1)
@@ -172,7 +181,12 @@ def build_model_parts(
         result = ModelParts(pipeline.model_parts, pipeline, float8, lora)
     else:
         result = ModelParts([parallelize(model, cfg, dims)], float8=float8, lora=lora)
-    if float8 is not None and dims.tp > 1 and not sends_float8(dims.mesh["tp"]):
+    if float8 is not None and dims.tp > 1 and not communicates_float8(cfg.float8):
+        float8.notes.append(
+            f"float8 {cfg.float8.recipe_name} with tensor parallel: activations are all-gathered in high precision "
+            "(torchao's float8 tensor-parallel styles are tensorwise)"
+        )
+    elif float8 is not None and dims.tp > 1 and not sends_float8(dims.mesh["tp"]):
         float8.notes.append(
             "float8 with tensor parallel on gloo: activations are all-gathered in high precision "
             "(gloo has no float8 dtypes; NCCL all-gathers them in float8)"

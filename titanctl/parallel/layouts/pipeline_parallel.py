@@ -224,6 +224,52 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which layers each stage holds, which stages each pp rank runs, and the microbatch count: what the
+    config and the model's depth decide, checked before any process group exists."""
+
+    schedule_name: str | None  # None: a schedule CSV file
+    ranges: list[range]  # stage -> its layers
+    stage_ids: dict[int, list[int]]  # pp rank -> its stages
+    n_microbatches: int
+
+
+def plan_pipeline(n_layers: int, p: Parallelism, local_batch_size: int) -> PipelinePlan:
+    """The pipeline of ``n_layers`` layers that ``p`` asks for, or a one-line ParallelError."""
+    pp_degree = p.pipeline_parallel_degree
+    csv_path = p.pipeline_parallel_schedule_csv
+    if csv_path:
+        schedule_name = None
+        stage_to_rank, csv_microbatches = read_schedule_csv(csv_path, pp_degree)
+        num_stages = len(stage_to_rank)
+    else:
+        schedule_name = p.pipeline_parallel_schedule
+        check_schedule_name(schedule_name)
+        num_stages = None
+    ranges = pipeline_layer_ranges(
+        n_layers,
+        pp_degree,
+        schedule_name,
+        split_points=p.pipeline_parallel_split_points,
+        layers_per_stage=p.pipeline_parallel_layers_per_stage,
+        num_stages=num_stages,
+    )
+    num_stages = len(ranges)
+    n_mb = microbatch_count(local_batch_size, p.pipeline_parallel_microbatch_size, schedule_name, num_stages, pp_degree)
+    if csv_path:
+        if n_mb != csv_microbatches:
+            raise ParallelError(
+                f"schedule CSV {csv_path!r} runs {csv_microbatches} microbatches, but local_batch_size "
+                f"{local_batch_size} / microbatch_size {p.pipeline_parallel_microbatch_size} = {n_mb}"
+            )
+        stage_ids = {r: sorted(s for s, owner in stage_to_rank.items() if owner == r) for r in range(pp_degree)}
+    else:
+        style = "v" if schedule_name in V_SCHEDULES else "loop"
+        stage_ids = {r: stage_ids_for_rank(r, pp_degree, num_stages, style) for r in range(pp_degree)}
+    return PipelinePlan(schedule_name, ranges, stage_ids, n_mb)
+
+
 def build_pipeline(
     model_meta: nn.Module,
     pp_mesh,
@@ -246,43 +292,13 @@ def build_pipeline(
     pp_degree, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     if pp_degree != p.pipeline_parallel_degree:
         raise ValueError(f"the pp mesh has {pp_degree} ranks, the config says {p.pipeline_parallel_degree}")
-    n_layers = len(model_meta.layers)
-
-    csv_path = p.pipeline_parallel_schedule_csv
-    if csv_path:
-        schedule_name = None
-        stage_to_rank, csv_microbatches = read_schedule_csv(csv_path, pp_degree)
-        num_stages = len(stage_to_rank)
-        my_stage_ids = sorted(s for s, r in stage_to_rank.items() if r == pp_rank)
-    else:
-        schedule_name = p.pipeline_parallel_schedule
-        check_schedule_name(schedule_name)
-        num_stages = None
-    ranges = pipeline_layer_ranges(
-        n_layers,
-        pp_degree,
-        schedule_name,
-        split_points=p.pipeline_parallel_split_points,
-        layers_per_stage=p.pipeline_parallel_layers_per_stage,
-        num_stages=num_stages,
-    )
+    plan = plan_pipeline(len(model_meta.layers), p, local_batch_size)
+    ranges, n_mb, schedule_name = plan.ranges, plan.n_microbatches, plan.schedule_name
     num_stages = len(ranges)
-    n_mb = microbatch_count(
-        local_batch_size, p.pipeline_parallel_microbatch_size, schedule_name, num_stages, pp_degree
-    )
-    if csv_path:
-        if n_mb != csv_microbatches:
-            raise ParallelError(
-                f"schedule CSV {csv_path!r} runs {csv_microbatches} microbatches, but local_batch_size "
-                f"{local_batch_size} / microbatch_size {p.pipeline_parallel_microbatch_size} = {n_mb}"
-            )
-    else:
-        style = "v" if schedule_name in V_SCHEDULES else "loop"
-        my_stage_ids = stage_ids_for_rank(pp_rank, pp_degree, num_stages, style)
 
     group = pp_mesh.get_group()
     stages = []
-    for stage_id in my_stage_ids:
+    for stage_id in plan.stage_ids[pp_rank]:
         module = spec_of(model_meta.args).split_stage(
             model_meta, ranges[stage_id], is_first=stage_id == 0, is_last=stage_id == num_stages - 1
         )
@@ -292,6 +308,7 @@ def build_pipeline(
         stages.append(stage)
 
     loss = _MicrobatchLoss(loss_fn)
+    csv_path = p.pipeline_parallel_schedule_csv
     if csv_path:
         schedule = _torch_compat.PIPELINE_RUNTIME.get()(stages, n_mb, loss_fn=loss, scale_grads=False)
         try:

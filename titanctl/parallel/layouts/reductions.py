@@ -78,14 +78,14 @@ def _device() -> torch.device:
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Clip by the norm over all parameters of the model, whichever ranks hold them."""
-    grads = [p.grad for p in params if p.grad is not None]
     # DTensors of different meshes (experts under expert parallelism) do not mix in one norm.
     by_mesh: dict = {}
-    for grad in grads:
-        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = [torch.zeros((), device=params[0].device)] if not by_mesh else []  # a stage with nothing to train
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # partial norms reduced
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if dims.pp > 1:  # each stage holds different parameters
@@ -93,6 +93,6 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, dims: ParallelDi
         dist.all_reduce(squared, group=dims.mesh["pp"].get_group())
         norm = squared.sqrt()
     if max_norm > 0:
-        for group in by_mesh.values():
+        for group in by_mesh.values():  # scales each parameter's .grad: it takes parameters, not gradients
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

@@ -117,14 +117,19 @@ def submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:
     return module
 
 
-def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
-    """Overlap TP's all-gathers/reduce-scatters with matmuls (inductor's micro-pipeline pass)."""
-    if tp_mesh.device_type != "cuda":
+def check_async_tp(device_type: str, compiled: bool) -> None:
+    """What parallelism.enable_async_tensor_parallel needs of the run."""
+    if device_type != "cuda":
         raise ParallelError(
             "parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); this run is on "
-            f"{tp_mesh.device_type}: set it to false"
+            f"{device_type}: set it to false"
         )
     if not compiled:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs compile.enable = true")
+
+
+def enable_async_tp(tp_mesh: DeviceMesh, compiled: bool) -> None:
+    """Overlap TP's all-gathers/reduce-scatters with matmuls (inductor's micro-pipeline pass)."""
+    check_async_tp(tp_mesh.device_type, compiled)
     _torch_compat.enable_inductor_micro_pipeline_tp()
     _torch_compat.ENABLE_SYMM_MEM_FOR_GROUP.get()(tp_mesh.get_group().group_name)

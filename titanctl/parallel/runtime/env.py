@@ -88,3 +88,16 @@ def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_
             backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **where
         )
     return ProcessEnv(rank, local_rank, world_size, local_world_size, device)
+
+
+# cuBLAS reduces in a fixed order only with a fixed workspace; without this setting torch raises
+# at the first CUDA matmul once deterministic algorithms are on (torch.use_deterministic_algorithms).
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_algorithms(device: torch.device) -> None:
+    """training.deterministic: torch's deterministic kernels, and on CUDA the cuBLAS workspace they need
+    (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts: before the first matmul; one set by the user is kept)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)

@@ -42,6 +42,8 @@ from titanctl.errors import ConfigError, TitanError
 from titanctl.parallel.runtime import ft_state, hang_watchdog
 from titanctl.parallel.runtime.diloco_state import PART as DILOCO_PART
 from titanctl.parallel.runtime.diloco_state import DiLoCoState
+from titanctl.parallel.runtime.lighthouse import check_lighthouse
+from titanctl.safe_io import visible
 
 POSITIONS_FILE = "ft_positions_rank{rank}.json"
 REPLICA_ID_DIGITS = 4  # torchft orders groups by their id's text: replica_0002 < replica_0010
@@ -87,6 +89,8 @@ class ReplicaGroup:
                 "fault_tolerance.enable needs a Lighthouse: set fault_tolerance.lighthouse_address or "
                 "TORCHFT_LIGHTHOUSE (scripts/ft_local.py starts one; docs/fault-tolerance.md)"
             )
+        source = "fault_tolerance.lighthouse_address" if ft.lighthouse_address else "TORCHFT_LIGHTHOUSE"
+        check_lighthouse(lighthouse, ft.connect_timeout_seconds, source)
         if not os.environ.get("MASTER_ADDR"):
             raise TitanError("fault_tolerance.enable: launch each replica group with torchrun (MASTER_ADDR is not set)")
         if ft.process_group == "nccl" and device.type != "cuda":
@@ -100,20 +104,30 @@ class ReplicaGroup:
         self._healed_from: int | None = None
         self.lost_steps = 0
         self.diloco_state: DiLoCoState | None = None
-        self.manager = torchft.Manager(
+        self.lighthouse, self._joined = f"{visible(repr(lighthouse))} ({source})", False
+        try:
+            self.manager = self._manager(torchft, lighthouse)
+        except RuntimeError as e:  # torchft's connection errors (the address answered TCP, not as a Lighthouse)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TitanError(f"torchft's Manager could not start with the Lighthouse {visible(repr(lighthouse))} "
+                             f"({source}): {visible(first)[:300]}") from None
+
+    def _manager(self, torchft, lighthouse: str):
+        seconds = datetime.timedelta
+        return torchft.Manager(
             pg=self.process_group,
             load_state_dict=self._load_state,
             state_dict=self._state,
-            min_replica_size=ft.min_replica_size,
+            min_replica_size=self.cfg.min_replica_size,
             # A group that heals takes the peer's state before its forward, then trains the step with the others.
             use_async_quorum=False,
-            timeout=seconds(seconds=ft.timeout_seconds),
-            quorum_timeout=seconds(seconds=ft.quorum_timeout_seconds),
-            connect_timeout=seconds(seconds=ft.connect_timeout_seconds),
-            rank=rank,
-            world_size=world_size,
+            timeout=seconds(seconds=self.cfg.timeout_seconds),
+            quorum_timeout=seconds(seconds=self.cfg.quorum_timeout_seconds),
+            connect_timeout=seconds(seconds=self.cfg.connect_timeout_seconds),
+            rank=self.rank,
+            world_size=self.world_size,
             lighthouse_addr=lighthouse,
-            replica_id=f"replica_{ft.replica_id:0{REPLICA_ID_DIGITS}d}",
+            replica_id=f"replica_{self.cfg.replica_id:0{REPLICA_ID_DIGITS}d}",
             # Every group initializes the same weights from training.seed: step 0 needs no copy.
             init_sync=False,
         )
@@ -183,7 +197,20 @@ class ReplicaGroup:
         before = self.trainable.get_step()
         start = time.perf_counter()
         self._healed_from = None
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except (TimeoutError, RuntimeError) as e:
+            if self._joined:
+                raise
+            # The group's first quorum: the address answered TCP, but no Lighthouse formed a quorum with it.
+            why = visible(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:120]
+            raise TitanError(
+                f"the torchft Lighthouse {self.lighthouse} formed no quorum within "
+                f"fault_tolerance.quorum_timeout_seconds = {self.cfg.quorum_timeout_seconds:g} s for this group's "
+                f"first step ({why}): is it a Lighthouse, and do fault_tolerance.min_replica_size = "
+                f"{self.cfg.min_replica_size} groups run?"
+            ) from None
+        self._joined = True
         self._note_heal(start)
         self.lost_steps = max(0, before - self.trainable.get_step())  # a counter that went back: a bug
 

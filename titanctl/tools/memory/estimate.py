@@ -33,8 +33,10 @@ account each op in fewer steps (``tracker._StepPeaks.__torch_dispatch__``).
 DDP is the one layout that is modelled rather than run: its C++ reducer reads tensor data, so it is
 estimated as one replica plus its gradient buckets.
 
-``validate`` runs two real steps on the current processes (CPU, gloo) and measures rank 0's peak from
-the CPU allocator's events (``torch.profiler``), next to the tracker's view of the same real run.
+``validate`` runs two real steps on the current processes and measures rank 0's peak of each: on CPU
+(gloo) from the CPU allocator's events (``torch.profiler``), on CUDA the caching allocator's own peak
+(``torch.cuda.max_memory_allocated``, reset as each step starts), next to the tracker's view of the same
+real run.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from titanctl.errors import ConfigError, ParallelError, TitanError
+from titanctl.errors import ConfigError, ParallelError
 from titanctl.gc_pauses import automatic_gc_paused
 from titanctl.models.common.moe import ClampedSwiGLUExperts, GroupedExperts
 from titanctl.models.registry import get_spec, model_args_from_config
@@ -147,8 +149,9 @@ class Validation:
     world_size: int
     device: str
     tracked: dict[int, int]  # step -> peak seen by the tracker on real tensors
-    allocated: dict[int, int]  # step -> peak of the tensors the training thread allocated (profiler)
-    allocated_process: dict[int, int]  # step -> the same, of every thread (+ gloo threads' buffers)
+    # step -> peak of the tensors the training thread allocated (CPU: profiler; CUDA: max_memory_allocated)
+    allocated: dict[int, int]
+    allocated_process: dict[int, int]  # step -> the same, of every thread (+ gloo threads' buffers; CUDA: the same)
     estimated: dict[int, int]  # step -> the estimate's peak for that step
 
     @property
@@ -282,8 +285,9 @@ def _run_steps(
 
         def batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
             """A step's microbatches of token ids (fresh ones: context parallel shards them in place)."""
+            # Drawn on the CPU (the generator's device), then moved: the same ids on every device.
             return [
-                tuple(torch.randint(0, args.vocab_size, shape, generator=generator, device=device) for _ in "xy")
+                tuple(torch.randint(0, args.vocab_size, shape, generator=generator).to(device) for _ in "xy")
                 for _ in range(min(accum, _MAX_MICROBATCHES))
             ]
 
@@ -693,7 +697,8 @@ def step_peaks(estimate: MemoryEstimate) -> dict[int, int]:
 
 
 def validate(plan: Plan, estimate: MemoryEstimate | None) -> Validation | None:
-    """Run the two steps for real (CPU, gloo under torchrun) and measure rank 0's peaks.
+    """Run the two steps for real (CPU processes on gloo, or GPUs; alone or under torchrun) and
+    measure rank 0's peaks.
 
     Every rank runs the step; rank 0 returns the measurement, the others None.
     """
@@ -701,8 +706,6 @@ def validate(plan: Plan, estimate: MemoryEstimate | None) -> Validation | None:
     cfg, args = plan.cfg, plan.args
     dims = dataclasses.replace(plan.dims)  # its own mesh, on the real process group
     env = init_process(cfg.comm.init_timeout_seconds)
-    if env.device.type != "cpu":
-        raise TitanError("--validate measures CPU memory; on GPUs compare with the training log's memory column")
     torch.manual_seed(cfg.training.seed)
 
     def marker(step):
@@ -711,21 +714,47 @@ def validate(plan: Plan, estimate: MemoryEstimate | None) -> Validation | None:
     if env.rank != 0:  # the other ranks take part in the collectives; rank 0 measures
         _run_steps(cfg, dims, args, env.device, accum=plan.accum, steps=2, period=plan.period, track=False)
         return None
+    if env.device.type == "cuda":
+        peaks: dict[int, int] = {}
+        run = _run_steps(cfg, dims, args, env.device, accum=plan.accum, steps=2, period=plan.period,
+                         marker=cuda_step_peaks(env.device, peaks))
+        return Validation(env.world_size, str(env.device), _tracked_peaks(run), peaks, dict(peaks),
+                          step_peaks(estimate) if estimate is not None else {})
     # Profile from before the model exists, so that the allocator's count covers every live tensor.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run = _run_steps(cfg, dims, args, env.device, accum=plan.accum, steps=2, period=plan.period, marker=marker)
-    tracked: dict[int, int] = {}
-    for (step, _, _), peak in run.peaks.items():
-        tracked[step] = max(tracked.get(step, 0), peak.total)
     thread, process = _allocator_peaks(prof)
     return Validation(
         world_size=env.world_size,
         device=str(env.device),
-        tracked=tracked,
+        tracked=_tracked_peaks(run),
         allocated=thread,
         allocated_process=process,
         estimated=step_peaks(estimate) if estimate is not None else {},
     )
+
+
+def _tracked_peaks(run: _Run) -> dict[int, int]:
+    tracked: dict[int, int] = {}
+    for (step, _, _), peak in run.peaks.items():
+        tracked[step] = max(tracked.get(step, 0), peak.total)
+    return tracked
+
+
+def cuda_step_peaks(device: torch.device, peaks: dict[int, int], cuda=torch.cuda):
+    """A step marker for :func:`_run_steps` on CUDA: each step's peak of allocated bytes, what was
+    alive when it began included (the caching allocator's peak, reset at the step's start), into
+    ``peaks``. ``cuda`` stands in for ``torch.cuda`` in tests."""
+
+    @contextlib.contextmanager
+    def marker(step: int):
+        cuda.synchronize(device)
+        cuda.reset_peak_memory_stats(device)
+        yield
+        cuda.synchronize(device)  # the step's kernels have run, and freed what they freed
+        peaks[step] = cuda.max_memory_allocated(device)
+
+    return marker
 
 
 def check_validation_world(world_size: int) -> None:
