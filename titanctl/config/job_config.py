@@ -530,9 +530,10 @@ class RL:
     dataset: str = opt(
         "arithmetic",
         "Prompts with answers: a .jsonl/.jsonl.gz/.json/.parquet file, a folder laid out like a Hugging Face "
-        "dataset, hf:<folder or hub id>, or arithmetic (titanctl/assets/arithmetic: sums of two-digit numbers, "
-        "built by scripts/build_rl_task.py). Each row has a prompt (text, one user message, or a list of messages) "
-        "and an answer; prompts are rendered with the tokenizer's chat template and its generation prompt.",
+        "dataset, hf:<folder or hub id>, or arithmetic (titanctl/assets/arithmetic: which of two two-digit "
+        "numbers is larger, built by scripts/build_rl_task.py). Each row has a prompt (text, one user message, "
+        "or a list of messages) and an answer; prompts are rendered with the tokenizer's chat template and its "
+        "generation prompt.",
     )
     split: str = opt("train", "The split a folder or hf: dataset is read from.")
     prompt_field: str = opt("prompt", "The column holding each row's prompt.")

@@ -10,7 +10,8 @@
 - ``bundled``: the small chat set titanctl ships (titanctl/assets/chat, built by
   scripts/build_chat_data.py from the bundled corpus; splits train and validation);
 - ``arithmetic``: the task ``titanctl rl`` ships (titanctl/assets/arithmetic, built by
-  scripts/build_rl_task.py: sums of two-digit numbers as prompt and completion; splits train and validation).
+  scripts/build_rl_task.py: which of two two-digit numbers is larger, as prompt and completion; splits
+  train and validation).
 
 Rows are yielded with where they came from (``file:line`` or ``file[row]``). A line that is not
 valid UTF-8 JSON is yielded as ``Unreadable`` so that the caller counts it; a file that cannot be
