@@ -201,3 +201,64 @@ def test_config_lists_every_family_and_flavor_of_the_registry():
     from titanctl.models.registry import FAMILIES, get_spec
 
     assert {name: tuple(get_spec(name).flavors) for name in FAMILIES} == MODEL_FLAVORS
+
+
+# String literals of models/common/ that spell a family's name and mean something else, with why.
+NOT_A_FAMILY = {
+    ("args.py", "llama3"): "ModelArgs.family's default: titanctl.json files older than the field were all of it",
+    ("hf_config.py", "llama3"): "Hugging Face's rope_type of the frequency-dependent RoPE scaling, a format's word",
+}
+
+
+def family_mentions(path: Path, stems: set[str]) -> list[str]:
+    """Where the source of ``path`` names a family, by the stem of its registry name (llama, qwen...):
+    identifiers, comments, docstrings and string literals, case-insensitively, but for NOT_A_FAMILY."""
+    import io
+    import re
+    import tokenize
+
+    pattern = re.compile(rf"(?<![a-z])({'|'.join(sorted(stems))})", re.IGNORECASE)
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type not in (tokenize.NAME, tokenize.COMMENT, tokenize.STRING) or not pattern.search(token.string):
+            continue
+        if token.type == tokenize.STRING and (path.name, ast.literal_eval(token.string)) in NOT_A_FAMILY:
+            continue
+        where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+        found.append(f"{where}:{token.start[0]}: {token.string[:80]}")
+    return found
+
+
+def family_stems() -> set[str]:
+    import re
+
+    from titanctl.models.registry import FAMILIES
+
+    return {re.match("[a-z]+", name).group() for name in FAMILIES}
+
+
+def test_nothing_in_common_names_a_family():
+    """models/common/ holds what every family shares: no module there imports a family or names one (in
+    code, comments or docstrings); a family's own modules live in its folder and reach the shared
+    decoder through its spec (``decoder.Blocks``)."""
+    from titanctl.models.registry import FAMILIES
+
+    family_packages = {spec_module.rpartition(".")[0] for spec_module in FAMILIES.values()}
+    common = [m for m in module_graph() if m.startswith("titanctl.models.common")]
+    imports = [f"{m} imports {t}" for m in common for t in sorted(module_graph()[m])
+               if any(t == p or t.startswith(p + ".") for p in family_packages)]
+    assert not imports, imports
+    mentions = [line for path in sorted((PACKAGE / "models" / "common").glob("*.py"))
+                for line in family_mentions(path, family_stems())]
+    assert not mentions, "models/common/ names a family:\n" + "\n".join(mentions)
+
+
+def test_the_family_rule_sees_every_kind_of_mention(tmp_path):
+    """A docstring, an identifier, a comment and string literals (the allowed ones only in their file)."""
+    (tmp_path / "args.py").write_text('"""For Qwen3."""\nclass LlamaBlock:  # as DeepSeek-V3 does\n    kind = "gpt_oss"\n'
+                                      'x = "llama3"\n')
+    (tmp_path / "other.py").write_text('x = "llama3"\n')
+    assert family_stems() >= {"llama", "qwen", "deepseek", "gpt"}
+    assert [line.split(": ")[0] for line in family_mentions(tmp_path / "args.py", family_stems())] == [
+        "args.py:1", "args.py:2", "args.py:2", "args.py:3"]
+    assert family_mentions(tmp_path / "other.py", family_stems()) == ['other.py:1: "llama3"']

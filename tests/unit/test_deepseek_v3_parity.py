@@ -30,7 +30,8 @@ from titanctl.models.common.flops import active_params
 from titanctl.models.common.moe import Router
 from titanctl.models.common.rope import rope_table, yarn_frequencies, yarn_softmax_factor
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, V3_YARN
-from titanctl.models.registry import get_spec
+from titanctl.models.registry import build_model, get_spec
+from titanctl.parallel.layouts.weight_init import initialize_weights
 
 TOL = 1e-4
 V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -79,7 +80,7 @@ def args_of(theirs):
 
 def ours_of(theirs, args=None) -> Transformer:
     args = args or args_of(theirs)
-    model = Transformer(args)
+    model = build_model(args)
     model.load_state_dict(from_hf_state_dict(theirs.state_dict(), args_of(theirs)), strict=True)
     return model.eval()
 
@@ -219,7 +220,7 @@ def test_published_flavors_have_their_published_sizes_and_flops():
     for flavor, total, active in (("16B", 15.71e9, 2.4e9), ("671B", 671.03e9, 37e9)):  # DeepSeek's counts
         args = DEEPSEEK_V3_FLAVORS[flavor]
         with torch.device("meta"):
-            model = Transformer(args)
+            model = build_model(args)
         assert abs(sum(p.numel() for p in model.parameters()) - total) / total < 1e-3, flavor
         assert abs(active_params(args) - active) / active < 0.03, flavor  # outside the embedding lookup
         attention = 6 * args.n_layers * args.n_heads * (192 + 128) * 4096  # scores over 192 wide, values 128
@@ -258,8 +259,8 @@ def test_the_debug_flavor_trains_in_one_process():
     tok = Tokenizer()
     args = DEEPSEEK_V3_FLAVORS["debugmodel"].replace(vocab_size=tok.vocab_size, max_seq_len=SEQ, n_layers=2)
     torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    model = build_model(args)
+    initialize_weights(model, seed=0)
     ids = tokens_of("bundled", 40, tok)
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)

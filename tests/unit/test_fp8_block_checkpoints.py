@@ -35,7 +35,7 @@ from titanctl.checkpoint.load_plan import ForeignPlan, plan_load
 from titanctl.checkpoint.weights import find_checkpoint
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError
-from titanctl.models.common.decoder import Transformer
+from titanctl.models.registry import build_model
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -223,7 +223,7 @@ def test_initial_load_path_fills_the_model_in_its_own_dtype(folder, tmp_path):
     for dtype in (torch.float32, torch.bfloat16):
         plan = plan_load(cfg, args)
         assert isinstance(plan, ForeignPlan) and plan.format == "hf"
-        model = Transformer(args).to(dtype)
+        model = build_model(args).to(dtype)
         with plan.source as source:
             report = load_source_into(model, source)
         assert not report.not_in_model

@@ -23,6 +23,7 @@ from titanctl.models.common.flops import active_params
 from titanctl.models.common.moe import Router
 from titanctl.models.common.rope import rope_table, yarn_frequencies
 from titanctl.models.gpt_oss.args import GPT_OSS_FLAVORS, GPT_OSS_YARN
+from titanctl.models.registry import build_model
 from titanctl.tools.generate import find_checkpoint, generate, load_model
 
 TOL = 1e-5
@@ -68,7 +69,7 @@ def args_of(theirs, max_seq_len: int = 64):
 
 def ours_of(theirs, args=None) -> Transformer:
     args = args or args_of(theirs)
-    model = Transformer(args)
+    model = build_model(args)
     model.load_state_dict(from_hf_state_dict(theirs.state_dict(), args_of(theirs)), strict=True)
     return model.eval()
 
@@ -156,7 +157,7 @@ def test_published_flavors_have_their_published_sizes_and_configs():
     for flavor, total, active in (("20b", 20.91e9, 3.61e9), ("120b", 116.83e9, 5.13e9)):
         args = GPT_OSS_FLAVORS[flavor]
         with torch.device("meta"):
-            model = Transformer(args)
+            model = build_model(args)
         assert abs(sum(p.numel() for p in model.parameters()) - total) / total < 1e-3, flavor
         assert abs(active_params(args) - active) / active < 1e-2, flavor
         config = hf_config(args)
@@ -231,7 +232,7 @@ def test_each_document_of_a_packed_window_computes_as_if_alone(theirs):
 def test_long_sequences_attend_in_chunks_with_the_same_numbers(theirs, monkeypatch):
     """Past SINK_CHUNK_ELEMENTS of scores the queries go in chunks, each recomputed in backward: the same
     logits and gradients, under the causal mask and a document mask alike."""
-    from titanctl.models.common import attention
+    from titanctl.models.gpt_oss import attention
 
     model = ours_of(theirs)
     bos = 1

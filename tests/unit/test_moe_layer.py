@@ -15,6 +15,7 @@ from titanctl.checkpoint.hf_names import from_hf_state_dict
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.moe import MoE
+from titanctl.models.gpt_oss.experts import experts as gpt_oss_experts
 from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS, qwen3_moe_args
 
 TOL = 1e-4
@@ -86,7 +87,8 @@ def test_experts_multiply_in_the_autocast_dtype(kind):
     them in fp32 (on CUDA: the per-expert fallback). Their grouped GEMMs get bf16 operands and give what
     the same experts give on bf16 weights and inputs; gradients reach the fp32 weights."""
     torch.manual_seed(0)
-    moe = MoE(32, MoEArgs(num_experts=4, top_k=2, hidden_dim=16, expert_kind=kind))
+    args = MoEArgs(num_experts=4, top_k=2, hidden_dim=16, expert_kind=kind)
+    moe = MoE(32, args, gpt_oss_experts(32, args))  # the shared experts for swiglu, gpt-oss's clamped ones
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     seen, grouped_mm = [], moe.experts.grouped_mm

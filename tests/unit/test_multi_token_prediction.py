@@ -21,7 +21,8 @@ from titanctl.checkpoint.hf_names import from_hf_state_dict, hf_config, to_hf_st
 from titanctl.errors import CheckpointError, ConfigError, ParallelError
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
-from titanctl.models.registry import get_spec
+from titanctl.models.registry import build_model, get_spec
+from titanctl.parallel.layouts.weight_init import initialize_weights
 from titanctl.train.loss import cross_entropy_loss
 from titanctl.train.step import ForwardBackward
 
@@ -30,8 +31,8 @@ ARGS = DEEPSEEK_V3_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=300, max
 
 def model_of(args=ARGS) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    model = build_model(args)
+    initialize_weights(model, seed=0)
     with torch.no_grad():  # a trained bias, so that routing is not a tie-break
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
@@ -134,7 +135,7 @@ def test_folder_with_a_depth_converts_and_one_declaring_depths_it_lacks_reads_as
         convert_checkpoint(folder, tmp_path / f"{name}_dcp", dst_format="dcp")
         loaded, loaded_args = load_checkpoint(tmp_path / f"{name}_dcp")
         assert loaded_args.mtp_layers == (1 if with_depth else 0)
-        want = model.state_dict() if with_depth else Transformer(args.replace(mtp_layers=0)).state_dict()
+        want = model.state_dict() if with_depth else build_model(args.replace(mtp_layers=0)).state_dict()
         assert loaded.keys() == want.keys()
         if with_depth:
             assert all(torch.equal(loaded[k], want[k]) for k in want)
@@ -180,7 +181,7 @@ def test_a_model_without_depths_loads_a_checkpoint_with_one_and_says_so(tmp_path
     (folder / "config.json").write_text(json.dumps(hf_config(model.args)))
     save_file({k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.args).items()},
               str(folder / "model.safetensors"))
-    plain = Transformer(model.args.replace(mtp_layers=0))
+    plain = build_model(model.args.replace(mtp_layers=0))
     with open_checkpoint(folder, "hf", config=None) as source:
         source.bind(plain.args, "this run's recipe")
         assert any("multi-token-prediction layer 2 not loaded: this model has model.mtp_layers = 0" in note for note in source.notes)

@@ -30,7 +30,7 @@ from titanctl.checkpoint.load_plan import ForeignPlan, plan_load
 from titanctl.checkpoint.weights import find_checkpoint
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError
-from titanctl.models.common.decoder import Transformer
+from titanctl.models.registry import build_model
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -153,7 +153,7 @@ def test_initial_load_path_fills_the_model(folder, tmp_path):
     args = folder.args.replace(max_seq_len=64)
     plan = plan_load(cfg, args)
     assert isinstance(plan, ForeignPlan) and plan.format == "hf"
-    model = Transformer(args)
+    model = build_model(args)
     with plan.source as source:
         report = load_source_into(model, source)
     assert not report.not_in_model

@@ -95,13 +95,14 @@ def test_fsdp_reshard_after_forward_always_means_every_module():
         from torch.distributed.device_mesh import init_device_mesh
         from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
         from titanctl.parallel.layouts.data_parallel import apply_fsdp
+        from titanctl.parallel.layouts.weight_init import initialize_weights
 
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=64, n_layers=2, max_seq_len=16)
         for mode in ("always", "default", "never"):
             for pipelined in (False, True):
                 model = Transformer(args)
-                model.init_weights()
+                initialize_weights(model, seed=0)
                 apply_fsdp(model, init_device_mesh("cpu", (1,)), param_dtype=torch.float32,
                            reduce_dtype=torch.float32, reshard_after_forward=mode, pipelined=pipelined)
                 model(torch.zeros(1, 8, dtype=torch.long))

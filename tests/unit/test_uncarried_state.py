@@ -16,6 +16,7 @@ from titanctl.models.common.decoder import Transformer
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from titanctl.models.gpt_oss.args import GPT_OSS_FLAVORS
 from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
+from titanctl.models.registry import build_model
 
 GPT_OSS = GPT_OSS_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=300, max_seq_len=64)
 QWEN3_MOE = QWEN3_MOE_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=300, max_seq_len=64)
@@ -24,7 +25,7 @@ IDS = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
 
 def model_with_bias(args, bias: bool) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(args).eval()
+    model = build_model(args).eval()
     unit_scale_(model, torch.Generator().manual_seed(1))  # logits far from flat: a routing change shows
     if bias:  # as load balancing leaves it: some experts favoured, some not
         with torch.no_grad():

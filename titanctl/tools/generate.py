@@ -56,8 +56,7 @@ from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, DataError, ParallelError
 from titanctl.models import registry
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.attention import KVCache
-from titanctl.models.common.mla import LatentCache
+from titanctl.models.common.attention import StaticCache
 from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.layouts import inference_tp
 from titanctl.parallel.runtime import elastic
@@ -427,49 +426,26 @@ def _keep_last_position(module: nn.Module, inputs, output: torch.Tensor) -> torc
 
 
 class _CachePrefix(nn.Module):
-    """The first ``length`` positions of a :class:`KVCache` (views: writes land in the cache), with
+    """The first ``length`` positions of a :class:`StaticCache` (views: writes land in the cache), with
     its interface, for a prefill that reaches no further: attention then reads ``length`` keys, not
     the whole cache (a 1024-token prompt in a 1280-position cache: 1024 x 1024 scores, not 1024 x
-    1280). With ``causal`` (the queries are positions 0..length-1) its mask is exactly the causal
-    one, and :class:`_CausalMask` lets the attention kernel skip the masked half instead of reading
-    the mask (measured, 1024 tokens: 4,445 prompt tokens/s of thread time against 3,015 over the whole
-    cache; transformers' causal prefill 4,504)."""
+    1280; a latent cache expands only ``length`` positions). With ``causal`` (the queries are positions
+    0..length-1) its mask is exactly the causal one, and :class:`_CausalMask` lets the attention kernel
+    skip the masked half instead of reading the mask (measured, 1024 tokens: 4,445 prompt tokens/s of
+    thread time against 3,015 over the whole cache; transformers' causal prefill 4,504)."""
 
-    def __init__(self, cache: KVCache, length: int, masks: list[torch.Tensor] | None):
+    def __init__(self, cache: StaticCache, length: int, masks: list[torch.Tensor] | None):
         super().__init__()
-        self.k, self.v = cache.k[:, :, :length], cache.v[:, :, :length]  # (B, H_kv, length, head_dim)
+        self.position_dims = cache.position_dims
+        for name, dim in self.position_dims.items():  # e.g. k, v: (B, H_kv, length, head_dim)
+            setattr(self, name, getattr(cache, name).narrow(dim, 0, length))
         self.positions = cache.positions[:length]
         self.masks = masks
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+    update = StaticCache.update
 
     def mask(self, input_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
         return _prefix_mask(self.positions, input_pos, self.masks, window)
-
-
-class _LatentPrefix(nn.Module):
-    """The first ``length`` positions of multi-head latent attention's :class:`LatentCache`, as
-    :class:`_CachePrefix` is of a :class:`KVCache`: a prefill then expands and attends over ``length``
-    positions, not the whole cache."""
-
-    def __init__(self, cache: LatentCache, length: int, masks: list[torch.Tensor] | None):
-        super().__init__()
-        self.kv, self.k_pe = cache.kv[:, :length], cache.k_pe[:, :length]  # (B, length, r), (B, length, rope_dim)
-        self.positions = cache.positions[:length]
-        self.masks = masks
-
-    def update(
-        self, input_pos: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kv.index_copy_(1, input_pos, kv)
-        self.k_pe.index_copy_(1, input_pos, k_pe)
-        return self.kv, self.k_pe
-
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
-        return _prefix_mask(self.positions, input_pos, self.masks)
 
 
 def _prefix_mask(
@@ -506,20 +482,17 @@ class _CausalMask(TorchFunctionMode):
 
 @contextmanager
 def _cache_prefix(model: nn.Module, length: int, causal: bool):
-    """Every layer's :class:`KVCache` seen through a :class:`_CachePrefix` of ``length`` positions,
-    every :class:`LatentCache` through a :class:`_LatentPrefix` (other caches stay whole)."""
+    """Every layer's :class:`StaticCache` seen through a :class:`_CachePrefix` of ``length`` positions
+    (other caches stay whole)."""
     masks: list[torch.Tensor] | None = [] if causal else None
     swapped = []
     layers = getattr(model, "layers", None)
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else ():
         attention = getattr(layer, "attention", None)
         cache = getattr(attention, "cache", None)
-        if type(cache) is KVCache:
+        if isinstance(cache, StaticCache):
             swapped.append((attention, cache))
             attention.cache = _CachePrefix(cache, length, masks)
-        elif type(cache) is LatentCache:
-            swapped.append((attention, cache))
-            attention.cache = _LatentPrefix(cache, length, masks)
     try:
         with _CausalMask(masks) if masks is not None and swapped else nullcontext():
             yield
@@ -820,7 +793,7 @@ def generation_bytes(args: ModelArgs, tp: int) -> tuple[int, int]:
     if args.mla is not None:
         mla, heads = args.mla, args.n_heads // tp
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-        per_position = layers * (mla.kv_lora_rank + mla.qk_rope_head_dim)  # LatentCache, whole on every rank
+        per_position = layers * (mla.kv_lora_rank + mla.qk_rope_head_dim)  # the latent cache, whole on every rank
         per_position += heads * (mla.qk_nope_head_dim + mla.v_head_dim + 2 * qk)  # wkv_b's output, k and v
     else:
         per_position = layers * 2 * (args.kv_heads // tp) * args.head_dim

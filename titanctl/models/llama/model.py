@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from titanctl.models.common.args import ModelArgs, RopeScaling
 from titanctl.models.common.attention import CPU_FP32_ATTENTION_BELOW_HEAD_DIM, Attention, KVCache, attention
-from titanctl.models.common.decoder import ParamInit, Transformer, TransformerBlock
+from titanctl.models.common.decoder import Transformer, TransformerBlock
 from titanctl.models.common.feed_forward import FeedForward
+from titanctl.models.common.init import ParamInit
 from titanctl.models.common.norms import NORMS, FusedRMSNorm, RMSNorm, build_norm
 from titanctl.models.common.rope import apply_rope, apply_rope_halves, rope_frequencies, rope_table
 

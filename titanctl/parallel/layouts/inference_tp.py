@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titanctl.models.registry import spec_of
-from titanctl.parallel.layouts.tensor_parallel import submodule_or_none
+from titanctl.parallel.layouts.tensor_parallel import head_params, submodule_or_none
 from titanctl.parallel.runtime import shm_exchange
 from titanctl.parallel.runtime.shm_exchange import SharedMemoryExchange
 
@@ -77,15 +77,16 @@ _LOCALIZED: weakref.WeakKeyDictionary[nn.Module, RankGather] = weakref.WeakKeyDi
 def sharded_parameters(model: nn.Module, tp: int) -> dict[str, tuple[nn.Module, str, int]]:
     """Every parameter that tensor parallel splits: name -> (its module, its attribute, the dim split).
     A column-wise linear's bias is split with its rows; a row-wise one's stays whole (added once, after
-    the sum over the ranks); attention sinks (gpt-oss) are split with the query heads."""
+    the sum over the ranks); the plan's per-head parameters (attention sinks) are split with the query heads."""
     found = {}
     for name, (linear, dim) in sharded_linears(model, tp).items():
         found[f"{name}.weight"] = (linear, "weight", dim)
         if dim == 0 and linear.bias is not None:
             found[f"{name}.bias"] = (linear, "bias", 0)
+    plan = spec_of(model.args).tp_plan
     for layer_id, block in model.layers.items():
-        if getattr(block.attention, "sinks", None) is not None:
-            found[f"layers.{layer_id}.attention.sinks"] = (block.attention, "sinks", 0)
+        for name, owner, attr in head_params(block, plan):
+            found[f"layers.{layer_id}.{name}"] = (owner, attr, 0)
     return found
 
 

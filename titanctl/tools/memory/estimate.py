@@ -63,7 +63,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError
 from titanctl.gc_pauses import automatic_gc_paused
-from titanctl.models.common.moe import ClampedSwiGLUExperts, GroupedExperts
+from titanctl.models.common.moe import RoutedExperts
 from titanctl.models.registry import get_spec, model_args_from_config
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.lora import is_adapter, saved_shapes
@@ -271,7 +271,7 @@ def _run_steps(
     if fake:
         for part in built.parts:
             for module in part.modules():
-                if isinstance(module, (GroupedExperts, ClampedSwiGLUExperts)):
+                if isinstance(module, RoutedExperts):
                     module.grouped_mm = _ShapeOnlyGroupedMM.apply
     if built.pipeline is not None and fake:
 

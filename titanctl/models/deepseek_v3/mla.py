@@ -13,10 +13,10 @@ run: so values are padded with zeros to the query/key width and the output's pad
 zero columns add nothing to the other columns). The kernels scale scores by 1/sqrt(qk_head_dim);
 YaRN's softmax correction is applied to the queries beforehand.
 
-The forward has the signature of ``attention.Attention`` (the shared decoder block calls either)
+The forward has the signature of the shared ``Attention`` (the shared decoder block calls either)
 and reshapes with ``-1`` heads; nothing here knows about parallelism. Under tensor parallel
-(``tp_plan.mla_block_plan``) ``wq``/``wq_b`` and ``wkv_b`` split by heads, ``wo`` by its input heads, and
-the latent projections (``wq_a``, ``wkv_a``) and their norms run whole on every rank.
+(``titanctl.models.deepseek_v3.tp_plan``) ``wq``/``wq_b`` and ``wkv_b`` split by heads, ``wo`` by its
+input heads, and the latent projections (``wq_a``, ``wkv_a``) and their norms run whole on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.attention import AttentionKernel, attention
+from titanctl.models.common.attention import AttentionKernel, StaticCache, attention
+from titanctl.models.common.init import INPUT, ParamInit, output_projection
 from titanctl.models.common.norms import build_norm
 from titanctl.models.common.rope import rope_for, rope_function, yarn_softmax_factor
 
@@ -35,36 +36,24 @@ from titanctl.models.common.rope import rope_for, rope_function, yarn_softmax_fa
 LATENT_NORM_EPS = 1e-6
 
 
-class LatentCache(nn.Module):
-    """What MLA attends over, for every position a generation may reach, allocated once: the
-    normalized latent (B, S_max, kv_lora_rank) and the rotated shared key slice (B, S_max, rope_dim).
+class LatentCache(StaticCache):
+    """What MLA attends over: the normalized latent (B, S_max, kv_lora_rank) and the rotated shared key
+    slice (B, S_max, rope_dim).
 
     Far smaller than per-head keys and values (the point of MLA); each decode step expands the whole
-    cache through ``wkv_b``. Written at a tensor of positions like ``attention.KVCache``.
+    cache through ``wkv_b``.
     """
+
+    position_dims = {"kv": 1, "k_pe": 1}
 
     def __init__(self, batch: int, max_seq_len: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
-        # Zeros, not empty: masked-out positions still enter the weighted sum (with weight 0).
         self.register_buffer("kv", torch.zeros(batch, max_seq_len, kv_lora_rank, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("k_pe", torch.zeros(batch, max_seq_len, rope_dim, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("positions", torch.arange(max_seq_len, device=device), persistent=False)
-
-    def update(
-        self, input_pos: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store kv (B, T, kv_lora_rank) and k_pe (B, T, rope_dim) at positions input_pos (T,); return
-        the whole cache."""
-        self.kv.index_copy_(1, input_pos, kv)
-        self.k_pe.index_copy_(1, input_pos, k_pe)
-        return self.kv, self.k_pe  # (B, S_max, kv_lora_rank), (B, S_max, rope_dim)
-
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
-        """(T, S_max): the query at position p sees the keys at positions <= p."""
-        return self.positions[None, :] <= input_pos[:, None]
 
 
 class SharedRopeKey(nn.Module):
@@ -108,8 +97,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.cache: LatentCache | None = None  # set by Transformer.setup_kv_cache for decoding
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> LatentCache:
+        """A zeroed cache of latents, not of per-head keys and values (whole on every rank)."""
         weight = self.wkv_a.weight
         return LatentCache(batch_size, max_seq_len, self.kv_lora_rank, self.rope_dim, weight.dtype, weight.device)
+
+    def param_inits(self, depth: int) -> dict[str, ParamInit]:
+        """The projections into and out of the latents (and queries) at 0.02, as the shared attention's q/k/v."""
+        inputs = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b")
+        return {f"{name}.weight": INPUT for name in inputs} | {"wo.weight": output_projection(depth)}
 
     def forward(
         self,
@@ -118,7 +113,7 @@ class MultiHeadLatentAttention(nn.Module):
         input_pos: torch.Tensor | None = None,
         attn_mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
-        """As ``Attention.forward``: with ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those
+        """As the shared ``Attention.forward``: with ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those
         positions and rope their rows; ``attn_mask`` (training only) says which keys each query sees."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
