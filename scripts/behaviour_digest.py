@@ -8,14 +8,16 @@ datasheet devices) and `inspect-trace` on fixed hand-built traces and Flight Rec
 one line per file written (relative path and SHA-256) and per command (its masked output's SHA-256),
 then the digest of everything. ``--show`` also prints every masked output line.
 
-It runs the titanctl of the tree it is in (PYTHONPATH = that tree), so run it from each tree to
-compare:
+What two equal runs write differently is compared in a canonical form: a DCP index without its save
+id and folder, titanctl.json without the index's checksum, metrics.jsonl without timings and memory.
+It runs the titanctl of the tree it is in (PYTHONPATH = that tree), so run it from each tree, with the
+same ``--work`` folder (configs record it), to compare:
 
-    PYTHONPATH=. .venv/bin/python scripts/behaviour_digest.py --work /tmp/digest-a
+    PYTHONPATH=. .venv/bin/python scripts/behaviour_digest.py --work /tmp/digest > new.txt
     git archive OLD | tar -x -C /tmp/old
-    PYTHONPATH=/tmp/old .venv/bin/python /tmp/old/scripts/behaviour_digest.py --work /tmp/digest-b
+    PYTHONPATH=/tmp/old .venv/bin/python /tmp/old/scripts/behaviour_digest.py --work /tmp/digest > old.txt
 
-(a tree without the script: copy this file into it). About 2-4 minutes on 2 cores.
+(a tree without the script: copy this file into it). About 10 minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import gzip
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -47,7 +50,7 @@ TRAIN = [
 # What differs between two runs of the same tree: durations, rates and the process's memory, and dates.
 TIMINGS = [
     (re.compile(r"\b\d[\d,]*(\.\d+)?(e[-+]?\d+)?\s?(s|ms|us|µs|min)\b"), "<time>"),
-    (re.compile(r"\b(tps|tflops|mfu|memory|peak RSS)(\s+)[\d,.]+(%| GiB| MiB)?"), r"\1\2<measured>"),
+    (re.compile(r"\b(tps|tflops|mfu|memory|peak RSS)\s+[\d,.]+(%| GiB| MiB)?"), r"\1 <measured>"),
     (re.compile(r"[\d,.]+(\s+)(tokens/s|tok/s|steps/s)"), r"<rate>\1\2"),
     (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?"), "<date>"),
 ]
@@ -111,8 +114,38 @@ def commands(work: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
+# What a DCP index and titanctl.json hold that differs between two equal saves: DCP's save id (a uuid)
+# and the folder it was written in; the index's checksum. metrics.jsonl's measured fields.
+MEASURED_METRICS = ("step_time", "memory_gib", "tps", "tflops", "mfu")
+
+
+def canonical_bytes(path: Path, work: Path) -> bytes:
+    """The bytes of a written file that two equal runs agree on (see above); other files as they are."""
+    if path.name == ".metadata":  # DCP's index: what it says about the tensors and files, not its save id
+        import torch  # noqa: F401  (the index's classes)
+
+        index = pickle.loads(path.read_bytes())  # written by this run
+        return repr((index.state_dict_metadata, index.planner_data, sorted(index.storage_data.items(), key=repr),
+                     index.version)).encode()
+    if path.name == "titanctl.json":
+        meta = json.loads(path.read_text())
+        checksums = meta.get("checksums") or {}
+        if ".metadata" in checksums.get("files", {}):
+            checksums["files"][".metadata"] = "<the index, compared above>"
+        if "fields" in checksums:
+            checksums["fields"] = "<covers the index's checksum>"
+        return mask(json.dumps(meta), work).encode()
+    if path.name == "metrics.jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        kept = [{k: v for k, v in row.items() if k not in MEASURED_METRICS} for row in rows]
+        return "\n".join(map(json.dumps, kept)).encode()
+    if path.suffix in (".json", ".toml", ".jsonl", ".txt"):
+        return path.read_text().replace(str(work), "<work>").replace(str(REPO), "<repo>").encode()
+    return path.read_bytes()
+
+
 def file_digests(work: Path) -> dict[str, str]:
-    return {str(path.relative_to(work)): hashlib.sha256(path.read_bytes()).hexdigest()
+    return {str(path.relative_to(work)): hashlib.sha256(canonical_bytes(path, work)).hexdigest()
             for path in sorted(work.rglob("*")) if path.is_file()}
 
 

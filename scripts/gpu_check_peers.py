@@ -30,7 +30,7 @@ def _sync(device: torch.device) -> None:
 def training_step(ctx, slice_args: list[str]) -> dict:
     import transformers
 
-    from titanctl.checkpoint.hf_names import hf_config
+    from titanctl.checkpoint.hf.names import hf_config
     from titanctl.config.recipe import load_config
     from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
     from titanctl.models.registry import model_args_from_config

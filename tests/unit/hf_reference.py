@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titanctl.checkpoint.hf_carried_config import CHANGED_KEYS
+from titanctl.checkpoint.hf.carried_config import CHANGED_KEYS
 
 
 @torch.no_grad()

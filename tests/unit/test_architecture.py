@@ -203,6 +203,52 @@ def test_config_lists_every_family_and_flavor_of_the_registry():
     assert {name: tuple(get_spec(name).flavors) for name in FAMILIES} == MODEL_FLAVORS
 
 
+def _floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]]) -> int | None:
+    for rank, (_, prefixes) in enumerate(floors):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]], package: str, floors: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """Imports between modules of ``package`` that go to a higher floor, and its modules on no floor."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if not module.startswith(package + "."):
+            continue
+        own = _floor_of(module, floors)
+        if own is None:
+            found.append(f"{module} is on no floor")
+            continue
+        for target in sorted(targets):
+            other = _floor_of(target, floors)
+            if other is not None and other > own:
+                found.append(f"{module} ({floors[own][0]}) imports {target} ({floors[other][0]})")
+    return found
+
+
+# checkpoint/'s floors, lowest first (titanctl/checkpoint/__init__.py says what each holds).
+CHECKPOINT_FLOORS = [
+    ("trust", ("titanctl.checkpoint.trust",)),
+    ("quantized", ("titanctl.checkpoint.quantized",)),
+    ("hugging face", ("titanctl.checkpoint.hf",)),
+    ("formats", ("titanctl.checkpoint.formats", "titanctl.checkpoint.locate")),
+    ("lora", ("titanctl.checkpoint.lora",)),
+    ("the run's own", ("titanctl.checkpoint.run",)),
+    ("top", ("titanctl.checkpoint.convert", "titanctl.checkpoint.weights")),
+]
+
+
+def test_checkpoint_floors_import_only_downward():
+    assert not (found := upward_imports(module_graph(), "titanctl.checkpoint", CHECKPOINT_FLOORS)), "\n".join(found)
+
+
+def test_the_floor_rule_sees_upward_and_unplaced_modules():
+    floors = [("low", ("p.low",)), ("high", ("p.high",))]
+    graph = {"p.low.a": {"p.high.b", "p.low.c"}, "p.high.b": {"p.low.a"}, "p.low.c": set(), "p.stray": set()}
+    assert upward_imports(graph, "p", floors) == ["p.low.a (low) imports p.high.b (high)", "p.stray is on no floor"]
+
+
 # String literals of models/common/ that spell a family's name and mean something else, with why.
 NOT_A_FAMILY = {
     ("args.py", "llama3"): "ModelArgs.family's default: titanctl.json files older than the field were all of it",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanctl.checkpoint.manager import complete_checkpoints
-from titanctl.checkpoint.metadata import model_args_from_metadata, read_metadata
+from titanctl.checkpoint.run.manager import complete_checkpoints
+from titanctl.checkpoint.trust.metadata import model_args_from_metadata, read_metadata
 from titanctl.config.recipe import load_config, to_toml
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.llama import Transformer

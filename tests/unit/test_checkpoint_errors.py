@@ -101,7 +101,7 @@ def other_dim(base, case):
     """A titanctl checkpoint of a model with dim 128 (the recipe's debug model has 256)."""
     import torch.distributed.checkpoint as dcp
 
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
 
     args = LLAMA3_FLAVORS["debugmodel"].replace(dim=128, n_layers=2, vocab_size=4352, max_seq_len=64)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import OFFLINE_ENV, TRUSTED_RUN
-from titanctl.checkpoint.metadata import fields_digest
+from titanctl.checkpoint.trust.metadata import fields_digest
 
 STEP = Path("checkpoint") / "step-2"
 

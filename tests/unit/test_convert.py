@@ -24,7 +24,7 @@ from titanctl.checkpoint.convert import (
 )
 from titanctl.checkpoint.formats import FORMATS, DictSource, detect
 from titanctl.checkpoint.formats.dcp import DCPSource
-from titanctl.checkpoint.metadata import read_metadata, write_metadata
+from titanctl.checkpoint.trust.metadata import read_metadata, write_metadata
 from titanctl.errors import CheckpointError
 from titanctl.models.llama.args import ModelArgs, RopeScaling
 from titanctl.models.llama.model import Transformer
@@ -178,7 +178,7 @@ def test_hf_export_loads_in_transformers_and_matches(model, sources, transformer
 
 @pytest.mark.slow
 def test_export_without_the_qk_permutation_would_not_match(model, sources, transformers, tmp_path, monkeypatch):
-    from titanctl.checkpoint import hf_names
+    from titanctl.checkpoint.hf import names as hf_names
 
     real = hf_names.to_hf_tensor
 
@@ -229,8 +229,8 @@ def test_checkpoint_written_by_transformers_imports_and_matches(transformers, tm
 
 
 def test_a_carried_config_is_written_only_while_it_describes_the_model():
-    from titanctl.checkpoint.hf_carried_config import export_config
-    from titanctl.checkpoint.hf_names import hf_config
+    from titanctl.checkpoint.hf.carried_config import export_config
+    from titanctl.checkpoint.hf.names import hf_config
 
     source = {**hf_config(ARGS), "max_position_embeddings": 77, "transformers_version": "5.23.0"}
     notes: list[str] = []

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tests.unit.hf_reference import assert_round_trip_keeps_the_folder, per_expert_layout, unit_scale_
 from tests.unit.trained_model import SEQ, tokens_of, windows
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
-from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
+from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import MoEArgs

@@ -14,7 +14,7 @@ from tiktoken.load import load_tiktoken_bpe
 from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV
 from titanctl.checkpoint.convert import convert_checkpoint, save_state_dict
-from titanctl.checkpoint.tokenizer_export import bpe_vocab_and_merges
+from titanctl.checkpoint.hf.tokenizer_export import bpe_vocab_and_merges
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, Tokenizer
 from titanctl.errors import CheckpointError
@@ -205,7 +205,7 @@ def test_a_training_step_records_its_tokenizer_and_its_hf_export_carries_that_on
 def test_a_chat_template_linked_out_of_the_tokenizers_folder_is_refused(tmp_path):
     from types import SimpleNamespace
 
-    from titanctl.checkpoint.tokenizer_export import write_chat_template
+    from titanctl.checkpoint.hf.tokenizer_export import write_chat_template
 
     carried = tmp_path / "checkpoint"
     carried.mkdir()

@@ -28,10 +28,10 @@ from tests.unit.hf_reference import per_expert_layout, unit_scale_
 from tests.unit.test_checkpoint_trust import cli
 from tests.unit.test_deepseek_v3_parity import tiny_config
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
-from titanctl.checkpoint.fp8_blocks import dequantize
-from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_state_dict, to_hf_state_dict
-from titanctl.checkpoint.load_into_model import load_source_into
-from titanctl.checkpoint.load_plan import ForeignPlan, plan_load
+from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict, to_hf_state_dict
+from titanctl.checkpoint.quantized.fp8_blocks import dequantize
+from titanctl.checkpoint.run.load_into_model import load_source_into
+from titanctl.checkpoint.run.load_plan import ForeignPlan, plan_load
 from titanctl.checkpoint.weights import find_checkpoint
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError

@@ -240,7 +240,7 @@ def test_diloco_state_through_a_checkpoint_between_syncs_continues_bitwise(tmp_p
     import torch.distributed.checkpoint as dcp
     from torchft.local_sgd import DiLoCo
 
-    from titanctl.checkpoint.state import ModelState, OptimizerState
+    from titanctl.checkpoint.run.state import ModelState, OptimizerState
     from titanctl.parallel.runtime.diloco_state import DiLoCoState
 
     ft = load_config(None, [*SEMI_SYNC["diloco"], "--fault_tolerance.outer_momentum", "0.9"]).fault_tolerance
@@ -293,8 +293,8 @@ def test_a_diloco_run_refuses_a_checkpoint_without_diloco_state_in_one_line(trai
     import shutil
 
     from tests.conftest import TRUSTED_RUN
-    from titanctl.checkpoint.load_plan import plan_load
-    from titanctl.checkpoint.manager import CheckpointManager
+    from titanctl.checkpoint.run.load_plan import plan_load
+    from titanctl.checkpoint.run.manager import CheckpointManager
     from titanctl.errors import CheckpointError
     from titanctl.parallel.runtime.diloco_state import DiLoCoState
     from titanctl.train.trainer import Trainer

@@ -183,7 +183,7 @@ def test_run_says_each_phase_and_reports_rates_apart(model, tmp_path):
     compiled, and the report holds the prefill and decode rates with compile time and threads apart."""
     import torch.distributed.checkpoint as dcp
 
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.data.tokenizer import Tokenizer
     from titanctl.tools.generate import run
 
@@ -256,7 +256,7 @@ def test_find_checkpoint_kinds_and_errors(tmp_path):
         find_checkpoint(tmp_path)
     import torch.distributed.checkpoint as dcp
 
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.trust.metadata import write_metadata
 
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(ARGS).state_dict().items()}
@@ -283,7 +283,7 @@ def test_full_training_dcp_checkpoint_loads_its_model_keys(model, tmp_path, dtyp
     """A full checkpoint has optimizer/train state beside the model keys; bf16 exports load into fp32."""
     import torch.distributed.checkpoint as dcp
 
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.tools.generate import build_model, load_weights
 
     weights = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
@@ -303,7 +303,7 @@ def test_full_training_dcp_checkpoint_loads_its_model_keys(model, tmp_path, dtyp
 def test_dcp_checkpoint_of_another_model_is_refused(model, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.tools.generate import build_model, load_weights
 
     dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path),
@@ -420,7 +420,7 @@ def test_a_generation_that_does_not_fit_in_memory_is_refused_before_loading(tmp_
     import torch.distributed.checkpoint as dcp
 
     import titanctl.tools.generate as generation
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.data.tokenizer import Tokenizer
     from titanctl.errors import ConfigError
 

@@ -16,7 +16,7 @@ import torch
 
 from tests.unit.hf_reference import assert_round_trip_keeps_the_folder, unit_scale_
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
-from titanctl.checkpoint.hf_names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
+from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.document_mask import document_mask
 from titanctl.models.common.flops import active_params

@@ -20,7 +20,7 @@ ARGS = qwen3_args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=128, tied=Fal
 def theirs():
     import transformers
 
-    from titanctl.checkpoint.hf_names import hf_config
+    from titanctl.checkpoint.hf.names import hf_config
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**hf_config(ARGS.replace(max_seq_len=64)))
@@ -58,6 +58,6 @@ def test_a_model_from_no_hf_folder_is_written_as_save_pretrained_writes_it(their
 
 
 def theirs_state(theirs) -> dict[str, torch.Tensor]:
-    from titanctl.checkpoint.hf_names import from_hf_state_dict
+    from titanctl.checkpoint.hf.names import from_hf_state_dict
 
     return from_hf_state_dict(theirs.state_dict(), ARGS)

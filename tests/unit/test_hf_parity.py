@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titanctl.checkpoint.hf_names import (
+from titanctl.checkpoint.hf.names import (
     args_from_hf_config,
     from_hf_state_dict,
     hf_config,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from titanctl.checkpoint.convert import convert_checkpoint
-from titanctl.checkpoint.load_plan import plan_load
+from titanctl.checkpoint.run.load_plan import plan_load
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.train.trainer import Trainer
@@ -122,7 +122,7 @@ def test_qwen3_tied_last_save_writes_no_lm_head_and_the_source_config(tmp_path):
     import transformers
 
     from tests.unit.test_qwen3_parity import hf_qwen3
-    from titanctl.checkpoint.hf_carried_config import CHANGED_KEYS
+    from titanctl.checkpoint.hf.carried_config import CHANGED_KEYS
     from titanctl.data.tokenizer import Tokenizer
     from titanctl.models.registry import model_args_from_config
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.unit.test_tokenizer import tokenizer_json
-from titanctl.checkpoint.tokenizer_export import write_companion_files
+from titanctl.checkpoint.hf.tokenizer_export import write_companion_files
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import DataError
 

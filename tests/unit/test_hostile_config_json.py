@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from titanctl.checkpoint.hf_names import args_from_hf_config, hf_config
-from titanctl.checkpoint.mxfp4 import check_finite
+from titanctl.checkpoint.hf.names import args_from_hf_config, hf_config
+from titanctl.checkpoint.quantized.mxfp4 import check_finite
 from titanctl.errors import CheckpointError
 from titanctl.models.registry import flavor_args
 

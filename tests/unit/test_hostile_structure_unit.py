@@ -107,7 +107,7 @@ def test_the_scan_leaves_garbage_to_the_unpickler():
 
 
 def _index(trained_run):
-    from titanctl.checkpoint.unpickle import load_dcp_index
+    from titanctl.checkpoint.trust.unpickle import load_dcp_index
 
     return load_dcp_index(trained_run / STEP / ".metadata")
 
@@ -115,7 +115,7 @@ def _index(trained_run):
 def test_a_chunk_storing_more_than_its_size_needs_is_refused(trained_run):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from titanctl.checkpoint.unpickle import ARCHIVE_OVERHEAD_BYTES, check_index
+    from titanctl.checkpoint.trust.unpickle import ARCHIVE_OVERHEAD_BYTES, check_index
 
     index = _index(trained_run)
     info = index.storage_data[MetadataIndex("norm.weight", (0,))]
@@ -130,7 +130,7 @@ def test_a_chunk_storing_more_than_its_size_needs_is_refused(trained_run):
 def test_a_non_tensor_item_over_the_cap_is_refused_before_it_is_read(trained_run):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from titanctl.checkpoint.unpickle import ARCHIVE_OVERHEAD_BYTES, MAX_PLAIN_ITEM_BYTES, check_index
+    from titanctl.checkpoint.trust.unpickle import ARCHIVE_OVERHEAD_BYTES, MAX_PLAIN_ITEM_BYTES, check_index
 
     index = _index(trained_run)
     index.storage_data[MetadataIndex("train_state.step")].length = MAX_PLAIN_ITEM_BYTES + ARCHIVE_OVERHEAD_BYTES + 1
@@ -139,7 +139,7 @@ def test_a_non_tensor_item_over_the_cap_is_refused_before_it_is_read(trained_run
 
 
 def test_a_fifo_as_the_dcp_index_is_refused_without_blocking(tmp_path):
-    from titanctl.checkpoint.unpickle import load_dcp_index
+    from titanctl.checkpoint.trust.unpickle import load_dcp_index
 
     fifo = tmp_path / ".metadata"
     os.mkfifo(fifo)
@@ -178,7 +178,7 @@ def test_a_foreign_json_file_is_one_checkpoint_error(tmp_path, content, message)
 
 
 def test_a_config_declaring_more_than_twice_the_stored_values_is_refused():
-    from titanctl.checkpoint.model_args import check_declared
+    from titanctl.checkpoint.trust.model_args import check_declared
     from titanctl.models.llama.args import ModelArgs
     from titanctl.models.shapes import weight_shapes
 

@@ -13,7 +13,7 @@ import torch
 
 import titanctl.tools.generate as generation
 from tests.unit.chat_tokenizers import bundled_folder, qwen_folder
-from titanctl.checkpoint.metadata import write_metadata
+from titanctl.checkpoint.trust.metadata import write_metadata
 from titanctl.cli.app import main
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError

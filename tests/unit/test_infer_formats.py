@@ -24,7 +24,7 @@ from tests.conftest import OFFLINE_ENV, REPO
 from tests.unit.test_hf_tokenizer import train_qwen_style
 from tests.unit.test_qwen3_parity import unit_scale
 from titanctl.checkpoint.convert import convert_checkpoint
-from titanctl.checkpoint.hf_names import hf_config
+from titanctl.checkpoint.hf.names import hf_config
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import CheckpointError, ConfigError, DataError
 from titanctl.models.llama.args import LLAMA3_FLAVORS

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit.test_qwen3_parity import max_delta, tokens, unit_scale
-from titanctl.checkpoint.hf_names import canonical_name_of, from_hf_state_dict
+from titanctl.checkpoint.hf.names import canonical_name_of, from_hf_state_dict
 from titanctl.models.common.args import ModelArgs, RopeScaling
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.rope import rope_frequencies

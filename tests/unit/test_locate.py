@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanctl.checkpoint import load_plan, manager
 from titanctl.checkpoint.locate import STEP_FOLDER, Located, complete_checkpoints, locate
+from titanctl.checkpoint.run import load_plan, manager
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 

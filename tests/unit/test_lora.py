@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.unit.hf_reference import unit_scale_
-from titanctl.checkpoint.hf_names import from_hf_state_dict
-from titanctl.checkpoint.lora_export import peft_adapter
+from titanctl.checkpoint.hf.names import from_hf_state_dict
+from titanctl.checkpoint.lora.export import peft_adapter
 from titanctl.config.job_config import LoRA as LoRAConfig
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
@@ -184,7 +184,7 @@ def test_merging_equals_the_adapted_forward_experts_included():
     from pathlib import Path
 
     from titanctl.checkpoint.formats import DictSource
-    from titanctl.checkpoint.lora_export import MergedSource
+    from titanctl.checkpoint.lora.export import MergedSource
 
     torch.manual_seed(0)
     base = Transformer(QWEN3_MOE)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titanctl.checkpoint.load_plan import plan_load
-from titanctl.checkpoint.lora_base import LoRAPlan
-from titanctl.checkpoint.lora_export import read_adapters
-from titanctl.checkpoint.reader import DCPFolder
+from titanctl.checkpoint.lora.base import LoRAPlan
+from titanctl.checkpoint.lora.export import read_adapters
+from titanctl.checkpoint.run.load_plan import plan_load
+from titanctl.checkpoint.trust.reader import DCPFolder
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.registry import model_args_from_config

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.unit.test_lora_checkpoints import LORA_RUN
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
-from titanctl.checkpoint.lora_export import PEFT_CONFIG, PEFT_WEIGHTS, read_adapters
+from titanctl.checkpoint.lora.export import PEFT_CONFIG, PEFT_WEIGHTS, read_adapters
 from titanctl.config.job_config import LoRA as LoRAConfig
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError
@@ -127,7 +127,7 @@ def test_peft_export_of_expert_adapters_says_which_transformers_load_them(tmp_pa
     """peft's target_parameters attach to transformers 5's packed experts; on 4.57 they match nothing (peft only
     warns): the export says so in one note."""
     from titanctl.checkpoint.convert import save_state_dict
-    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE
+    from titanctl.checkpoint.lora.export import EXPERT_ADAPTERS_NOTE
     from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
 
     args = QWEN3_MOE_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=4352, max_seq_len=64)
@@ -149,7 +149,7 @@ def test_peft_export_of_expert_adapters_says_which_transformers_load_them(tmp_pa
 def edited_copy(step: Path, root: Path, change, *, rerecord: bool) -> Path:
     """A copy of the LoRA step whose titanctl.json is changed; ``rerecord``: as a careful attacker, with the
     checksum of its fields recomputed."""
-    from titanctl.checkpoint.metadata import fields_digest
+    from titanctl.checkpoint.trust.metadata import fields_digest
 
     copy = root / "step-3"
     shutil.copytree(step, copy)

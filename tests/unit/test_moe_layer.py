@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.unit.hf_reference import unit_scale_
-from titanctl.checkpoint.hf_names import from_hf_state_dict
+from titanctl.checkpoint.hf.names import from_hf_state_dict
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.moe import MoE

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tests.unit.hf_reference import unit_scale_
 from tests.unit.test_parallel_dims import dims
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
-from titanctl.checkpoint.hf_names import from_hf_state_dict, hf_config, to_hf_state_dict
+from titanctl.checkpoint.hf.names import from_hf_state_dict, hf_config, to_hf_state_dict
 from titanctl.errors import CheckpointError, ConfigError, ParallelError
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
@@ -145,7 +145,7 @@ def test_folder_with_a_depth_converts_and_one_declaring_depths_it_lacks_reads_as
 def test_a_config_declaring_more_depths_than_it_stores_is_refused_before_sizing_them(tmp_path, monkeypatch, declared):
     """Issue 47: num_nextn_predict_layers 10^9 beside one stored depth built a model of 10^9 blocks on the
     meta device to count its parameters (no answer, memory past 2 GiB): the stored layers bound it first."""
-    import titanctl.checkpoint.model_args as model_args
+    import titanctl.checkpoint.trust.model_args as model_args
     from titanctl.checkpoint.weights import find_checkpoint
 
     model = model_of(ARGS.replace(mtp_layers=1))
@@ -173,7 +173,7 @@ def test_a_config_declaring_more_depths_than_it_stores_is_refused_before_sizing_
 
 def test_a_model_without_depths_loads_a_checkpoint_with_one_and_says_so(tmp_path):
     from titanctl.checkpoint.convert import open_checkpoint
-    from titanctl.checkpoint.load_into_model import load_source_into
+    from titanctl.checkpoint.run.load_into_model import load_source_into
 
     model = model_of(ARGS.replace(mtp_layers=1))
     folder = tmp_path / "hf"

@@ -22,11 +22,11 @@ from safetensors.torch import load_file, save_file
 import titanctl.checkpoint.formats.hf as hf_format
 from tests.unit.test_checkpoint_trust import cli
 from tests.unit.test_gpt_oss_parity import tiny_model
-from titanctl.checkpoint import mxfp4
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
-from titanctl.checkpoint.hf_names import args_from_hf_config
-from titanctl.checkpoint.load_into_model import load_source_into
-from titanctl.checkpoint.load_plan import ForeignPlan, plan_load
+from titanctl.checkpoint.hf.names import args_from_hf_config
+from titanctl.checkpoint.quantized import mxfp4
+from titanctl.checkpoint.run.load_into_model import load_source_into
+from titanctl.checkpoint.run.load_plan import ForeignPlan, plan_load
 from titanctl.checkpoint.weights import find_checkpoint
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError

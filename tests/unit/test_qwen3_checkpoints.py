@@ -137,7 +137,7 @@ TRAIN = [
 
 
 def test_trained_qwen3_exports_to_transformers(transformers, tmp_path):
-    from titanctl.checkpoint.load_into_model import load_source_into
+    from titanctl.checkpoint.run.load_into_model import load_source_into
     from titanctl.cli.app import main
     from titanctl.config.recipe import load_config
     from titanctl.models.common.decoder import Transformer

@@ -19,7 +19,7 @@ from tests.unit.hf_reference import assert_round_trip_keeps_the_folder, per_expe
 from tests.unit.test_moe_layer import ARGS, theirs  # noqa: F401 - the module fixture
 from tests.unit.test_qwen3_checkpoints import safetensors_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
-from titanctl.checkpoint.hf_names import from_hf_state_dict, to_hf_state_dict
+from titanctl.checkpoint.hf.names import from_hf_state_dict, to_hf_state_dict
 from titanctl.errors import CheckpointError
 from titanctl.models.common.decoder import Transformer
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanctl.checkpoint.hf_names import from_hf_state_dict, to_hf_state_dict
+from titanctl.checkpoint.hf.names import from_hf_state_dict, to_hf_state_dict
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.tp_plan import block_plan

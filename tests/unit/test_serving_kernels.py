@@ -1,5 +1,5 @@
 """The export warns when vLLM's kernels do not take the model's attention shape (one table,
-titanctl.checkpoint.serving_kernels), and every family's debug flavor is within them."""
+titanctl.checkpoint.hf.serving_kernels), and every family's debug flavor is within them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titanctl.checkpoint.convert import convert_checkpoint, save_state_dict
-from titanctl.checkpoint.serving_kernels import serving_warning
+from titanctl.checkpoint.hf.serving_kernels import serving_warning
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.registry import all_specs, build_model, flavor_args
 

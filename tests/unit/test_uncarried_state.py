@@ -1,4 +1,4 @@
-"""Trained state a format has no slot for (titanctl.checkpoint.uncarried): the MoE expert bias that
+"""Trained state a format has no slot for (titanctl.checkpoint.hf.uncarried): the MoE expert bias that
 moe.load_balance_coeff trains, which Hugging Face's gpt-oss and Qwen3-MoE formats do not store, is refused
 in one line by `--to hf` unless --drop-expert-bias accepts the loss; dcp and torchtitan carry it exactly; a
 zero bias (the balancing off) exports as before; a run that would save it into HF folders does not start."""
@@ -10,7 +10,7 @@ import torch
 
 from tests.unit.hf_reference import unit_scale_
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, save_state_dict
-from titanctl.checkpoint.uncarried import check_hf_saves
+from titanctl.checkpoint.hf.uncarried import check_hf_saves
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS

@@ -25,8 +25,8 @@ from titanctl.checkpoint.formats import FORMATS, detect
 from titanctl.checkpoint.formats.base import torch_weight_files
 from titanctl.checkpoint.formats.hf import CONFIG_FILE as HF_CONFIG
 from titanctl.checkpoint.formats.meta import PARAMS_FILE
-from titanctl.checkpoint.metadata import METADATA_FILE
-from titanctl.checkpoint.reader import DCP_INDEX
+from titanctl.checkpoint.trust.metadata import METADATA_FILE
+from titanctl.checkpoint.trust.reader import DCP_INDEX
 from titanctl.errors import CheckpointError
 
 STEP_FOLDER = re.compile(r"step-(\d+)")

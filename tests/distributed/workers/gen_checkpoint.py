@@ -54,8 +54,8 @@ def make_checkpoints(out: Path) -> tuple[Path, Path]:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.hf.names import hf_config, to_hf_state_dict
+    from titanctl.checkpoint.trust.metadata import write_metadata
 
     model, args = train_tiny()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

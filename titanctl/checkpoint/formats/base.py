@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from titanctl.checkpoint.model_args import check_finite_numbers
-from titanctl.checkpoint.paths import check_inside
-from titanctl.checkpoint.shape_inference import kv_heads_hint
+from titanctl.checkpoint.trust.model_args import check_finite_numbers
+from titanctl.checkpoint.trust.paths import check_inside
+from titanctl.checkpoint.trust.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.shapes import tied_weights, weight_shapes

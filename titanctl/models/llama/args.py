@@ -15,7 +15,7 @@ LLAMA32_ROPE = RopeScaling(
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     # CPU-sized: 8 heads of 32 (vLLM's CPU attention takes no head narrower than 32:
-    # titanctl.checkpoint.serving_kernels), 2 of them key/value, as 8B's ratio of 4.
+    # titanctl.checkpoint.hf.serving_kernels), 2 of them key/value, as 8B's ratio of 4.
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=2),
     # torchtitan's own debugmodel (0.2 and 0.3): the same widths in 16 heads of 16, all of them
     # key/value; what a torchtitan debug checkpoint, which records no config, is read as.

@@ -8,7 +8,7 @@ run that started from such a checkpoint); every Hugging Face export writes it ba
 (``export_config``), as long as it still describes the model being written: titanctl must write the
 same config.json from the model that config describes as from the model being exported (a run that
 changed ``rope_theta`` no longer is the source's model). Otherwise, and for a model trained from
-scratch, the config is written from the model's arguments (``hf_names.hf_config``).
+scratch, the config is written from the model's arguments (``hf.names.hf_config``).
 
 ``CHANGED_KEYS`` names every key an export may write differently from the carried config, and why.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanctl.checkpoint.hf_names import args_from_hf_config, hf_config
+from titanctl.checkpoint.hf.names import args_from_hf_config, hf_config
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 

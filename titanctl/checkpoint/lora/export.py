@@ -2,7 +2,7 @@
 
 A LoRA run's step folder holds the adapters (``layers.0.attention.wq.lora_a`` ...) and records in its
 ``titanctl.json`` under ``lora`` their rank, alpha, dropout and targets, and the base they were
-trained on (``titanctl.checkpoint.lora_base``).
+trained on (``titanctl.checkpoint.lora.base``).
 
 ``--to peft`` writes what ``PeftModel.from_pretrained(base, folder)`` loads onto the base transformers
 model: ``adapter_config.json`` (rank, alpha, dropout, the Hugging Face names of the adapted modules)
@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from titanctl.checkpoint.formats.base import Source
-from titanctl.checkpoint.hf_names import to_hf_rows
+from titanctl.checkpoint.hf.names import to_hf_rows
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.parallel.converters.lora import adapter_names
@@ -107,7 +107,7 @@ def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dic
 
 def _hf_experts_module(layer_module: str, args: ModelArgs) -> str:
     """``layers.{i}.moe.experts`` -> ``model.layers.{i}.mlp.experts`` (transformers' packed experts)."""
-    from titanctl.checkpoint.hf_names import hf_names_of
+    from titanctl.checkpoint.hf.names import hf_names_of
 
     first = hf_names_of(f"{layer_module}.w1", args)[0]  # model.layers.{i}.mlp.experts.0.gate_proj.weight
     return first.rsplit(".", 3)[0]
@@ -149,8 +149,8 @@ def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
     files verified against their checksums first. A CheckpointError for a folder without adapters."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from titanctl.checkpoint.lora_base import read_record
-    from titanctl.checkpoint.reader import DCPFolder, quiet_dcp
+    from titanctl.checkpoint.lora.base import read_record
+    from titanctl.checkpoint.trust.reader import DCPFolder, quiet_dcp
     from titanctl.parallel.converters.lora import is_adapter
 
     reader = DCPFolder(folder)
@@ -227,7 +227,7 @@ class MergedSource(Source):
         return merged.to(weight.dtype)
 
     def extra_metadata(self) -> dict[str, Any]:
-        from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
+        from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
 
         kinds = {"step": int, HF_CONFIG_KEY: dict}
         return {key: self.meta[key] for key, kind in kinds.items() if isinstance(self.meta.get(key), kind)}

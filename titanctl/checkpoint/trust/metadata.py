@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from titanctl.checkpoint.model_args import args_from_fields
-from titanctl.checkpoint.paths import inside
+from titanctl.checkpoint.trust.model_args import args_from_fields
+from titanctl.checkpoint.trust.paths import inside
 from titanctl.errors import CheckpointCorrupt, CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.safe_io import load_json, replace_atomically
@@ -52,7 +52,7 @@ _REQUIRED = {"step": "count", "weights_only": "bool", "dtype": "str", "model_arg
 _OPTIONAL = {"tokens_seen": "count", "dp_degree": "positive", "global_batch_size": "positive",
              "world_size": "positive", "contents": "names", "checksums": "dict", "version": "count",
              "hf_config": "dict",  # hf_config: the Hugging Face config.json the weights came from
-             "lora": "dict"}  # lora: a LoRA step's adapters and base (titanctl.checkpoint.lora_base)
+             "lora": "dict"}  # lora: a LoRA step's adapters and base (titanctl.checkpoint.lora.base)
 _KINDS = {
     "count": ("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "positive": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
@@ -115,5 +115,5 @@ def _brief(value: Any, limit: int = 60) -> str:
 
 
 def model_args_from_metadata(meta: dict[str, Any], where: str = METADATA_FILE) -> ModelArgs:
-    """The model a titanctl.json describes, checked (titanctl.checkpoint.model_args)."""
+    """The model a titanctl.json describes, checked (titanctl.checkpoint.trust.model_args)."""
     return args_from_fields(meta.get("model_args"), where)

@@ -56,7 +56,7 @@ def declared_block_size(config: dict[str, Any] | None, where: str) -> tuple[int,
     if not isinstance(quantization, dict):
         raise CheckpointError(f"{where}: quantization_config is {quantization!r}, not an object")
     method = quantization.get("quant_method")
-    if method == "mxfp4":  # gpt-oss's: titanctl.checkpoint.mxfp4 pairs those tensors
+    if method == "mxfp4":  # gpt-oss's: titanctl.checkpoint.quantized.mxfp4 pairs those tensors
         return None
     if method != QUANT_METHOD:
         raise CheckpointError(

@@ -2,7 +2,7 @@
 
 ``plan_load`` picks the newest complete ``step-N`` of the run (or ``checkpoint.load_step``),
 else ``checkpoint.initial_load_path``, and checks it with everything that reads no tensor
-data (``titanctl.checkpoint.reader.DCPFolder``, then every model tensor's shape). When the
+data (``titanctl.checkpoint.trust.reader.DCPFolder``, then every model tensor's shape). When the
 run's own newest step is damaged (``CheckpointCorrupt``: a checksum mismatch, a truncated
 or missing file) and no step was asked for by number, it falls back to the newest older
 step that passes, and says so. Anything else (a foreign or mismatched checkpoint, a refused
@@ -19,7 +19,7 @@ and rounded once to the model's own dtype as each is copied in; their scales are
 
 A LoRA run (``lora.enable``) starts from two checkpoints: its base (``checkpoint.initial_load_path``, or
 the base its own newest step records) and, when it resumes, its own step, which holds the adapters,
-optimizer and step only: ``plan_load`` returns a ``LoRAPlan`` of both (``titanctl.checkpoint.lora_base``).
+optimizer and step only: ``plan_load`` returns a ``LoRAPlan`` of both (``titanctl.checkpoint.lora.base``).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanctl.checkpoint.formats import detect, open_source
-from titanctl.checkpoint.hf_save import newer_hf_saves_note, only_hf_saves_error
 from titanctl.checkpoint.locate import STEP_FOLDER as STEP_FOLDER  # re-exported (manager)
 from titanctl.checkpoint.locate import complete_checkpoints, locate
-from titanctl.checkpoint.lora_base import LoRAPlan, base_folder, check_lora_run, no_base, read_record
-from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
-from titanctl.checkpoint.reader import DCPFolder
+from titanctl.checkpoint.lora.base import LoRAPlan, base_folder, check_lora_run, no_base, read_record
+from titanctl.checkpoint.run.hf_save import newer_hf_saves_note, only_hf_saves_error
+from titanctl.checkpoint.trust.metadata import METADATA_FILE, model_args_from_metadata
+from titanctl.checkpoint.trust.reader import DCPFolder
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs

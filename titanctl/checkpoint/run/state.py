@@ -1,7 +1,7 @@
 """A training run's checkpointed state, one ``Stateful`` per part.
 
 ``CheckpointManager`` hands DCP a dict of these (the model's tensors at the top level, the
-others under their part names, see ``titanctl.checkpoint.metadata``); DCP calls
+others under their part names, see ``titanctl.checkpoint.trust.metadata``); DCP calls
 ``state_dict()`` on each before a save or a load and ``load_state_dict()`` after a load, in
 the order of the part names, so no part depends on another having been loaded first.
 """

@@ -5,7 +5,7 @@ write ``{checkpoint folder}/step-{N}-hf/``: what ``titanctl convert --to hf`` wr
 folder (config.json, generation_config.json, safetensors shards + their index, the run's tokenizer
 files), made by the same writer (``formats.hf.write``) from a source that is the live model. A run
 whose weights came from a Hugging Face folder (directly, or through a converted DCP checkpoint) writes
-that folder's config.json back, as ``convert`` does (the manager keeps it, ``hf_carried_config``).
+that folder's config.json back, as ``convert`` does (the manager keeps it, ``hf.carried_config``).
 
 One tensor at a time. Every rank walks the same list of canonical names, in the order the writer
 asks for them (``formats.hf.write_order``). For each name, the ranks that hold it (every rank, or
@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor
 
 from titanctl.checkpoint.formats import hf
 from titanctl.checkpoint.formats.base import Source, TensorInfo, no_progress
-from titanctl.checkpoint.reader import one_line
-from titanctl.checkpoint.state import ModelState
-from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.checkpoint.hf.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.checkpoint.run.state import ModelState
+from titanctl.checkpoint.trust.reader import one_line
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
@@ -168,7 +168,7 @@ def write_hf_folder(
 ) -> str | None:
     """Every rank, at the same point: rank 0 writes the HF model folder into ``tmp`` (made already).
     ``source_config``: the Hugging Face config.json the run's weights came from, if they did (written
-    back while it describes the model: ``hf_carried_config``). Returns, on rank 0, why the write failed
+    back while it describes the model: ``hf.carried_config``). Returns, on rank 0, why the write failed
     (None: it did not); None on the other ranks."""
     local = model.state_dict()  # this rank's (sharded) tensors under canonical names: no copies
     mine = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in local.items()}

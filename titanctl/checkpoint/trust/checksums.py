@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-from titanctl.checkpoint.paths import inside
+from titanctl.checkpoint.trust.paths import inside
 from titanctl.errors import CheckpointCorrupt, CheckpointError
 from titanctl.parallel.runtime import elastic
 

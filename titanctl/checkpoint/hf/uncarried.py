@@ -10,11 +10,15 @@ a run that would write Hugging Face folders of it while training it does not sta
 
 from __future__ import annotations
 
-from titanctl.checkpoint.formats.base import Source
-from titanctl.checkpoint.hf_names import hf_names_of
+from typing import TYPE_CHECKING
+
+from titanctl.checkpoint.hf.names import hf_names_of
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import spec_of
+
+if TYPE_CHECKING:  # a format's source is read here, never built: the formats sit above
+    from titanctl.checkpoint.formats.base import Source
 
 DROP_FLAG = "--drop-expert-bias"
 

@@ -4,7 +4,7 @@ Folder layout (``root = {job.dump_folder}/{checkpoint.folder}``)::
 
     root/step-{N}/            a complete checkpoint (plain DCP + titanctl.json + config.toml)
     root/step-{N}-hf/         a Hugging Face model folder (checkpoint.save_format, last_save_in_hf):
-                              weights only, never resumed from (``titanctl.checkpoint.hf_save``)
+                              weights only, never resumed from (``titanctl.checkpoint.run.hf_save``)
     root/.tmp-step-{N}/       a save in progress; never loaded, removed by the next save
     root/.tmp-step-{N}-hf/    the same for a Hugging Face save
     root/.trash-*/            a checkpoint being deleted (retention); never loaded
@@ -17,21 +17,21 @@ complete by construction. Retention first renames a folder away, then deletes it
 half-deleted checkpoint never looks complete either. It keeps the newest ``keep_latest_k``
 DCP steps and, counted apart, the newest ``keep_latest_k`` Hugging Face saves.
 
-The DCP state dict follows ``titanctl.checkpoint.metadata``: the model's canonical FQNs at
+The DCP state dict follows ``titanctl.checkpoint.trust.metadata``: the model's canonical FQNs at
 the top level, plus ``optimizer`` (flattened FQN keys, so it reshards across layouts),
 ``lr_scheduler``, ``dataloader``, ``train_state`` (step, tokens_seen) and ``rng``, and a DiLoCo run's
-``diloco`` (``extra_states``). Each part is a ``Stateful`` (``titanctl.checkpoint.state``); the manager
+``diloco`` (``extra_states``). Each part is a ``Stateful`` (``titanctl.checkpoint.run.state``); the manager
 builds one dict of them and hands it to DCP, for saves and loads alike.
 
 Integrity: every rank hashes the files it wrote and rank 0 records the checksums in
-``titanctl.json`` before the rename (``titanctl.checkpoint.checksums``). A load reads the
-folder through ``titanctl.checkpoint.reader`` (no pickle outside an allow-list) and verifies
+``titanctl.json`` before the rename (``titanctl.checkpoint.trust.checksums``). A load reads the
+folder through ``titanctl.checkpoint.trust.reader`` (no pickle outside an allow-list) and verifies
 the checksums before any tensor is used; a damaged newest step of the run's own folder is
-replaced by the newest older one that verifies (``titanctl.checkpoint.load_plan``).
+replaced by the newest older one that verifies (``titanctl.checkpoint.run.load_plan``).
 
 LoRA runs (``lora.enable``) save and resume their adapters and the model's saved buffers only, with
 the optimizer, schedule, data position and step; each step's ``titanctl.json`` records the adapters and
-their frozen base under ``lora`` (``titanctl.checkpoint.lora_base``), whose weights a start or resume
+their frozen base under ``lora`` (``titanctl.checkpoint.lora.base``), whose weights a start or resume
 loads first from the base's own checkpoint, after checking its fingerprint.
 
 Async saves (``checkpoint.async_mode``) stage a CPU copy, then write in a background
@@ -63,11 +63,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, gather_checksums, record
-from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
-from titanctl.checkpoint.hf_save import hf_folder_name, hf_saves, run_tokenizer, write_hf_folder
-from titanctl.checkpoint.load_into_model import load_source_into
-from titanctl.checkpoint.load_plan import (
+from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf.serving_kernels import serving_warning
+from titanctl.checkpoint.hf.uncarried import check_hf_saves
+from titanctl.checkpoint.lora.base import LORA_KEY, LoRAPlan, base_record, check_same_base
+from titanctl.checkpoint.run.hf_save import hf_folder_name, hf_saves, run_tokenizer, write_hf_folder
+from titanctl.checkpoint.run.load_into_model import load_source_into
+from titanctl.checkpoint.run.load_plan import (
     STATE_PARTS,
     STEP_FOLDER,
     ForeignPlan,
@@ -79,11 +81,7 @@ from titanctl.checkpoint.load_plan import (
     plan_load,
     resolve_checkpoint_path,
 )
-from titanctl.checkpoint.lora_base import LORA_KEY, LoRAPlan, base_record, check_same_base
-from titanctl.checkpoint.metadata import write_metadata
-from titanctl.checkpoint.reader import DCP_INDEX, first_failure, one_line, quiet_dcp
-from titanctl.checkpoint.serving_kernels import serving_warning
-from titanctl.checkpoint.state import (
+from titanctl.checkpoint.run.state import (
     LoaderState,
     ModelState,
     OptimizerState,
@@ -91,7 +89,9 @@ from titanctl.checkpoint.state import (
     SchedulerState,
     TrainState,
 )
-from titanctl.checkpoint.uncarried import check_hf_saves
+from titanctl.checkpoint.trust.checksums import ChecksumWriter, digest_files, gather_checksums, record
+from titanctl.checkpoint.trust.metadata import write_metadata
+from titanctl.checkpoint.trust.reader import DCP_INDEX, first_failure, one_line, quiet_dcp
 from titanctl.config.job_config import JobConfig
 from titanctl.config.recipe import to_toml
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
@@ -175,7 +175,7 @@ class CheckpointManager:
         self.timings: list[SaveTiming] = []
         self._pending: _Pending | None = None
         # The Hugging Face config.json the weights came from (set by load): kept in every DCP step and
-        # written back by Hugging Face saves (titanctl.checkpoint.hf_carried_config).
+        # written back by Hugging Face saves (titanctl.checkpoint.hf.carried_config).
         self.hf_config: dict[str, Any] | None = None
 
         check_config(cfg)
@@ -269,7 +269,7 @@ class CheckpointManager:
 
     def save_hf(self, step: int) -> Path:
         """``step-{N}-hf``: the current weights as a Hugging Face model folder, gathered tensor by
-        tensor from the sharded model (``titanctl.checkpoint.hf_save``); every rank calls it at the
+        tensor from the sharded model (``titanctl.checkpoint.run.hf_save``); every rank calls it at the
         same point, and it returns when the folder is complete (weights only, never resumed from)."""
         self.wait()  # the tensors travel on the checkpoint group: no async write may share it
         started = time.perf_counter()

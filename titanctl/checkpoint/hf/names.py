@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from titanctl.checkpoint.model_args import check_args
-from titanctl.checkpoint.shape_inference import kv_heads_hint
+from titanctl.checkpoint.trust.model_args import check_args
+from titanctl.checkpoint.trust.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import all_specs, spec_for_hf_model_type, spec_of
@@ -404,7 +404,7 @@ def args_from_hf_config(
     cfg: dict[str, Any], *, max_seq_len: int | None = None, where: str = "the Hugging Face config"
 ) -> ModelArgs:
     """ModelArgs of a Hugging Face ``*ForCausalLM`` config (4.x or 5.x keys) of any family, whose
-    ``model_type`` picks the family, checked (``titanctl.checkpoint.model_args.check_args``).
+    ``model_type`` picks the family, checked (``titanctl.checkpoint.trust.model_args.check_args``).
 
     ``max_seq_len`` (the RoPE table length; the trainer sets its own) defaults to
     ``max_position_embeddings``.
@@ -439,3 +439,9 @@ __all__ = [
     "to_hf_rows",
     "to_hf_tensors",
 ]
+
+
+def special_token_ids(args: ModelArgs) -> tuple[int | None, int | None]:
+    """bos/eos ids that the family's convention derives from the vocabulary (Llama 3's: the 256
+    specials come last); (None, None) for a family without one (the tokenizer, when exported, says)."""
+    return spec_of(args).hf.special_ids(args.vocab_size)

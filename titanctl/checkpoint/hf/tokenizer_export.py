@@ -40,8 +40,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from titanctl.checkpoint.formats.hf import special_token_ids
-from titanctl.checkpoint.paths import boundary, inside
+from titanctl.checkpoint.hf.names import special_token_ids
+from titanctl.checkpoint.trust.paths import boundary, inside
 from titanctl.data.chat_template import MAX_TEMPLATE_BYTES, TEMPLATE_FILE
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, MAX_TOKENIZER_BYTES, Tokenizer
 from titanctl.errors import CheckpointError, DataError

@@ -26,8 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from titanctl.checkpoint import checksums
-from titanctl.checkpoint.metadata import METADATA_FILE, read_metadata
+from titanctl.checkpoint.trust import checksums
+from titanctl.checkpoint.trust.metadata import METADATA_FILE, read_metadata
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import CheckpointError, ConfigError
 
@@ -157,8 +157,8 @@ class LoRAPlan:
     """A LoRA run's start: its base's weights (``base``, an initial plan), then, when the run resumes,
     its own step (``own``: adapters, optimizer, step...) trained on that base (``recorded``)."""
 
-    base: Any  # titanctl.checkpoint.load_plan.LoadPlan | ForeignPlan, initial, model only
-    own: Any = None  # titanctl.checkpoint.load_plan.LoadPlan of the run's own step
+    base: Any  # titanctl.checkpoint.run.load_plan.LoadPlan | ForeignPlan, initial, model only
+    own: Any = None  # titanctl.checkpoint.run.load_plan.LoadPlan of the run's own step
     recorded: dict[str, str] | None = None  # the own step's base record
     notes: list[str] = dataclasses.field(default_factory=list)
     restores_model: bool = True  # the base's weights, and the adapters when resuming

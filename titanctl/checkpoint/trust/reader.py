@@ -4,8 +4,8 @@
 
 1. ``titanctl.json`` (when present) is read and its fields type-checked;
 2. ``.metadata`` is compared with its recorded checksum, then unpickled through an allow-list
-   of DCP's metadata classes (``titanctl.checkpoint.unpickle``) and checked field by field;
-3. every data file the index names resolves inside the folder (``titanctl.checkpoint.paths``),
+   of DCP's metadata classes (``titanctl.checkpoint.trust.unpickle``) and checked field by field;
+3. every data file the index names resolves inside the folder (``titanctl.checkpoint.trust.paths``),
    exists, and is long enough for the byte ranges the index gives it.
 
 ``verify()`` then hashes the data files against ``titanctl.json``'s checksums (shared over the
@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
-from titanctl.checkpoint import checksums
-from titanctl.checkpoint.metadata import METADATA_FILE, read_metadata
-from titanctl.checkpoint.paths import inside
-from titanctl.checkpoint.unpickle import check_index_size, load_dcp_index, load_plain_item
+from titanctl.checkpoint.trust import checksums
+from titanctl.checkpoint.trust.metadata import METADATA_FILE, read_metadata
+from titanctl.checkpoint.trust.paths import inside
+from titanctl.checkpoint.trust.unpickle import check_index_size, load_dcp_index, load_plain_item
 from titanctl.errors import CheckpointCorrupt, CheckpointError, TitanError
 
 DCP_INDEX = ".metadata"
@@ -173,7 +173,7 @@ class _IndexedReader(FileSystemReader):
 
 class _PlainDataPlanner(DefaultLoadPlanner):
     """DCP's default planner, with two changes: a missing item is a one-line error, and non-tensor
-    items are unpickled as plain data only (``titanctl.checkpoint.unpickle.load_plain_item``)."""
+    items are unpickled as plain data only (``titanctl.checkpoint.trust.unpickle.load_plain_item``)."""
 
     def __init__(self, source: DCPFolder, on_missing: Callable[[str], TitanError] | None) -> None:
         super().__init__()
