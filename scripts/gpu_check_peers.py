@@ -101,7 +101,7 @@ def generation(ctx, checkpoint: Path, hf: Path, ours: dict) -> dict:
     import transformers
 
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import find_checkpoint, load_model
+    from titanctl.inference.generate import find_checkpoint, load_model
 
     device = torch.device(ctx.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products on both sides (torch's default, made sure)

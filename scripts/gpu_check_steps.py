@@ -218,7 +218,7 @@ def train(ctx: Context, folder: Path, *args: str) -> tuple[list[dict], str]:
 def environment(ctx: Context, out: dict) -> None:
     import torch
 
-    from titanctl.tools.plan.calibrate import _cpu_name  # /proc/cpuinfo's model name
+    from titanctl.planning.plan.calibrate import _cpu_name  # /proc/cpuinfo's model name
     from titanctl.train.peak import cpu_peak, gpu_peak_tflops
 
     out["versions"] = versions(torch)

@@ -38,7 +38,7 @@ def checkpoints(tmp_path_factory, single_thread):
 def one_process(folder: Path, **sampling) -> list[int]:
     """Generation in this process, without a process group: the reference."""
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import find_checkpoint, generate, load_model
+    from titanctl.inference.generate import find_checkpoint, generate, load_model
 
     source = find_checkpoint(folder)
     ids = Tokenizer().encode(PROMPT, bos=True, eos=False)

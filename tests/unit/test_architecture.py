@@ -163,7 +163,50 @@ def test_the_graph_sees_local_and_package_imports():
     # a module-level import, a from-package import of a submodule, and a function-local import
     assert "titanctl.errors" in graph["titanctl.config.recipe"]
     assert "titanctl.parallel.runtime.elastic" in graph["titanctl.cli.console"]
-    assert "titanctl.tools.profile_run" in graph["titanctl.cli.profile"]  # inside the command function
+    assert "titanctl.observability.profile_run" in graph["titanctl.cli.profile"]  # inside the command function
+
+
+# The rooms of titanctl/, lowest first (docs/development.md's map says what each holds). A room imports
+# only rooms of lower levels; rooms of one level do not import each other, but for the one-file modules
+# at the bottom. ``rl`` (a stage over train and inference, issue 59) has its level before its room exists.
+LAYERS = [
+    ("errors", "_torch_compat", "deadline", "gc_pauses", "safe_io", "host_memory", "_inductor_cache", "titanctl"),
+    ("config",),
+    ("data", "models"),
+    ("parallel",),
+    ("checkpoint",),
+    ("train", "inference"),
+    ("planning", "observability", "rl"),
+    ("cli",),
+    ("__main__",),
+]
+
+
+def layer_violations(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Package imports that go up or sideways in LAYERS, and packages on no layer."""
+    level = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+    found = [f"{room} is on no layer" for room in sorted(set(graph) | {t for ts in graph.values() for t in ts})
+             if room not in level]
+    for source, targets in sorted(graph.items()):
+        for target, modules in sorted(targets.items()):
+            if source in level and target in level and (level[target] > level[source] or (
+                    level[target] == level[source] and level[source] > 0)):
+                found.append(f"{source} imports {target} (a room it sits not above): {sorted(set(modules))[:3]}")
+    return found
+
+
+def test_rooms_import_only_lower_layers():
+    assert not (found := layer_violations(import_graph())), "\n".join(found)
+
+
+def test_the_layer_rule_sees_up_and_sideways_imports():
+    graph = {"train": {"inference": ["titanctl.train.x"]}, "models": {"cli": ["titanctl.models.y"]},
+             "safe_io": {"errors": ["titanctl.safe_io"]}, "tools": {"errors": ["titanctl.tools.z"]}}
+    assert layer_violations(graph) == [
+        "tools is on no layer",
+        "models imports cli (a room it sits not above): ['titanctl.models.y']",
+        "train imports inference (a room it sits not above): ['titanctl.train.x']",
+    ]
 
 
 def test_the_model_knows_nothing_of_parallelism_or_training():
@@ -173,7 +216,7 @@ def test_the_model_knows_nothing_of_parallelism_or_training():
 
 
 def test_no_module_outside_models_imports_a_family():
-    """parallel/, checkpoint/, train/, tools/ (and everything else) reach a family through
+    """parallel/, checkpoint/, train/, inference/, planning/ (and everything else) reach a family through
     titanctl.models.registry: adding a family edits no module outside titanctl/models/."""
     from titanctl.models.registry import FAMILIES
 

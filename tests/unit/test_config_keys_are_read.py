@@ -223,7 +223,7 @@ def test_a_read_through_another_section_or_a_generic_getattr_does_not_count(tmp_
 
 
 def test_a_key_only_the_memory_estimator_reads_must_say_so(tmp_path, monkeypatch):
-    estimator = write(tmp_path, "titanctl/tools/memory/estimate.py", "def f(cfg):\n    return cfg.estimation.margin\n")
+    estimator = write(tmp_path, "titanctl/planning/memory/estimate.py", "def f(cfg):\n    return cfg.estimation.margin\n")
     monkeypatch.setattr(sys.modules[__name__], "MEMORY_ESTIMATOR", estimator.parent)
     assert unread_keys({"estimation": Estimation}, [estimator]) == [
         "estimation.margin: read only by the memory estimator, and its help does not say so"

@@ -176,7 +176,7 @@ def test_block_causal_needs_a_bos_token():
 
 
 def test_estimate_memory_refuses_block_causal():
-    from titanctl.tools.memory.estimate import plan_estimate
+    from titanctl.planning.memory.estimate import plan_estimate
 
     cfg = JobConfig()
     cfg.model.attn_mask_type = "block_causal"

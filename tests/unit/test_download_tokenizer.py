@@ -18,8 +18,8 @@ import pytest
 
 from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV
+from titanctl.data.download import repo_file
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
-from titanctl.tools.download import repo_file
 
 SECRET = "hf_TopSecretToken1234567890"
 REPO_ID = "meta-llama/Llama-3.1-8B"  # the default --repo-id

@@ -13,8 +13,8 @@ from titanctl.config.recipe import load_config
 from titanctl.models.llama import LLAMA3_FLAVORS
 from titanctl.models.shapes import num_params
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES, SINGLE_STAGE_SCHEDULES
-from titanctl.tools.memory import estimate as memory
-from titanctl.tools.memory import shortcuts
+from titanctl.planning.memory import estimate as memory
+from titanctl.planning.memory import shortcuts
 
 TINY = ["--model.n_layers", "2", "--training.seq_len", "64"]
 
@@ -86,7 +86,7 @@ def test_second_step_equals_the_first_plus_adam_state():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titanctl.tools.memory.tracker import untracked_sharding_propagation
+    from titanctl.planning.memory.tracker import untracked_sharding_propagation
 
     plan = memory.plan_estimate(load_config(REPO / "recipes/llama3_debug.toml", TINY), 2)
     runs = {}
@@ -185,8 +185,8 @@ def run_pipeline_steps(cfg, world_size: int, derive: bool) -> memory._Run:
     """Rank 0's two steps of ``cfg`` (every block, every microbatch), the second derived or run."""
     import torch
 
-    from titanctl.tools.memory.fake import fake_tensor_mode
-    from titanctl.tools.memory.tracker import untracked_sharding_propagation
+    from titanctl.planning.memory.fake import fake_tensor_mode
+    from titanctl.planning.memory.tracker import untracked_sharding_propagation
 
     plan = memory.plan_estimate(cfg, world_size, all_layers=True, all_microbatches=True)
     with memory.fake_process_group(world_size, 0):
@@ -228,7 +228,7 @@ def test_pipeline_second_step_runs_under_gradient_accumulation():
 def _torch_tracker_dispatch(self, func, types, args=(), kwargs=None):
     """The trackers' per-op accounting as torch does it (what tracker._StepPeaks.__torch_dispatch__ did
     before it took the shorter way)."""
-    from titanctl.tools.memory import tracker
+    from titanctl.planning.memory import tracker
 
     if tracker._propagating or func is tracker._DEVICE_QUERY:
         return func(*args, **(kwargs or {}))
@@ -240,8 +240,8 @@ def tracked_runs(plan: memory.Plan) -> dict:
     phase, place) -> (peak, breakdown, module), and the state after the first step."""
     import torch
 
-    from titanctl.tools.memory.fake import fake_tensor_mode
-    from titanctl.tools.memory.tracker import untracked_sharding_propagation
+    from titanctl.planning.memory.fake import fake_tensor_mode
+    from titanctl.planning.memory.tracker import untracked_sharding_propagation
 
     out, dims = {}, dataclasses.replace(plan.dims)  # its own mesh, on this fake process group
     with memory.fake_process_group(plan.world_size, plan.rank):
@@ -282,7 +282,7 @@ def test_the_fast_ways_estimate_what_torch_own_code_does(monkeypatch, recipe, wo
     directly (checked against torch's, key by key), the trackers' shorter per-op accounting, and a
     pipeline's second step derived from its first; against torch's FakeTensorMode and trackers
     running every step: each place's peak and breakdown in every run, and the estimate."""
-    from titanctl.tools.memory import fake, tracker
+    from titanctl.planning.memory import fake, tracker
 
     assert fake.fast_keys_apply(), "torch's fake-tensor cache key changed: the fast keys are off"
     plan = memory.plan_estimate(load_config(REPO / recipe, overrides), world_size)

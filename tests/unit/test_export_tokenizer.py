@@ -72,7 +72,7 @@ def test_autotokenizer_gives_titanctl_ids_on_the_whole_bundled_corpus(export, tr
     assert theirs(docs[0])["input_ids"] == ours.encode(docs[0], bos=True, eos=False)
     assert theirs.decode(want[1]) == docs[1]
     # transformers reads the chat template beside the tokenizer: the same ids as titanctl's chat encoding.
-    from titanctl.tools.chat_prompt import chat_prompt
+    from titanctl.inference.chat_prompt import chat_prompt
 
     messages = [{"role": "user", "content": "Who speaks first?"}]
     ids = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -11,6 +11,7 @@ import torch
 from titanctl import _torch_compat
 from titanctl.config.recipe import load_config
 from titanctl.errors import TitanError
+from titanctl.observability.fr_analysis import analyze, parse_dump
 from titanctl.parallel.runtime import ft_state, hang_watchdog
 from titanctl.parallel.runtime.fault_tolerance import (
     POSITIONS_FILE,
@@ -21,7 +22,6 @@ from titanctl.parallel.runtime.fault_tolerance import (
     model_fragments,
     sync_position,
 )
-from titanctl.tools.fr_analysis import analyze, parse_dump
 
 
 class Tiny(torch.nn.Module):

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from titanctl.errors import CheckpointError, ParallelError
+from titanctl.inference.generate import CACHE_BUCKET, Decoder, cache_length, check_tp_degree, find_checkpoint, generate
+from titanctl.inference.sampling import Sampling
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
-from titanctl.tools.generate import CACHE_BUCKET, Decoder, cache_length, check_tp_degree, find_checkpoint, generate
-from titanctl.tools.sampling import Sampling
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
 PROMPT = [1, 17, 99, 3, 250, 42, 7]
@@ -185,7 +185,7 @@ def test_run_says_each_phase_and_reports_rates_apart(model, tmp_path):
 
     from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import run
+    from titanctl.inference.generate import run
 
     args = ARGS.replace(vocab_size=Tokenizer().vocab_size, max_seq_len=256)
     small = Transformer(args)
@@ -284,7 +284,7 @@ def test_full_training_dcp_checkpoint_loads_its_model_keys(model, tmp_path, dtyp
     import torch.distributed.checkpoint as dcp
 
     from titanctl.checkpoint.trust.metadata import write_metadata
-    from titanctl.tools.generate import build_model, load_weights
+    from titanctl.inference.generate import build_model, load_weights
 
     weights = {k: v.detach().to(dtype).clone() for k, v in model.state_dict().items()}
     state = {**weights, "optimizer": {"state": {"exp_avg": torch.ones(3)}}, "train_state": {"step": 7}}
@@ -304,7 +304,7 @@ def test_dcp_checkpoint_of_another_model_is_refused(model, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from titanctl.checkpoint.trust.metadata import write_metadata
-    from titanctl.tools.generate import build_model, load_weights
+    from titanctl.inference.generate import build_model, load_weights
 
     dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path),
              no_dist=True)
@@ -369,7 +369,7 @@ def test_a_long_prompt_prefills_in_chunks_over_the_written_positions_only(monkey
     prompt x cache, where latent attention read the whole cache; every layer's causal mask was kept
     besides). Chunks bound queries x keys; each attends to the positions up to its end (latent attention
     too); the cache and the tokens are the one forward's."""
-    import titanctl.tools.generate as generation
+    import titanctl.inference.generate as generation
 
     model = long_prompt_model(family)
     prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -399,8 +399,8 @@ def test_a_long_prompt_prefills_in_chunks_over_the_written_positions_only(monkey
 
 
 def test_the_memory_estimate_is_what_the_cache_allocates():
+    from titanctl.inference.generate import generation_bytes
     from titanctl.models.shapes import num_params
-    from titanctl.tools.generate import generation_bytes
 
     for family in ("llama3", "deepseek_v3"):
         model = long_prompt_model(family)
@@ -419,7 +419,7 @@ def test_a_generation_that_does_not_fit_in_memory_is_refused_before_loading(tmp_
     memory available, one line says so before a weight is loaded."""
     import torch.distributed.checkpoint as dcp
 
-    import titanctl.tools.generate as generation
+    import titanctl.inference.generate as generation
     from titanctl.checkpoint.trust.metadata import write_metadata
     from titanctl.data.tokenizer import Tokenizer
     from titanctl.errors import ConfigError
@@ -446,7 +446,7 @@ def test_a_generation_that_does_not_fit_in_memory_is_refused_before_loading(tmp_
 def test_inductor_options_measured_on_cpu_stay_on_cpu(model):
     """The C++ wrapper and one kernel thread were measured on CPUs; a model on another device (a GPU;
     meta stands in for it here) compiles its decode step with inductor's defaults."""
-    from titanctl.tools.generate import _compile_options
+    from titanctl.inference.generate import _compile_options
 
     assert _compile_options(model) == {"cpp_wrapper": True, "cpp.threads": 1}
     with torch.device("meta"):

@@ -12,7 +12,7 @@ import torch
 from tests.unit.chat_tokenizers import bundled_folder
 from titanctl.checkpoint.convert import convert_checkpoint
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.tools.generate import Decoder, find_checkpoint, load_model, run
+from titanctl.inference.generate import Decoder, find_checkpoint, load_model, run
 
 PROMPTS = ["To be, or not to be", "In the beginning God created", "My lord, the king"]
 NEW_TOKENS = 40

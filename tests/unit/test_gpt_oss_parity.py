@@ -17,6 +17,7 @@ import torch
 from tests.unit.hf_reference import assert_round_trip_keeps_the_folder, unit_scale_
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
+from titanctl.inference.generate import find_checkpoint, generate, load_model
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.document_mask import document_mask
 from titanctl.models.common.flops import active_params
@@ -24,7 +25,6 @@ from titanctl.models.common.moe import Router
 from titanctl.models.common.rope import rope_table, yarn_frequencies
 from titanctl.models.gpt_oss.args import GPT_OSS_FLAVORS, GPT_OSS_YARN
 from titanctl.models.registry import build_model
-from titanctl.tools.generate import find_checkpoint, generate, load_model
 
 TOL = 1e-5
 WINDOW = 8

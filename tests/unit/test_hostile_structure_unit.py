@@ -196,7 +196,7 @@ def test_a_config_declaring_more_than_twice_the_stored_values_is_refused():
 
 
 def test_a_folder_with_more_files_than_the_limit_is_one_line(tmp_path, monkeypatch):
-    from titanctl.tools import trace_analysis
+    from titanctl.observability import trace_analysis
 
     monkeypatch.setattr(trace_analysis, "MAX_FILES", 5)
     for i in range(6):

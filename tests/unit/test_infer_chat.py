@@ -11,16 +11,16 @@ import shutil
 import pytest
 import torch
 
-import titanctl.tools.generate as generation
+import titanctl.inference.generate as generation
 from tests.unit.chat_tokenizers import bundled_folder, qwen_folder
 from titanctl.checkpoint.trust.metadata import write_metadata
 from titanctl.cli.app import main
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError
+from titanctl.inference.chat_prompt import chat_messages, chat_prompt
 from titanctl.models.llama.args import ModelArgs
 from titanctl.models.llama.model import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
-from titanctl.tools.chat_prompt import chat_messages, chat_prompt
 
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=4352, multiple_of=32, max_seq_len=256)
 

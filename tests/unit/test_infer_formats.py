@@ -27,10 +27,10 @@ from titanctl.checkpoint.convert import convert_checkpoint
 from titanctl.checkpoint.hf.names import hf_config
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import CheckpointError, ConfigError, DataError
+from titanctl.inference.generate import check_vocab, run
+from titanctl.inference.sampling import Sampling, sample, seed_key
 from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.qwen3 import qwen3_args
-from titanctl.tools.generate import check_vocab, run
-from titanctl.tools.sampling import Sampling, sample, seed_key
 
 PROMPT = "The quick brown fox"
 NEW = 12
@@ -259,8 +259,8 @@ def test_sampling_leaves_out_ids_past_the_vocabulary(temperature, top_k):
 def test_a_checkpoint_that_declares_its_model_refuses_model_overrides(tmp_path):
     from titanctl.checkpoint.weights import CheckpointSource
     from titanctl.errors import ConfigError
+    from titanctl.inference.generate import check_model_overrides
     from titanctl.models.llama.args import LLAMA3_FLAVORS
-    from titanctl.tools.generate import check_model_overrides
 
     declared = CheckpointSource("hf", tmp_path, LLAMA3_FLAVORS["debugmodel"], origin="config.json")
     with pytest.raises(ConfigError, match=r"^--model.n_layers is not read by infer-tp for .*config.json"):

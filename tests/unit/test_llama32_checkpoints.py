@@ -82,7 +82,7 @@ def test_infer_tp_on_a_tied_llama32_folder_equals_generate(theirs, tmp_path):  #
     from tests.unit.test_hf_tokenizer import train_qwen_style
     from tests.unit.test_infer_formats import NEW, PROMPT, reference
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import run
+    from titanctl.inference.generate import run
 
     train_qwen_style(tmp_path / "tok")  # any byte-level BPE of fewer ids than the model's 512 rows
     theirs.save_pretrained(tmp_path / "hf")

@@ -17,11 +17,11 @@ from titanctl.parallel.layouts.build import check_layout
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.pipeline_parallel import microbatch_count
 from titanctl.parallel.layouts.pipeline_stages import pipeline_layer_ranges
-from titanctl.tools.memory import estimate as memory
-from titanctl.tools.plan import calibrate, devices
-from titanctl.tools.plan.candidates import Candidate
-from titanctl.tools.plan.cost_model import collective_time, spans_nodes
-from titanctl.tools.plan.search import plan, recipe_config
+from titanctl.planning.memory import estimate as memory
+from titanctl.planning.plan import calibrate, devices
+from titanctl.planning.plan.candidates import Candidate
+from titanctl.planning.plan.cost_model import collective_time, spans_nodes
+from titanctl.planning.plan.search import plan, recipe_config
 
 DEBUG = REPO / "recipes" / "llama3_debug.toml"
 H100 = devices.resolve_device("h100", None, {})
@@ -128,7 +128,7 @@ def test_collectives_follow_the_ring_formulas():
 
 def test_more_pipeline_microbatches_shrink_the_bubble():
     cfg = recipe_config(REPO / "recipes" / "llama3_8b.toml")
-    from titanctl.tools.plan.search import Planner
+    from titanctl.planning.plan.search import Planner
 
     planner = Planner("llama3_8b", cfg, H100)
     bubbles = []
@@ -144,7 +144,7 @@ def test_a_pipeline_on_shared_cores_costs_the_ranks_mean_work():
     """Processes that share cores (cores_per_process < 1): the ranks' mean work is what a step costs, not
     the busiest rank's (the last stage's output layer and loss spread over the cores while others wait)."""
     cfg = recipe_config(DEBUG)
-    from titanctl.tools.plan.search import Planner
+    from titanctl.planning.plan.search import Planner
 
     c = Candidate(1, 2, 1, 2, 1, 1, 16, 1, pp_schedule="1F1B", pp_microbatch_size=4, ac="none")
     own_cores = dataclasses.replace(H100, host_runs_ahead=False)
@@ -208,7 +208,7 @@ def test_the_finalists_memory_is_estimate_memorys(debug_plan):
     ("llama3_8b_lora", 16, Candidate(1, 4, 2, 1, 1, 1, 2, 1, ac="selective_op")),
 ], ids=lambda v: v.describe() + " " + v.ac if isinstance(v, Candidate) else str(v))
 def test_the_fast_path_is_near_the_exact_estimate(recipe, global_batch, candidate):
-    from titanctl.tools.plan.search import Planner
+    from titanctl.planning.plan.search import Planner
 
     path = REPO / "recipes" / f"{recipe}.toml"
     planner = Planner(str(path), recipe_config(path), H100)
@@ -219,7 +219,7 @@ def test_the_fast_path_is_near_the_exact_estimate(recipe, global_batch, candidat
 @pytest.mark.slow  # one exact estimate (a few seconds)
 def test_a_pipelines_memory_is_its_busiest_ranks():
     # estimate-memory runs rank 0; the last stage's logits make a later rank hold more, which the plan shows.
-    from titanctl.tools.plan.search import Layout, Planner
+    from titanctl.planning.plan.search import Layout, Planner
 
     path = REPO / "recipes" / "llama3_8b.toml"
     planner = Planner(str(path), recipe_config(path), H100)
@@ -288,7 +288,7 @@ def test_a_model_that_fits_nowhere_is_one_error():
 ], ids=["gpus-10^12", "gpus-2^64", "global-batch-10^15"])
 def test_absurd_device_counts_and_batches_are_refused_before_enumerating(monkeypatch, gpus, global_batch, needle):
     """Issue 46/47: these ran for hours (a loop to N per divisor list); refused before any layout is built."""
-    from titanctl.tools.plan import search
+    from titanctl.planning.plan import search
 
     def enumerated(*args, **kwargs):
         raise AssertionError("enumerated layouts for an absurd input")
@@ -299,7 +299,7 @@ def test_absurd_device_counts_and_batches_are_refused_before_enumerating(monkeyp
 
 
 def test_divisors_are_found_up_to_the_square_root():
-    from titanctl.tools.plan.candidates import divisors
+    from titanctl.planning.plan.candidates import divisors
 
     for n in (1, 2, 12, 36, 97, 720720):
         assert divisors(n) == tuple(d for d in range(1, n + 1) if n % d == 0)
@@ -311,7 +311,7 @@ def test_timed_layouts_are_kept_to_the_fastest_that_can_be_shown(monkeypatch):
     memory: the list is cut to the fastest top + exact, and what is shown is what sorting them all shows."""
     import weakref
 
-    from titanctl.tools.plan import search
+    from titanctl.planning.plan import search
 
     cfg = recipe_config(DEBUG)
     options = dict(top=3, exact=0, compile_options=(False, True))
@@ -366,7 +366,7 @@ def test_no_exact_estimate_starts_past_the_time_budget():
 
 
 def test_the_recipes_activation_checkpointing_can_be_kept():
-    from titanctl.tools.plan.search import ac_modes_from
+    from titanctl.planning.plan.search import ac_modes_from
 
     assert ac_modes_from("recipe", recipe_config(REPO / "recipes" / "llama3_8b.toml")) == ("selective_op",)
     assert ac_modes_from("recipe", recipe_config(REPO / "recipes" / "llama3_70b.toml")) == ("full",)
@@ -377,7 +377,7 @@ def test_the_recipes_activation_checkpointing_can_be_kept():
 
 def test_compute_scale_multiplies_the_compute_terms_only():
     cfg = recipe_config(DEBUG)
-    from titanctl.tools.plan.search import Planner
+    from titanctl.planning.plan.search import Planner
 
     c = Candidate(1, 4, 1, 1, 1, 1, 8, 1, ac="none")
     one = Planner("llama3_debug", cfg, H100).evaluate(c, 32).time
@@ -389,7 +389,7 @@ def test_compute_scale_multiplies_the_compute_terms_only():
 def test_the_workload_counts_gpt_oss_expert_biases_as_expert_parameters():
     from titanctl.models.gpt_oss.args import GPT_OSS_FLAVORS
     from titanctl.models.shapes import num_params
-    from titanctl.tools.plan.workload import model_shape
+    from titanctl.planning.plan.workload import model_shape
 
     args = GPT_OSS_FLAVORS["20b"]
     shape = model_shape(args)
@@ -404,7 +404,7 @@ def test_the_workload_counts_gpt_oss_expert_biases_as_expert_parameters():
 
 
 def test_muons_single_momentum_buffer_is_counted_by_the_fast_path():
-    from titanctl.tools.plan.search import Planner
+    from titanctl.planning.plan.search import Planner
 
     path = REPO / "recipes" / "llama3_8b.toml"
     muon_cfg = recipe_config(path)

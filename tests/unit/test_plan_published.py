@@ -1,5 +1,5 @@
 """The GPU presets' assumptions against torchtitan's published H100 measurements
-(titanctl/tools/plan/published.py; benchmarks/plan_published.py prints the same comparison)."""
+(titanctl/planning/plan/published.py; benchmarks/plan_published.py prints the same comparison)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import statistics
 import pytest
 
 from titanctl.models.registry import model_args_from_config
-from titanctl.tools.memory.estimate import resolve_vocab_size
-from titanctl.tools.plan.candidates import check_candidate
-from titanctl.tools.plan.devices import PRESETS
-from titanctl.tools.plan.published import (
+from titanctl.planning.memory.estimate import resolve_vocab_size
+from titanctl.planning.plan.candidates import check_candidate
+from titanctl.planning.plan.devices import PRESETS
+from titanctl.planning.plan.published import (
     A100_MEASUREMENTS,
     MEASUREMENTS,
     gains,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanctl.tools.sampling import Sampling, mix32, sample, seed_key, uniform
+from titanctl.inference.sampling import Sampling, mix32, sample, seed_key, uniform
 
 LOGITS = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), 0.5]])  # (1, vocab)
 

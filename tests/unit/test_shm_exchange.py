@@ -9,7 +9,7 @@ import mmap
 import pytest
 import torch
 
-from titanctl.parallel.runtime import shm_exchange
+from titanctl.inference import shm_exchange
 
 
 def lone_rank(tp: int = 2) -> shm_exchange.SharedMemoryExchange:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from titanctl.cli.app import main
-from titanctl.tools.trace_analysis import (
+from titanctl.observability.trace_analysis import (
     analyze_profiles,
     inspect_path,
     is_communication,
@@ -188,7 +188,7 @@ def test_missing_path_and_empty_folder(tmp_path, capsys):
 
 
 def test_no_torch_at_import_time():
-    code = ("import sys, titanctl.cli.app, titanctl.cli.inspect_trace, titanctl.tools.trace_analysis, "
+    code = ("import sys, titanctl.cli.app, titanctl.cli.inspect_trace, titanctl.observability.trace_analysis, "
             "titanctl.parallel.runtime.hang_watchdog; assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=60)

@@ -43,7 +43,7 @@ def estimate_memory(
     cfg = load_config(config, ctx.args, command="estimate-memory --validate" if validate else "estimate-memory")
     from titanctl.parallel.runtime import elastic
     with heavy_imports():
-        from titanctl.tools import memory
+        from titanctl.planning import memory
 
     rank = elastic.int_from_env("RANK", 0, minimum=0)
     # Every rank checks the request, so that a bad one fails everywhere before any rendezvous.

@@ -9,13 +9,13 @@ else from ``--config`` or the tensor shapes. The tokenizer is the recipe's when 
 with its ``tokenizer_config.json``, or ``tokenizer.model``), else the bundled one. A model may have
 more embedding rows than the tokenizer has ids (Qwen3 pads 151669 ids to 151936 rows): those ids
 are never sampled. :func:`load_model` builds the model,
-sharded for tensor parallel when given a mesh (``titanctl.parallel.layouts.inference_tp``: plain local
+sharded for tensor parallel when given a mesh (``titanctl.inference.tensor_parallel``: plain local
 tensors, the partial outputs of ``wo`` and ``w2`` summed over the ranks, the logits gathered), and fills it.
 
 Decoding (:class:`Decoder`): the prompt in one forward (prefill, eager; only the last position's
 logits are computed), then one token per step. The KV cache is allocated once for prompt + new
 tokens and written at a position tensor, so the decode step (one token's forward and the choice of
-the next, ``titanctl.tools.sampling``) is the same computation at every position: ``torch.compile``
+the next, ``titanctl.inference.sampling``) is the same computation at every position: ``torch.compile``
 compiles it once, after the prefill (the first token never waits for the compiler). Tokens stay
 tensors; the host reads them only every ``stop_check_interval`` tokens, to see whether a stop token
 came. On a CPU the decoder can choose its thread count by measuring (``threads``): the prompt's
@@ -54,17 +54,17 @@ from titanctl.checkpoint.weights import (
 from titanctl.config.recipe import load_config, parse_overrides
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, DataError, ParallelError
+from titanctl.host_memory import available_bytes
+from titanctl.inference import tensor_parallel as inference_tp
+from titanctl.inference.chat_prompt import chat_messages, chat_prompt
+from titanctl.inference.sampling import Sampling, sample, seed_key
 from titanctl.models import registry
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import StaticCache
 from titanctl.models.registry import model_args_from_config
-from titanctl.parallel.layouts import inference_tp
 from titanctl.parallel.runtime import elastic
 from titanctl.parallel.runtime.env import init_process
 from titanctl.parallel.runtime.peers import peer_failures_named
-from titanctl.tools.chat_prompt import chat_messages, chat_prompt
-from titanctl.tools.host_memory import available_bytes
-from titanctl.tools.sampling import Sampling, sample, seed_key
 
 GREEDY = Sampling()
 
@@ -113,7 +113,7 @@ def check_model_overrides(overrides: Sequence[str], source: CheckpointSource) ->
 
 def build_model(args: ModelArgs, device: torch.device, tp_mesh=None) -> nn.Module:
     """An uninitialized model on ``device``; over ``tp_mesh`` its split weights are DTensors for
-    the checkpoint reader to fill (then :func:`titanctl.parallel.layouts.inference_tp.localize`)."""
+    the checkpoint reader to fill (then :func:`titanctl.inference.tensor_parallel.localize`)."""
     with torch.device("meta"):
         model = registry.build_model(args)
     if tp_mesh is not None:
@@ -655,7 +655,7 @@ def run(
 
     ``chat``: ``prompt`` is a conversation (or one user message) to answer, rendered with the
     tokenizer's chat template; generation also stops at the template's end of turn
-    (:mod:`titanctl.tools.chat_prompt`)."""
+    (:mod:`titanctl.inference.chat_prompt`)."""
     cfg = load_config(config, list(overrides), command="infer-tp")
     conversation = chat_messages(prompt) if chat else None  # before any file is looked at
     if not chat and any(key == "sft.chat_template_path" for key, _ in parse_overrides(list(overrides))):

@@ -49,10 +49,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from titanctl.tools.plan.candidates import Candidate
-from titanctl.tools.plan.devices import Device
-from titanctl.tools.plan.memory_model import Ranks, RankView
-from titanctl.tools.plan.workload import Block, ModelShape
+from titanctl.planning.plan.candidates import Candidate
+from titanctl.planning.plan.devices import Device
+from titanctl.planning.plan.memory_model import Ranks, RankView
+from titanctl.planning.plan.workload import Block, ModelShape
 
 COMPILED_TRAFFIC = 0.4  # share of eager's elementwise traffic left after inductor fuses a block
 

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanctl.tools.plan.candidates import Candidate
-from titanctl.tools.plan.workload import Block, Linear, ModelShape
+from titanctl.planning.plan.candidates import Candidate
+from titanctl.planning.plan.workload import Block, Linear, ModelShape
 
 GIB = 2**30
 

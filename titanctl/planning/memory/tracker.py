@@ -78,7 +78,7 @@ CATEGORY = {
     "Inputs": "inputs",
     "Other": "inputs",  # MemTracker: the only tensors we register from outside are the inputs
 }
-DDP_BUCKETS = "DDP gradient buckets"  # modelled, not tracked (see titanctl.tools.memory)
+DDP_BUCKETS = "DDP gradient buckets"  # modelled, not tracked (see titanctl.planning.memory)
 CATEGORIES = (*dict.fromkeys(CATEGORY.values()), DDP_BUCKETS)
 
 PHASES = ("forward", "backward", "clip_grad_norm", "optimizer step")
@@ -257,7 +257,7 @@ class _StepPeaks:
         # any module. Peak.module keeps the innermost module's real name.
         self.peaks: dict[tuple[int, str, str], Peak] = {}
         self._anchors: dict[str, tuple[str, str]] = {}
-        # The pipeline action running (set by tools.memory.pipeline.label_actions), appended to
+        # The pipeline action running (set by planning.memory.pipeline_peers.label_actions), appended to
         # anchors as "@action": "" outside any.
         self.action = ""
         # Bytes per category when each step's first schedule action began (see begin_action).

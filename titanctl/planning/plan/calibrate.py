@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 from titanctl.errors import ConfigError
-from titanctl.tools.host_memory import available_bytes
-from titanctl.tools.plan.devices import Device, Link, cluster_toml
+from titanctl.host_memory import available_bytes
+from titanctl.planning.plan.devices import Device, Link, cluster_toml
 
 _MATMUL_SHAPES = [(m, n, k) for m in (256, 2048) for n, k in ((64, 256), (256, 256), (768, 256), (256, 768),
                                                              (1024, 1024))]
@@ -276,10 +276,10 @@ def _measure_step() -> float:
 
 def predicted_probe_step(device: Device) -> float:
     """What the cost model predicts for the probe's step on ``device`` (its compute_scale left out)."""
-    from titanctl.tools.plan.candidates import Candidate
-    from titanctl.tools.plan.cost_model import CostModel, Setting
-    from titanctl.tools.plan.memory_model import Ranks
-    from titanctl.tools.plan.workload import model_shape
+    from titanctl.planning.plan.candidates import Candidate
+    from titanctl.planning.plan.cost_model import CostModel, Setting
+    from titanctl.planning.plan.memory_model import Ranks
+    from titanctl.planning.plan.workload import model_shape
 
     args = _probe_args()
     shape = model_shape(args)

@@ -22,11 +22,18 @@ from pathlib import Path
 
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError, TitanError
-from titanctl.tools.plan import memory_model
-from titanctl.tools.plan.candidates import AC_MODES, Candidate, check_candidate, enumerate_splits, job_config, variants
-from titanctl.tools.plan.cost_model import CostModel, Setting, StepTime
-from titanctl.tools.plan.devices import Device
-from titanctl.tools.plan.workload import model_shape
+from titanctl.planning.plan import memory_model
+from titanctl.planning.plan.candidates import (
+    AC_MODES,
+    Candidate,
+    check_candidate,
+    enumerate_splits,
+    job_config,
+    variants,
+)
+from titanctl.planning.plan.cost_model import CostModel, Setting, StepTime
+from titanctl.planning.plan.devices import Device
+from titanctl.planning.plan.workload import model_shape
 
 GIB = 2**30
 # Schedules that run each backward as two passes (input gradients, then weight gradients).
@@ -149,7 +156,7 @@ class Planner:
 
     def __init__(self, recipe_path: str, cfg: JobConfig, device: Device):
         from titanctl.models.registry import model_args_from_config, spec_of
-        from titanctl.tools.memory.estimate import resolve_vocab_size
+        from titanctl.planning.memory.estimate import resolve_vocab_size
 
         self.recipe_path = recipe_path
         self.cfg = cfg
@@ -231,7 +238,7 @@ class Planner:
 def _exact_child(send, cfg: JobConfig, world_size: int, target: str, recipe: str) -> None:
     import os
 
-    from titanctl.tools.memory import plan_estimate, run_estimate
+    from titanctl.planning.memory import plan_estimate, run_estimate
 
     # torch's warnings about the layouts it builds are the estimate's business, not the plan's output.
     devnull = os.open(os.devnull, os.O_WRONLY)

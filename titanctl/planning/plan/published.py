@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanctl.tools.plan.candidates import Candidate
-from titanctl.tools.plan.devices import PRESETS, Device
-from titanctl.tools.plan.search import Layout, Planner, recipe_config
+from titanctl.planning.plan.candidates import Candidate
+from titanctl.planning.plan.devices import PRESETS, Device
+from titanctl.planning.plan.search import Layout, Planner, recipe_config
 
 REPO = Path(__file__).resolve().parents[3]
 

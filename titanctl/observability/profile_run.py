@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ProfilingError
+from titanctl.observability.trace_analysis import analyze_profiles, read_document
 from titanctl.parallel.runtime.env import device_type
 from titanctl.safe_io import load_json
-from titanctl.tools.trace_analysis import analyze_profiles, read_document
 from titanctl.train.step_profiler import MEMORY_TIMELINE_FILE, TRACE_FILE, check_profiling, iteration_folder
 from titanctl.train.trainer import Trainer
 
@@ -36,7 +36,7 @@ class OpRow:
 class ProfileSummary:
     step: int
     folder: Path
-    report: object  # titanctl.tools.trace_analysis.ProfileReport
+    report: object  # titanctl.observability.trace_analysis.ProfileReport
     top_ops: list[OpRow]
     peak_memory_bytes: dict[int, dict[str, int]]  # rank -> device -> peak allocated bytes
     traces: list[Path]

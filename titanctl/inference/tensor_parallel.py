@@ -32,10 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from titanctl.inference import shm_exchange
+from titanctl.inference.shm_exchange import SharedMemoryExchange
 from titanctl.models.registry import spec_of
 from titanctl.parallel.layouts.tensor_parallel import head_params, submodule_or_none
-from titanctl.parallel.runtime import shm_exchange
-from titanctl.parallel.runtime.shm_exchange import SharedMemoryExchange
 
 
 def block_shards(model: nn.Module) -> dict[str, int]:

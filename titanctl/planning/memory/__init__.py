@@ -8,7 +8,7 @@
 - ``shortcuts``: which shallower models and shorter pipeline schedules stand for the full step.
 """
 
-from titanctl.tools.memory.estimate import (
+from titanctl.planning.memory.estimate import (
     MemoryEstimate,
     Plan,
     Validation,

@@ -72,10 +72,10 @@ from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import balanced_routing
 from titanctl.parallel.layouts.reductions import clip_grad_norm, global_mean_loss
 from titanctl.parallel.runtime.env import init_process
-from titanctl.tools.memory.fake import fake_tensor_mode
-from titanctl.tools.memory.pipeline_peers import answer_for_fake_peers, is_schedule_action, label_actions
-from titanctl.tools.memory.shortcuts import ac_period, plan_runs, runs_to_make
-from titanctl.tools.memory.tracker import (
+from titanctl.planning.memory.fake import fake_tensor_mode
+from titanctl.planning.memory.pipeline_peers import answer_for_fake_peers, is_schedule_action, label_actions
+from titanctl.planning.memory.shortcuts import ac_period, plan_runs, runs_to_make
+from titanctl.planning.memory.tracker import (
     DDP_BUCKETS,
     PHASES,
     FirstActionReached,

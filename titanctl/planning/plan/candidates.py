@@ -176,7 +176,7 @@ def check_candidate(recipe: JobConfig, candidate: Candidate, global_batch: int, 
     from titanctl.parallel.layouts.dims import ParallelDims
     from titanctl.parallel.layouts.pipeline_parallel import microbatch_count
     from titanctl.parallel.layouts.pipeline_stages import pipeline_layer_ranges
-    from titanctl.tools.memory.estimate import grad_accum_steps
+    from titanctl.planning.memory.estimate import grad_accum_steps
 
     cfg = job_config(recipe, candidate, global_batch)
     dims = ParallelDims.from_config(cfg.parallelism, candidate.world_size)

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from titanctl.errors import TraceError
+from titanctl.observability import fr_analysis as fr
 from titanctl.safe_io import check_pickle, open_regular, read_head
-from titanctl.tools import fr_analysis as fr
 
 STRAGGLER_THRESHOLD_PCT = 10.0
 
