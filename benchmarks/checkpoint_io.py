@@ -250,7 +250,8 @@ def checksum_costs(opts) -> None:
 
     from titanctl.checkpoint.run.manager import STATE_PARTS, CheckpointManager
     from titanctl.config.recipe import load_config
-    from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+    from titanctl.models.common.decoder import Transformer
+    from titanctl.models.llama.args import LLAMA3_FLAVORS
     from titanctl.train.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="titanctl-checksum-bench-"))

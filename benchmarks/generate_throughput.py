@@ -47,7 +47,8 @@ from titanctl.data.tokenizer import Tokenizer
 from titanctl.inference import shm_exchange
 from titanctl.inference import tensor_parallel as inference_tp
 from titanctl.inference.generate import GREEDY, Decoder, compiled_attention, find_checkpoint, load_model
-from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.shapes import num_params
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

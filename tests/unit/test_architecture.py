@@ -351,3 +351,12 @@ def test_the_family_rule_sees_every_kind_of_mention(tmp_path):
     assert [line.split(": ")[0] for line in family_mentions(tmp_path / "args.py", family_stems())] == [
         "args.py:1", "args.py:2", "args.py:2", "args.py:3"]
     assert family_mentions(tmp_path / "other.py", family_stems()) == ['other.py:1: "llama3"']
+
+
+def test_the_code_map_shows_the_rooms_top_down():
+    """docs/development.md's map (scripts/code_map.py) lists the rooms in LAYERS' order, from the top."""
+    from tests.unit.test_readme import script
+
+    level = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+    rooms = script(REPO, "code_map").ROOMS
+    assert [level[room] for room in rooms] == sorted((level[room] for room in rooms), reverse=True)

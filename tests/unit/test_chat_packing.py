@@ -24,7 +24,7 @@ from titanctl.data.chat import ChatSource
 from titanctl.data.chat_pack import IGNORE_INDEX, LABELS, POSITIONS, TOKENS, first_fit_decreasing, pack_windows
 from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.qwen3 import qwen3_args
+from titanctl.models.qwen3.args import qwen3_args
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.train.step import ForwardBackward
 

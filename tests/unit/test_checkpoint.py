@@ -17,7 +17,7 @@ from titanctl.checkpoint.run.manager import complete_checkpoints
 from titanctl.checkpoint.trust.metadata import model_args_from_metadata, read_metadata
 from titanctl.config.recipe import load_config, to_toml
 from titanctl.errors import CheckpointError, ConfigError
-from titanctl.models.llama import Transformer
+from titanctl.models.common.decoder import Transformer
 from titanctl.train.trainer import Trainer
 
 TINY = [

@@ -102,8 +102,8 @@ def other_dim(base, case):
     import torch.distributed.checkpoint as dcp
 
     from titanctl.checkpoint.trust.metadata import write_metadata
-    from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
-
+    from titanctl.models.common.decoder import Transformer
+    from titanctl.models.llama.args import LLAMA3_FLAVORS
     args = LLAMA3_FLAVORS["debugmodel"].replace(dim=128, n_layers=2, vocab_size=4352, max_seq_len=64)
     folder = case / "init"
     dcp.save(Transformer(args).state_dict(), checkpoint_id=str(folder), no_dist=True)

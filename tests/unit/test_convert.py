@@ -26,8 +26,8 @@ from titanctl.checkpoint.formats import FORMATS, DictSource, detect
 from titanctl.checkpoint.formats.dcp import DCPSource
 from titanctl.checkpoint.trust.metadata import read_metadata, write_metadata
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs, RopeScaling
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs, RopeScaling
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.shapes import weight_shapes
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

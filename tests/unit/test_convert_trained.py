@@ -16,7 +16,7 @@ from tests.unit.trained_model import N_LAYERS, SEQ, loss_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.decoder import Transformer
 
 
 @pytest.fixture(scope="module")

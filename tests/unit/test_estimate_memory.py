@@ -10,7 +10,7 @@ import torch.distributed as dist
 from tests.cli_server import titanctl_run
 from tests.conftest import REPO
 from titanctl.config.recipe import load_config
-from titanctl.models.llama import LLAMA3_FLAVORS
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.shapes import num_params
 from titanctl.parallel.layouts.pipeline_stages import SCHEDULES, SINGLE_STAGE_SCHEDULES
 from titanctl.planning.memory import estimate as memory
@@ -521,3 +521,14 @@ def test_muon_holds_one_buffer_per_hidden_matrix_and_its_step_is_measured():
     print(f"\nMUON estimate {muon.peak / 2**20:.2f} MiB (AdamW {adamw.peak / 2**20:.2f} MiB), measured "
           f"{ {s: round(measured.allocated[s] / 2**20, 2) for s in (1, 2)} } MiB: ratios {ratios}")
     assert all(abs(r - 1) <= 0.15 for r in ratios.values()), ratios
+
+
+def test_the_report_names_the_recipes_family(capsys):
+    """The header says the recipe's model.name and flavor (it said "Llama 3.1" for every family)."""
+    from titanctl.cli.estimate_memory import print_report
+
+    e = estimate("recipes/qwen3_debug.toml", 1, TINY)
+    assert e.model == "qwen3"
+    print_report(e, None, 0)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert ": qwen3 debugmodel (" in header and "Llama" not in header

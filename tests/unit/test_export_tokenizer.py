@@ -18,8 +18,8 @@ from titanctl.checkpoint.hf.tokenizer_export import bpe_vocab_and_merges
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, Tokenizer
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 
 PROMPTS = ["To be, or not to be", "And God said"]
 MAX_NEW = 40

@@ -12,9 +12,9 @@ import torch
 from titanctl.config.job_config import Float8
 from titanctl.config.recipe import load_config
 from titanctl.errors import ConfigError, ParallelError
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.tp_plan import DECODER_TP_PLAN, block_plan, sharded_linear_dims
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
 from titanctl.parallel.converters import float8
 from titanctl.parallel.layouts.build import check_layout
 from titanctl.parallel.layouts.dims import ParallelDims

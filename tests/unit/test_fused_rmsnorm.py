@@ -8,8 +8,9 @@ import torch
 
 from titanctl.config.recipe import load_config
 from titanctl.errors import ConfigError
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import FusedRMSNorm, RMSNorm, Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.common.norms import FusedRMSNorm, RMSNorm
 from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

@@ -9,8 +9,8 @@ import torch
 from titanctl.errors import CheckpointError, ParallelError
 from titanctl.inference.generate import CACHE_BUCKET, Decoder, cache_length, check_tp_degree, find_checkpoint, generate
 from titanctl.inference.sampling import Sampling
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)

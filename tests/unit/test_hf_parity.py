@@ -20,8 +20,10 @@ from titanctl.checkpoint.hf.names import (
     to_hf_state_dict,
 )
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from titanctl.models.llama.model import Transformer, rope_frequencies
+from titanctl.models.common.args import ModelArgs, RopeScaling
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.common.rope import rope_frequencies
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 # original_max_position_embeddings=16 puts every frequency of head_dim 8 in a scaled regime.

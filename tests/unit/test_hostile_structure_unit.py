@@ -179,7 +179,7 @@ def test_a_foreign_json_file_is_one_checkpoint_error(tmp_path, content, message)
 
 def test_a_config_declaring_more_than_twice_the_stored_values_is_refused():
     from titanctl.checkpoint.trust.model_args import check_declared
-    from titanctl.models.llama.args import ModelArgs
+    from titanctl.models.common.args import ModelArgs
     from titanctl.models.shapes import weight_shapes
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=512, multiple_of=64)

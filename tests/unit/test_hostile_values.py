@@ -18,8 +18,8 @@ from titanctl.config.job_config import OptimizerGroup
 from titanctl.config.recipe import FLOAT32_MAX, field_specs, load_config
 from titanctl.config.user_regex import MAX_MATCH_SECONDS, MAX_PATTERN_CHARS, UserRegex
 from titanctl.errors import ConfigError
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.converters.lora import apply_lora, resolve_targets
 from titanctl.train.param_groups import build_param_groups
 

@@ -18,8 +18,8 @@ from titanctl.cli.app import main
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError
 from titanctl.inference.chat_prompt import chat_messages, chat_prompt
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=4352, multiple_of=32, max_seq_len=256)

@@ -30,7 +30,7 @@ from titanctl.errors import CheckpointError, ConfigError, DataError
 from titanctl.inference.generate import check_vocab, run
 from titanctl.inference.sampling import Sampling, sample, seed_key
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.qwen3 import qwen3_args
+from titanctl.models.qwen3.args import qwen3_args
 
 PROMPT = "The quick brown fox"
 NEW = 12
@@ -261,7 +261,6 @@ def test_a_checkpoint_that_declares_its_model_refuses_model_overrides(tmp_path):
     from titanctl.errors import ConfigError
     from titanctl.inference.generate import check_model_overrides
     from titanctl.models.llama.args import LLAMA3_FLAVORS
-
     declared = CheckpointSource("hf", tmp_path, LLAMA3_FLAVORS["debugmodel"], origin="config.json")
     with pytest.raises(ConfigError, match=r"^--model.n_layers is not read by infer-tp for .*config.json"):
         check_model_overrides(["--model.n_layers", "2"], declared)

@@ -16,8 +16,8 @@ from titanctl.checkpoint.convert import convert_checkpoint
 from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import Tokenizer
 from titanctl.errors import CheckpointError, ConfigError
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.llama.model import Transformer
 from titanctl.train.trainer import Trainer
 
 RUN = [

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from titanctl.checkpoint.convert import convert_checkpoint, open_checkpoint
 from titanctl.checkpoint.run.load_into_model import load_source_into
 from titanctl.errors import CheckpointError
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.decoder import Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -20,9 +20,9 @@ from titanctl.checkpoint.lora.export import peft_adapter
 from titanctl.config.job_config import LoRA as LoRAConfig
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.args import ModelArgs as LlamaArgs
 from titanctl.models.common.decoder import Transformer
-from titanctl.models.llama.args import ModelArgs as LlamaArgs
-from titanctl.models.qwen3 import qwen3_args
+from titanctl.models.qwen3.args import qwen3_args
 from titanctl.models.qwen3_moe.args import qwen3_moe_args
 from titanctl.parallel.converters.lora import LoRAGroupedExperts, LoRALinear, apply_lora, is_adapter
 from titanctl.parallel.layouts.weight_init import initialize_weights

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.llama.model import Transformer
 from titanctl.train import metrics
 from titanctl.train.flops import flops_per_token, throughput
 from titanctl.train.metrics import MemoryMonitor

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from titanctl.models.llama.model import Transformer, rope_frequencies
+from titanctl.models.common.args import ModelArgs, RopeScaling
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.common.rope import rope_frequencies
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.shapes import num_params
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
@@ -176,7 +178,7 @@ def test_seeds_up_to_2_pow_64_draw_and_small_seeds_keep_their_numbers():
     and every seed that worked before draws exactly the numbers it drew then."""
     import zlib
 
-    from titanctl.models.llama.model import ParamInit
+    from titanctl.models.common.init import ParamInit
     from titanctl.parallel.layouts.weight_init import draw
 
     spec = ParamInit("normal", std=1.0)

@@ -93,7 +93,8 @@ def test_fsdp_reshard_after_forward_always_means_every_module():
         import os, torch, torch.distributed as dist
         from torch.distributed.tensor import DTensor
         from torch.distributed.device_mesh import init_device_mesh
-        from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+        from titanctl.models.llama.args import LLAMA3_FLAVORS
+        from titanctl.models.common.decoder import Transformer
         from titanctl.parallel.layouts.data_parallel import apply_fsdp
         from titanctl.parallel.layouts.weight_init import initialize_weights
 

@@ -17,7 +17,7 @@ from titanctl.checkpoint.hf.names import from_hf_state_dict, to_hf_state_dict
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.tp_plan import block_plan
-from titanctl.models.qwen3 import QWEN3_FLAVORS, QWEN3_VOCAB_SIZE, qwen3_args
+from titanctl.models.qwen3.args import QWEN3_FLAVORS, QWEN3_VOCAB_SIZE, qwen3_args
 from titanctl.models.shapes import num_params, tied_weights, weight_shapes
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

@@ -10,7 +10,7 @@ import torch
 
 from titanctl.checkpoint.convert import convert_checkpoint, save_state_dict
 from titanctl.checkpoint.hf.serving_kernels import serving_warning
-from titanctl.models.llama.args import ModelArgs
+from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import all_specs, build_model, flavor_args
 
 

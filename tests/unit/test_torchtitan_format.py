@@ -27,7 +27,8 @@ from tests.unit.trained_model import loss_of
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint, save_state_dict
 from titanctl.checkpoint.formats import detect
 from titanctl.errors import CheckpointError, ConfigError
-from titanctl.models.llama.args import LLAMA3_FLAVORS, ModelArgs
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.registry import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
+from titanctl.checkpoint.formats import FORMATS, WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
 from titanctl.checkpoint.hf.names import HF_FILES_KEY
@@ -38,7 +38,6 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import flavor_args, model_args_from_config, spec_of
 from titanctl.safe_io import hold_partial, partial_in_use, partial_lock, release_partial
 
-FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
 ADAPTER_FORMATS = ("peft",)  # written from a LoRA step's adapters alone (titanctl.checkpoint.lora.export)
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.

@@ -35,7 +35,7 @@ from torch import nn
 from titanctl.checkpoint.formats import open_source
 from titanctl.checkpoint.formats.hf import CONFIG_FILE as HF_CONFIG
 from titanctl.checkpoint.formats.meta import PARAMS_FILE
-from titanctl.checkpoint.hf.tokenizer_export import TIKTOKEN_FILE, TOKENIZER_CONFIG, TOKENIZER_JSON
+from titanctl.checkpoint.hf.tokenizer_export import TIKTOKEN_FILE, TOKENIZER_JSON
 from titanctl.checkpoint.locate import locate
 from titanctl.checkpoint.run.load_into_model import load_source_into
 from titanctl.checkpoint.run.load_plan import check_model
@@ -43,6 +43,7 @@ from titanctl.checkpoint.trust.metadata import METADATA_FILE, model_args_from_me
 from titanctl.checkpoint.trust.model_args import check_declared
 from titanctl.checkpoint.trust.paths import inside
 from titanctl.checkpoint.trust.reader import DCPFolder
+from titanctl.data.tokenizer import TOKENIZER_CONFIG
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 

@@ -91,7 +91,7 @@ def print_report(estimate, validation, rss: int) -> None:
     e = estimate
     out = wide_console(120)
     out.print(
-        f"[bold]titanctl estimate-memory[/bold] {shown(e.recipe)}: Llama 3.1 {e.flavor} "
+        f"[bold]titanctl estimate-memory[/bold] {shown(e.recipe)}: {e.model} {e.flavor} "
         f"({_count(e.num_params)} params, "
         f"vocab {e.vocab_size:,}) on {e.world_size} ranks, layout {e.layout}",
         soft_wrap=True,

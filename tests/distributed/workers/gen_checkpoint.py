@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the cat sleeps by the warm fire. "

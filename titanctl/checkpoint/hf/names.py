@@ -35,9 +35,9 @@ from titanctl.models.spec import HFFormat
 
 Pairs = Iterable[tuple[str, torch.Tensor]]  # (name, tensor), e.g. read one by one from safetensors
 
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_CANONICAL_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_CANONICAL_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 # Derived buffers that old transformers versions saved; they carry no weights.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -52,16 +52,16 @@ def _hf_of(name: str, hf: HFFormat, n_layers: int | None = None) -> str | None:
     no names of prediction depths)."""
     if name in hf.top_names:
         return hf.top_names[name]
-    m = _OURS_LAYER.fullmatch(name)
+    m = _CANONICAL_LAYER.fullmatch(name)
     if m and m.group(2) in hf.layer_names:
         return f"model.layers.{m.group(1)}.{hf.layer_names[m.group(2)]}"
-    m = _OURS_MTP.fullmatch(name)
+    m = _CANONICAL_MTP.fullmatch(name)
     if m and n_layers is not None and m.group(2) in hf.mtp_names:
         return f"model.layers.{n_layers + int(m.group(1))}.{hf.mtp_names[m.group(2)]}"
     return None
 
 
-def _ours_of(hf_name: str, hf: HFFormat, n_layers: int | None = None) -> str | None:
+def _canonical_of(hf_name: str, hf: HFFormat, n_layers: int | None = None) -> str | None:
     for ours, theirs in hf.top_names.items():
         if theirs == hf_name:
             return ours
@@ -91,9 +91,9 @@ def _hf_name(name: str, args: ModelArgs) -> str:
     return hf
 
 
-def _meta_name(name: str, args: ModelArgs) -> str:
+def _canonical_name(name: str, args: ModelArgs) -> str:
     hf = spec_of(args).hf
-    ours = _ours_of(name, hf, args.n_layers)
+    ours = _canonical_of(name, hf, args.n_layers)
     if ours is None or ours not in weight_shapes(args):
         raise CheckpointError(
             f"unknown Hugging Face tensor {name!r} (not a {hf.architecture} weight of this model)"
@@ -104,7 +104,7 @@ def _meta_name(name: str, args: ModelArgs) -> str:
 def canonical_name_of(hf_name: str) -> str | None:
     """The titanctl name of a Hugging Face weight name of any family, whatever the model's depth
     (None: no family's weight name)."""
-    return next((ours for spec in all_specs() if (ours := _ours_of(hf_name, spec.hf)) is not None), None)
+    return next((ours for spec in all_specs() if (ours := _canonical_of(hf_name, spec.hf)) is not None), None)
 
 
 # ----------------------------------------------------------------------------- experts: one tensor each, or packed
@@ -141,7 +141,7 @@ def structured_pieces(hf_name: str, args: ModelArgs) -> list[Piece]:
 
 
 def _expert_template(name: str, args: ModelArgs) -> tuple[str, str] | None:
-    m = _OURS_LAYER.fullmatch(name)
+    m = _CANONICAL_LAYER.fullmatch(name)
     template = spec_of(args).hf.per_expert.get(m.group(2)) if m else None
     return None if template is None else (m.group(1), template)
 
@@ -164,7 +164,7 @@ def expert_layout(hf_name: str, args: ModelArgs) -> str | None:
     pieces = structured_pieces(hf_name, args)
     if pieces:
         return "packed" if pieces[0].expert is None else "one tensor per expert"
-    ours = _ours_of(hf_name, spec_of(args).hf, args.n_layers)
+    ours = _canonical_of(hf_name, spec_of(args).hf, args.n_layers)
     return "packed" if ours is not None and stacked_over_experts(ours, args) else None
 
 
@@ -188,7 +188,7 @@ def check_one_expert_layout(hf_names: Iterable[str], args: ModelArgs) -> None:
 
 def not_stored(name: str, args: ModelArgs) -> bool:
     """Whether Hugging Face's format of the family leaves this titanctl state out (it reads as zeros)."""
-    m = _OURS_LAYER.fullmatch(name)
+    m = _CANONICAL_LAYER.fullmatch(name)
     return m is not None and m.group(2) in spec_of(args).hf.not_stored
 
 
@@ -211,37 +211,37 @@ def _shown_hf_name(name: str, args: ModelArgs) -> str:
     return f"model.layers.{template[0]}.{template[1]}" if template else _hf_name(name, args)
 
 
-def transposed(meta_name: str, args: ModelArgs) -> bool:
+def transposed(canonical: str, args: ModelArgs) -> bool:
     """Whether Hugging Face's tensor of this titanctl weight holds its last two dimensions swapped."""
-    m = _OURS_LAYER.fullmatch(meta_name)
+    m = _CANONICAL_LAYER.fullmatch(canonical)
     return m is not None and m.group(2) in spec_of(args).hf.transposed
 
 
-def _check_shape(meta_name: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
-    """``tensor`` in titanctl's layout has the shape of ``meta_name``; the message names the shapes of
+def _check_shape(canonical: str, shown_name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
+    """``tensor`` in titanctl's layout has the shape of ``canonical``; the message names the shapes of
     ``shown_name`` (a Hugging Face tensor of a transposed weight: its own order)."""
-    expected = weight_shapes(args)[meta_name]
+    expected = weight_shapes(args)[canonical]
     if tuple(tensor.shape) != expected:
-        if shown_name != meta_name and transposed(meta_name, args):
+        if shown_name != canonical and transposed(canonical, args):
             raise CheckpointError(f"tensor {shown_name!r} has shape {tuple(tensor.mT.shape)}, expected "
                                   f"{(*expected[:-2], expected[-1], expected[-2])} for this model")
         raise CheckpointError(
             f"tensor {shown_name!r} has shape {tuple(tensor.shape)}, expected {expected} for this model"
-            f"{kv_heads_hint(meta_name, tuple(tensor.shape), expected, args)}"
+            f"{kv_heads_hint(canonical, tuple(tensor.shape), expected, args)}"
         )
 
 
 # ----------------------------------------------------------------------------- rotary permutation
 
 
-def _heads_of(meta_name: str, args: ModelArgs) -> int | None:
+def _heads_of(canonical: str, args: ModelArgs) -> int | None:
     """Query or key heads whose rows to permute: only Meta's interleaved RoPE layout needs it (not
     MLA's: transformers' DeepSeek-V3 rotates interleaved pairs too)."""
     if args.rope_layout != "interleaved" or args.mla is not None:
         return None
-    if meta_name.endswith("attention.wq.weight"):
+    if canonical.endswith("attention.wq.weight"):
         return args.n_heads
-    if meta_name.endswith("attention.wk.weight"):
+    if canonical.endswith("attention.wk.weight"):
         return args.kv_heads
     return None
 
@@ -263,7 +263,7 @@ def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
-    """One titanctl (Meta-named) weight -> its Hugging Face name and layout. Dtype is kept."""
+    """One titanctl weight (canonical name) -> its Hugging Face name and layout. Dtype is kept."""
     hf = _hf_name(name, args)
     _check_shape(name, name, tensor, args)
     if transposed(name, args):
@@ -275,12 +275,12 @@ def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str,
 def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
     """One Hugging Face weight -> its titanctl (Meta) name and layout. Dtype is kept (a transposed
     weight comes back as a view of ``tensor``)."""
-    meta = _meta_name(name, args)
-    if transposed(meta, args):
+    canonical = _canonical_name(name, args)
+    if transposed(canonical, args):
         tensor = tensor.mT
-    _check_shape(meta, name, tensor, args)
-    heads = _heads_of(meta, args)
-    return meta, (tensor if heads is None else _halves_to_interleaved(tensor, heads))
+    _check_shape(canonical, name, tensor, args)
+    heads = _heads_of(canonical, args)
+    return canonical, (tensor if heads is None else _halves_to_interleaved(tensor, heads))
 
 
 def to_hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
@@ -310,13 +310,13 @@ def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) 
     for name, tensor in pairs:
         if not to_hf and (name.endswith(IGNORED_HF_SUFFIXES) or shared_copy(name, args)):
             continue
-        if (name if to_hf else _meta_name(name, args)) in aliases:
+        if (name if to_hf else _canonical_name(name, args)) in aliases:
             continue
         converted = to_hf_tensors(name, tensor, args) if to_hf else [from_hf_tensor(name, tensor, args)]
-        meta = name if to_hf else converted[0][0]
-        if meta not in missing:
+        canonical = name if to_hf else converted[0][0]
+        if canonical not in missing:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
-        missing.discard(meta)
+        missing.discard(canonical)
         yield from converted
     if missing and complete:
         names = sorted(missing if to_hf else (_shown_hf_name(m, args) for m in missing))

@@ -41,9 +41,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from titanctl.checkpoint.hf.names import special_token_ids
+from titanctl.checkpoint.trust.metadata import RUN_CONFIG
 from titanctl.checkpoint.trust.paths import boundary, inside
 from titanctl.data.chat_template import MAX_TEMPLATE_BYTES, TEMPLATE_FILE
-from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PATTERN, MAX_TOKENIZER_BYTES, Tokenizer
+from titanctl.data.tokenizer import (
+    DEFAULT_TOKENIZER_PATH,
+    LLAMA3_PATTERN,
+    MAX_TOKENIZER_BYTES,
+    TOKENIZER_CONFIG,
+    Tokenizer,
+)
 from titanctl.errors import CheckpointError, DataError
 from titanctl.models.registry import spec_of
 from titanctl.safe_io import load_toml, read_bytes
@@ -54,12 +61,10 @@ if TYPE_CHECKING:
     from titanctl.models.common.args import ModelArgs
 
 TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
 TIKTOKEN_FILE = "tokenizer.model"
 TORCHTUNE_SPECIAL_TOKENS = "special_tokens.json"
-RUN_CONFIG = "config.toml"  # the recipe a training step folder carries
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 

@@ -90,7 +90,7 @@ from titanctl.checkpoint.run.state import (
     TrainState,
 )
 from titanctl.checkpoint.trust.checksums import ChecksumWriter, digest_files, gather_checksums, record
-from titanctl.checkpoint.trust.metadata import write_metadata
+from titanctl.checkpoint.trust.metadata import RUN_CONFIG, write_metadata
 from titanctl.checkpoint.trust.reader import DCP_INDEX, first_failure, one_line, quiet_dcp
 from titanctl.config.job_config import JobConfig
 from titanctl.config.recipe import to_toml
@@ -102,7 +102,6 @@ from titanctl.parallel.layouts.weight_init import canonical_name
 
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
-CONFIG_FILE = "config.toml"
 
 __all__ = [
     "STATE_PARTS", "STEP_FOLDER", "CheckpointManager", "LoadPlan", "Resumed", "check_config", "check_model",
@@ -440,8 +439,8 @@ class CheckpointManager:
 
     def _finalize(self, step: int, tmp: Path, meta: dict[str, Any], checksums: dict[str, str]) -> None:
         """Rank 0, after all ranks wrote: config, checksums and metadata, rename into place, retention."""
-        (tmp / CONFIG_FILE).write_text(to_toml(self.cfg))
-        checksums = {**checksums, **digest_files(tmp, [DCP_INDEX, CONFIG_FILE])}
+        (tmp / RUN_CONFIG).write_text(to_toml(self.cfg))
+        checksums = {**checksums, **digest_files(tmp, [DCP_INDEX, RUN_CONFIG])}
         meta = dict(meta)
         write_metadata(tmp, self.model_args, step=meta.pop("step"), weights_only=meta.pop("weights_only"),
                        dtype=meta.pop("dtype"), checksums=record(checksums), **meta)

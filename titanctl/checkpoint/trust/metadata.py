@@ -23,6 +23,7 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.safe_io import load_json, replace_atomically
 
 METADATA_FILE = "titanctl.json"
+RUN_CONFIG = "config.toml"  # the recipe a training step folder carries
 FORMAT = "titanctl-dcp"
 VERSION = 3  # 2: every titanctl.json records the checksum of every file of its folder (checksums.MANIFEST_SINCE)
 FIELDS_SINCE = 3  # 3: ... and of its own fields (``checksums.fields``)

@@ -30,14 +30,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
 from titanctl.checkpoint.trust import checksums
-from titanctl.checkpoint.trust.metadata import METADATA_FILE, read_metadata
+from titanctl.checkpoint.trust.metadata import METADATA_FILE, RUN_CONFIG, read_metadata
 from titanctl.checkpoint.trust.paths import inside
 from titanctl.checkpoint.trust.unpickle import check_index_size, load_dcp_index, load_plain_item
 from titanctl.errors import CheckpointCorrupt, CheckpointError, TitanError
 
 DCP_INDEX = ".metadata"
 # Files of a step folder that are not DCP data: verified when opening, not by verify().
-_SMALL_FILES = (DCP_INDEX, "config.toml")
+_SMALL_FILES = (DCP_INDEX, RUN_CONFIG)
 
 
 class DCPFolder:

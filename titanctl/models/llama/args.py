@@ -1,8 +1,4 @@
-"""Llama 3.x hyper-parameters and the published flavors.
-
-ModelArgs and RopeScaling live in ``titanctl.models.common.args`` (every dense family shares
-them) and are re-exported here, where the rest of titanctl imports them from.
-"""
+"""Llama 3.x's published flavors (ModelArgs and RopeScaling are the shared ``titanctl.models.common.args``)."""
 
 from __future__ import annotations
 
@@ -40,5 +36,3 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         rope_scaling=LLAMA32_ROPE, tie_embeddings=True,
     ),
 }
-
-__all__ = ["LLAMA32_ROPE", "LLAMA3_FLAVORS", "ModelArgs", "RopeScaling"]

@@ -109,6 +109,7 @@ class PhasePeak:
 class MemoryEstimate:
     """What one rank holds at the peak of a training step (bytes)."""
     recipe: str
+    model: str  # model.name: the family
     flavor: str
     world_size: int
     rank: int
@@ -603,6 +604,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
         run_dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
     result = MemoryEstimate(
         recipe=plan.recipe,
+        model=cfg.model.name,
         flavor=cfg.model.flavor,
         world_size=plan.world_size,
         rank=plan.rank,

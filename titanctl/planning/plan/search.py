@@ -33,9 +33,9 @@ from titanctl.planning.plan.candidates import (
 )
 from titanctl.planning.plan.cost_model import CostModel, Setting, StepTime
 from titanctl.planning.plan.devices import Device
+from titanctl.planning.plan.memory_model import GIB
 from titanctl.planning.plan.workload import model_shape
 
-GIB = 2**30
 # Schedules that run each backward as two passes (input gradients, then weight gradients).
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Bounds beyond any real job, so that a mistyped number is refused at once instead of enumerated for hours:
