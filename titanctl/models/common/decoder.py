@@ -62,6 +62,10 @@ class Blocks:
     experts: Callable[[int, MoEArgs], nn.Module] = grouped_experts
     prediction_depth: Callable[[ModelArgs], nn.Module] | None = None
 
+    def build(self, args: ModelArgs) -> Transformer:
+        """The decoder of ``args`` made of these parts (a family's ``ModelSpec.build``)."""
+        return Transformer(args, self)
+
 
 SHARED = Blocks()
 

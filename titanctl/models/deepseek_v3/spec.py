@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.decoder import Blocks, Transformer, grouped_query_attention, split_into_stage
+from titanctl.models.common.decoder import Blocks, grouped_query_attention, split_into_stage
 from titanctl.models.common.torchtitan_names import MOE_LAYER_NAMES, TOP_NAMES
 from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from titanctl.models.deepseek_v3.flops import deepseek_v3_flops_per_token
@@ -34,14 +34,10 @@ def attention(args: ModelArgs, layer_id: int) -> nn.Module:
 BLOCKS = Blocks(attention=attention, prediction_depth=MultiTokenPrediction)
 
 
-def build(args: ModelArgs) -> Transformer:
-    return Transformer(args, BLOCKS)
-
-
 SPEC = ModelSpec(
     name="deepseek_v3",
     flavors=DEEPSEEK_V3_FLAVORS,
-    build=build,
+    build=BLOCKS.build,
     tp_plan=DEEPSEEK_V3_TP_PLAN,
     split_stage=split_into_stage,
     flops_per_token=deepseek_v3_flops_per_token,

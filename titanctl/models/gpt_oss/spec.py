@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.decoder import Blocks, Transformer, grouped_query_attention, split_into_stage
+from titanctl.models.common.decoder import Blocks, grouped_query_attention, split_into_stage
 from titanctl.models.common.flops import decoder_flops_per_token
 from titanctl.models.common.torchtitan_names import EXPERT_BIAS_NAMES, GQA_BIAS_NAMES, GQA_LAYER_NAMES, TOP_NAMES
 from titanctl.models.common.tp_plan import block_plan_of, root_plan
@@ -36,14 +36,10 @@ def attention(args: ModelArgs, layer_id: int) -> nn.Module:
 BLOCKS = Blocks(attention=attention, experts=experts)
 
 
-def build(args: ModelArgs) -> Transformer:
-    return Transformer(args, BLOCKS)
-
-
 SPEC = ModelSpec(
     name="gpt_oss",
     flavors=GPT_OSS_FLAVORS,
-    build=build,
+    build=BLOCKS.build,
     # Attention split by heads (biases with their rows, sinks with their heads); each MoE layer whole
     # on every TP rank.
     tp_plan=TPPlan(root=root_plan, block=block_plan_of, head_params=("attention.sinks",)),
