@@ -390,7 +390,7 @@ def slice_run(name: str, *extra: str) -> Callable[[Context, dict], None]:
 def slice_float8(ctx: Context, out: dict) -> None:
     if not ctx.cuda:
         raise Skip("float8 speed needs float8 matmul units (CUDA SM 8.9+); on CPU float8 is emulated, slower than "
-                   "fp32 (tests/unit/test_float8.py checks its numerics)")
+                   "fp32 (tests/unit/parallel/test_float8.py checks its numerics)")
     slice_run("slice_float8", "--compile.enable", "true", "--float8.enable_float8_linear", "true",
               "--float8.recipe_name", "rowwise")(ctx, out)
 

@@ -4,5 +4,5 @@ decoder-only transformer that composes them (decoder).
 
 A family (a folder beside this one) is a set of flavors over these plus the modules only it has,
 which it hands the decoder (``decoder.Blocks``); nothing here names a family or knows about
-parallelism (tests/unit/models/test_common.py).
+parallelism (tests/unit/test_architecture.py).
 """
