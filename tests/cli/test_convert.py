@@ -154,3 +154,26 @@ def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(
         assert got.kv_heads == 16
         for name, tensor in state.items():
             assert torch.equal(back[name], tensor), (folder, name)
+
+
+def test_a_peft_adapter_converts_onto_its_base(tmp_path):
+    """The adapter folder as peft writes it (here by titanctl's own --to peft writer, from random adapters)."""
+    from titanctl.checkpoint.lora.export import write_peft
+    from titanctl.config.job_config import LoRA
+    from titanctl.parallel.converters.lora import apply_lora, is_adapter
+
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    save_state_dict(model.state_dict(), ARGS, tmp_path / "base")
+    record = apply_lora(model, LoRA(rank=4, alpha=8.0, target_modules=["attention.wq", "attention.wv"])).record()
+    (tmp_path / "adapter").mkdir()
+    write_peft(tmp_path / "adapter", {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}, ARGS,
+               record, None)
+    proc = run("convert", tmp_path / "adapter", tmp_path / "step", "--from", "peft", "--lora-base", tmp_path / "base")
+    assert proc.stdout.startswith("peft → dcp: 8 tensors"), proc.stdout  # A and B of wq and wv, 2 layers
+    assert ("note: to train on: --lora.enable --lora.rank 4 --lora.alpha 8 --lora.target_modules "
+            "attention.wq,attention.wv --checkpoint.initial_load_path OUT") in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "step" / "titanctl.json").read_text())["lora"]["rank"] == 4
+    proc = run("convert", tmp_path / "adapter", tmp_path / "again", check=False)  # told by its files; no base named
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "again").exists()
+    assert "--from peft reads an adapter onto the model it was made for: give --lora-base" in proc.stderr, proc.stderr

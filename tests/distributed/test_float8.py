@@ -171,11 +171,12 @@ def test_float8_data_parallel_equals_float8_with_the_same_microbatches(
 ):
     layout_losses, stdout = train(worlds, world_case)
     tmp_path = worlds.folder(world_case)
-    # Float8 rounding amplifies the last-bit differences of another summation order over 10 steps:
-    # DDP 2 measured 1.4e-4 at worst on a Zen 4 (AVX-512) and under 1e-4 on a Zen 3 (AVX2), while
-    # float8 itself moves the run from the plain one by 6.4e-4.
-    assert max_rel_diff(float8_microbatches_of_2, fp32_runs["plain"]) > 3e-4  # what float8 itself changes
-    assert max_rel_diff(layout_losses, float8_microbatches_of_2) <= 2e-4
+    # Float8 rounding amplifies the last-bit differences of another summation order over 10 steps, from
+    # step 7 on (under 4e-5 before): on the debug model of 8 heads of 32 with clipping on (norms pass 1 from
+    # step 8), DDP 2 measured 2.5e-4 and HSDP 2x2 3.3e-4 at worst on a Zen 4 (AVX-512), one process with
+    # microbatches of 8 instead of 2 3.2e-4, while float8 itself moves the run from the plain one by 8.3e-4.
+    assert max_rel_diff(float8_microbatches_of_2, fp32_runs["plain"]) > 6e-4  # what float8 itself changes
+    assert max_rel_diff(layout_losses, float8_microbatches_of_2) <= 4.5e-4
     assert "float8: 14 linear layers in float8" in stdout
     nproc, layout_args = layout
     for report in probe_reports(tmp_path, nproc):

@@ -11,7 +11,6 @@ way by hand (see docs/checkpoints.md); one process is tests/unit/checkpoint/test
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from safetensors import safe_open
 
 from tests.distributed.harness import CLI, torchrun
 from titanctl.checkpoint.convert import convert_checkpoint
+from titanctl.checkpoint.formats.hf import HFSource
 
 RUN = [
     "--model.n_layers", "2",
@@ -51,11 +51,12 @@ CASES = {
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    """Every tensor of a Hugging Face folder under its own name, found as convert finds them (the index, or the
+    one model.safetensors that a single-shard save writes without one)."""
     out = {}
-    for file in sorted(set(index["weight_map"].values())):
-        with safe_open(str(folder / file), framework="pt") as f:
-            out.update({key: f.get_tensor(key) for key in f.keys()})
+    for key, path, _shape, _dtype in HFSource(folder).raw:
+        with safe_open(str(path), framework="pt") as f:
+            out[key] = f.get_tensor(key)
     return out
 
 

@@ -12,12 +12,14 @@ of SRC and DST, so a mistyped path fails at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,8 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import flavor_args, model_args_from_config, spec_of
 from titanctl.safe_io import hold_partial, partial_in_use, partial_lock, release_partial
 
-ADAPTER_FORMATS = ("peft",)  # written from a LoRA step's adapters alone (titanctl.checkpoint.lora.export)
+# A LoRA step's adapters alone: written by titanctl.checkpoint.lora.export, read onto a base by lora.peft_import.
+ADAPTER_FORMATS = ("peft",)
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
 UNTIED_FORMATS = ("meta", "torchtune", "torchtitan")  # outputs that carry (or record) the tokenizer
@@ -71,7 +74,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def _check_format(fmt: str | None, flag: str) -> None:
-    valid = (*FORMATS, *ADAPTER_FORMATS) if flag == "--to" else FORMATS
+    valid = (*FORMATS, *ADAPTER_FORMATS)
     if fmt is not None and fmt not in valid:
         raise CheckpointError(f"unknown {flag} format {fmt!r}; valid: {', '.join(valid)}")
 
@@ -289,7 +292,6 @@ def write_checkpoint(
     source_files = source.extra_metadata().get(HF_FILES_KEY) if fmt in ("dcp", "hf") else None
     dst = Path(dst)
     src_folder = source.folder if source.folder.exists() else None
-    tmp = _prepare_destination(dst, src_folder)
     sink = progress or ProgressSink()
     sink.start(source.total_bytes(dtype), f"{source.format} → {fmt}")
     options: dict = {}
@@ -313,9 +315,19 @@ def write_checkpoint(
             options["extra"][HF_FILES_KEY] = source_files
         if recorded_path is not None:
             options["extra"]["tokenizer_path"] = recorded_path
-    try:
+    with _written_into(dst, src_folder) as tmp:
         WRITERS[fmt](tmp, source.args, source, dtype=dtype, progress=sink.advance, **options)
         notes.extend(write_companion_files(tmp, fmt, source.args, tokenizer))
+    return sorted(p.name for p in dst.iterdir())
+
+
+@contextlib.contextmanager
+def _written_into(dst: Path, src: Path | None) -> Iterator[Path]:
+    """The temporary folder beside DST (``_prepare_destination``) to write into: renamed to DST when the
+    block completes, removed when it fails (a full disk said in one line), so DST is whole or untouched."""
+    tmp = _prepare_destination(dst, src)
+    try:
+        yield tmp
         if dst.exists():
             dst.rmdir()  # empty, checked above
         os.rename(tmp, dst)
@@ -328,7 +340,6 @@ def write_checkpoint(
         raise
     finally:
         release_partial(tmp)
-    return sorted(p.name for p in dst.iterdir())
 
 
 def convert_checkpoint(
@@ -358,12 +369,25 @@ def convert_checkpoint(
     ``dtype`` is given.
 
     A LoRA run's step (adapters only) converts with ``merge_lora`` (the base with the adapters folded in,
-    in any format; the base from ``lora.base`` or where the step records it) or to ``peft`` (the
-    adapters alone): ``titanctl.checkpoint.lora.export``.
+    in any format; the base from ``lora_base`` or where the step records it) or to ``peft`` (the
+    adapters alone): ``titanctl.checkpoint.lora.export``. A peft adapter (``src_format`` peft, or a
+    folder holding adapter_config.json) becomes such a step on the base ``lora_base``
+    (``titanctl.checkpoint.lora.peft_import``).
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if src_format in ADAPTER_FORMATS or (src_format is None and _holds_peft_adapter(Path(src))):
+        given = {"--merge-lora": merge_lora, f"--to {dst_format}": dst_format not in (None, "dcp"), "--flavor": flavor,
+                 "--config": config, " ".join(overrides or ()): overrides, "--shards": shards,
+                 "--max-shard-size": max_shard_size, "--tokenizer-path": tokenizer_path,
+                 "--drop-expert-bias": drop_expert_bias}
+        if (misused := next((flag for flag, value in given.items() if value), None)) is not None:
+            raise CheckpointError(
+                f"{misused} does not apply to --from peft, which writes a titanctl LoRA checkpoint (dcp) of the "
+                "adapter on its base: export or merge that one (`titanctl convert OUT MERGED --merge-lora`)"
+            )
+        return _import_peft(Path(src), Path(dst), lora_base, torch_dtype, progress)
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None and dst_format not in ADAPTER_FORMATS:
@@ -403,6 +427,37 @@ def convert_checkpoint(
         )
 
 
+def _holds_peft_adapter(folder: Path) -> bool:
+    from titanctl.checkpoint.lora.export import PEFT_CONFIG
+
+    try:
+        return (folder / PEFT_CONFIG).is_file()
+    except OSError:  # an unreadable folder: locate says so in one line
+        return False
+
+
+def _import_peft(src: Path, dst: Path, base: str | os.PathLike | None, dtype: torch.dtype | None,
+                 progress: ProgressSink | None) -> ConversionReport:
+    """A peft adapter folder onto ``base``: a titanctl LoRA step in ``dst``, written under a temporary name."""
+    from titanctl.checkpoint.lora.peft_import import import_peft
+
+    if base is None:
+        raise CheckpointError(
+            "--from peft reads an adapter onto the model it was made for: give --lora-base BASE (a titanctl step, or "
+            "a Hugging Face, torchtitan, Meta or torchtune folder)"
+        )
+    if not src.is_dir():
+        raise CheckpointError(f"peft adapter folder {src} {'is a file' if src.exists() else 'does not exist'}")
+    start = time.perf_counter()
+    base_located = locate(base, "--lora-base")
+    _check_destination(dst, base_located.folder)  # the base's own files are fingerprinted
+    with _written_into(dst, src) as tmp, open_checkpoint(base_located.folder, base_located.format) as source:
+        count, nbytes, notes = import_peft(src, tmp, source, base_located.format, dtype=dtype,
+                                           progress=progress or ProgressSink())
+    return ConversionReport(src, dst, "peft", "dcp", source.args, f"the base {base_located.folder}", count, nbytes,
+                            time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
+
+
 def _lora_record(located: Located) -> dict | None:
     """The ``lora`` entry of a titanctl step folder's titanctl.json (None: no adapters, or another format)."""
     from titanctl.checkpoint.lora.base import read_record
@@ -420,8 +475,9 @@ def _convert_lora(
     drop_expert_bias: bool = False,
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
+    from titanctl.checkpoint.hf.uncarried import check_adapter_export
     from titanctl.checkpoint.lora.base import base_folder, base_record, check_same_base
-    from titanctl.checkpoint.lora.export import EXPERT_ADAPTERS_NOTE, MergedSource, read_adapters, write_peft
+    from titanctl.checkpoint.lora.export import EXPERT_ADAPTERS_NOTE, MergedSource, read_lora_step, write_peft
     from titanctl.checkpoint.trust.metadata import model_args_from_metadata
 
     if lora is None:
@@ -435,7 +491,8 @@ def _convert_lora(
             "(the base with the adapters folded in) or use --to peft (the adapters for peft)"
         )
     start = time.perf_counter()
-    meta, record, adapters = read_adapters(located.folder)
+    step = read_lora_step(located.folder)
+    meta, record, adapters = step.meta, step.record, step.adapters
     args = model_args_from_metadata(meta, str(located.folder))
     notes = [] if located.folder == src else [f"read {located.folder.name}, the newest complete checkpoint in {src}"]
     # The adapters mean something only on the base they were trained on: peft's too (it names the base).
@@ -443,20 +500,17 @@ def _convert_lora(
     base_located = _locate_source(folder, None)
     check_same_base(record["base"], base_record(base_located.folder, base_located.format), located.folder)
     if dst_format in ADAPTER_FORMATS:
-        tmp = _prepare_destination(dst, src)
-        try:
+        # peft adapts the base's Hugging Face model: the buffers it holds are the base's (zero where it has no slot).
+        dropped = check_adapter_export(step.buffers, args, drop_expert_bias,
+                                       lambda names: _base_tensors(record, located.folder, args, names))
+        notes += [dropped] if dropped else []
+        with _written_into(dst, src) as tmp:
             if record["base"]["format"] != "hf":
                 notes.append(f"peft loads these adapters onto the Hugging Face model of their base: `titanctl "
                              f"convert {record['base']['path']} BASE_HF --to hf` makes it")
             write_peft(tmp, adapters, args, record, str(folder), dtype)
             if any(kind == "experts" for kind in record["targets"].values()):
                 notes.append(EXPERT_ADAPTERS_NOTE)
-            os.rename(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            release_partial(tmp)
         nbytes = sum(t.numel() * (dtype or t.dtype).itemsize for t in adapters.values())
         return ConversionReport(src, dst, "dcp", dst_format, args, "titanctl.json", len(adapters), nbytes,
                                 time.perf_counter() - start, sorted(p.name for p in dst.iterdir()), notes)
@@ -464,7 +518,7 @@ def _convert_lora(
     source.dequantize_to = dtype or FP8_DEFAULT_DTYPE
     with source:
         source.bind(args, f"{located.folder}/titanctl.json")
-        merged = MergedSource(source, adapters, record, located.folder, meta)
+        merged = MergedSource(source, adapters, record, located.folder, meta, step.buffers)
         merged.origin = "titanctl.json"
         fmt = dst_format or "hf"
         notes += [f"merged {len(record['targets'])} LoRA adapters into the base {base_located.folder}", *source.notes]
@@ -473,6 +527,16 @@ def _convert_lora(
                                  drop_expert_bias=drop_expert_bias)
         return ConversionReport(src, dst, "dcp", fmt, args, "titanctl.json", len(merged.infos),
                                 merged.total_bytes(dtype), time.perf_counter() - start, files, notes)
+
+
+def _base_tensors(record: dict, folder: Path, args: ModelArgs, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the base a LoRA step records (read where it records it)."""
+    from titanctl.checkpoint.lora.base import base_folder
+
+    base = _locate_source(base_folder(record, None, folder), None)
+    with open_source(base.folder, base.format) as source:
+        source.bind(args, f"{folder}/titanctl.json")
+        return {name: source.load(name) for name in names}
 
 
 def save_state_dict(

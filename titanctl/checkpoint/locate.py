@@ -30,6 +30,7 @@ from titanctl.checkpoint.trust.reader import DCP_INDEX
 from titanctl.errors import CheckpointError
 
 STEP_FOLDER = re.compile(r"step-(\d+)")
+PEFT_ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter, which holds no model (checkpoint.lora.export)
 # A folder holding either is a DCP checkpoint (titanctl's: both; torchtitan's: the index alone).
 DCP_FILES = (METADATA_FILE, DCP_INDEX)
 _EXPECTED = (
@@ -86,6 +87,11 @@ def locate(path: str | Path, what: str = "checkpoint", fmt: str | None = None) -
                 f"{_EXPECTED})"
             )
         names = {p.name for p in path.iterdir()}
+        if PEFT_ADAPTER_CONFIG in names:
+            raise CheckpointError(
+                f"{what} {path} is a peft adapter ({PEFT_ADAPTER_CONFIG}), not a model: bring it onto its base first, "
+                f"`titanctl convert {path} OUT --from peft --lora-base BASE` (a titanctl LoRA checkpoint)"
+            )
         folder = path
         if not names & set(DCP_FILES):
             folder = _newest_step(path, names) or path

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 from rich.console import Console
 
@@ -72,20 +71,24 @@ def report(e: TitanError) -> None:
     """A user error, as one line on stderr (and in torchrun's end-of-job summary).
 
     Under torchrun, an error that every rank meets alike (the config, the layout) is printed once,
-    by rank 0; the other ranks give rank 0 a moment to say it (or leave when torchrun stops them),
-    then exit with the same code, so that the error is not cut short by torchrun's SIGTERM.
+    by rank 0; the other ranks wait until rank 0 has said it (or torchrun stops them), then exit with the
+    same code, so that the error is not cut short by torchrun's SIGTERM; a rank whose error rank 0 did not
+    meet says it itself.
     """
-    elastic.record_failure(str(e))
-    peers.publish_failure(str(e))
+    alike = isinstance(e, (ConfigError, ParallelError))  # every rank meets it, before any collective
+    elastic.record_failure(str(e), first_hand=alike)
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    if rank == "0" or world == "1" or not isinstance(e, (ConfigError, ParallelError)):
+    quiet = alike and rank != "0" and world != "1"
+    if not quiet:
         error(str(e))
-        return
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
-    time.sleep(_QUIET_RANKS_WAIT_S)
+    peers.publish_failure(str(e))  # after the line: a rank waiting for it leaves once it is said
+    if quiet:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+        if not peers.wait_for_failure_of(0, _QUIET_RANKS_WAIT_S):
+            error(str(e))  # rank 0 did not meet it: this rank's own say
 
 
-_QUIET_RANKS_WAIT_S = 3.0
+_QUIET_RANKS_WAIT_S = 30.0  # at most: rank 0 meets the same error as soon as it has started
 
 
 def finish(code: int) -> None:

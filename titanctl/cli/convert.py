@@ -23,7 +23,9 @@ def convert(
     src: Path = typer.Argument(..., readable=False, help="Checkpoint folder to read."),
     dst: Path = typer.Argument(..., help="Folder to write: must not exist, or be empty."),
     from_format: str | None = typer.Option(
-        None, "--from", help="Source format: meta, dcp, hf, torchtune or torchtitan. Default: told by SRC's files."
+        None, "--from",
+        help="Source format: meta, dcp, hf, torchtune or torchtitan, or peft (an adapter folder, read onto "
+        "--lora-base into a titanctl LoRA checkpoint). Default: told by SRC's files.",
     ),
     to_format: str | None = typer.Option(
         None, "--to",
@@ -56,13 +58,15 @@ def convert(
     lora_base: Path | None = typer.Option(
         None, "--lora-base", readable=False,
         help="Where the LoRA step's base is now, when it moved (its weights must be the ones the adapters were "
-        "trained on); for --merge-lora and --to peft, which both check the base, and name it in peft's config.",
+        "trained on): for --merge-lora and --to peft, which both check the base and name it in peft's config; "
+        "with --from peft, the model the adapter was made for (a titanctl step, or a Hugging Face, torchtitan, "
+        "Meta or torchtune folder).",
     ),
     drop_expert_bias: bool = typer.Option(
         False, "--drop-expert-bias",
         help="Export to a format that has no slot for the MoE expert bias that moe.load_balance_coeff trains "
-        "(Hugging Face's Qwen3-MoE and gpt-oss) without it: the export then routes tokens as with a zero bias. "
-        "Without the flag such an export is refused.",
+        "(Hugging Face's Qwen3-MoE and gpt-oss; peft, for a LoRA step whose bias moved) without it: the export then "
+        "routes tokens as with a zero bias (peft: the base's). Without the flag such an export is refused.",
     ),
     tokenizer_path: Path | None = typer.Option(
         None,
@@ -72,7 +76,8 @@ def convert(
     ),
 ) -> None:
     """Convert checkpoints between Meta, DCP, Hugging Face, torchtune and torchtitan formats; export a LoRA
-    run's adapters for peft (--to peft) or merged into their base (--merge-lora).
+    run's adapters for peft (--to peft) or merged into their base (--merge-lora); read a peft adapter onto
+    its base (--from peft --lora-base BASE).
 
     Extra --section.key VALUE options override the --config recipe: the model's shape (model.name, flavor,
     n_layers, n_kv_heads, mtp_layers, norm_type) and training.seq_len; any other key is an error.

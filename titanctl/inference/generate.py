@@ -199,6 +199,7 @@ PREFILL_PROBE_TOKENS = 64  # at most this many prompt tokens per candidate in th
 # ~1.9 GB of mask per layer. Prompts up to ~11k tokens still run in one forward: the chunks' masks cost
 # time (debug model, 8k tokens in chunks of 1024: 1.27x the CPU time of one forward).
 PREFILL_MASK_ELEMENTS = 2**27
+PREFILL_PROGRESS_SECONDS = 10.0
 
 
 def compiled_attention(device: torch.device) -> SDPBackend | None:
@@ -313,7 +314,7 @@ class Decoder:
         threads_before = torch.get_num_threads()
         try:
             start = time.perf_counter()
-            token, prefill_threads = self._prefill(list(prompt), sampling, key)  # (1, 1)
+            token, prefill_threads = self._prefill(list(prompt), sampling, key, say)  # (1, 1)
             chosen = [token]
             stopped = _has_stop(chosen, stops)
             prefill_seconds = time.perf_counter() - start
@@ -354,12 +355,15 @@ class Decoder:
             if hook is not None:
                 hook.remove()
 
-    def _prefill(self, prompt: list[int], sampling: Sampling, key: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _prefill(self, prompt: list[int], sampling: Sampling, key: torch.Tensor,
+                 say: Callable[[str], None] | None = None) -> tuple[torch.Tensor, int]:
         """The first token (1, 1) and the thread count the prompt's forward ended with.
 
         With several candidate thread counts, the prompt's first chunks (equal sizes, each the
         same work: every position attends over the whole cache, masked) run one per candidate,
-        and the rest at the fastest."""
+        and the rest at the fastest. A prefill in chunks that takes long says how far it is, every
+        PREFILL_PROGRESS_SECONDS, with the time left at its pace (a 43k-token prompt takes minutes on a CPU)."""
+        start = last_said = time.perf_counter()
         done, seconds = 0, {}
         if len(self.threads) > 1 and len(prompt) >= 2 * len(self.threads):
             chunk = min(PREFILL_PROBE_TOKENS, len(prompt) // (2 * len(self.threads)) or 1)
@@ -377,6 +381,13 @@ class Decoder:
             chunk = prompt[done:done + per_forward]
             logits = self._forward_last(chunk, done)
             done += len(chunk)
+            now = time.perf_counter()
+            if say is not None and done < len(prompt) and now - last_said >= PREFILL_PROGRESS_SECONDS:
+                # Later chunks attend over more keys: the pace so far understates what is left.
+                left = (now - start) / done * (len(prompt) - done)
+                say(f"prefill: {done:,} of {len(prompt):,} prompt tokens in {now - start:.0f} s, at least "
+                    f"{left:.0f} s left")
+                last_said = now
         return sample(logits, sampling, key, torch.tensor([len(prompt)], device=self.device)), torch.get_num_threads()
 
     def _decode(self, chosen: list[torch.Tensor], stopped: bool, stops: torch.Tensor, prompt_len: int,

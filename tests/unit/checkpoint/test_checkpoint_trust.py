@@ -409,7 +409,7 @@ TRAVERSALS = {
     "hf-dotdot": ("hf", lambda f, t: escape_hf_index(f, "../../../etc/passwd"),
                   r"names '\.\./\.\./\.\./etc/passwd', a path outside"),
     "hf-symlink": ("hf", lambda f, t: link_out(f, sorted(p.name for p in f.glob("*.safetensors"))[0], t / "elsewhere"),
-                   r"names 'model[-0-9of]*\.safetensors', a link to .*/elsewhere outside"),
+                   r"names 'model-00001-of-\d+\.safetensors', a link to .*/elsewhere outside"),  # the session's shards
     "dcp-dotdot": ("dcp", lambda f, t: escape_dcp_storage(f, "../../../etc/passwd"),
                    r"\.metadata names '\.\./\.\./\.\./etc/passwd', a path outside"),
     "dcp-symlink": ("dcp", lambda f, t: link_out(f, "__0_0.distcp", t / "elsewhere"),

@@ -61,3 +61,24 @@ def theirs_state(theirs) -> dict[str, torch.Tensor]:
     from titanctl.checkpoint.hf.names import from_hf_state_dict
 
     return from_hf_state_dict(theirs.state_dict(), ARGS)
+
+
+def test_a_run_that_started_from_an_hf_folder_saves_and_exports_into_its_files(foreign_formats, tmp_path):
+    """The run's steps carry the source's files (hf_files in titanctl.json) as they carry its config.json: its
+    Hugging Face save and `convert --to hf` of its step write them (here: 2MB shards and their index)."""
+    from tests.conftest import TRUSTED_RUN
+    from titanctl.checkpoint.formats.hf import HFSource
+    from titanctl.checkpoint.hf.names import HF_FILES_KEY
+    from titanctl.checkpoint.trust.metadata import read_metadata
+    from titanctl.config.recipe import load_config
+    from titanctl.train.trainer import Trainer
+
+    source = foreign_formats["hf"]
+    Trainer(load_config(None, [*TRUSTED_RUN, "--training.steps", "1", "--checkpoint.last_save_in_hf",
+                               "--checkpoint.initial_load_path", str(source),
+                               "--checkpoint.initial_load_model_weights_only", "--job.dump_folder",
+                               str(tmp_path / "run")])).train()
+    root = tmp_path / "run" / "checkpoint"
+    assert read_metadata(root / "step-1")[HF_FILES_KEY] == HFSource(source).extra_metadata()[HF_FILES_KEY]
+    convert_checkpoint(root / "step-1", tmp_path / "exported", dst_format="hf")
+    assert len(files(source)) > 2 and files(root / "step-1-hf") == files(tmp_path / "exported") == files(source)

@@ -169,11 +169,19 @@ def test_settings_a_lora_run_cannot_have(base, tmp_path, extra, error, message):
 def test_what_a_lora_step_is_not(base, uninterrupted, tmp_path):
     step = uninterrupted / "checkpoint" / "step-2"
     args = ["--model.n_layers", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "run")]
-    # Not a starting point (it holds adapters only), for a LoRA run or any other.
-    for lora in ([], ["--lora.enable"]):
-        cfg = load_config(None, [*args, *lora, "--checkpoint.initial_load_path", str(step)])
-        with pytest.raises(CheckpointError, match="holds LoRA adapters only .*--merge-lora"):
-            plan_load(cfg, model_args_from_config(cfg.model, 4352, 64))
+    # A starting point only for a LoRA run of the same adapters (on the base it records).
+    cfg = load_config(None, [*args, "--checkpoint.initial_load_path", str(step)])
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only .*--merge-lora"):
+        plan_load(cfg, model_args_from_config(cfg.model, 4352, 64))
+    cfg = load_config(None, [*args, "--lora.enable", "--checkpoint.initial_load_path", str(step)])
+    with pytest.raises(CheckpointError, match="holds adapters of rank 4 on 14 modules, this run's lora settings make "
+                                              "rank 8 on 8: train them on with lora.rank = 4 and lora.target_modules "
+                                              "= attention.wk,attention.wo,attention.wq,attention.wv,feed_forward.w1,"):
+        plan_load(cfg, model_args_from_config(cfg.model, 4352, 64))
+    cfg = load_config(None, [*LORA_RUN, "--checkpoint.initial_load_path", str(step), "--job.dump_folder",
+                             str(tmp_path / "run")])
+    plan = plan_load(cfg, model_args_from_config(cfg.model, 4352, 64))
+    assert (plan.start.folder, plan.own, plan.base.folder, plan.step) == (step, None, base, 0)
     # A run without lora does not resume it; a LoRA run does not resume a whole model's step.
     cfg = load_config(None, ["--model.n_layers", "2", "--job.dump_folder", str(uninterrupted),
                              "--checkpoint.enable_checkpoint"])

@@ -63,6 +63,8 @@ def test_merged_and_peft_exports_give_the_logits_of_base_plus_adapters(lora_step
     assert report.dst_format == "hf" and any("merged" in note for note in report.notes)
     convert_checkpoint(lora_step["step"], adapter, dst_format="peft")
     assert {p.name for p in adapter.iterdir()} == {PEFT_CONFIG, PEFT_WEIGHTS}
+    shards = sorted(p.name for p in lora_step["base"].glob("model*"))
+    assert sorted(p.name for p in merged.glob("model*")) == shards and len(shards) > 2  # the base's own files
     config = json.loads((adapter / PEFT_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, str(lora_step["base"]))
     keys = set(load_file(adapter / PEFT_WEIGHTS))
@@ -113,8 +115,8 @@ def test_what_convert_refuses(lora_step, trained_run, tmp_path):
         convert_checkpoint(step, tmp_path / "out", dst_format="peft", merge_lora=True)
     with pytest.raises(CheckpointError, match="holds LoRA adapters only .*not a whole model: merge them"):
         open_checkpoint(step)  # what generation and every reader of whole models open
-    with pytest.raises(CheckpointError, match="unknown --from format 'peft'"):
-        convert_checkpoint(step, tmp_path / "out", src_format="peft")
+    with pytest.raises(CheckpointError, match="no peft adapter folder: adapter_config.json is missing"):
+        convert_checkpoint(step, tmp_path / "out", src_format="peft", lora_base=lora_step["base"])
     other = tmp_path / "other_base"
     shutil.copytree(trained_run / "checkpoint" / "step-1", other)
     with pytest.raises(CheckpointError, match="is not the one the adapters of .* were trained on"):
@@ -122,23 +124,33 @@ def test_what_convert_refuses(lora_step, trained_run, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def moe_lora_step(tmp_path_factory) -> dict:
+    """One LoRA step of a random Qwen3-MoE with adapters on its experts, whose expert bias load balancing moved."""
+    from titanctl.checkpoint.convert import save_state_dict
+    from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
+    from titanctl.parallel.layouts.weight_init import initialize_weights
+
+    root = tmp_path_factory.mktemp("moe_lora")
+    args = QWEN3_MOE_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=4352, max_seq_len=64)
+    model = Transformer(args)
+    initialize_weights(model, seed=0)  # the expert stacks are made empty: uninitialized memory otherwise
+    save_state_dict(model.state_dict(), args, root / "base")
+    cfg = load_config(None, [*LORA_RUN, "--model.name", "qwen3_moe", "--checkpoint.initial_load_path",
+                             str(root / "base"), "--training.steps", "1", "--checkpoint.interval", "1",
+                             "--lora.target_modules", "attention,moe.experts", "--lora.rank", "8",
+                             "--moe.load_balance_coeff", "0.01", "--job.dump_folder", str(root / "run")])
+    Trainer(cfg).train()
+    return {"base": root / "base", "step": root / "run" / "checkpoint" / "step-1"}
+
+
 @pytest.mark.slow
-def test_peft_export_of_expert_adapters_says_which_transformers_load_them(tmp_path):
+def test_peft_export_of_expert_adapters_says_which_transformers_load_them(moe_lora_step, tmp_path):
     """peft's target_parameters attach to transformers 5's packed experts; on 4.57 they match nothing (peft only
     warns): the export says so in one note."""
-    from titanctl.checkpoint.convert import save_state_dict
     from titanctl.checkpoint.lora.export import EXPERT_ADAPTERS_NOTE
-    from titanctl.models.qwen3_moe.args import QWEN3_MOE_FLAVORS
 
-    args = QWEN3_MOE_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=4352, max_seq_len=64)
-    torch.manual_seed(0)
-    save_state_dict(Transformer(args).state_dict(), args, tmp_path / "base")
-    cfg = load_config(None, [*LORA_RUN, "--model.name", "qwen3_moe", "--checkpoint.initial_load_path",
-                             str(tmp_path / "base"), "--training.steps", "1", "--checkpoint.interval", "1",
-                             "--lora.target_modules", "attention,moe.experts", "--lora.rank", "8",
-                             "--job.dump_folder", str(tmp_path / "run")])
-    Trainer(cfg).train()
-    report = convert_checkpoint(tmp_path / "run" / "checkpoint" / "step-1", tmp_path / "peft", dst_format="peft")
+    report = convert_checkpoint(moe_lora_step["step"], tmp_path / "peft", dst_format="peft", drop_expert_bias=True)
     assert EXPERT_ADAPTERS_NOTE in report.notes and "transformers 5.x" in EXPERT_ADAPTERS_NOTE
     assert json.loads((tmp_path / "peft" / PEFT_CONFIG).read_text())["target_parameters"]
 
@@ -203,3 +215,31 @@ def test_to_peft_checks_the_recorded_base_as_merge_lora_does(lora_step, trained_
     with pytest.raises(CheckpointError, match="is not the one the adapters of .* were trained on"):
         convert_checkpoint(lora_step["step"], tmp_path / "out2", dst_format="peft", lora_base=other)
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.slow
+def test_the_expert_bias_a_lora_run_moved_is_merged_from_the_step_and_peft_refuses_it(moe_lora_step, tmp_path):
+    """The step holds the bias balancing moved while the base stayed frozen: --merge-lora writes it (not the
+    base's); peft, which adapts the base's Hugging Face model (no bias), cannot carry it: refused in one line
+    unless --drop-expert-bias, and so is --merge-lora --to hf."""
+    from titanctl.checkpoint.lora.export import read_lora_step
+
+    step = moe_lora_step["step"]
+    moved = read_lora_step(step).buffers
+    base, _ = load_checkpoint(moe_lora_step["base"])
+    assert sorted(moved) == ["layers.0.moe.expert_bias", "layers.1.moe.expert_bias"]
+    assert all(not torch.equal(moved[name], base[name]) for name in moved), "balancing moved no bias"
+    convert_checkpoint(step, tmp_path / "merged", dst_format="dcp", merge_lora=True)
+    merged, _ = load_checkpoint(tmp_path / "merged")
+    assert all(torch.equal(merged[name], moved[name]) for name in moved)
+    with pytest.raises(CheckpointError) as error:
+        convert_checkpoint(step, tmp_path / "peft", dst_format="peft")
+    message = str(error.value)
+    assert message.startswith("layers.0.moe.expert_bias (and 1 more layers') holds trained values "
+                              "(moe.load_balance_coeff) that peft cannot carry") and "\n" not in message
+    assert "add --drop-expert-bias" in message and not (tmp_path / "peft").exists()
+    with pytest.raises(CheckpointError, match="that the Hugging Face qwen3_moe format has no slot for: add --drop"):
+        convert_checkpoint(step, tmp_path / "hf", dst_format="hf", merge_lora=True)
+    report = convert_checkpoint(step, tmp_path / "peft", dst_format="peft", drop_expert_bias=True)
+    assert any(note.startswith("--drop-expert-bias: the trained expert bias of 2 layers was left out (peft adapts")
+               for note in report.notes), report.notes

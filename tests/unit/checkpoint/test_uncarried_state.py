@@ -83,3 +83,22 @@ def test_hf_saves_of_a_bias_trained_run_are_refused_before_it_starts():
         check_hf_saves(0.001, GPT_OSS)
     check_hf_saves(0.0, GPT_OSS)
     check_hf_saves(0.001, DEEPSEEK_V3_FLAVORS["debugmodel"])  # its HF format stores it (e_score_correction_bias)
+
+
+def test_peft_exports_of_a_lora_step_carry_only_the_bias_of_the_base():
+    """peft puts a LoRA step's adapters on the base's Hugging Face model: no bias for Qwen3-MoE (a moved one is
+    refused), the base's for DeepSeek-V3 (read only when the step's is not zero, refused when it is another)."""
+    from titanctl.checkpoint.hf.uncarried import check_adapter_export
+
+    deepseek = DEEPSEEK_V3_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=300)
+    name = "layers.1.moe.expert_bias"
+    moved = {name: torch.linspace(-0.5, 0.5, 8)}
+    never = lambda names: pytest.fail("the base was read")  # noqa: E731
+    assert check_adapter_export({name: torch.zeros(8)}, QWEN3_MOE, False, never) is None
+    assert check_adapter_export({name: torch.zeros(8)}, deepseek, False, never) is None
+    assert check_adapter_export(moved, deepseek, False, lambda names: {n: moved[n].clone() for n in names}) is None
+    for args, base in ((QWEN3_MOE, never), (deepseek, lambda names: {n: torch.zeros(8) for n in names})):
+        with pytest.raises(CheckpointError, match=rf"^{name} holds trained values \(moe.load_balance_coeff\) that "
+                                                  rf"peft cannot carry \(it adapts the base's Hugging Face {args.family}"):
+            check_adapter_export(moved, args, False, base)
+        assert check_adapter_export(moved, args, True, base).startswith("--drop-expert-bias: the trained expert bias")

@@ -453,3 +453,21 @@ def test_inductor_options_measured_on_cpu_stay_on_cpu(model):
         elsewhere = Transformer(ARGS)
     elsewhere.init_buffers(torch.device("meta"))
     assert _compile_options(elsewhere) == {}
+
+
+@torch.no_grad()
+def test_a_long_prefill_says_how_far_it_is(monkeypatch):
+    """Issue 57: a 43k-token prefill ran for minutes with nothing said after "prefill of ... tokens"."""
+    import titanctl.inference.generate as generation
+
+    monkeypatch.setattr(generation, "PREFILL_MASK_ELEMENTS", 1)  # chunks of CACHE_BUCKET tokens
+    monkeypatch.setattr(generation, "PREFILL_PROGRESS_SECONDS", 0.0)  # a line after every chunk but the last
+    decoder, heard = Decoder(long_prompt_model("llama3"), 192), []
+    try:
+        decoder.generate(list(range(150)), 1, say=heard.append)
+    finally:
+        decoder.close()
+    progress = [line for line in heard if line.startswith("prefill:")]
+    assert [line.split(" in ")[0] for line in progress] == ["prefill: 64 of 150 prompt tokens",
+                                                             "prefill: 128 of 150 prompt tokens"]
+    assert all(line.endswith("s left") for line in progress)

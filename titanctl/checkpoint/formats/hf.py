@@ -411,11 +411,23 @@ def _names_digest(names: list[str]) -> str:
     return hashlib.sha256("\n".join(names).encode()).hexdigest()
 
 
-def write_order(names: list[str], args: ModelArgs) -> list[str]:
-    """The order in which ``write`` loads the tensors of a source whose infos name ``names`` (the
-    ranks of a training run walk it together: ``titanctl.checkpoint.run.hf_save``): theirs, less the
-    state the format does not store."""
-    return [name for name in names if hf_names_of(name, args)]
+def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None = None) -> list[str]:
+    """The order in which ``write`` (given ``layout``) loads the tensors of a source whose infos name
+    ``names`` (the ranks of a training run walk it together: ``titanctl.checkpoint.run.hf_save``): theirs,
+    less the state the format does not store, file by file when the source's files are kept."""
+    stored = [name for name in names if hf_names_of(name, args)]
+    kept = _kept_files([(hf_name, name, 0) for name in stored for hf_name in hf_names_of(name, args)], layout)
+    return stored if kept is None else list(dict.fromkeys(name for shard in kept[1] for _, name, _ in shard))
+
+
+def _kept_files(entries: list[tuple[str, str, int]], layout: dict[str, Any] | None) -> tuple[list[str], list] | None:
+    """(file names, the (HF name, titanctl weight, bytes) entries each holds, in order) of the source's
+    files, when ``layout`` (``file_layout``) records exactly these Hugging Face tensors; else None."""
+    kept = files_of(layout, [hf_name for hf_name, *_ in entries]) if layout else None
+    if kept is None:
+        return None
+    names = list(dict.fromkeys(kept.values()))
+    return names, [[entry for entry in entries if kept[entry[0]] == file] for file in names]
 
 
 def write(
@@ -452,11 +464,9 @@ def write(
                 size = 0
             plan[-1].append((hf_name, info.name, nbytes))
             size += nbytes
-    kept = files_of(layout, [hf_name for shard in plan for hf_name, *_ in shard]) if layout else None
+    kept = _kept_files([entry for shard in plan for entry in shard], layout)
     if kept is not None:  # the source's files: each holds what it held, in the source's order of files
-        entries = [entry for shard in plan for entry in shard]
-        plan = [[entry for entry in entries if kept[entry[0]] == file] for file in dict.fromkeys(kept.values())]
-        names = list(dict.fromkeys(kept.values()))
+        names, plan = kept
         index_file = bool(layout.get("index"))
     else:
         names = [SINGLE_FILE] if len(plan) == 1 else [shard_name(i, len(plan)) for i in range(1, len(plan) + 1)]

@@ -77,6 +77,11 @@ def _canonical_of(hf_name: str, hf: HFFormat, n_layers: int | None = None) -> st
     return None
 
 
+def canonical_name(hf_name: str, args: ModelArgs) -> str | None:
+    """The titanctl name of a Hugging Face weight name in the model's family (None: not one of its names)."""
+    return _canonical_of(hf_name, spec_of(args).hf, args.n_layers)
+
+
 def shared_copy(hf_name: str, args: ModelArgs) -> bool:
     """Whether a Hugging Face tensor is a prediction depth's copy of a weight the main model holds
     (DeepSeek-V3's ``model.layers.{n}.embed_tokens`` / ``shared_head.head``): not read."""
@@ -302,6 +307,14 @@ def to_hf_rows(name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, tor
     hf = _hf_name(name, args)
     heads = _heads_of(name, args)
     return hf, (rows if heads is None else _interleaved_to_halves(rows, heads))
+
+
+def from_hf_rows(hf_name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
+    """``to_hf_rows`` inverted: rows in the Hugging Face weight ``hf_name``'s order (a peft adapter's
+    lora_B, (out, rank)) -> the titanctl weight's name and the rows in its order. Dtype is kept."""
+    canonical = _canonical_name(hf_name, args)
+    heads = _heads_of(canonical, args)
+    return canonical, (rows if heads is None else _halves_to_interleaved(rows, heads))
 
 
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) -> Iterator[tuple[str, torch.Tensor]]:

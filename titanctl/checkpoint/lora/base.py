@@ -139,13 +139,15 @@ def read_record(meta: dict[str, Any] | None, where: Path) -> dict[str, Any] | No
     return entry
 
 
-def base_folder(record: dict[str, Any], given: str | os.PathLike | None, where: Path) -> Path:
+def base_folder(record: dict[str, Any], given: str | os.PathLike | None, where: Path,
+                moved: str | None = None) -> Path:
     """Where the base is: ``given`` (the recipe's initial_load_path, or convert --lora-base), else the
-    recorded path; a one-line CheckpointError when it is gone."""
+    recorded path; a one-line CheckpointError when it is gone (``moved``: what to do then, when the
+    recorded path was used)."""
     folder = Path(given) if given else Path(record["base"]["path"])
     if not folder.exists():
         said = "given" if given else f"recorded in {Path(where) / METADATA_FILE}"
-        hint = "" if given else " (moved? name it with checkpoint.initial_load_path, or convert --lora-base)"
+        hint = "" if given else moved or " (moved? name it with checkpoint.initial_load_path, or convert --lora-base)"
         raise CheckpointError(
             f"the LoRA base {folder} ({said}), which the adapters of {where} were trained on, is missing{hint}"
         )
@@ -155,11 +157,13 @@ def base_folder(record: dict[str, Any], given: str | os.PathLike | None, where: 
 @dataclasses.dataclass
 class LoRAPlan:
     """A LoRA run's start: its base's weights (``base``, an initial plan), then, when the run resumes,
-    its own step (``own``: adapters, optimizer, step...) trained on that base (``recorded``)."""
+    its own step (``own``: adapters, optimizer, step...) trained on that base (``recorded``), or when it
+    starts from a LoRA step, that step's adapters and buffers (``start``)."""
 
     base: Any  # titanctl.checkpoint.run.load_plan.LoadPlan | ForeignPlan, initial, model only
     own: Any = None  # titanctl.checkpoint.run.load_plan.LoadPlan of the run's own step
-    recorded: dict[str, str] | None = None  # the own step's base record
+    start: Any = None  # or of the LoRA step a new run starts from (initial_load_path): its adapters only
+    recorded: dict[str, str] | None = None  # the own (or start) step's base record
     notes: list[str] = dataclasses.field(default_factory=list)
     restores_model: bool = True  # the base's weights, and the adapters when resuming
 

@@ -11,15 +11,19 @@ likewise). A's columns and B's rows follow the Hugging Face weight's layout: for
 layout inside titanctl) the rows of B on ``q_proj``/``k_proj`` are permuted as the weight's are.
 Routed experts, which transformers 5 holds packed (``mlp.experts.gate_up_proj`` [E, 2F, D],
 ``down_proj`` [E, D, F]), are peft ``target_parameters``: the gate's and up's adapters share one
-packed adapter of twice the rank (A stacked, B block-diagonal), the same product.
+packed adapter of twice the rank (A stacked, B block-diagonal), the same product; of the rank itself
+when the two share their A (as a peft-made adapter read by ``titanctl.checkpoint.lora.peft_import`` does).
 
 ``--merge-lora`` gives a ``Source`` of the merged model, ``W + (alpha / rank) B A`` per adapted weight
 (per expert for a stack), computed in float32 and cast back to the base's dtype, that any format's
-writer takes.
+writer takes; the model's saved buffers (an MoE's expert bias, which balancing moves while the base is
+frozen) are the step's. peft has no slot for such a bias: ``--to peft`` of a step whose bias moved is
+refused unless ``--drop-expert-bias`` (``titanctl.checkpoint.hf.uncarried``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -29,11 +33,12 @@ from safetensors.torch import save_file
 
 from titanctl.checkpoint.formats.base import Source
 from titanctl.checkpoint.hf.names import to_hf_rows
+from titanctl.checkpoint.locate import PEFT_ADAPTER_CONFIG
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.parallel.converters.lora import adapter_names
 
-PEFT_CONFIG = "adapter_config.json"
+PEFT_CONFIG = PEFT_ADAPTER_CONFIG
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 # peft 0.21 attaches target_parameters to transformers 5's packed experts; transformers 4.57 holds them per
@@ -42,7 +47,7 @@ EXPERT_ADAPTERS_NOTE = ("the expert adapters are peft target_parameters on trans
                         "load with transformers 5.x; transformers 4.x attaches only the other adapters (peft warns "
                         "that no parameter was matched)")
 # titanctl's expert stacks -> transformers 5's packed expert parameter, and the slot in it.
-_PACKED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
+PACKED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0)}
 
 
 def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dict[str, Any],
@@ -56,7 +61,7 @@ def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dic
         a, b = (adapters[name] for name in adapter_names(target, kind))
         if kind == "experts":
             layer_module, _, weight = target.rpartition(".")
-            hf_module = _hf_experts_module(layer_module, args)
+            hf_module = hf_experts_module(layer_module, args)
             stacks.setdefault(hf_module, {})[weight] = (a, b)
             continue
         if target.endswith("router.gate") and args.moe is not None:
@@ -105,7 +110,7 @@ def peft_adapter(adapters: dict[str, torch.Tensor], args: ModelArgs, record: dic
     return config, tensors
 
 
-def _hf_experts_module(layer_module: str, args: ModelArgs) -> str:
+def hf_experts_module(layer_module: str, args: ModelArgs) -> str:
     """``layers.{i}.moe.experts`` -> ``model.layers.{i}.mlp.experts`` (transformers' packed experts)."""
     from titanctl.checkpoint.hf.names import hf_names_of
 
@@ -119,11 +124,13 @@ def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], ran
     peft's ``ParamWrapper`` on a parameter [E, out, in] has lora_A.weight [E * r, in] (expert-major
     rows) and lora_B.weight [out, r * E] (column k * E + e: rank-major), and adds per expert
     ``scale * B_e A_e``. gate_up_proj stacks the gate's rows over the up's: its adapter of rank 2r
-    stacks their A's and puts their B's on the block diagonal, so it adds both and nothing else.
+    stacks their A's and puts their B's on the block diagonal, so it adds both and nothing else. When
+    the gate's and the up's A are one (a peft adapter of rank r read in), it is of rank r: A, and B the
+    gate's rows over the up's.
     """
     out = {}
     for param in ("gate_up_proj", "down_proj"):
-        slots = {w: slot for w, (p, slot) in _PACKED_EXPERTS.items() if p == param}
+        slots = {w: slot for w, (p, slot) in PACKED_EXPERTS.items() if p == param}
         present = {w: by_weight[w] for w in slots if w in by_weight}
         if not present:
             continue
@@ -131,6 +138,11 @@ def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], ran
         experts, in_dim = some_a.shape[0], some_a.shape[2]
         out_rows = some_b.shape[1]
         parts = len(slots)  # gate_up_proj: gate then up
+        if len(present) == parts > 1 and all(torch.equal(a, some_a) for a, _ in present.values()):
+            b = torch.cat([present[w][1] for w in sorted(slots, key=slots.get)], dim=1)  # (E, 2F, r)
+            out[param] = (some_a.reshape(experts * rank, in_dim).contiguous(),
+                          b.permute(1, 2, 0).reshape(out_rows * parts, rank * experts).contiguous(), rank)
+            continue
         r = rank * parts
         a = torch.zeros(experts, r, in_dim, dtype=some_a.dtype)
         b = torch.zeros(experts, out_rows * parts, r, dtype=some_b.dtype)
@@ -144,11 +156,22 @@ def _packed_experts(by_weight: dict[str, tuple[torch.Tensor, torch.Tensor]], ran
     return out
 
 
-def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
-    """(titanctl.json, its checked ``lora`` entry, {adapter name: tensor}) of a LoRA step folder, its
-    files verified against their checksums first. A CheckpointError for a folder without adapters."""
+@dataclasses.dataclass
+class LoRAStep:
+    """What a LoRA step folder holds of the model: its adapters, and the model's saved buffers."""
+
+    meta: dict[str, Any]  # titanctl.json
+    record: dict[str, Any]  # its checked ``lora`` entry
+    adapters: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]  # e.g. an MoE's expert bias, as the run left it
+
+
+def read_lora_step(folder: Path) -> LoRAStep:
+    """A LoRA step folder's model tensors, its files verified against their checksums first. A
+    CheckpointError for a folder without adapters."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from titanctl.checkpoint.formats.dcp import TRAINING_STATE
     from titanctl.checkpoint.lora.base import read_record
     from titanctl.checkpoint.trust.reader import DCPFolder, quiet_dcp
     from titanctl.parallel.converters.lora import is_adapter
@@ -160,10 +183,11 @@ def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
     reader.verify()
     tensors = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                for name, entry in reader.entries.items()
-               if isinstance(entry, TensorStorageMetadata) and is_adapter(name)}
+               if isinstance(entry, TensorStorageMetadata) and name.split(".", 1)[0] not in TRAINING_STATE}
+    adapters = {name: t for name, t in tensors.items() if is_adapter(name)}
     expected = {n for target, kind in record["targets"].items() for n in adapter_names(target, kind)}
-    if set(tensors) != expected:
-        odd = sorted(set(tensors) ^ expected)
+    if set(adapters) != expected:
+        odd = sorted(set(adapters) ^ expected)
         raise CheckpointError(f"{folder}: its adapters do not match the targets its titanctl.json records ({odd[0]})")
     for target, kind in record["targets"].items():  # A (r, in) and B (out, r), per expert for a stack
         a, b = (tensors[n] for n in adapter_names(target, kind))
@@ -172,7 +196,14 @@ def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[st
                                   f"{target} have rank {a.shape[-2]} (A {tuple(a.shape)}, B {tuple(b.shape)})")
     with quiet_dcp():
         reader.load(tensors)
-    return reader.meta, record, tensors
+    buffers = {name: t for name, t in tensors.items() if name not in adapters}
+    return LoRAStep(reader.meta, record, adapters, buffers)
+
+
+def read_adapters(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(titanctl.json, its checked ``lora`` entry, {adapter name: tensor}) of a LoRA step folder."""
+    step = read_lora_step(folder)
+    return step.meta, step.record, step.adapters
 
 
 def write_peft(folder: Path, adapters: dict[str, torch.Tensor], args: ModelArgs, record: dict[str, Any],
@@ -188,12 +219,12 @@ def write_peft(folder: Path, adapters: dict[str, torch.Tensor], args: ModelArgs,
 
 class MergedSource(Source):
     """A bound base source with the adapters folded in: W + (alpha / rank) B A, in float32, cast back
-    to the base tensor's dtype (per expert for a stack)."""
+    to the base tensor's dtype (per expert for a stack); the step's ``buffers`` in place of the base's."""
 
     format = "dcp"
 
     def __init__(self, base: Source, adapters: dict[str, torch.Tensor], record: dict[str, Any], folder: Path,
-                 meta: dict[str, Any]) -> None:
+                 meta: dict[str, Any], buffers: dict[str, torch.Tensor] | None = None) -> None:
         # Seen as the LoRA step (``folder``, its titanctl.json ``meta``): its tokenizer, step and carried
         # Hugging Face config are the export's.
         super().__init__(folder)
@@ -204,9 +235,10 @@ class MergedSource(Source):
         self.merges = {f"{target}.weight" if kind == "linear" else target: adapter_names(target, kind)
                        for target, kind in record["targets"].items()}
         self.adapters = adapters
-        missing = [name for name in self.merges if name not in {info.name for info in base.infos}]
+        self.buffers = buffers or {}
+        missing = [name for name in [*self.merges, *self.buffers] if name not in {info.name for info in base.infos}]
         if missing:
-            raise CheckpointError(f"the base {base.folder} has no weight {missing[0]} that an adapter was trained on")
+            raise CheckpointError(f"the base {base.folder} has no tensor {missing[0]}, which {folder} holds")
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
         return self.args, self.origin
@@ -218,6 +250,8 @@ class MergedSource(Source):
         raise TypeError("a MergedSource is made of a bound source")
 
     def load(self, name: str) -> torch.Tensor:
+        if name in self.buffers:
+            return self.buffers[name]
         weight = self.base.load(name)
         pair = self.merges.get(name)
         if pair is None:
@@ -228,8 +262,9 @@ class MergedSource(Source):
 
     def extra_metadata(self) -> dict[str, Any]:
         from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+        from titanctl.checkpoint.hf.names import HF_FILES_KEY
 
-        kinds = {"step": int, HF_CONFIG_KEY: dict}
+        kinds = {"step": int, HF_CONFIG_KEY: dict, HF_FILES_KEY: dict}
         return {key: self.meta[key] for key, kind in kinds.items() if isinstance(self.meta.get(key), kind)}
 
     def close(self) -> None:

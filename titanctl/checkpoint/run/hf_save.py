@@ -5,7 +5,8 @@ write ``{checkpoint folder}/step-{N}-hf/``: what ``titanctl convert --to hf`` wr
 folder (config.json, generation_config.json, safetensors shards + their index, the run's tokenizer
 files), made by the same writer (``formats.hf.write``) from a source that is the live model. A run
 whose weights came from a Hugging Face folder (directly, or through a converted DCP checkpoint) writes
-that folder's config.json back, as ``convert`` does (the manager keeps it, ``hf.carried_config``).
+that folder's config.json back, and its file names and shards, as ``convert`` does (the manager keeps
+both, ``hf.carried_config`` and ``hf.names.HF_FILES_KEY``).
 
 One tensor at a time. Every rank walks the same list of canonical names, in the order the writer
 asks for them (``formats.hf.write_order``). For each name, the ranks that hold it (every rank, or
@@ -15,7 +16,7 @@ sends it to rank 0 over the checkpoint's gloo group. Rank 0 hands it to the writ
 only until its output shard is written. So rank 0 holds at most one output shard (5 GB) and one
 full tensor, every other rank at most one full tensor; there is no DCP save and no reconversion.
 
-HF folders hold weights only: resuming needs a DCP step (``checkpoint.load_plan`` says so).
+HF folders hold weights only: resuming needs a DCP step (``checkpoint.run.load_plan`` says so).
 The folder's lifecycle (temporary name, rename, retention) is the manager's, as for DCP steps.
 """
 
@@ -165,11 +166,13 @@ class _LiveModel(Source):
 def write_hf_folder(
     tmp: Path, model: ModelState, args: ModelArgs, *, tokenizer: Tokenizer | None, dtype: torch.dtype | None,
     rank: int, world_size: int, group: dist.ProcessGroup | None, source_config: dict | None = None,
+    layout: dict | None = None,
 ) -> str | None:
     """Every rank, at the same point: rank 0 writes the HF model folder into ``tmp`` (made already).
     ``source_config``: the Hugging Face config.json the run's weights came from, if they did (written
-    back while it describes the model: ``hf.carried_config``). Returns, on rank 0, why the write failed
-    (None: it did not); None on the other ranks."""
+    back while it describes the model: ``hf.carried_config``); ``layout``: that folder's files
+    (``formats.hf.file_layout``), written again. Returns, on rank 0, why the write failed (None: it did not);
+    None on the other ranks."""
     local = model.state_dict()  # this rank's (sharded) tensors under canonical names: no copies
     mine = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in local.items()}
     everyone = [mine]
@@ -186,7 +189,7 @@ def write_hf_folder(
     dtypes = {name: dtype or getattr(torch, held[0]) for name, held in first.items()}
     shapes = {name: held[1] for name, held in first.items()}
     infos = [TensorInfo(name, shapes[name], getattr(torch, first[name][0]), name, "the run's model") for name in names]
-    order = hf.write_order(names, args)
+    order = hf.write_order(names, args, layout)
     gatherer = _Gatherer(local, order, holders, dtypes, shapes, rank, group)
     if rank != WRITER:
         gatherer.finish()
@@ -195,7 +198,7 @@ def write_hf_folder(
         source = _LiveModel(tmp, args, infos, gatherer)
         token_ids = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else None
         hf.write(tmp, args, source, dtype=dtype, progress=no_progress, token_ids=token_ids,
-                 source_config=source_config)
+                 source_config=source_config, layout=layout)
         write_companion_files(tmp, "hf", args, tokenizer)
         if gatherer.pos != len(order):
             raise RuntimeError(f"the writer took {gatherer.pos} of {len(order)} tensors")

@@ -20,6 +20,9 @@ and rounded once to the model's own dtype as each is copied in; their scales are
 A LoRA run (``lora.enable``) starts from two checkpoints: its base (``checkpoint.initial_load_path``, or
 the base its own newest step records) and, when it resumes, its own step, which holds the adapters,
 optimizer and step only: ``plan_load`` returns a ``LoRAPlan`` of both (``titanctl.checkpoint.lora.base``).
+A LoRA step as ``checkpoint.initial_load_path`` (another run's, or a peft adapter brought in by ``convert
+--from peft``) starts a LoRA run of the same adapters: the base it records, then its adapters and saved
+buffers, and nothing else of it (a new optimizer, step 0).
 """
 
 from __future__ import annotations
@@ -114,15 +117,19 @@ def plan_load(
 
 
 def _lora_plan(plan: LoadPlan | ForeignPlan, cfg: JobConfig, model_args: ModelArgs) -> LoRAPlan:
-    """The base to load (and the run's own step, when ``plan`` is one): see the module docstring."""
-    if plan.initial:
+    """The base to load (and the run's own step, or the LoRA step it starts from, when ``plan`` is one):
+    see the module docstring."""
+    record = read_record(plan.meta, plan.folder) if isinstance(plan, LoadPlan) else None
+    if plan.initial and record is None:
         return LoRAPlan(base=plan, notes=plan.notes)
-    record = read_record(plan.meta, plan.folder)
-    folder = resolve_checkpoint_path(base_folder(record, cfg.checkpoint.initial_load_path, plan.folder),
-                                     "the LoRA base")
+    given = None if plan.initial else cfg.checkpoint.initial_load_path  # a start names the step, not the base
+    moved = " (moved? merge the adapters with `titanctl convert STEP OUT --merge-lora --lora-base WHERE`)" \
+        if plan.initial else None
+    folder = resolve_checkpoint_path(base_folder(record, given, plan.folder, moved), "the LoRA base")
     base = _foreign_plan(folder, cfg, model_args) if not (folder / METADATA_FILE).exists() else \
         _plan(folder, True, cfg, model_args)
-    return LoRAPlan(base=base, own=plan, recorded=record["base"], notes=[*plan.notes, *base.notes])
+    own, start = (None, plan) if plan.initial else (plan, None)
+    return LoRAPlan(base=base, own=own, start=start, recorded=record["base"], notes=[*plan.notes, *base.notes])
 
 
 def _plan_own_or_initial(
@@ -211,18 +218,21 @@ def _plan(folder: Path, initial: bool, cfg: JobConfig, model_args: ModelArgs) ->
             )
     record = read_record(meta, folder)
     if record is not None or (cfg.lora.enable and not initial):
-        _check_lora_checkpoint(folder, record, initial, cfg)
+        _check_lora_checkpoint(folder, record, initial, cfg, model_args)
     expected = saved_shapes(model_args, cfg.lora) if record is not None else None
     check_model(folder, meta, source.entries, model_args, expected)
     return LoadPlan(folder=folder, initial=initial, parts=parts, meta=meta, source=source)
 
 
-def _check_lora_checkpoint(folder: Path, record: dict | None, initial: bool, cfg: JobConfig) -> None:
-    """A LoRA step (adapters only) is no starting point, and a run resumes only what it trains."""
-    if record is not None and initial:
+def _check_lora_checkpoint(folder: Path, record: dict | None, initial: bool, cfg: JobConfig,
+                           model_args: ModelArgs) -> None:
+    """A LoRA step (adapters only) starts or resumes only a LoRA run of the same adapters, and a LoRA run
+    resumes only what it trains."""
+    if record is not None and initial and not cfg.lora.enable:
         raise CheckpointError(
             f"checkpoint.initial_load_path {folder} holds LoRA adapters only (trained on {record['base']['path']}): "
-            f"start from a whole model, e.g. `titanctl convert {folder} OUT --to dcp --merge-lora`"
+            f"start from a whole model, e.g. `titanctl convert {folder} OUT --to dcp --merge-lora`, or train the "
+            "adapters on with lora.enable"
         )
     if record is None:
         raise CheckpointError(
@@ -238,6 +248,25 @@ def _check_lora_checkpoint(folder: Path, record: dict | None, initial: bool, cfg
         raise CheckpointError(
             f"{folder}'s adapters were trained with lora.alpha = {record['alpha']:g}, this run has "
             f"{cfg.lora.alpha:g}: the same adapters would scale differently; keep lora.alpha"
+        )
+    if initial:
+        _check_same_adapters(folder, record, cfg, model_args)
+
+
+def _check_same_adapters(folder: Path, record: dict, cfg: JobConfig, model_args: ModelArgs) -> None:
+    """A LoRA step a run starts from holds the adapters its lora settings make, of the same rank."""
+    from titanctl.checkpoint.lora.peft_import import target_modules
+    from titanctl.parallel.converters.lora import adapter_names, is_adapter
+
+    theirs = {n for target, kind in record["targets"].items() for n in adapter_names(target, kind)}
+    ours = {n for n in saved_shapes(model_args, cfg.lora) if is_adapter(n)}
+    if record["rank"] != cfg.lora.rank or theirs != ours:
+        modules = ",".join(target_modules(record["targets"], model_args.n_layers))
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {folder} holds adapters of rank {record['rank']} on "
+            f"{len(record['targets'])} modules, this run's lora settings make rank {cfg.lora.rank} on "
+            f"{len(ours) // 2}: train them on with lora.rank = {record['rank']} and lora.target_modules = {modules} "
+            "(lora.target_regex unset)"
         )
 
 

@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf.names import HF_FILES_KEY
 from titanctl.checkpoint.hf.serving_kernels import serving_warning
 from titanctl.checkpoint.hf.uncarried import check_hf_saves
 from titanctl.checkpoint.lora.base import LORA_KEY, LoRAPlan, base_record, check_same_base
@@ -174,8 +175,10 @@ class CheckpointManager:
         self.timings: list[SaveTiming] = []
         self._pending: _Pending | None = None
         # The Hugging Face config.json the weights came from (set by load): kept in every DCP step and
-        # written back by Hugging Face saves (titanctl.checkpoint.hf.carried_config).
+        # written back by Hugging Face saves (titanctl.checkpoint.hf.carried_config); likewise that
+        # folder's files, which Hugging Face saves and exports of the steps write again (formats.hf).
         self.hf_config: dict[str, Any] | None = None
+        self.hf_files: dict[str, Any] | None = None
 
         check_config(cfg)
         if ck.async_mode == "async_with_pinned_mem" and device.type != "cuda":
@@ -282,6 +285,7 @@ class CheckpointManager:
         failure = write_hf_folder(
             tmp, self.model, self.model_args, tokenizer=self._hf_tokenizer, dtype=getattr(torch, self.ck.export_dtype),
             rank=self.rank, world_size=self.world_size, group=self._pg, source_config=self.hf_config,
+            layout=self.hf_files,
         )
         if self.rank == 0:
             try:
@@ -342,6 +346,8 @@ class CheckpointManager:
         }
         if self.hf_config is not None:
             meta[HF_CONFIG_KEY] = self.hf_config
+        if self.hf_files is not None:
+            meta[HF_FILES_KEY] = self.hf_files
         if self.lora is not None:
             meta[LORA_KEY] = {**self.lora.record(), "base": self.lora_base}
         writer = ChecksumWriter(str(tmp), sync_files=True)
@@ -487,25 +493,27 @@ class CheckpointManager:
 
     def _load_lora(self, plan: LoRAPlan) -> Resumed:
         """The base's weights (its fingerprint checked against the one the run's step records), then
-        the run's own step when it resumes."""
+        the run's own step when it resumes, or the adapters of the LoRA step it starts from."""
         record = base_record(plan.base.folder, plan.base_format, self._pg)
+        adapters = plan.own or plan.start
         if plan.recorded is not None:
-            check_same_base(plan.recorded, record, plan.own.folder)
+            check_same_base(plan.recorded, record, adapters.folder)
         self.lora_base = record
         resumed = self._load(plan.base)
-        if plan.own is None:
+        if adapters is None:
             return resumed
-        base_config = self.hf_config
-        resumed = self._load(plan.own)
-        self.hf_config = self.hf_config or base_config
+        base_config, base_files = self.hf_config, self.hf_files
+        resumed = self._load(adapters)
+        self.hf_config, self.hf_files = self.hf_config or base_config, self.hf_files or base_files
         return resumed
 
     def _load(self, plan: LoadPlan | ForeignPlan) -> Resumed:
         if isinstance(plan, ForeignPlan):
-            self.hf_config = plan.source.extra_metadata().get(HF_CONFIG_KEY)
+            carried = plan.source.extra_metadata()
+            self.hf_config, self.hf_files = carried.get(HF_CONFIG_KEY), carried.get(HF_FILES_KEY)
             return self._read_foreign(plan)
         plan = self._verified(plan)
-        self.hf_config = plan.meta.get(HF_CONFIG_KEY)
+        self.hf_config, self.hf_files = plan.meta.get(HF_CONFIG_KEY), plan.meta.get(HF_FILES_KEY)
         resumed = self._read(plan)
         step = plan.step
         if plan.meta.get("weights_only") and not plan.initial and step > 0:
@@ -569,7 +577,8 @@ class CheckpointManager:
                 f"data setup or titanctl version?); skip it with checkpoint.exclude_from_loading = {part}"
             )
 
-        model = self.weights if plan.initial else self.model
+        # A LoRA step's model tensors are adapters and buffers, also when a new run starts from them.
+        model = self.weights if plan.initial and LORA_KEY not in plan.meta else self.model
         state = self._dcp_state(parts, model=model)
         try:
             plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing)

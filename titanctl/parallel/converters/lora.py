@@ -320,6 +320,19 @@ def saved_shapes(args: ModelArgs, cfg: LoRAConfig) -> dict[str, tuple[int, ...]]
     return dict(_saved_shapes(args, cfg.rank, tuple(cfg.target_modules), cfg.target_regex))
 
 
+def adapter_slots(args: ModelArgs) -> dict[str, str]:
+    """``candidates`` of the model ``args`` describes: what an adapter may sit on (a peft import asks)."""
+    return dict(_slots(args))
+
+
+@functools.lru_cache(maxsize=8)
+def _slots(args: ModelArgs) -> tuple:
+    from titanctl.models.registry import build_model
+
+    with torch.device("meta"):
+        return tuple(candidates(build_model(args.replace(max_seq_len=1))).items())
+
+
 @functools.lru_cache(maxsize=8)
 def _saved_shapes(args: ModelArgs, rank: int, modules: tuple[str, ...], regex: str) -> tuple:
     from titanctl.models.registry import build_model

@@ -216,7 +216,7 @@ def die_of_sigterm() -> None:
     os._exit(128 + signal.SIGTERM)  # not reached
 
 
-def record_failure(message: str) -> None:
+def record_failure(message: str, *, first_hand: bool = False) -> None:
     """Give torchrun this rank's reason for failing: its end-of-job summary ("Root Cause", "Failures")
     prints it instead of "To enable traceback see ...". torchrun names the file in
     TORCHELASTIC_ERROR_FILE; the plain form ``{"message": str, "timestamp": int}`` is one of the two it reads.
@@ -224,11 +224,14 @@ def record_failure(message: str) -> None:
     torchrun calls the failure with the smallest timestamp the root cause, and stamps a rank that
     left no file (SIGKILL, the OOM killer) with the second it noticed. A rank that reports is often
     only a victim of that one (its collective failed when the peer vanished), so its report is
-    stamped a second late: a silent death stays the root cause, and reports keep their order."""
+    stamped a second late: a silent death stays the root cause, and reports keep their order.
+    ``first_hand``: an error that no peer caused (a config or layout refusal, which every rank meets before
+    any collective) is stamped on time, so that a peer torchrun stopped meanwhile (SIGTERM, stamped the
+    second torchrun noticed) never becomes the root cause in its place."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    report = json.dumps({"message": message, "timestamp": int(time.time()) + 1})
+    report = json.dumps({"message": message, "timestamp": int(time.time()) + (0 if first_hand else 1)})
     # Written beside it and renamed into place: torchrun reads the file as soon as this rank is gone, and a
     # rank stopped between truncating and writing it left an empty file that crashed torchrun's agent
     # (JSONDecodeError) instead of restarting the job.

@@ -54,6 +54,27 @@ def publish_failure(message: str) -> None:
         pass  # the agent's store is gone too: torchrun's own summary still names the rank
 
 
+def wait_for_failure_of(rank: int, seconds: float) -> bool:
+    """Whether ``rank`` published why it failed within ``seconds``. Without a store to look in, True after
+    3 s (what rank 0 usually needs to say an error that every rank meets)."""
+    try:
+        store = _store()
+    except (RuntimeError, OSError, TitanError):
+        store = None
+    if store is None:
+        time.sleep(min(seconds, 3.0))
+        return True
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if store.check([_key(rank)]):
+                return True
+        except (RuntimeError, OSError):
+            return True  # the store is gone: so is the job
+        time.sleep(0.05)
+    return False
+
+
 def _peer_reason(rank: int, world_size: int) -> tuple[int, str] | None:
     """(rank, reason) of a peer that published why it failed, or None."""
     try:
