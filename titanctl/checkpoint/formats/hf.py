@@ -1,4 +1,4 @@
-"""Hugging Face ``LlamaForCausalLM``: ``config.json`` + safetensors shards + their index.
+"""Hugging Face model folders (``*ForCausalLM`` of every family): ``config.json`` + safetensors shards + their index.
 
 Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf.names``
 (one tensor at a time). Reading opens one safetensors file at a time, lazily; block-quantized FP8
