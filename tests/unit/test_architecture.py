@@ -333,8 +333,9 @@ def test_nothing_in_common_names_a_family():
     from titanctl.models.registry import FAMILIES
 
     family_packages = {spec_module.rpartition(".")[0] for spec_module in FAMILIES.values()}
-    common = [m for m in module_graph() if m.startswith("titanctl.models.common")]
-    imports = [f"{m} imports {t}" for m in common for t in sorted(module_graph()[m])
+    graph = module_graph()
+    imports = [f"{m} imports {t}" for m, targets in graph.items() if m.startswith("titanctl.models.common")
+               for t in sorted(targets)
                if any(t == p or t.startswith(p + ".") for p in family_packages)]
     assert not imports, imports
     mentions = [line for path in sorted((PACKAGE / "models" / "common").glob("*.py"))
