@@ -3,6 +3,7 @@ test as torchrun's agent: it hosts the job's store, as the agent does for its wo
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -113,3 +114,15 @@ def test_a_rank_that_refused_the_config_exits_2_even_when_torchrun_stops_it(mome
     proc = subprocess.run([sys.executable, "-c", STOPPED_BY_TORCHRUN, moment], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_while_a_group_connects_gloos_own_lines_about_a_lost_peer_are_held_back(capfd):
+    """gloo logs a lost peer on the file descriptor itself, before torch raises the error that
+    peer_failures_named turns into one line; what else is written there is kept, in order."""
+    with pytest.raises(RuntimeError), peers.connecting():
+        os.write(2, b"[W1207 ProcessGroupGloo.cpp:514] a warning that stays\n")
+        os.write(2, f"[E1207 02:12:33.413662143 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with {GLOO_CLOSED}\n"
+                 .encode())
+        os.write(2, b"and what follows it\n")
+        raise RuntimeError(GLOO_CLOSED)
+    assert capfd.readouterr().err == "[W1207 ProcessGroupGloo.cpp:514] a warning that stays\nand what follows it\n"
