@@ -64,7 +64,7 @@ from titanctl.models.common.attention import StaticCache
 from titanctl.models.registry import model_args_from_config
 from titanctl.parallel.runtime import elastic
 from titanctl.parallel.runtime.env import init_process
-from titanctl.parallel.runtime.peers import peer_failures_named
+from titanctl.parallel.runtime.peers import connecting, peer_failures_named
 
 GREEDY = Sampling()
 
@@ -710,7 +710,8 @@ def run(
 
         mesh = None
         if tp > 1:
-            mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
+            with connecting():
+                mesh = init_device_mesh(env.device.type, (tp,), mesh_dim_names=("tp",))
         seed = _agreed_seed(seed, env.device)
         tell(f"loading {source.describe()} from {source.folder}...")
         model = load_model(source, args, env.device, mesh)

@@ -3,6 +3,9 @@ test as torchrun's agent: it hosts the job's store, as the agent does for its wo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -78,3 +81,48 @@ def test_rank_0_says_its_error_before_it_publishes_it(agent, monkeypatch, capsys
     as_rank(monkeypatch, 0)
     console.report(DataError("missing file"))
     assert "error: [rank 0] missing file" in capsys.readouterr().err and agent.get("failed/0") == b"missing file"
+
+
+STOPPED_BY_TORCHRUN = """
+import os, signal, sys
+os.environ.update(TORCHELASTIC_RUN_ID="job", RANK="1", WORLD_SIZE="2")
+from titanctl.cli import console
+from titanctl.errors import ConfigError
+from titanctl.parallel.runtime import elastic
+
+def sigterm():  # what torchrun sends the other ranks once one rank has exited
+    os.kill(os.getpid(), signal.SIGTERM)
+
+if sys.argv[1] == "after-the-error-file":
+    elastic.record_failure = lambda *args, **kwargs: sigterm()
+    console.report(ConfigError("tp 3 does not divide 2"))
+else:  # while the interpreter shuts down, after it has restored SIGTERM's default action
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    class StoppedAtShutdown:
+        def __del__(self):
+            sigterm()
+    stopped = StoppedAtShutdown()
+    console.finish(2)
+"""
+
+
+@pytest.mark.parametrize("moment", ["after-the-error-file", "while-leaving"])
+def test_a_rank_that_refused_the_config_exits_2_even_when_torchrun_stops_it(moment):
+    """torchrun names the failure with the earliest error file the root cause: a quiet rank that wrote its
+    file first and was then killed by torchrun's SIGTERM showed as "exitcode -15 (SIGTERM)" in the summary,
+    1 run in 4 on a loaded machine."""
+    proc = subprocess.run([sys.executable, "-c", STOPPED_BY_TORCHRUN, moment], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_while_a_group_connects_gloos_own_lines_about_a_lost_peer_are_held_back(capfd):
+    """gloo logs a lost peer on the file descriptor itself, before torch raises the error that
+    peer_failures_named turns into one line; what else is written there is kept, in order."""
+    with pytest.raises(RuntimeError), peers.connecting():
+        os.write(2, b"[W1207 ProcessGroupGloo.cpp:514] a warning that stays\n")
+        os.write(2, f"[E1207 02:12:33.413662143 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with {GLOO_CLOSED}\n"
+                 .encode())
+        os.write(2, b"and what follows it\n")
+        raise RuntimeError(GLOO_CLOSED)
+    assert capfd.readouterr().err == "[W1207 ProcessGroupGloo.cpp:514] a warning that stays\nand what follows it\n"

@@ -100,6 +100,7 @@ from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, Tit
 from titanctl.models.common.args import ModelArgs
 from titanctl.parallel.converters.lora import LoRAConversion, is_adapter
 from titanctl.parallel.layouts.weight_init import canonical_name
+from titanctl.parallel.runtime import peers
 
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-"
@@ -223,7 +224,8 @@ class CheckpointManager:
         if world_size > 1 and (self.saving or ck.initial_load_path):
             # Every collective of checkpointing runs here: async writes overlap training's own
             # collectives on the default group, which deadlocked when they shared it.
-            self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+            with peers.connecting():
+                self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
         self._stager = None
         if self.async_mode != "disabled":
             pinned = self.async_mode == "async_with_pinned_mem"

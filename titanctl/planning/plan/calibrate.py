@@ -294,7 +294,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from titanctl.train.peak import cpu_peak, has_fast_bf16
+    from titanctl.train.peak import cpu_peak
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of the tensor collectives
 
@@ -304,9 +304,8 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(rank)
     result = {"threads": torch.get_num_threads()}
+    # The cost model fits matmul and attention efficiency on float32 and applies it to every dtype's peak.
     result["float32"] = _measure_compute(torch.float32)
-    if has_fast_bf16():
-        result["bfloat16"] = _measure_compute(torch.bfloat16)
     result.update(_measure_host_and_memory())
     result["collectives"] = _measure_collectives(world) if world > 1 else {}
     result["overlap"] = _measure_overlap(torch.float32) if world > 1 else 0.0
