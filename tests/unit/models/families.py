@@ -25,6 +25,20 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "be
                 "truncate": False, "original_max_position_embeddings": 4096}
 
 
+
+def recipe_in_layout(repo, recipe: str, world: int, vocab: int = 4352):
+    """(config, dims, model args) of a shipped recipe at ``world`` ranks, after train's layout checks."""
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    cfg = load_config(repo / "recipes" / f"{recipe}.toml")
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    args = model_args_from_config(cfg.model, vocab, cfg.training.seq_len)
+    check_layout(cfg, dims, args)
+    return cfg, dims, args
+
 def llama_config(tied: bool = False, rope: dict = LLAMA3_ROPE):
     import transformers
 

@@ -24,7 +24,7 @@ from tests.unit.hf_reference import (
     max_logit_delta,
     titanctl_model_of,
 )
-from tests.unit.models.families import DEEPSEEK_V3_VARIANTS, REFERENCES, V3_ROPE, deepseek_v3_config
+from tests.unit.models.families import DEEPSEEK_V3_VARIANTS, REFERENCES, V3_ROPE, deepseek_v3_config, recipe_in_layout
 from tests.unit.trained_model import SEQ, tokens_of, windows
 from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
 from titanctl.checkpoint.hf.names import args_from_hf_config, hf_config
@@ -224,14 +224,6 @@ def test_the_debug_flavor_trains_in_one_process():
     ("deepseek_v3_671b", 512, "pp 8 x dp_shard 64 x (experts: ep 64)"),
 ])
 def test_recipes_load_and_their_layouts_fit_their_gpus(repo, recipe, world, describe):
-    from titanctl.config.recipe import load_config
-    from titanctl.models.registry import model_args_from_config
-    from titanctl.parallel.layouts.build import check_layout
-    from titanctl.parallel.layouts.dims import ParallelDims
-
-    cfg = load_config(repo / "recipes" / f"{recipe}.toml")
-    dims = ParallelDims.from_config(cfg.parallelism, world)
+    cfg, dims, args = recipe_in_layout(repo, recipe, world)
     assert dims.describe() == describe
-    args = model_args_from_config(cfg.model, 4352, cfg.training.seq_len)
-    check_layout(cfg, dims, args)
     assert args.family == "deepseek_v3" and args.vocab_size == max(4352, DEEPSEEK_V3_FLAVORS[cfg.model.flavor].vocab_size)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.unit.hf_reference import IDS, args_of, max_logit_delta, titanctl_model_of
-from tests.unit.models.families import GPT_OSS_WINDOW, gpt_oss_config, gpt_oss_model
+from tests.unit.models.families import GPT_OSS_WINDOW, gpt_oss_config, gpt_oss_model, recipe_in_layout
 from titanctl.checkpoint.hf.names import args_from_hf_config, hf_config
 from titanctl.inference.generate import find_checkpoint, generate, load_model
 from titanctl.models.common.document_mask import document_mask
@@ -186,15 +186,7 @@ def test_long_sequences_attend_in_chunks_with_the_same_numbers(theirs, monkeypat
     ("gpt_oss_120b", 64, "dp_shard 64"),
 ])
 def test_recipes_load_and_their_layouts_fit_their_gpus(repo, recipe, world, describe):
-    from titanctl.config.recipe import load_config
-    from titanctl.models.registry import model_args_from_config
-    from titanctl.parallel.layouts.build import check_layout
-    from titanctl.parallel.layouts.dims import ParallelDims
-
-    cfg = load_config(repo / "recipes" / f"{recipe}.toml")
-    dims = ParallelDims.from_config(cfg.parallelism, world)
+    cfg, dims, args = recipe_in_layout(repo, recipe, world)
     assert dims.describe() == describe
-    args = model_args_from_config(cfg.model, 4352, cfg.training.seq_len)
-    check_layout(cfg, dims, args)
     assert args.family == "gpt_oss" and args.sliding_window < cfg.training.seq_len
     assert args.vocab_size == max(4352, GPT_OSS_FLAVORS[cfg.model.flavor].vocab_size)
