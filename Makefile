@@ -23,9 +23,10 @@ train: install
 
 # Two pytest-xdist workers, a test file each at a time (its module fixtures run once), in the order
 # tests/conftest.py gives (the files that read the torchrun worlds last); the first worker also runs
-# the worlds in the background (tests/distributed/worlds.py).
+# the worlds in the background (tests/distributed/worlds.py). The 20 slowest tests are listed at the end
+# (docs/development.md keeps a measured list).
 test: install
-	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest tests -q -n 2 --dist loadfile --no-loadscope-reorder --durations 20
 
 lint: install
 	$(BIN)/ruff check .

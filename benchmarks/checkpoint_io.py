@@ -104,7 +104,7 @@ def main() -> None:
 
 
 def io_costs(opts) -> None:
-    from titanctl.checkpoint.manager import CheckpointManager
+    from titanctl.checkpoint.run.manager import CheckpointManager
     from titanctl.config.recipe import load_config
     from titanctl.models.shapes import num_params
     from titanctl.train.trainer import Trainer
@@ -189,9 +189,9 @@ def _timed_save(state: dict, folder: Path, args, checksummed: bool) -> float:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, record
-    from titanctl.checkpoint.metadata import write_metadata
-    from titanctl.checkpoint.reader import quiet_dcp
+    from titanctl.checkpoint.trust.checksums import ChecksumWriter, digest_files, record
+    from titanctl.checkpoint.trust.metadata import write_metadata
+    from titanctl.checkpoint.trust.reader import quiet_dcp
 
     start = time.perf_counter()
     writer = (ChecksumWriter if checksummed else FileSystemWriter)(str(folder), sync_files=True)
@@ -203,7 +203,7 @@ def _timed_save(state: dict, folder: Path, args, checksummed: bool) -> float:
 
 
 def _timed_load(state: dict, folder: Path, checksummed: bool) -> float:
-    from titanctl.checkpoint.reader import DCPFolder
+    from titanctl.checkpoint.trust.reader import DCPFolder
 
     start = time.perf_counter()
     source = DCPFolder(folder)  # verifies .metadata's checksum when one is recorded
@@ -214,7 +214,7 @@ def _timed_load(state: dict, folder: Path, checksummed: bool) -> float:
 
 
 def _checksum_rows(label: str, state: dict, load_into: dict, args, work: Path, rounds: int) -> None:
-    from titanctl.checkpoint.checksums import digest_files
+    from titanctl.checkpoint.trust.checksums import digest_files
 
     nbytes = 0
     times: dict[str, list[float]] = {}
@@ -248,9 +248,10 @@ def _checksum_rows(label: str, state: dict, load_into: dict, args, work: Path, r
 def checksum_costs(opts) -> None:
     import torch
 
-    from titanctl.checkpoint.manager import STATE_PARTS, CheckpointManager
+    from titanctl.checkpoint.run.manager import STATE_PARTS, CheckpointManager
     from titanctl.config.recipe import load_config
-    from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+    from titanctl.models.common.decoder import Transformer
+    from titanctl.models.llama.args import LLAMA3_FLAVORS
     from titanctl.train.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="titanctl-checksum-bench-"))

@@ -142,7 +142,6 @@ def main() -> None:
     import torch
 
     from titanctl.models.llama.args import LLAMA3_FLAVORS
-
     root = opts.keep or Path(tempfile.mkdtemp(prefix="titanctl-convert-mem-"))
     try:
         base = measure(None, None, None)

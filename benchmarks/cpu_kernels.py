@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama import LLAMA3_FLAVORS
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.parallel.converters.onednn_linear import onednn_mm_t
 
 

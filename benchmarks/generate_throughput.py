@@ -14,7 +14,7 @@ Compiling titanctl's decode step happens once, before the rounds, and is reporte
 itself with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, which must be set before torch
 is imported): an AVX-512 machine then measures what an AVX2-only CPU runs. ``--isa both`` prints
 the native run, the AVX2 run and a summary of both. ``--kernels`` adds titanctl contenders with
-the kernel choices the decoder did not make on the ISA (``titanctl.tools.generate.COMPILED_ATTENTION``):
+the kernel choices the decoder did not make on the ISA (``titanctl.inference.generate.COMPILED_ATTENTION``):
 the other attention (math or fused flash) in the compiled step, oneDNN's linears, the other thread
 count.
 
@@ -44,12 +44,13 @@ from torch.nn.attention import SDPBackend
 from titanctl.checkpoint.convert import save_state_dict
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama import LLAMA3_FLAVORS, Transformer
+from titanctl.inference import shm_exchange
+from titanctl.inference import tensor_parallel as inference_tp
+from titanctl.inference.generate import GREEDY, Decoder, compiled_attention, find_checkpoint, load_model
+from titanctl.models.common.decoder import Transformer
+from titanctl.models.llama.args import LLAMA3_FLAVORS
 from titanctl.models.shapes import num_params
-from titanctl.parallel.layouts import inference_tp
 from titanctl.parallel.layouts.weight_init import initialize_weights
-from titanctl.parallel.runtime import shm_exchange
-from titanctl.tools.generate import GREEDY, Decoder, compiled_attention, find_checkpoint, load_model
 
 
 @dataclass

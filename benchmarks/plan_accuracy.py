@@ -32,7 +32,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 def layouts():
-    from titanctl.tools.plan.candidates import Candidate
+    from titanctl.planning.plan.candidates import Candidate
 
     # Candidate(dp_replicate, dp_shard, tp, pp, cp, ep, local_batch_size, grad_accum, ...)
     return {
@@ -105,8 +105,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "titanctl", "plan", "--calibrate", "--gpus", "4", "--cluster",
                         str(cluster)], check=True, cwd=REPO, env={**os.environ, **OFFLINE})
         print(f"calibrated in {time.perf_counter() - started:.0f} s -> {cluster}")
-    from titanctl.tools.plan.devices import resolve_device
-    from titanctl.tools.plan.search import evaluate_layouts, recipe_config
+    from titanctl.planning.plan.devices import resolve_device
+    from titanctl.planning.plan.search import evaluate_layouts, recipe_config
 
     device = resolve_device(None, cluster, {})
     chosen = layouts()

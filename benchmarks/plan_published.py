@@ -37,8 +37,8 @@ def degrees(c) -> tuple[int, ...]:
 def rank_in_search(measurement, device, world_size: int):
     """(1-based rank of the published layout or None, layouts ranked, the first, and the 1-based rank and
     layout of the best with the published degrees: any schedule, microbatches, features)."""
-    from titanctl.tools.plan.published import measurement_config
-    from titanctl.tools.plan.search import ac_modes_from, plan
+    from titanctl.planning.plan.published import measurement_config
+    from titanctl.planning.plan.search import ac_modes_from, plan
 
     cfg = measurement_config(measurement)
     result = plan(measurement.recipe, cfg, world_size, device, global_batch=measurement.global_batch,
@@ -60,8 +60,8 @@ def slower(layout, first) -> str:
 
 
 def main() -> int:
-    from titanctl.tools.plan.devices import PRESETS
-    from titanctl.tools.plan.published import A100_MEASUREMENTS, gains, grand_teton, predict
+    from titanctl.planning.plan.devices import PRESETS
+    from titanctl.planning.plan.published import A100_MEASUREMENTS, gains, grand_teton, predict
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="h100", choices=sorted(PRESETS), help="preset whose assumptions to check")

@@ -87,9 +87,9 @@ from train_throughput import (  # this folder is on sys.path when run as a scrip
     load_average,
 )
 
-from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
-from titanctl.checkpoint.lora_export import peft_adapter
-from titanctl.checkpoint.tokenizer_export import hf_tokenizer_json
+from titanctl.checkpoint.hf.names import hf_config, to_hf_state_dict
+from titanctl.checkpoint.hf.tokenizer_export import hf_tokenizer_json
+from titanctl.checkpoint.lora.export import peft_adapter
 from titanctl.config.recipe import load_config
 from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.data.mixture import sources_from_config

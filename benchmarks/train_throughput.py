@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
+from titanctl.checkpoint.hf.names import hf_config, to_hf_state_dict
 from titanctl.config.recipe import load_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.models.registry import model_args_from_config

@@ -70,8 +70,8 @@ from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, sav
 from titanctl.checkpoint.formats.torchtitan import canonical_names
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.registry import get_spec
 
 

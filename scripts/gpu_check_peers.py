@@ -30,7 +30,7 @@ def _sync(device: torch.device) -> None:
 def training_step(ctx, slice_args: list[str]) -> dict:
     import transformers
 
-    from titanctl.checkpoint.hf_names import hf_config
+    from titanctl.checkpoint.hf.names import hf_config
     from titanctl.config.recipe import load_config
     from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
     from titanctl.models.registry import model_args_from_config
@@ -101,7 +101,7 @@ def generation(ctx, checkpoint: Path, hf: Path, ours: dict) -> dict:
     import transformers
 
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import find_checkpoint, load_model
+    from titanctl.inference.generate import find_checkpoint, load_model
 
     device = torch.device(ctx.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products on both sides (torch's default, made sure)

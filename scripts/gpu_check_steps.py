@@ -218,7 +218,7 @@ def train(ctx: Context, folder: Path, *args: str) -> tuple[list[dict], str]:
 def environment(ctx: Context, out: dict) -> None:
     import torch
 
-    from titanctl.tools.plan.calibrate import _cpu_name  # /proc/cpuinfo's model name
+    from titanctl.planning.plan.calibrate import _cpu_name  # /proc/cpuinfo's model name
     from titanctl.train.peak import cpu_peak, gpu_peak_tflops
 
     out["versions"] = versions(torch)
@@ -390,7 +390,7 @@ def slice_run(name: str, *extra: str) -> Callable[[Context, dict], None]:
 def slice_float8(ctx: Context, out: dict) -> None:
     if not ctx.cuda:
         raise Skip("float8 speed needs float8 matmul units (CUDA SM 8.9+); on CPU float8 is emulated, slower than "
-                   "fp32 (tests/unit/test_float8.py checks its numerics)")
+                   "fp32 (tests/unit/parallel/test_float8.py checks its numerics)")
     slice_run("slice_float8", "--compile.enable", "true", "--float8.enable_float8_linear", "true",
               "--float8.recipe_name", "rowwise")(ctx, out)
 

@@ -1,4 +1,5 @@
-"""titanctl: pre-train Llama 3.1 models from one CPU to thousands of GPUs."""
+"""titanctl: pre-train and fine-tune decoder LLMs (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss) from one CPU
+to thousands of GPUs."""
 
 __version__ = "0.1.0"
 

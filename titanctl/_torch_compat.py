@@ -398,11 +398,11 @@ LR_SCHEDULER_STEP_COUNT = _private(
 )
 LR_SCHEDULER_STEP_COUNT_KEY = "_step_count"
 
-# --- memory estimation (titanctl.tools.memory) --------------------------------------------------
+# --- memory estimation (titanctl.planning.memory) --------------------------------------------------
 _MEM = "estimate-memory"
 # Tensors without storage, on which a whole training step runs to measure its memory.
 FAKE_TENSOR_MODE = _private("torch._subclasses.fake_tensor.FakeTensorMode", _MEM)
-# FakeTensorMode's dispatch cache key, which titanctl.tools.memory.fake builds faster (the same key):
+# FakeTensorMode's dispatch cache key, which titanctl.planning.memory.fake builds faster (the same key):
 # the fake tensor class, the metadata whose fields the key lists, the method that builds the key's
 # values from an op's arguments, and the memory format the metadata records.
 FAKE_TENSOR = _private("torch._subclasses.fake_tensor.FakeTensor", _MEM)
@@ -469,7 +469,7 @@ SHARDING_PROPAGATION = _private(
     "torch.distributed.tensor._sharding_prop.ShardingPropagator._propagate_tensor_meta_non_cached", _MEM
 )
 # A pipeline stage's shape handshake with its neighbours, which on a fake process group rank 0
-# answers itself (titanctl.tools.memory.pipeline_peers): the metadata messages, the stage's inferred
+# answers itself (titanctl.planning.memory.pipeline_peers): the metadata messages, the stage's inferred
 # metadata, and the methods that exchange them. This protocol came with torch 2.12 (2.11 infers shapes
 # in one older method, under no_grad): estimate-memory of a pipeline layout needs 2.12 or newer.
 _PP_PROTOCOL = ">=2.12"
@@ -530,7 +530,7 @@ PIPELINE_VOTE = {
 # undone (titanctl.parallel.layouts.pipeline_parallel), and only that.
 TENSOR_VERSION = _private("torch.Tensor._version", "pipeline parallel (buffers through shape inference)")
 # The first step's set-up of a stage, which the estimator labels so that its memory is kept apart
-# from the schedule's actions (titanctl.tools.memory.pipeline_peers.label_actions): shape inference (a
+# from the schedule's actions (titanctl.planning.memory.pipeline_peers.label_actions): shape inference (a
 # forward, then a backward, on the first microbatch), each followed by the buffers for every
 # microbatch's messages. PipelineStage calls these private methods itself and offers no hook
 # around them.

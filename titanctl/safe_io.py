@@ -10,6 +10,7 @@ as a link to ``~/.bashrc`` cannot get that file rewritten.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -287,6 +288,45 @@ def replace_atomically(path: Path, data: bytes, *, what: str, error: type[TitanE
     with create_new(tmp, what=what, error=error) as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+# A folder written under a temporary name (``.DST.partial-PID``) and renamed when complete: its writer
+# holds an flock on ``PARTIAL.lock`` while it writes, so a leftover folder whose lock nobody holds is a
+# dead writer's, whatever process now has that PID.
+_HELD_LOCKS: dict[Path, int] = {}
+
+
+def partial_lock(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".lock")
+
+
+def hold_partial(partial: Path, *, what: str, error: type[TitanError] = TitanError) -> None:
+    """Take ``partial``'s lock for this process, until ``release_partial``."""
+    fd = open_no_follow(partial_lock(partial), os.O_RDWR | os.O_CREAT, what=what, error=error)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD_LOCKS[partial] = fd
+
+
+def release_partial(partial: Path) -> None:
+    fd = _HELD_LOCKS.pop(partial, None)
+    if fd is not None:
+        partial_lock(partial).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def partial_in_use(partial: Path) -> bool:
+    """Whether a live writer holds ``partial``'s lock (a folder without a lock file is a dead one's)."""
+    try:
+        fd = os.open(partial_lock(partial), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 # Pickles from outside (DCP indexes, non-tensor items, Flight Recorder dumps), bounded before loading.

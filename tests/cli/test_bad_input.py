@@ -204,7 +204,7 @@ def test_download_tokenizer_says_what_it_does_and_fails_fast_when_the_hub_is_unr
 
 
 def test_download_tokenizer_default_repo_is_the_documented_one():
-    from titanctl.tools.download import DEFAULT_REPO_ID
+    from titanctl.data.download import DEFAULT_REPO_ID
 
     for doc in ("README.md", "docs/checkpoints.md"):
         text = (REPO / doc).read_text()

@@ -11,8 +11,8 @@ import torch
 from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV, REPO
 from titanctl.checkpoint.convert import load_checkpoint, save_state_dict
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=32)
 
@@ -98,7 +98,6 @@ def test_torchtitan_training_checkpoint_to_hf_says_what_it_ignored(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from titanctl.models.llama.args import LLAMA3_FLAVORS
-
     torch.manual_seed(0)
     state = Transformer(LLAMA3_FLAVORS["debugmodel"].replace(n_layers=1, vocab_size=300)).state_dict()
     step = tmp_path / "step-3"  # torchtitan 0.3's layout: the model flat at the top level, under 0.3's names
@@ -129,7 +128,6 @@ def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(
     import torch.distributed.checkpoint as dcp
 
     from titanctl.models.llama.args import LLAMA3_FLAVORS
-
     args = LLAMA3_FLAVORS["debugmodel_torchtitan"].replace(n_layers=1, vocab_size=300)
     torch.manual_seed(0)
     state = Transformer(args).state_dict()
@@ -160,7 +158,7 @@ def test_torchtitans_debugmodel_converts_and_the_console_says_what_was_inferred(
 
 def test_a_peft_adapter_converts_onto_its_base(tmp_path):
     """The adapter folder as peft writes it (here by titanctl's own --to peft writer, from random adapters)."""
-    from titanctl.checkpoint.lora_export import write_peft
+    from titanctl.checkpoint.lora.export import write_peft
     from titanctl.config.job_config import LoRA
     from titanctl.parallel.converters.lora import apply_lora, is_adapter
 

@@ -46,7 +46,7 @@ def one_line_error(proc) -> str:
 def step_copy(trained_run: Path, dst: Path, **fields) -> Path:
     """A copy of the trained run's last step folder with `fields` set in its titanctl.json, whose checksum of
     its fields is re-recorded (as a careful attacker does: the check under test is the path's)."""
-    from titanctl.checkpoint.metadata import fields_digest
+    from titanctl.checkpoint.trust.metadata import fields_digest
 
     shutil.copytree(trained_run / STEP, dst)
     meta_path = dst / "titanctl.json"
@@ -117,7 +117,7 @@ def test_a_tokenizer_path_given_on_the_command_line_never_reaches_the_console(tr
 @pytest.mark.parametrize("breakage", ["string-where-a-dict-belongs", "added-token-without-content",
                                       "merge-without-a-space", "token-outside-the-alphabet"])
 def test_a_malformed_tokenizer_json_is_one_line_naming_the_file(trained_run, tmp_path, breakage):
-    from titanctl.checkpoint.tokenizer_export import hf_tokenizer_json
+    from titanctl.checkpoint.hf.tokenizer_export import hf_tokenizer_json
     from titanctl.data.tokenizer import Tokenizer
 
     spec = json.loads(hf_tokenizer_json(Tokenizer(DEFAULT_TOKENIZER_PATH)))

@@ -1,8 +1,9 @@
 """Hostile input round 4 (issue 57) through the titanctl binary: one case of each class that reaches the
 command line as a user types it. Each ends in one red line and exit code 2, no traceback, within seconds,
 and nothing is written but a dump folder's lock (the refusal comes before a step). The classes' many other
-cases run in-process: tests/unit/test_hostile_{data_files,templates,values,config_json}.py,
-test_checksum_manifest.py, test_lora_export.py, test_ft_inprocess.py."""
+cases run in-process: test_hostile_{data_files,templates}.py in tests/unit/data, test_hostile_values.py in
+tests/unit/config, test_hostile_config_json.py, test_checksum_manifest.py and test_lora_export.py in
+tests/unit/checkpoint, test_ft_inprocess.py in tests/unit/parallel."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 
 from tests.cli.test_unfinishable_values import refused
 from tests.conftest import TRUSTED_RUN
-from tests.unit.test_lora_checkpoints import LORA_RUN
+from tests.unit.checkpoint.test_lora_checkpoints import LORA_RUN
 
 
 def test_chat_data_that_is_a_fifo(tmp_path):

@@ -24,7 +24,7 @@ import torch
 
 from tests.cli_server import titanctl_run
 from tests.conftest import OFFLINE_ENV, TRUSTED_RUN
-from tests.unit.test_checkpoint_trust import (
+from tests.unit.checkpoint.test_checkpoint_trust import (
     STEP,
     clone,
     error_line,

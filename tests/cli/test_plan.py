@@ -64,7 +64,7 @@ def test_bad_input_is_one_line(tmp_path, args, needle):
 
 def test_calibrate_measures_this_machine_and_plans_with_it(tmp_path):
     """--calibrate writes a cluster file of measured figures (2 processes here), which plans read back."""
-    from titanctl.tools.plan import devices
+    from titanctl.planning.plan import devices
 
     cluster = tmp_path / "cpu2.toml"
     proc = run(["plan", "--calibrate", "--gpus", "2", "--cluster", str(cluster)], tmp_path)

@@ -79,7 +79,7 @@ def test_summary_says_where_the_time_went(single):
 
 
 def test_inspect_trace_reads_the_profile_folder(single):
-    from titanctl.tools.trace_analysis import inspect_path
+    from titanctl.observability.trace_analysis import inspect_path
 
     folder, _ = single
     result = inspect_path(folder)

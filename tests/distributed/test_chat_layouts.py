@@ -4,7 +4,7 @@ gradient-accumulation microbatches, pipeline microbatches, data-parallel and con
 
 The conversations are short and uneven, so every window packs several of them and windows learn very
 different numbers of tokens: a mean of per-microbatch (or per-rank) means would differ from the
-single process by far more than the tolerance (tests/unit/test_chat_packing.py measures 1.5e-3 for
+single process by far more than the tolerance (tests/unit/data/test_chat_packing.py measures 1.5e-3 for
 accumulation alone). The cases run in the torchrun worlds of tests/distributed/worlds.py.
 """
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, TRUSTED_RUN, torchrun_env
-from tests.unit.test_checkpoint_trust import FLIP_MESSAGE, PAYLOADS, STEP, clone, flip_4k, tree_hash
+from tests.unit.checkpoint.test_checkpoint_trust import FLIP_MESSAGE, PAYLOADS, STEP, clone, flip_4k, tree_hash
 
 FSDP2 = ["--training.local_batch_size", "4"]
 

@@ -4,7 +4,7 @@ run trained on (hashed per sequence by the worker), with losses within the layou
 
 The streaming source is a local folder laid out like a Hugging Face dataset repo
 (data/train-0000k-of-00002.jsonl), read through `datasets` in streaming mode with HF_DATASETS_OFFLINE=1.
-DP 4 and resumes whose ranks share a virtual shard are covered in process (tests/unit/test_streaming_loader.py):
+DP 4 and resumes whose ranks share a virtual shard are covered in process (tests/unit/data/test_streaming_loader.py):
 two torchruns keep this module near 40 s of work.
 """
 

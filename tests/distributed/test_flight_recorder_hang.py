@@ -17,8 +17,8 @@ import pytest
 
 from titanctl.cli.app import main
 from titanctl.errors import TraceError
+from titanctl.observability.trace_analysis import inspect_path
 from titanctl.parallel.runtime.hang_watchdog import CollectiveWatchdog
-from titanctl.tools.trace_analysis import inspect_path
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "workers" / "fr_hang_worker.py"

@@ -252,8 +252,7 @@ def test_float8_checkpoint_holds_plain_weights_that_convert_and_infer_tp_read(ru
     from transformers import LlamaForCausalLM
 
     from titanctl.checkpoint.convert import load_checkpoint
-    from titanctl.models.llama.model import Transformer
-
+    from titanctl.models.common.decoder import Transformer
     step = runs["folders"]["fsdp_float8"] / "checkpoint" / "step-20"
     entries = FileSystemReader(str(step)).read_metadata().state_dict_metadata
     state, args = load_checkpoint(step)

@@ -31,7 +31,7 @@ from tests import fork_server
 from tests.conftest import REPO, torchrun_env
 from tests.distributed.harness import WORKERS, rows, sample_log
 from titanctl.checkpoint.convert import convert_checkpoint
-from titanctl.checkpoint.reader import DCPFolder
+from titanctl.checkpoint.trust.reader import DCPFolder
 from titanctl.config.recipe import load_config
 from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.parallel.layouts.weight_init import canonical_name

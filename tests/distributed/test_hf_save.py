@@ -6,7 +6,7 @@ Two runs cover the ways tensors leave a sharded model: pipeline stages on differ
 tensors are sent to rank 0), with Qwen3-MoE's experts (one tensor per expert); and FSDP x TP (2-D `_StridedShard`
 DTensors gathered on 4 ranks) with Qwen3's tied embedding, which Hugging Face stores once. DDP, HSDP,
 CP, interleaved PP, PP x TP with a bf16 export and FSDP with float8 all-gathers were checked the same
-way by hand (see docs/checkpoints.md); one process is tests/unit/test_hf_save.py.
+way by hand (see docs/checkpoints.md); one process is tests/unit/checkpoint/test_hf_save.py.
 """
 
 from __future__ import annotations

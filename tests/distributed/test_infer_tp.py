@@ -38,7 +38,7 @@ def checkpoints(tmp_path_factory, single_thread):
 def one_process(folder: Path, **sampling) -> list[int]:
     """Generation in this process, without a process group: the reference."""
     from titanctl.data.tokenizer import Tokenizer
-    from titanctl.tools.generate import find_checkpoint, generate, load_model
+    from titanctl.inference.generate import find_checkpoint, generate, load_model
 
     source = find_checkpoint(folder)
     ids = Tokenizer().encode(PROMPT, bos=True, eos=False)
@@ -81,11 +81,11 @@ def gpt_oss_folder(folder: Path) -> list[int]:
     ids; returns generate()'s greedy tokens for PROMPT: prompt and generation span more than two windows."""
     from transformers import GenerationConfig
 
-    from tests.unit.test_gpt_oss_parity import tiny_model
+    from tests.unit.models.families import gpt_oss_model
     from titanctl.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer()
-    model = tiny_model(vocab_size=tokenizer.vocab_size, sliding_window=4)
+    model = gpt_oss_model(vocab_size=tokenizer.vocab_size, sliding_window=4)
     model.save_pretrained(folder)
     ids = tokenizer.encode(PROMPT, bos=True, eos=False)
     assert len(ids) + MAX_NEW > 2 * 4
@@ -164,9 +164,9 @@ def test_qwen3_moe_tp2_equals_transformers(tmp_path):
     experts whole on each; the greedy tokens equal generate()'s."""
     import transformers
 
-    from tests.unit.test_hf_tokenizer import train_qwen_style
-    from tests.unit.test_infer_formats import NEW, reference, write_qwen3_moe_folder
-    from tests.unit.test_infer_formats import PROMPT as QWEN_PROMPT
+    from tests.unit.data.test_hf_tokenizer import train_qwen_style
+    from tests.unit.inference.test_infer_formats import NEW, reference, write_qwen3_moe_folder
+    from tests.unit.inference.test_infer_formats import PROMPT as QWEN_PROMPT
     from titanctl.data.tokenizer import Tokenizer
 
     train_qwen_style(tmp_path / "tokenizer")
@@ -196,17 +196,17 @@ def test_deepseek_v3_tp2_equals_transformers(tmp_path):
 
     import transformers
 
+    from tests.unit.data.test_hf_tokenizer import train_qwen_style
     from tests.unit.hf_reference import unit_scale_
-    from tests.unit.test_deepseek_v3_parity import V3_ROPE, tiny_config
-    from tests.unit.test_hf_tokenizer import train_qwen_style
-    from tests.unit.test_infer_formats import NEW, reference
-    from tests.unit.test_infer_formats import PROMPT as QWEN_PROMPT
+    from tests.unit.inference.test_infer_formats import NEW, reference
+    from tests.unit.inference.test_infer_formats import PROMPT as QWEN_PROMPT
+    from tests.unit.models.families import V3_ROPE, deepseek_v3_config
     from titanctl.data.tokenizer import Tokenizer
 
     train_qwen_style(tmp_path / "tokenizer")
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(
-        tiny_config(q_lora_rank=48, rope_parameters=V3_ROPE, rope_interleave=True)).eval()
+        deepseek_v3_config(q_lora_rank=48, rope_parameters=V3_ROPE, rope_interleave=True)).eval()
     unit_scale_(model, torch.Generator().manual_seed(0))
     model.save_pretrained(tmp_path / "deepseek")
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from titanctl.errors import ParallelError
-from titanctl.models.common.decoder import split_into_stage
-from titanctl.models.llama import ModelArgs, Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer, split_into_stage
 from titanctl.parallel.layouts.pipeline_parallel import microbatch_count, read_schedule_csv, stage_ids_for_rank
 from titanctl.parallel.layouts.pipeline_stages import (
     SCHEDULES,

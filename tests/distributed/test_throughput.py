@@ -23,8 +23,8 @@ from tests.distributed.harness import TINY_RUN
 from tests.distributed.workers.float8_probe import check_float8_all_gathers
 from tests.distributed.worlds import register
 from titanctl.data.tokenizer import Tokenizer
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.llama.model import Transformer
 
 GLOBAL_BATCH, SEQ_LEN, N_LAYERS, PEAK = 8, 64, 4, 0.5  # as TINY_RUN; a fixed peak makes MFU checkable
 STEPS, LOG_FREQ = 4, 2

@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from titanctl.checkpoint.tokenizer_export import bpe_vocab_and_merges, hf_tokenizer_json
+from titanctl.checkpoint.hf.tokenizer_export import bpe_vocab_and_merges, hf_tokenizer_json
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"

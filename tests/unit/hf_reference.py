@@ -9,13 +9,46 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titanctl.checkpoint.hf_carried_config import CHANGED_KEYS
+from titanctl.checkpoint.hf.carried_config import CHANGED_KEYS
+from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.registry import build_model
+
+
+def tokens(vocab: int) -> torch.Tensor:
+    """The token ids parity tests feed both models: 2 sequences of 48, seed 0."""
+    return torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+IDS = tokens(512)  # the references' vocabularies are 512
+
+
+def args_of(theirs, max_seq_len: int = 64) -> ModelArgs:
+    """titanctl's ModelArgs of a transformers model, read from its config as a config.json is."""
+    return args_from_hf_config(theirs.config.to_dict(), max_seq_len=max_seq_len)
+
+
+def titanctl_model_of(theirs, args: ModelArgs | None = None, read_as: ModelArgs | None = None) -> nn.Module:
+    """titanctl's model of ``args`` (default: theirs') holding ``theirs``' weights, read through the
+    family's Hugging Face names as ``read_as`` (default: theirs' args) says, in eval mode."""
+    model = build_model(args or args_of(theirs))
+    model.load_state_dict(from_hf_state_dict(theirs.state_dict(), read_as or args_of(theirs)), strict=True)
+    return model.eval()
 
 
 @torch.no_grad()
-def unit_scale_(model: nn.Module, gen: torch.Generator) -> None:
-    """Weights at unit scale (FACTS.md): routing and attention far from uniform, so that no logit or
-    expert choice is near a tie that rounding could flip."""
+def max_logit_delta(ours: nn.Module, theirs, ids: torch.Tensor = IDS) -> float:
+    """max |Δlogit| of titanctl's model against transformers' on ``ids``."""
+    return (ours(ids) - theirs(ids).logits).abs().max().item()
+
+
+@torch.no_grad()
+def unit_scale_(model: nn.Module, gen: torch.Generator | None = None) -> None:
+    """Weights at unit scale (FACTS.md): embeddings std 1, matrices std 1/sqrt(fan_in), norms and other
+    vectors 1 + 0.2 N(0, 1) (``gen``: seed 0 when not given). Routing and attention far from uniform, so
+    that no logit or expert choice is near a tie that rounding could flip, and RoPE or a missing
+    permutation moves logits by ~1, not ~1e-3 as at init scale."""
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
         if "embed" in name:
             p.copy_(torch.randn(p.shape, generator=gen))

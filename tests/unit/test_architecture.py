@@ -163,7 +163,50 @@ def test_the_graph_sees_local_and_package_imports():
     # a module-level import, a from-package import of a submodule, and a function-local import
     assert "titanctl.errors" in graph["titanctl.config.recipe"]
     assert "titanctl.parallel.runtime.elastic" in graph["titanctl.cli.console"]
-    assert "titanctl.tools.profile_run" in graph["titanctl.cli.profile"]  # inside the command function
+    assert "titanctl.observability.profile_run" in graph["titanctl.cli.profile"]  # inside the command function
+
+
+# The rooms of titanctl/, lowest first (docs/development.md's map says what each holds). A room imports
+# only rooms of lower levels; rooms of one level do not import each other, but for the one-file modules
+# at the bottom. ``rl`` (a stage over train and inference, issue 59) has its level before its room exists.
+LAYERS = [
+    ("errors", "_torch_compat", "deadline", "gc_pauses", "safe_io", "host_memory", "_inductor_cache", "titanctl"),
+    ("config",),
+    ("data", "models"),
+    ("parallel",),
+    ("checkpoint",),
+    ("train", "inference"),
+    ("planning", "observability", "rl"),
+    ("cli",),
+    ("__main__",),
+]
+
+
+def layer_violations(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Package imports that go up or sideways in LAYERS, and packages on no layer."""
+    level = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+    found = [f"{room} is on no layer" for room in sorted(set(graph) | {t for ts in graph.values() for t in ts})
+             if room not in level]
+    for source, targets in sorted(graph.items()):
+        for target, modules in sorted(targets.items()):
+            if source in level and target in level and (level[target] > level[source] or (
+                    level[target] == level[source] and level[source] > 0)):
+                found.append(f"{source} imports {target} (a room it sits not above): {sorted(set(modules))[:3]}")
+    return found
+
+
+def test_rooms_import_only_lower_layers():
+    assert not (found := layer_violations(import_graph())), "\n".join(found)
+
+
+def test_the_layer_rule_sees_up_and_sideways_imports():
+    graph = {"train": {"inference": ["titanctl.train.x"]}, "models": {"cli": ["titanctl.models.y"]},
+             "safe_io": {"errors": ["titanctl.safe_io"]}, "tools": {"errors": ["titanctl.tools.z"]}}
+    assert layer_violations(graph) == [
+        "tools is on no layer",
+        "models imports cli (a room it sits not above): ['titanctl.models.y']",
+        "train imports inference (a room it sits not above): ['titanctl.train.x']",
+    ]
 
 
 def test_the_model_knows_nothing_of_parallelism_or_training():
@@ -173,7 +216,7 @@ def test_the_model_knows_nothing_of_parallelism_or_training():
 
 
 def test_no_module_outside_models_imports_a_family():
-    """parallel/, checkpoint/, train/, tools/ (and everything else) reach a family through
+    """parallel/, checkpoint/, train/, inference/, planning/ (and everything else) reach a family through
     titanctl.models.registry: adding a family edits no module outside titanctl/models/."""
     from titanctl.models.registry import FAMILIES
 
@@ -201,3 +244,120 @@ def test_config_lists_every_family_and_flavor_of_the_registry():
     from titanctl.models.registry import FAMILIES, get_spec
 
     assert {name: tuple(get_spec(name).flavors) for name in FAMILIES} == MODEL_FLAVORS
+
+
+def _floor_of(module: str, floors: list[tuple[str, tuple[str, ...]]]) -> int | None:
+    for rank, (_, prefixes) in enumerate(floors):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]], package: str, floors: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """Imports between modules of ``package`` that go to a higher floor, and its modules on no floor."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if not module.startswith(package + "."):
+            continue
+        own = _floor_of(module, floors)
+        if own is None:
+            found.append(f"{module} is on no floor")
+            continue
+        for target in sorted(targets):
+            other = _floor_of(target, floors)
+            if other is not None and other > own:
+                found.append(f"{module} ({floors[own][0]}) imports {target} ({floors[other][0]})")
+    return found
+
+
+# checkpoint/'s floors, lowest first (titanctl/checkpoint/__init__.py says what each holds).
+CHECKPOINT_FLOORS = [
+    ("trust", ("titanctl.checkpoint.trust",)),
+    ("quantized", ("titanctl.checkpoint.quantized",)),
+    ("hugging face", ("titanctl.checkpoint.hf",)),
+    ("formats", ("titanctl.checkpoint.formats", "titanctl.checkpoint.locate")),
+    ("lora", ("titanctl.checkpoint.lora",)),
+    ("the run's own", ("titanctl.checkpoint.run",)),
+    ("top", ("titanctl.checkpoint.convert", "titanctl.checkpoint.weights")),
+]
+
+
+def test_checkpoint_floors_import_only_downward():
+    assert not (found := upward_imports(module_graph(), "titanctl.checkpoint", CHECKPOINT_FLOORS)), "\n".join(found)
+
+
+def test_the_floor_rule_sees_upward_and_unplaced_modules():
+    floors = [("low", ("p.low",)), ("high", ("p.high",))]
+    graph = {"p.low.a": {"p.high.b", "p.low.c"}, "p.high.b": {"p.low.a"}, "p.low.c": set(), "p.stray": set()}
+    assert upward_imports(graph, "p", floors) == ["p.low.a (low) imports p.high.b (high)", "p.stray is on no floor"]
+
+
+# String literals of models/common/ that spell a family's name and mean something else, with why.
+NOT_A_FAMILY = {
+    ("args.py", "llama3"): "ModelArgs.family's default: titanctl.json files older than the field were all of it",
+    ("hf_config.py", "llama3"): "Hugging Face's rope_type of the frequency-dependent RoPE scaling, a format's word",
+}
+
+
+def family_mentions(path: Path, stems: set[str]) -> list[str]:
+    """Where the source of ``path`` names a family, by the stem of its registry name (llama, qwen...):
+    identifiers, comments, docstrings and string literals, case-insensitively, but for NOT_A_FAMILY."""
+    import io
+    import re
+    import tokenize
+
+    pattern = re.compile(rf"(?<![a-z])({'|'.join(sorted(stems))})", re.IGNORECASE)
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type not in (tokenize.NAME, tokenize.COMMENT, tokenize.STRING) or not pattern.search(token.string):
+            continue
+        if token.type == tokenize.STRING and (path.name, ast.literal_eval(token.string)) in NOT_A_FAMILY:
+            continue
+        where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+        found.append(f"{where}:{token.start[0]}: {token.string[:80]}")
+    return found
+
+
+def family_stems() -> set[str]:
+    import re
+
+    from titanctl.models.registry import FAMILIES
+
+    return {re.match("[a-z]+", name).group() for name in FAMILIES}
+
+
+def test_nothing_in_common_names_a_family():
+    """models/common/ holds what every family shares: no module there imports a family or names one (in
+    code, comments or docstrings); a family's own modules live in its folder and reach the shared
+    decoder through its spec (``decoder.Blocks``)."""
+    from titanctl.models.registry import FAMILIES
+
+    family_packages = {spec_module.rpartition(".")[0] for spec_module in FAMILIES.values()}
+    graph = module_graph()
+    imports = [f"{m} imports {t}" for m, targets in graph.items() if m.startswith("titanctl.models.common")
+               for t in sorted(targets)
+               if any(t == p or t.startswith(p + ".") for p in family_packages)]
+    assert not imports, imports
+    mentions = [line for path in sorted((PACKAGE / "models" / "common").glob("*.py"))
+                for line in family_mentions(path, family_stems())]
+    assert not mentions, "models/common/ names a family:\n" + "\n".join(mentions)
+
+
+def test_the_family_rule_sees_every_kind_of_mention(tmp_path):
+    """A docstring, an identifier, a comment and string literals (the allowed ones only in their file)."""
+    (tmp_path / "args.py").write_text('"""For Qwen3."""\nclass LlamaBlock:  # as DeepSeek-V3 does\n    kind = "gpt_oss"\n'
+                                      'x = "llama3"\n')
+    (tmp_path / "other.py").write_text('x = "llama3"\n')
+    assert family_stems() >= {"llama", "qwen", "deepseek", "gpt"}
+    assert [line.split(": ")[0] for line in family_mentions(tmp_path / "args.py", family_stems())] == [
+        "args.py:1", "args.py:2", "args.py:2", "args.py:3"]
+    assert family_mentions(tmp_path / "other.py", family_stems()) == ['other.py:1: "llama3"']
+
+
+def test_the_code_map_shows_the_rooms_top_down():
+    """docs/development.md's map (scripts/code_map.py) lists the rooms in LAYERS' order, from the top."""
+    from tests.unit.test_readme import script
+
+    level = {room: rank for rank, rooms in enumerate(LAYERS) for room in rooms}
+    rooms = script(REPO, "code_map").ROOMS
+    assert [level[room] for room in rooms] == sorted((level[room] for room in rooms), reverse=True)

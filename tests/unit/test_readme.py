@@ -4,17 +4,27 @@ import re
 README_MAX_LINES = 250
 
 
-def config_reference(repo):
-    """scripts/config_reference.py, loaded as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("config_reference", repo / "scripts" / "config_reference.py")
+def script(repo, name):
+    """scripts/NAME.py, loaded as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, repo / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_config_reference_page_is_current(repo):
-    expected = config_reference(repo).render()
+    expected = script(repo, "config_reference").render()
     assert (repo / "docs" / "config.md").read_text() == expected, "run: python scripts/config_reference.py --write"
+
+
+def test_code_map_is_current(repo):
+    """docs/development.md's "Layout of the code" is the module docstrings' first sentences, every module."""
+    module = script(repo, "code_map")
+    assert (repo / "docs" / "development.md").read_text() == module.page_with_map(), (
+        "run: python scripts/code_map.py --write")
+    listed = module.render()
+    unlisted = [p.name for p in (repo / "titanctl").rglob("*.py") if p.name != "__init__.py" and f"`{p.name}`" not in listed]
+    assert not unlisted, unlisted
 
 
 def test_config_reference_page_has_every_key(repo):

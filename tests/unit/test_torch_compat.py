@@ -130,7 +130,7 @@ def test_the_fake_process_group_needs_no_private_store() -> None:
     FakeStore itself), so titanctl needs no entry for torch.testing._internal's FakeStore."""
     code = (
         "import torch.distributed as dist\n"
-        "from titanctl.tools.memory import fake_process_group\n"
+        "from titanctl.planning.memory import fake_process_group\n"
         "with fake_process_group(8, 3):\n"
         "    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (3, 8, 'fake')\n"
         "    dist.all_reduce(__import__('torch').ones(2))\n"

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from titanctl.checkpoint.convert import save_state_dict
 from titanctl.data.datasets import load_documents
 from titanctl.data.tokenizer import Tokenizer
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.llama.args import LLAMA3_FLAVORS
-from titanctl.models.llama.model import Transformer
 
 SEQ = 64
 N_LAYERS = 2  # the debug flavor, two of its six layers (as tests/cli/test_train.py trains it)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import glob
 import os
 import re
@@ -26,23 +25,22 @@ from pathlib import Path
 
 import torch
 
-from titanctl.checkpoint.formats import WRITERS, DictSource, Source, open_source
+from titanctl.checkpoint.formats import FORMATS, WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
-from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
-from titanctl.checkpoint.hf_names import HF_FILES_KEY
+from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf.names import HF_FILES_KEY
+from titanctl.checkpoint.hf.serving_kernels import serving_warning
+from titanctl.checkpoint.hf.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.checkpoint.hf.uncarried import check_carried
 from titanctl.checkpoint.locate import Located, locate
-from titanctl.checkpoint.reader import one_line
-from titanctl.checkpoint.serving_kernels import serving_warning
-from titanctl.checkpoint.tokenizer_export import resolve_tokenizer, write_companion_files
-from titanctl.checkpoint.uncarried import check_carried
+from titanctl.checkpoint.trust.reader import one_line
 from titanctl.config.recipe import load_config
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import flavor_args, model_args_from_config, spec_of
-from titanctl.safe_io import open_no_follow
+from titanctl.safe_io import hold_partial, partial_in_use, partial_lock, release_partial
 
-FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")  # = titanctl.checkpoint.formats.FORMATS
-# A LoRA step's adapters alone: written by titanctl.checkpoint.lora_export, read onto a base by lora_import.
+# A LoRA step's adapters alone: written by titanctl.checkpoint.lora.export, read onto a base by lora.peft_import.
 ADAPTER_FORMATS = ("peft",)
 TOKENIZER_FORMATS = ("hf", "torchtune", "dcp")
 # Formats whose loaders expect the output layer as a weight of its own, also in a tied model.
@@ -134,7 +132,7 @@ def open_checkpoint(
 
     ``folder``: a checkpoint folder, or a folder of step-N folders (its newest complete one is read).
     ``dequantize_to``: the dtype of block-quantized FP8 weights once multiplied by their scales
-    (``titanctl.checkpoint.fp8_blocks``); other weights keep theirs.
+    (``titanctl.checkpoint.quantized.fp8_blocks``); other weights keep theirs.
     """
     located = _locate_source(folder, fmt)
     source = open_source(located.folder, located.format)
@@ -225,53 +223,16 @@ def _prepare_destination(dst: Path, src: Path | None) -> Path:
             pid = leftover.name.rsplit("-", 1)[1]
             if not pid.isdigit() or not leftover.is_dir() or leftover.is_symlink():
                 continue
-            if _writing(leftover):
+            if partial_in_use(leftover):
                 raise CheckpointError(f"another conversion (process {pid}) is writing {dst}: wait for it, or stop it")
             shutil.rmtree(leftover)
-            _owner_lock(leftover).unlink(missing_ok=True)
+            partial_lock(leftover).unlink(missing_ok=True)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
         tmp.mkdir()
-        _hold(tmp)
+        hold_partial(tmp, what="conversion lock", error=CheckpointError)
     except OSError as e:
         raise CheckpointError(f"cannot write next to destination {dst}: {e.strerror or e}") from None
     return tmp
-
-
-# A conversion holds an flock on ``.DST.partial-PID.lock`` while it writes: a leftover folder whose
-# lock nobody holds is a dead conversion's, whatever process now has that PID.
-_HELD: dict[Path, int] = {}
-
-
-def _owner_lock(partial: Path) -> Path:
-    return partial.with_name(partial.name + ".lock")
-
-
-def _hold(partial: Path) -> None:
-    fd = open_no_follow(_owner_lock(partial), os.O_RDWR | os.O_CREAT, what="conversion lock", error=CheckpointError)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    _HELD[partial] = fd
-
-
-def _release(partial: Path) -> None:
-    fd = _HELD.pop(partial, None)
-    if fd is not None:
-        _owner_lock(partial).unlink(missing_ok=True)
-        os.close(fd)
-
-
-def _writing(partial: Path) -> bool:
-    """Whether a live conversion holds ``partial``'s lock (a folder without a lock file is a dead one's)."""
-    try:
-        fd = os.open(_owner_lock(partial), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -302,11 +263,11 @@ def write_checkpoint(
 ) -> list[str]:
     """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
 
-    hf and torchtune outputs also get the tokenizer files (see ``tokenizer_export``); a dcp
+    hf and torchtune outputs also get the tokenizer files (see ``hf.tokenizer_export``); a dcp
     output records the tokenizer path. A Hugging Face source's config.json travels with the weights:
-    a dcp output stores it, an hf output writes it back (``hf_carried_config``). What is worth telling
+    a dcp output stores it, an hf output writes it back (``hf.carried_config``). What is worth telling
     the user is appended to `notes`. Trained state the format has no slot for is refused unless
-    ``drop_expert_bias`` (``titanctl.checkpoint.uncarried``).
+    ``drop_expert_bias`` (``titanctl.checkpoint.hf.uncarried``).
     """
     _check_format(fmt, "--to")
     _check_options(fmt, shards, max_shard_size, tokenizer_path)
@@ -378,7 +339,7 @@ def _written_into(dst: Path, src: Path | None) -> Iterator[Path]:
             ) from None
         raise
     finally:
-        _release(tmp)
+        release_partial(tmp)
 
 
 def convert_checkpoint(
@@ -409,9 +370,9 @@ def convert_checkpoint(
 
     A LoRA run's step (adapters only) converts with ``merge_lora`` (the base with the adapters folded in,
     in any format; the base from ``lora_base`` or where the step records it) or to ``peft`` (the
-    adapters alone): ``titanctl.checkpoint.lora_export``. A peft adapter (``src_format`` peft, or a
+    adapters alone): ``titanctl.checkpoint.lora.export``. A peft adapter (``src_format`` peft, or a
     folder holding adapter_config.json) becomes such a step on the base ``lora_base``
-    (``titanctl.checkpoint.lora_import``).
+    (``titanctl.checkpoint.lora.peft_import``).
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
@@ -467,7 +428,7 @@ def convert_checkpoint(
 
 
 def _holds_peft_adapter(folder: Path) -> bool:
-    from titanctl.checkpoint.lora_export import PEFT_CONFIG
+    from titanctl.checkpoint.lora.export import PEFT_CONFIG
 
     try:
         return (folder / PEFT_CONFIG).is_file()
@@ -478,7 +439,7 @@ def _holds_peft_adapter(folder: Path) -> bool:
 def _import_peft(src: Path, dst: Path, base: str | os.PathLike | None, dtype: torch.dtype | None,
                  progress: ProgressSink | None) -> ConversionReport:
     """A peft adapter folder onto ``base``: a titanctl LoRA step in ``dst``, written under a temporary name."""
-    from titanctl.checkpoint.lora_import import import_peft
+    from titanctl.checkpoint.lora.peft_import import import_peft
 
     if base is None:
         raise CheckpointError(
@@ -499,8 +460,8 @@ def _import_peft(src: Path, dst: Path, base: str | os.PathLike | None, dtype: to
 
 def _lora_record(located: Located) -> dict | None:
     """The ``lora`` entry of a titanctl step folder's titanctl.json (None: no adapters, or another format)."""
-    from titanctl.checkpoint.lora_base import read_record
-    from titanctl.checkpoint.metadata import METADATA_FILE, read_metadata
+    from titanctl.checkpoint.lora.base import read_record
+    from titanctl.checkpoint.trust.metadata import METADATA_FILE, read_metadata
 
     if located.format != "dcp" or not (located.folder / METADATA_FILE).is_file():
         return None
@@ -514,10 +475,10 @@ def _convert_lora(
     drop_expert_bias: bool = False,
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
-    from titanctl.checkpoint.lora_base import base_folder, base_record, check_same_base
-    from titanctl.checkpoint.lora_export import EXPERT_ADAPTERS_NOTE, MergedSource, read_lora_step, write_peft
-    from titanctl.checkpoint.metadata import model_args_from_metadata
-    from titanctl.checkpoint.uncarried import check_adapter_export
+    from titanctl.checkpoint.hf.uncarried import check_adapter_export
+    from titanctl.checkpoint.lora.base import base_folder, base_record, check_same_base
+    from titanctl.checkpoint.lora.export import EXPERT_ADAPTERS_NOTE, MergedSource, read_lora_step, write_peft
+    from titanctl.checkpoint.trust.metadata import model_args_from_metadata
 
     if lora is None:
         what = "--merge-lora" if merge else "--lora-base" if dst_format not in ADAPTER_FORMATS else f"--to {dst_format}"
@@ -570,7 +531,7 @@ def _convert_lora(
 
 def _base_tensors(record: dict, folder: Path, args: ModelArgs, names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` of the base a LoRA step records (read where it records it)."""
-    from titanctl.checkpoint.lora_base import base_folder
+    from titanctl.checkpoint.lora.base import base_folder
 
     base = _locate_source(base_folder(record, None, folder), None)
     with open_source(base.folder, base.format) as source:

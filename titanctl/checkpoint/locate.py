@@ -25,12 +25,12 @@ from titanctl.checkpoint.formats import FORMATS, detect
 from titanctl.checkpoint.formats.base import torch_weight_files
 from titanctl.checkpoint.formats.hf import CONFIG_FILE as HF_CONFIG
 from titanctl.checkpoint.formats.meta import PARAMS_FILE
-from titanctl.checkpoint.metadata import METADATA_FILE
-from titanctl.checkpoint.reader import DCP_INDEX
+from titanctl.checkpoint.trust.metadata import METADATA_FILE
+from titanctl.checkpoint.trust.reader import DCP_INDEX
 from titanctl.errors import CheckpointError
 
 STEP_FOLDER = re.compile(r"step-(\d+)")
-PEFT_ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter, which holds no model (checkpoint.lora_export)
+PEFT_ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter, which holds no model (checkpoint.lora.export)
 # A folder holding either is a DCP checkpoint (titanctl's: both; torchtitan's: the index alone).
 DCP_FILES = (METADATA_FILE, DCP_INDEX)
 _EXPECTED = (

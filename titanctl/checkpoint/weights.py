@@ -15,10 +15,10 @@ checkpoint's size, whatever its JSON says):
 
 A checkpoint without that file (``args`` None) takes its model from a recipe, or from its tensor
 shapes when they are a published flavor's (:func:`with_model`). :func:`load_weights` fills a built
-model, sharded or not: a titanctl DCP folder through ``titanctl.checkpoint.reader`` (each rank
+model, sharded or not: a titanctl DCP folder through ``titanctl.checkpoint.trust.reader`` (each rank
 reads only its own shards; every shape checked and every checksum verified before a tensor is
 used, as for resume), any other format through its ``Source`` (``titanctl.checkpoint.formats``)
-and ``load_into_model``: each rank reads the full tensors one at a time and keeps its slice.
+and ``run.load_into_model``: each rank reads the full tensors one at a time and keeps its slice.
 :func:`checkpoint_tokenizer` names the tokenizer file a checkpoint folder carries, if any.
 """
 
@@ -35,14 +35,15 @@ from torch import nn
 from titanctl.checkpoint.formats import open_source
 from titanctl.checkpoint.formats.hf import CONFIG_FILE as HF_CONFIG
 from titanctl.checkpoint.formats.meta import PARAMS_FILE
-from titanctl.checkpoint.load_into_model import load_source_into
-from titanctl.checkpoint.load_plan import check_model
+from titanctl.checkpoint.hf.tokenizer_export import TIKTOKEN_FILE, TOKENIZER_JSON
 from titanctl.checkpoint.locate import locate
-from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata
-from titanctl.checkpoint.model_args import check_declared
-from titanctl.checkpoint.paths import inside
-from titanctl.checkpoint.reader import DCPFolder
-from titanctl.checkpoint.tokenizer_export import TIKTOKEN_FILE, TOKENIZER_CONFIG, TOKENIZER_JSON
+from titanctl.checkpoint.run.load_into_model import load_source_into
+from titanctl.checkpoint.run.load_plan import check_model
+from titanctl.checkpoint.trust.metadata import METADATA_FILE, model_args_from_metadata
+from titanctl.checkpoint.trust.model_args import check_declared
+from titanctl.checkpoint.trust.paths import inside
+from titanctl.checkpoint.trust.reader import DCPFolder
+from titanctl.data.tokenizer import TOKENIZER_CONFIG
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 
@@ -100,7 +101,7 @@ def find_checkpoint(path: Path) -> CheckpointSource:
 def with_model(source: CheckpointSource, recipe: ModelArgs | None = None, origin: str = "") -> CheckpointSource:
     """``source`` with its model settled when it declares none: the ``recipe``'s (from ``origin``)
     with the vocabulary of the checkpoint's embedding, else the published flavor its tensor shapes
-    are (``titanctl.checkpoint.shape_inference``). A source that declares its model is returned as is."""
+    are (``titanctl.checkpoint.trust.shape_inference``). A source that declares its model is returned as is."""
     if source.args is not None:
         return source
     if source.kind == "dcp":  # find_checkpoint read its titanctl.json

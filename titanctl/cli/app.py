@@ -59,7 +59,7 @@ class _Group(TyperGroup):
 app = typer.Typer(
     name="titanctl",
     cls=_Group,
-    help="Pre-train Llama 3.1 models with PyTorch, from one CPU to thousands of GPUs.",
+    help="Pre-train and fine-tune decoder LLMs with PyTorch, from one CPU to thousands of GPUs.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -73,7 +73,7 @@ def _global_options(
         False, "--debug", help="Show the full traceback of an error (put it before the subcommand)."
     ),
 ) -> None:
-    """Pre-train Llama 3.1 models with PyTorch, from one CPU to thousands of GPUs."""
+    """Pre-train and fine-tune decoder LLMs with PyTorch, from one CPU to thousands of GPUs."""
     # main() takes --debug out of the arguments before parsing (errors raised while parsing need
     # it too); the option is declared here so that `titanctl --help` lists it.
 

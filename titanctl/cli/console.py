@@ -76,16 +76,18 @@ def report(e: TitanError) -> None:
     meet says it itself.
     """
     alike = isinstance(e, (ConfigError, ParallelError))  # every rank meets it, before any collective
-    elastic.record_failure(str(e), first_hand=alike)
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     quiet = alike and rank != "0" and world != "1"
+    if quiet:
+        # Before the error file: from then on this rank may be the root cause torchrun names, and it must
+        # not be named as stopped by SIGTERM (exit -15) when torchrun stops it after rank 0 has left.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    elastic.record_failure(str(e), first_hand=alike)
     if not quiet:
         error(str(e))
     peers.publish_failure(str(e))  # after the line: a rank waiting for it leaves once it is said
-    if quiet:
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
-        if not peers.wait_for_failure_of(0, _QUIET_RANKS_WAIT_S):
-            error(str(e))  # rank 0 did not meet it: this rank's own say
+    if quiet and not peers.wait_for_failure_of(0, _QUIET_RANKS_WAIT_S):
+        error(str(e))  # rank 0 did not meet it: this rank's own say
 
 
 _QUIET_RANKS_WAIT_S = 30.0  # at most: rank 0 meets the same error as soon as it has started
@@ -97,12 +99,17 @@ def finish(code: int) -> None:
     gloo workers that built a DeviceMesh abort at interpreter exit now and then (torch 2.13:
     "terminate called without an active exception", SIGABRT, in up to 1 of 4 two-rank runs after
     all work was done; never when the process group is destroyed first and the process leaves
-    with os._exit): flush, destroy the group, then leave with os._exit.
+    with os._exit): flush, destroy the group, then leave with os._exit. Under torchrun a rank leaves
+    with os._exit even before any group formed: interpreter shutdown restores SIGTERM's default action,
+    and torchrun's SIGTERM to the other ranks once one has exited then killed a rank that was leaving
+    with exit code 2 (torchrun's summary said -15, SIGTERM, for a rank that had refused the config).
     """
     dist = sys.modules.get("torch.distributed")  # never import torch just to exit
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    grouped = dist is not None and dist.is_available() and dist.is_initialized()
+    if grouped or elastic.under_torchrun():
         sys.stdout.flush()
         sys.stderr.flush()
-        dist.destroy_process_group()
+        if grouped:
+            dist.destroy_process_group()
         os._exit(code)
     sys.exit(code)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from titanctl.tools.download import DEFAULT_LOCAL_DIR, DEFAULT_REPO_ID  # plain constants: no heavy import
+from titanctl.data.download import DEFAULT_LOCAL_DIR, DEFAULT_REPO_ID  # plain constants: no heavy import
 
 
 def download_tokenizer(
@@ -36,7 +36,7 @@ def download_tokenizer(
 ) -> None:
     """Fetch a tokenizer from the Hugging Face Hub: Llama 3's tokenizer.model, or a byte-level BPE
     tokenizer.json (Llama 3's, Qwen3's: --tokenizer-path "") with its tokenizer_config.json."""
-    from titanctl.tools.download import download_tokenizer as fetch
+    from titanctl.data.download import download_tokenizer as fetch
 
     usual_repo, usual_path = DEFAULT_REPO_ID, "original"
     if model is not None:

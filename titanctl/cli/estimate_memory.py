@@ -43,7 +43,7 @@ def estimate_memory(
     cfg = load_config(config, ctx.args, command="estimate-memory --validate" if validate else "estimate-memory")
     from titanctl.parallel.runtime import elastic
     with heavy_imports():
-        from titanctl.tools import memory
+        from titanctl.planning import memory
 
     rank = elastic.int_from_env("RANK", 0, minimum=0)
     # Every rank checks the request, so that a bad one fails everywhere before any rendezvous.
@@ -91,7 +91,7 @@ def print_report(estimate, validation, rss: int) -> None:
     e = estimate
     out = wide_console(120)
     out.print(
-        f"[bold]titanctl estimate-memory[/bold] {shown(e.recipe)}: Llama 3.1 {e.flavor} "
+        f"[bold]titanctl estimate-memory[/bold] {shown(e.recipe)}: {e.model} {e.flavor} "
         f"({_count(e.num_params)} params, "
         f"vocab {e.vocab_size:,}) on {e.world_size} ranks, layout {e.layout}",
         soft_wrap=True,

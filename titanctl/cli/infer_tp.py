@@ -67,7 +67,7 @@ def infer_tp(
     if rank0:
         say("importing torch...")
     with heavy_imports():
-        from titanctl.tools.generate import run
+        from titanctl.inference.generate import run
 
     report = run(
         checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,

@@ -21,7 +21,7 @@ def inspect_trace(
     ),
 ) -> None:
     """Read profiler traces and Flight Recorder dumps: what is slow, which rank hangs."""
-    from titanctl.tools.trace_analysis import inspect_path
+    from titanctl.observability.trace_analysis import inspect_path
 
     result = inspect_path(path, top=top, threshold_pct=straggler_pct, max_mib=max_size_mib)
     if as_json:
@@ -68,7 +68,7 @@ def _print_flight_recorder(out, report) -> None:
 def _print_profile(out, report, top: int) -> None:
     from rich.table import Table
 
-    from titanctl.tools.trace_analysis import format_us
+    from titanctl.observability.trace_analysis import format_us
 
     table = Table(title="Profiler traces: time per rank", title_justify="left")
     for col in ("rank", "timeline", "steps", "step time", "compute", "comm", "overlap", "exposed comm"):
@@ -98,7 +98,7 @@ def _print_profile(out, report, top: int) -> None:
 
 
 def _ranks(ranks: list[int]) -> str:
-    from titanctl.tools.fr_analysis import format_ranks
+    from titanctl.observability.fr_analysis import format_ranks
 
     return format_ranks(ranks)
 

@@ -50,7 +50,7 @@ def plan(
     checkpointing, compile, Float8; with memory, step time, tokens/s per device, MFU, and the command
     line to run each."""
     from titanctl.errors import ConfigError
-    from titanctl.tools.plan.devices import resolve_device
+    from titanctl.planning.plan.devices import resolve_device
 
     figures = {
         "peak_bf16_tflops": peak_tflops, "peak_fp8_tflops": peak_fp8_tflops, "memory_gib": memory_gib,
@@ -60,9 +60,9 @@ def plan(
     }
     if gpus < 1:
         raise ConfigError(f"--gpus must be at least 1, got {gpus}")
-    from titanctl.tools.plan import calibrate as calibration
-    from titanctl.tools.plan.search import ac_modes_from, check_tokens_per_step, check_world_size, recipe_config
-    from titanctl.tools.plan.search import plan as make_plan
+    from titanctl.planning.plan import calibrate as calibration
+    from titanctl.planning.plan.search import ac_modes_from, check_tokens_per_step, check_world_size, recipe_config
+    from titanctl.planning.plan.search import plan as make_plan
 
     # Everything that can be refused is, before minutes of measuring or enumerating.
     if calibrate:

@@ -28,7 +28,7 @@ def profile(
 
     cfg = load_config(config, ctx.args, command="profile")  # before torch is imported: mistakes fail fast
     with heavy_imports():
-        from titanctl.tools import profile_run as profiling
+        from titanctl.observability import profile_run as profiling
 
     summary = profiling.run(cfg, steps=steps, top=top)
     if summary is not None:  # rank 0
@@ -39,8 +39,8 @@ def _print_summary(summary, top: int) -> None:
     from rich.table import Table
 
     from titanctl.cli.console import wide_console
+    from titanctl.observability.trace_analysis import format_us
     from titanctl.safe_io import shown
-    from titanctl.tools.trace_analysis import format_us
 
     out = wide_console(160)
     report = summary.report

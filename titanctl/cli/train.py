@@ -14,7 +14,8 @@ def train(
     config: Path | None = typer.Option(None, "--config", help="Recipe TOML (recipes/*.toml)."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config as TOML and exit."),
 ) -> None:
-    """Pre-train Llama 3.1. Any config key can be overridden: --section.key VALUE."""
+    """Train the recipe's model (pre-training, chat SFT, LoRA). Any config key can be overridden:
+    --section.key VALUE."""
     run_recipe("train", config, ctx.args, print_config)
 
 

@@ -8,7 +8,7 @@ refused: one recipe serves train and the tools.
 
 Patterns: ``*`` (every key), ``section.*`` or ``section.key``. For a key, the most specific pattern
 that matches it in ``READS`` (read) or ``NOT_READ`` (refused, with the reason shown) decides; a key
-that no pattern matches is refused without a reason. tests/unit/test_command_keys.py records the
+that no pattern matches is refused without a reason. tests/unit/config/test_command_keys.py records the
 keys each command's run reads and checks the table against them in both directions.
 """
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-IGNORE_INDEX = -100  # as titanctl.train.loss: a label that no loss counts
+IGNORE_INDEX = -100  # a label that no loss counts (titanctl.train.loss, F.cross_entropy's default)
 WINDOW_ROWS = 3  # tokens, labels, positions
 TOKENS, LABELS, POSITIONS = range(WINDOW_ROWS)
 

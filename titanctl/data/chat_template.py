@@ -46,12 +46,12 @@ from typing import Any
 
 from titanctl.data import template_budget as budget
 from titanctl.data.template_budget import Bound
+from titanctl.data.tokenizer import TOKENIZER_CONFIG
 from titanctl.deadline import Expired, time_limit
 from titanctl.errors import DataError
 from titanctl.safe_io import load_json, read_text, visible
 
 TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 MAX_TEMPLATE_BYTES = 1 << 20  # Qwen3's template is 4 kB, Llama 3.1's 5 kB
 
 MAX_OUTPUT_CHARS = 1 << 20  # output allowed on top of 16 characters per character of input

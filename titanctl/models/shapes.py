@@ -4,7 +4,7 @@ This is the one source of truth for shapes: checkpoint checks, format conversion
 parameter count all derive from it, so they cannot disagree with the model. Building on
 the meta device allocates nothing; the cost is one Python module per layer, so callers that
 take ModelArgs from a file check them against the file's tensors first
-(``titanctl.checkpoint.model_args``).
+(``titanctl.checkpoint.trust.model_args``).
 
 A tied model (``ModelArgs.tie_embeddings``) has one Parameter under two state-dict keys:
 ``weight_shapes`` lists both (``load_state_dict`` wants both), ``tied_weights`` says which key

@@ -72,14 +72,35 @@ class TorchtitanNames:
     mtp_names: Mapping[str, str] = field(default_factory=dict)
 
 
+def _no_extra(model: nn.Module) -> dict:
+    return {}
+
+
+def _embedding_feeds_blocks(model: nn.Module) -> list[str]:
+    return ["tok_embeddings"]
+
+
 @dataclass(frozen=True)
 class TPPlan:
     """The tensor-parallel plan as data: module name -> parallel style, for the model's root
     modules (``root(loss_parallel)``) and for one block (``block(args, float8_styles,
-    float8_linears)``, names inside the block). Inference TP derives its shards from the same two."""
+    float8_linears)``, names inside the block). Inference TP derives its shards from the same two.
+
+    Beyond the styles, names inside a block: ``replicated`` modules run whole on every rank (their
+    parameters replicated, inputs and outputs local); a ``summed_gradient`` module's first input, equal
+    on every rank, feeds only that rank's heads, so its gradient is summed over the ranks; a
+    ``head_params`` parameter holds one value per query head and is split with them (dim 0).
+    ``extra(model)``: the styles of modules outside the root and the blocks, by their name in the model;
+    ``block_inputs(model)``: the modules whose local output a block takes (copied under compile).
+    """
 
     root: Callable[[bool], dict]
     block: Callable[..., dict]
+    replicated: tuple[str, ...] = ()
+    summed_gradient: tuple[str, ...] = ()
+    head_params: tuple[str, ...] = ()
+    extra: Callable[[nn.Module], dict] = _no_extra
+    block_inputs: Callable[[nn.Module], list[str]] = _embedding_feeds_blocks
 
 
 @dataclass(frozen=True)

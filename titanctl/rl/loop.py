@@ -15,8 +15,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from titanctl.checkpoint.manager import CheckpointManager, plan_load
-from titanctl.checkpoint.state import ModelState
+from titanctl.checkpoint.run.manager import CheckpointManager, plan_load
+from titanctl.checkpoint.run.state import ModelState
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError, DataError, TrainingDiverged
 from titanctl.gc_pauses import automatic_gc_paused

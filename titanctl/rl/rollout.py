@@ -9,7 +9,7 @@ once per run and written at each row's positions, so every decode step is the sa
 
 A token is drawn from the tempered softmax of the decode step's logits with the Gumbel-max trick: the
 noise of vocabulary entry j for row r at position p is a hash of (the row's key, p, j) computed with
-tensor ops (``titanctl.tools.sampling``'s mix), so a completion depends only on the run's seed, the step,
+tensor ops (``titanctl.inference.sampling``'s mix), so a completion depends only on the run's seed, the step,
 the prompt's place in the step's batch and its index in the group, never on which rank samples it, on
 the batch around it or on a resume. The logprob returned with each token is log-softmax of those same
 logits (tempered) at the token: what the trainer must reproduce (``logprob_diff_max``).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanctl.tools.sampling import mix32, row_uniform, seed_key
+from titanctl.inference.sampling import mix32, row_uniform, seed_key
 
 
 class RowCache:

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from titanctl.config.job_config import JobConfig
-from titanctl.data.chat_pack import IGNORE_INDEX as _DATA_IGNORE_INDEX
 
-IGNORE_INDEX = -100  # a label that no loss counts (F.cross_entropy's default): positions with nothing to predict
-assert IGNORE_INDEX == _DATA_IGNORE_INDEX  # the chat loader writes it into labels
+# A label that no loss counts (F.cross_entropy's default): positions with nothing to predict. The chat
+# loader writes it into labels.
+from titanctl.data.chat_pack import IGNORE_INDEX
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 from titanctl.config.job_config import Optimizer as OptimizerConfig
 from titanctl.config.user_regex import UserRegex
 from titanctl.errors import ConfigError
-from titanctl.models.common.moe import ClampedSwiGLUExperts, GroupedExperts
+from titanctl.models.common.moe import RoutedExperts
 from titanctl.parallel.layouts.weight_init import canonical_name
 
 # Settings a group table may override, and the param-group key each one sets.
@@ -22,7 +22,7 @@ def default_kind(name: str, module: nn.Module, param: nn.Parameter, muon: bool, 
         return "adamw"
     if isinstance(module, nn.Linear) and param is module.weight and name.split(".", 1)[0] != "output":
         return "muon"
-    if isinstance(module, (GroupedExperts, ClampedSwiGLUExperts)) and param.dim() == 3 and muon_experts:
+    if isinstance(module, RoutedExperts) and param.dim() == 3 and muon_experts:
         return "muon"
     return "adamw"
 

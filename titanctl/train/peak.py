@@ -85,13 +85,6 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     return set()
 
 
-def has_fast_bf16(flags: set[str] | None = None) -> bool:
-    """Whether the CPU has bf16 units (AVX512-BF16, AMX, Arm BF16): without them torch multiplies
-    bf16 about a hundred times slower than fp32."""
-    flags = cpu_flags() if flags is None else flags
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
 SYSFS_CPU = Path("/sys/devices/system/cpu")
 
 

@@ -6,7 +6,7 @@ warmup of up to 3 steps. Per rank and recorded step it writes::
 
     {dump_folder}/{profiling.save_traces_folder}/iteration_{step}/rank{r}_trace.json
         Chrome/Perfetto trace (open in ui.perfetto.dev; `titanctl inspect-trace` and
-        ``titanctl.tools.profile_run.summarize`` read it)
+        ``titanctl.observability.profile_run.summarize`` read it)
     {dump_folder}/{profiling.save_traces_folder}/iteration_{step}/rank{r}_memory_timeline.json
         allocated bytes over the step, from the profiler's memory events, per device
     {dump_folder}/{profiling.save_memory_snapshot_folder}/iteration_{step}/rank{r}_memory_snapshot.pickle

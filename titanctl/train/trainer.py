@@ -15,7 +15,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from titanctl.checkpoint.manager import CheckpointManager, LoadPlan, complete_checkpoints, plan_load
+from titanctl.checkpoint.run.manager import CheckpointManager, LoadPlan, complete_checkpoints, plan_load
 from titanctl.config.job_config import JobConfig
 from titanctl.data.dataloader import TokenWindowLoader
 from titanctl.data.mixture import sources_from_config

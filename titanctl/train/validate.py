@@ -9,7 +9,7 @@ layout (each microbatch's summed token losses divided by the evaluation's count 
 count, all-reduced, as titanctl/train/step.py and reductions.py do for the training loss).
 
 Training is left as it was: no gradients, the modules put back in their mode, the RNG states
-restored, the training loader never read. tests/unit/test_validation.py checks that the training
+restored, the training loader never read. tests/unit/train/test_validation.py checks that the training
 losses are bit-identical with validation on and off.
 """
 

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental._context_parallel import _attention
 
 from titanctl.cli.console import finish
-from titanctl.models.llama.args import ModelArgs, RopeScaling
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs, RopeScaling
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

@@ -25,9 +25,9 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from titanctl.cli.console import finish
 from titanctl.config.job_config import Float8
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.models.common.tp_plan import block_plan, root_plan
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
 from titanctl.parallel.converters.float8 import convert_to_float8, float8_tp_styles, is_float8_linear
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.models.llama.args import ModelArgs
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the cat sleeps by the warm fire. "
@@ -54,8 +54,8 @@ def make_checkpoints(out: Path) -> tuple[Path, Path]:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from titanctl.checkpoint.hf_names import hf_config, to_hf_state_dict
-    from titanctl.checkpoint.metadata import write_metadata
+    from titanctl.checkpoint.hf.names import hf_config, to_hf_state_dict
+    from titanctl.checkpoint.trust.metadata import write_metadata
 
     model, args = train_tiny()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

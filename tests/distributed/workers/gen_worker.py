@@ -20,10 +20,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from titanctl.cli.console import finish
 from titanctl.data.tokenizer import Tokenizer
-from titanctl.parallel.layouts import inference_tp
-from titanctl.parallel.runtime import shm_exchange
+from titanctl.inference import shm_exchange
+from titanctl.inference import tensor_parallel as inference_tp
+from titanctl.inference.generate import check_tp_degree, find_checkpoint, generate, load_model
 from titanctl.parallel.runtime.env import init_process
-from titanctl.tools.generate import check_tp_degree, find_checkpoint, generate, load_model
 
 # Hot enough that the tiny model, which knows its one sentence by heart, draws different tokens per seed.
 SAMPLING = {"temperature": 1.5, "top_k": 200}

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from titanctl.cli.console import finish
 from titanctl.config.job_config import Parallelism
-from titanctl.models.llama import ModelArgs, Transformer
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline
 from titanctl.parallel.layouts.weight_init import initialize_weights
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from titanctl.cli.console import finish
-from titanctl.parallel.layouts import inference_tp
-from titanctl.parallel.runtime import shm_exchange
+from titanctl.inference import shm_exchange
+from titanctl.inference import tensor_parallel as inference_tp
 from titanctl.parallel.runtime.env import init_process
 
 

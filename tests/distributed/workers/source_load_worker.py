@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from titanctl.checkpoint.convert import open_checkpoint
-from titanctl.checkpoint.load_into_model import load_source_into
+from titanctl.checkpoint.run.load_into_model import load_source_into
 from titanctl.cli.console import finish
-from titanctl.models.llama.model import Transformer
+from titanctl.models.common.decoder import Transformer
 from titanctl.parallel.layouts.data_parallel import apply_fsdp
 from titanctl.parallel.layouts.tensor_parallel import apply_tp
 from titanctl.parallel.runtime.env import init_process

@@ -17,8 +17,8 @@ from pathlib import Path
 from titanctl.checkpoint.formats import dcp, hf, meta, torchtitan, torchtune
 from titanctl.checkpoint.formats.base import FORMATS, DictSource, Source, TensorInfo, peek_keys, torch_weight_files
 from titanctl.checkpoint.formats.meta import PARAMS_FILE
-from titanctl.checkpoint.metadata import METADATA_FILE
-from titanctl.checkpoint.reader import DCP_INDEX
+from titanctl.checkpoint.trust.metadata import METADATA_FILE
+from titanctl.checkpoint.trust.reader import DCP_INDEX
 from titanctl.errors import CheckpointError
 
 SOURCES: dict[str, type[Source]] = {

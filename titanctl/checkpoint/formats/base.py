@@ -1,7 +1,7 @@
 """What every checkpoint format shares: a streaming source of weights and its checks.
 
 A ``Source`` reads one checkpoint folder and hands out its weights one tensor at a time,
-already renamed and re-laid-out to titanctl's canonical form (Meta names, Meta's
+already renamed and re-laid-out to titanctl's canonical form (titanctl's names, Meta's
 interleaved RoPE rows), so a writer of any format only ever sees canonical tensors.
 Each returned tensor is the caller's own copy: the source keeps nothing, and pages it
 memory-mapped to produce it are handed back to the kernel (``PageReleaser``), so peak
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from titanctl.checkpoint.model_args import check_finite_numbers
-from titanctl.checkpoint.paths import check_inside
-from titanctl.checkpoint.shape_inference import kv_heads_hint
+from titanctl.checkpoint.trust.model_args import check_finite_numbers
+from titanctl.checkpoint.trust.paths import check_inside
+from titanctl.checkpoint.trust.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.shapes import tied_weights, weight_shapes

@@ -1,11 +1,11 @@
 """titanctl's own format: a ``torch.distributed.checkpoint`` folder plus ``titanctl.json``.
 
-The contract is ``titanctl.checkpoint.metadata``: model weights under their canonical
+The contract is ``titanctl.checkpoint.trust.metadata``: model weights under their canonical
 names at the top level; a training step folder also holds ``optimizer``,
 ``lr_scheduler``, ``dataloader``, ``train_state`` and ``rng``, which conversion skips
 without reading. No process group is needed on either side.
 
-Reading goes through ``titanctl.checkpoint.reader`` (the allow-listed ``.metadata``, paths
+Reading goes through ``titanctl.checkpoint.trust.reader`` (the allow-listed ``.metadata``, paths
 and sizes checked, checksums verified before the first tensor is read) and loads a few
 tensors at a time through a partial state dict; writing hands DCP placeholder
 (meta-device) tensors and produces each real tensor only when DCP asks for it, one file
@@ -15,9 +15,7 @@ its files in ``titanctl.json``, as training checkpoints do.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem
 
-from titanctl.checkpoint.checksums import ChecksumWriter, digest_files, record
 from titanctl.checkpoint.formats.base import (
     DERIVED_BUFFERS,
     Progress,
@@ -38,38 +35,18 @@ from titanctl.checkpoint.formats.base import (
     check_complete,
     dtype_name,
 )
-from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY
-from titanctl.checkpoint.hf_names import HF_FILES_KEY
-from titanctl.checkpoint.metadata import METADATA_FILE, model_args_from_metadata, write_metadata
-from titanctl.checkpoint.model_args import check_declared
-from titanctl.checkpoint.reader import DCP_INDEX, DCPFolder
+from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf.names import HF_FILES_KEY
+from titanctl.checkpoint.trust.checksums import ChecksumWriter, digest_files, record
+from titanctl.checkpoint.trust.metadata import METADATA_FILE, model_args_from_metadata, write_metadata
+from titanctl.checkpoint.trust.model_args import check_declared
+from titanctl.checkpoint.trust.reader import DCP_INDEX, DCPFolder, first_failure, one_line, quiet_dcp
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 
-DCP_METADATA_FILE = ".metadata"
 # Top-level entries of a full training checkpoint besides the model (metadata.py's contract).
 TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco", "reference")
 GROUP_BYTES = 256 * 2**20  # tensors read per DCP load call (a tensor larger than this goes alone)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _cause(e: CheckpointException) -> BaseException:
-    """The first underlying exception DCP wrapped (its own message is a multi-line traceback)."""
-    for exc, _trace in e.failures.values():
-        return exc
-    return e
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """DCP warns that it runs without a process group: that is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
 
 
 class DCPSource(Source):
@@ -77,14 +54,14 @@ class DCPSource(Source):
 
     def __init__(self, folder: Path, group_bytes: int = GROUP_BYTES) -> None:
         super().__init__(folder)
-        if not (self.folder / DCP_METADATA_FILE).is_file():
+        if not (self.folder / DCP_INDEX).is_file():
             if (self.folder / METADATA_FILE).is_file():
-                raise CheckpointError(f"{self.folder} has {METADATA_FILE} but no DCP {DCP_METADATA_FILE}: incomplete")
-            raise CheckpointError(f"{self.folder} has no DCP {DCP_METADATA_FILE}: not a DCP checkpoint")
+                raise CheckpointError(f"{self.folder} has {METADATA_FILE} but no DCP {DCP_INDEX}: incomplete")
+            raise CheckpointError(f"{self.folder} has no DCP {DCP_INDEX}: not a DCP checkpoint")
         self.reader = DCPFolder(self.folder, require_titanctl=False)
         self.entries = self.reader.entries
         self.meta = self.reader.meta
-        lora = (self.meta or {}).get("lora")  # a LoRA step: titanctl.checkpoint.lora_base
+        lora = (self.meta or {}).get("lora")  # a LoRA step: titanctl.checkpoint.lora.base
         if isinstance(lora, dict):
             base = lora["base"].get("path") if isinstance(lora.get("base"), dict) else None
             raise CheckpointError(
@@ -123,7 +100,7 @@ class DCPSource(Source):
         self.reader.verify()  # every file against its checksum, before the first tensor is read
 
     def extra_metadata(self) -> dict[str, Any]:
-        """The step, and the Hugging Face config.json the weights came from (``hf_carried_config``) and
+        """The step, and the Hugging Face config.json the weights came from (``hf.carried_config``) and
         that folder's files (``hf.HF_FILES_KEY``)."""
         meta = self.meta or {}
         kinds = {"step": int, HF_CONFIG_KEY: dict, HF_FILES_KEY: dict}
@@ -192,13 +169,13 @@ def save_streaming(
     # One file per tensor: DCP keeps every tensor of a file alive until the file is closed.
     writer = ChecksumWriter(str(folder), single_file_per_rank=False, thread_count=1)
     try:
-        with _quiet():
+        with quiet_dcp():
             dcp.save(placeholders, storage_writer=writer, planner=_StreamingSavePlanner(fetch), no_dist=True)
     except CheckpointException as e:  # a BaseException: re-raise what went wrong underneath
-        cause = _cause(e)
+        cause = first_failure(e)
         if isinstance(cause, Exception):
             raise cause from None
-        raise RuntimeError(f"DCP save to {folder} failed: {_first_line(cause)}") from e
+        raise RuntimeError(f"DCP save to {folder} failed: {one_line(cause)}") from e
     return [p.dtype for p in placeholders.values()], writer.checksums
 
 

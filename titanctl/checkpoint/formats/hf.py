@@ -1,17 +1,17 @@
-"""Hugging Face ``LlamaForCausalLM``: ``config.json`` + safetensors shards + their index.
+"""Hugging Face model folders (``*ForCausalLM`` of every family): ``config.json`` + safetensors shards + their index.
 
-Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf_names``
+Names, the q/k row permutation and config.json come from ``titanctl.checkpoint.hf.names``
 (one tensor at a time). Reading opens one safetensors file at a time, lazily; block-quantized FP8
 weights (DeepSeek-V3's release: ``X.weight`` in float8 beside ``X.weight_scale_inv``) are paired
-with their scales from the headers and dequantized as each is loaded (``titanctl.checkpoint.fp8_blocks``)
+with their scales from the headers and dequantized as each is loaded (``titanctl.checkpoint.quantized.fp8_blocks``)
 to the source's ``dequantize_to``, and so are MXFP4 matrices (gpt-oss's release: ``X_blocks`` beside
-``X_scales``, read as the tensor ``X`` they encode: ``titanctl.checkpoint.mxfp4``);
+``X_scales``, read as the tensor ``X`` they encode: ``titanctl.checkpoint.quantized.mxfp4``);
 writing holds one output shard (``--max-shard-size``) and one source tensor at a time. The output
 is what ``save_pretrained`` writes: routed experts one tensor per expert (the Hub's layout; a folder
 of transformers 5's packed ``mlp.experts.gate_up_proj`` reads too), one ``model.safetensors`` with no
 index when the model fits one shard, else ``model-00001-of-0000N.safetensors`` files and
 ``model.safetensors.index.json``, which transformers 4.x and 5.x load, and the source's own
-config.json where the model came from one (``titanctl.checkpoint.hf_carried_config``). A model that
+config.json where the model came from one (``titanctl.checkpoint.hf.carried_config``). A model that
 came from a Hugging Face folder goes back into that folder's files (``HF_FILES_KEY``: which file held
 each tensor, carried as its config.json is), as long as they hold exactly the tensors written.
 """
@@ -27,7 +27,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from titanctl.checkpoint import mxfp4
 from titanctl.checkpoint.formats.base import (
     PageReleaser,
     Progress,
@@ -38,9 +37,8 @@ from titanctl.checkpoint.formats.base import (
     dtype_name,
     read_json,
 )
-from titanctl.checkpoint.fp8_blocks import DEFAULT_BLOCK, BlockScale, declared_block_size, dequantize, pair_scales
-from titanctl.checkpoint.hf_carried_config import HF_CONFIG_KEY, carried, export_config
-from titanctl.checkpoint.hf_names import (
+from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY, carried, export_config
+from titanctl.checkpoint.hf.names import (
     HF_FILES_KEY,
     IGNORED_HF_SUFFIXES,
     Piece,
@@ -51,15 +49,23 @@ from titanctl.checkpoint.hf_names import (
     hf_names_of,
     not_stored,
     shared_copy,
+    special_token_ids,
     structured_pieces,
     to_hf_tensors,
 )
-from titanctl.checkpoint.model_args import check_declared
-from titanctl.checkpoint.paths import check_inside, inside
-from titanctl.checkpoint.shape_inference import infer_model_args
+from titanctl.checkpoint.quantized import mxfp4
+from titanctl.checkpoint.quantized.fp8_blocks import (
+    DEFAULT_BLOCK,
+    BlockScale,
+    declared_block_size,
+    dequantize,
+    pair_scales,
+)
+from titanctl.checkpoint.trust.model_args import check_declared
+from titanctl.checkpoint.trust.paths import check_inside, inside
+from titanctl.checkpoint.trust.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.registry import spec_of
 from titanctl.models.shapes import num_params, weight_shapes
 from titanctl.safe_io import regular_file_size
 
@@ -86,12 +92,6 @@ _DTYPES = {
 
 def shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
-
-
-def special_token_ids(args: ModelArgs) -> tuple[int | None, int | None]:
-    """bos/eos ids that the family's convention derives from the vocabulary (Llama 3's: the 256
-    specials come last); (None, None) for a family without one (the tokenizer, when exported, says)."""
-    return spec_of(args).hf.special_ids(args.vocab_size)
 
 
 def holds_hf_names(folder: Path) -> bool:
@@ -167,7 +167,7 @@ class HFSource(Source):
 
     def _pair_mxfp4_blocks(self) -> None:
         """Take MXFP4 blocks and scales out of ``raw`` and put in their place the tensor each pair
-        encodes, under its name and shape (``titanctl.checkpoint.mxfp4``), every pairing, shape and
+        encodes, under its name and shape (``titanctl.checkpoint.quantized.mxfp4``), every pairing, shape and
         exponent checked, before any tensor is read or written."""
         config = self.folder / CONFIG_FILE
         declares = mxfp4.declared(read_json(config)) if config.is_file() else False
@@ -413,7 +413,7 @@ def _names_digest(names: list[str]) -> str:
 
 def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None = None) -> list[str]:
     """The order in which ``write`` (given ``layout``) loads the tensors of a source whose infos name
-    ``names`` (the ranks of a training run walk it together: ``titanctl.checkpoint.hf_save``): theirs,
+    ``names`` (the ranks of a training run walk it together: ``titanctl.checkpoint.run.hf_save``): theirs,
     less the state the format does not store, file by file when the source's files are kept."""
     stored = [name for name in names if hf_names_of(name, args)]
     kept = _kept_files([(hf_name, name, 0) for name in stored for hf_name in hf_names_of(name, args)], layout)
@@ -444,7 +444,7 @@ def write(
     layout: dict[str, Any] | None = None,
 ) -> None:
     """``token_ids``: (bos, eos) of the tokenizer exported beside the weights, for config.json.
-    ``source_config``: the config.json the model came from (``hf_carried_config``), written back
+    ``source_config``: the config.json the model came from (``hf.carried_config``), written back
     when it still describes the model; else config.json is written from ``args``. Tensors are
     loaded in ``write_order``, each once; its Hugging Face tensors (one per expert for routed
     experts) fill the shards in order, so no shard exceeds ``max_shard_size`` unless one tensor does.

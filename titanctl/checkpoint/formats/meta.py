@@ -32,8 +32,8 @@ from titanctl.checkpoint.formats.base import (
     read_json,
     torch_weight_files,
 )
-from titanctl.checkpoint.model_args import check_args, check_declared
-from titanctl.checkpoint.paths import check_inside
+from titanctl.checkpoint.trust.model_args import check_args, check_declared
+from titanctl.checkpoint.trust.paths import check_inside
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs, RopeScaling
 

@@ -58,9 +58,9 @@ from titanctl.checkpoint.formats.base import (
 from titanctl.checkpoint.formats.dcp import TRAINING_STATE, DCPSource, save_streaming
 from titanctl.checkpoint.formats.hf import CONFIG_FILE
 from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, params_from_args
-from titanctl.checkpoint.hf_names import args_from_hf_config, hf_config
-from titanctl.checkpoint.metadata import METADATA_FILE
-from titanctl.checkpoint.shape_inference import infer_model_args
+from titanctl.checkpoint.hf.names import args_from_hf_config, hf_config
+from titanctl.checkpoint.trust.metadata import METADATA_FILE
+from titanctl.checkpoint.trust.shape_inference import infer_model_args
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import all_specs, spec_of

@@ -28,8 +28,8 @@ from titanctl.checkpoint.formats.base import (
     torch_weight_files,
 )
 from titanctl.checkpoint.formats.meta import PARAMS_FILE, args_from_params, params_from_args
-from titanctl.checkpoint.hf_names import args_from_hf_config
-from titanctl.checkpoint.model_args import check_declared
+from titanctl.checkpoint.hf.names import args_from_hf_config
+from titanctl.checkpoint.trust.model_args import check_declared
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import all_specs

@@ -1,8 +1,8 @@
-"""Hyper-parameters of the decoder-only transformer that every dense family builds.
+"""Hyper-parameters of the decoder-only transformer that every family builds.
 
 One dataclass for all families: a family is a set of flavors (published dimensions plus the
-switches below), not a subclass. Every default is Llama 3.1's, so a ModelArgs written before a
-switch existed (a checkpoint's titanctl.json) still means the model it meant.
+switches below), not a subclass. Every default is that of the first family titanctl had, so a
+ModelArgs written before a switch existed (a checkpoint's titanctl.json) still means the model it meant.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ import dataclasses
 from dataclasses import dataclass
 
 # RoPE layouts: which channels of a head rotate together.
-#   "interleaved": pairs (2i, 2i+1), Meta's layout (Llama's original weights, torchtune).
-#   "halves": pairs (i, i + head_dim/2), Hugging Face's "rotate_half" (Qwen3's published weights).
+#   "interleaved": pairs (2i, 2i+1), Meta's layout (its original weights, torchtune).
+#   "halves": pairs (i, i + head_dim/2), Hugging Face's "rotate_half" (most weights published there).
 # The two give the same model once wq/wk rows are permuted within each head.
 ROPE_LAYOUTS = ("interleaved", "halves")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's frequency-dependent RoPE scaling (long-context extension)."""
+    """Frequency-dependent RoPE scaling (long-context extension): wavelengths beyond the original context
+    over ``low_freq_factor`` are slowed by ``factor``, those within it over ``high_freq_factor`` kept, a
+    ramp between."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -29,11 +31,11 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """YaRN RoPE scaling (DeepSeek-V2/V3's long-context extension), as Hugging Face's ``yarn`` rope_parameters.
+    """YaRN RoPE scaling (long-context extension), as Hugging Face's ``yarn`` rope_parameters.
 
     Frequencies are interpolated by ``factor`` below ``beta_slow`` rotations over the original
     context and kept above ``beta_fast``, with a linear ramp between. ``mscale`` / ``mscale_all_dim``
-    set the factor on cos and sin (their ratio of mscales) and, DeepSeek's addition, the softmax scale
+    set the factor on cos and sin (their ratio of mscales) and, with ``mscale_all_dim``, the softmax scale
     (its mscale for ``mscale_all_dim``, squared)."""
 
     factor: float = 40.0
@@ -42,13 +44,13 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
-    # Round the ramp's ends to whole pairs (transformers' default); gpt-oss publishes truncate = false.
+    # Round the ramp's ends to whole pairs (transformers' default; some configs publish truncate = false).
     truncate: bool = True
 
 
 @dataclass(frozen=True)
 class MLAArgs:
-    """Multi-head Latent Attention (DeepSeek-V2/V3): queries (optionally through a low-rank
+    """Multi-head Latent Attention: queries (optionally through a low-rank
     bottleneck) and keys/values through a compressed latent; RoPE on a slice of each head only."""
 
     q_lora_rank: int  # 0: queries straight from the input (wq), else wq_a -> norm -> wq_b
@@ -63,9 +65,9 @@ class MLAArgs:
 
 
 # "softmax": over all experts, before the choice; "sigmoid": each expert's own; "softmax_topk": over the
-# top_k chosen logits only (gpt-oss), so the chosen weights sum to 1 whatever norm_topk_prob says.
+# top_k chosen logits only, so the chosen weights sum to 1 whatever norm_topk_prob says.
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
-# "swiglu": w2(silu(w1 x) * w3 x). "clamped_swiglu" (gpt-oss): gate and up rows interleaved in one
+# "swiglu": w2(silu(w1 x) * w3 x), the shared experts. "clamped_swiglu": gate and up rows interleaved in one
 # stack w13 with a bias b13, gate clamped above and up on both sides at swiglu_limit, then
 # w2(gate * sigmoid(swiglu_alpha * gate) * (up + 1)) + b2.
 EXPERT_KINDS = ("swiglu", "clamped_swiglu")
@@ -80,14 +82,14 @@ class MoEArgs:
     hidden_dim: int  # FFN width of each routed expert
     score_func: str = "softmax"  # one of SCORE_FUNCS
     norm_topk_prob: bool = True  # renormalize the k chosen weights to sum to 1
-    route_scale: float = 1.0  # routed scaling factor (DeepSeek-V3: 2.5)
+    route_scale: float = 1.0  # routed scaling factor
     num_shared_experts: int = 0  # a dense SwiGLU of num_shared_experts * hidden_dim beside the routed ones
-    first_dense_layers: int = 0  # the first layers keep a dense FFN of ModelArgs.ffn_hidden_dim (DeepSeek-V3: 3)
-    # Group-limited routing (DeepSeek-V3): experts form n_group equal groups, each scored by the sum of
+    first_dense_layers: int = 0  # the first layers keep a dense FFN of ModelArgs.ffn_hidden_dim
+    # Group-limited routing: experts form n_group equal groups, each scored by the sum of
     # its two best biased scores; a token's top_k experts come from its topk_group best groups.
     n_group: int = 1
     topk_group: int = 1
-    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    router_bias: bool = False  # the router's linear has a bias
     expert_kind: str = "swiglu"  # one of EXPERT_KINDS
     swiglu_limit: float = 7.0  # clamped_swiglu only
     swiglu_alpha: float = 1.702  # clamped_swiglu only
@@ -97,7 +99,7 @@ class MoEArgs:
 class ModelArgs:
     # The family these args build (a name of titanctl.models.registry): a checkpoint's titanctl.json
     # records it, and every tool finds the family's spec from the args alone. Older titanctl.json
-    # files have no such field: they were all Llama.
+    # files have no such field: they were all of the first family.
     family: str = "llama3"
     dim: int = 4096
     n_layers: int = 32
@@ -114,30 +116,30 @@ class ModelArgs:
     depth_init: bool = True
     # "rmsnorm" (written out in PyTorch ops) or "fused_rmsnorm" (F.rms_norm): same weights and math.
     norm_type: str = "rmsnorm"
-    # Width of one attention head; None derives it as dim // n_heads (Llama). Qwen3 publishes it
-    # separately (0.6B: dim 1024, 16 heads of 128). Read it through the `head_dim` property.
+    # Width of one attention head; None derives it as dim // n_heads. Some families publish it
+    # separately (e.g. dim 1024, 16 heads of 128). Read it through the `head_dim` property.
     explicit_head_dim: int | None = None
     # FFN hidden width; None derives it from dim, multiple_of and ffn_dim_multiplier (Meta's
     # params.json). Families that publish `intermediate_size` set it. Read it through `ffn_hidden_dim`.
     explicit_ffn_hidden_dim: int | None = None
-    # RMSNorm over head_dim of each query and key head, after the projections and before RoPE (Qwen3).
+    # RMSNorm over head_dim of each query and key head, after the projections and before RoPE.
     qk_norm: bool = False
     rope_layout: str = "interleaved"  # one of ROPE_LAYOUTS
-    # The output layer reuses the embedding table (one Parameter): Llama 3.2 1B/3B, small Qwen3.
+    # The output layer reuses the embedding table (one Parameter), as small published models do.
     tie_embeddings: bool = False
     # Mixture-of-Experts feed-forward in (some) blocks; None: every block is dense.
     moe: MoEArgs | None = None
-    # Multi-head Latent Attention in place of grouped-query attention (DeepSeek-V3); None: GQA.
+    # Multi-head Latent Attention in place of grouped-query attention; None: GQA.
     mla: MLAArgs | None = None
-    # YaRN RoPE scaling (DeepSeek-V3), in place of rope_scaling (then None).
+    # YaRN RoPE scaling, in place of rope_scaling (then None).
     yarn: YarnScaling | None = None
-    # Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k + 1 ahead through a
+    # Multi-token prediction depths: depth k predicts the token k + 1 ahead through a
     # block of its own, ``layers.{n_layers + k - 1}``, after the n_layers of the main model. 0: none.
     mtp_layers: int = 0
-    # Biases on the attention's q, k, v and output projections (gpt-oss).
+    # Biases on the attention's q, k, v and output projections.
     attention_bias: bool = False
-    # A learned logit per query head that joins each softmax and attends to no value (gpt-oss's
-    # attention sinks): the weights of the real keys then sum to less than 1.
+    # A learned logit per query head that joins each softmax and attends to no value (attention
+    # sinks): the weights of the real keys then sum to less than 1.
     attention_sinks: bool = False
     # Each layer's attention kind, repeated over the layers (layer i has layer_types[i % len]):
     # "sliding_attention" sees the last sliding_window positions (itself included), "full_attention"

@@ -1,10 +1,13 @@
-"""The decoder-only transformer of the dense families (Llama 3.x, Qwen3), written once and
-sharded from outside.
+"""The decoder-only transformer every family builds, written once and sharded from outside.
 
 Nothing here knows about parallelism. Projections reshape with ``-1`` heads, so a
 tensor-parallel plan that shards them column-wise just works; ``layers`` is a
 ModuleDict keyed by layer id, so pipeline stages keep canonical names; and any of
 ``tok_embeddings``, ``norm``, ``output`` may be set to None by a pipeline split.
+
+A family says what its blocks are made of where families differ (``Blocks``: each block's
+attention, an MoE block's routed experts, a prediction depth), and its spec builds
+``Transformer(args, blocks)``; the rest (norms, the dense SwiGLU, the router, the loop) is shared.
 
 Inference adds an optional static KV cache (``setup_kv_cache``, then ``forward(tokens, input_pos)``
 with a tensor of positions); training never passes ``input_pos`` and runs exactly the cache-free code.
@@ -12,45 +15,74 @@ with a tensor of positions); training never passes ``input_pos`` and runs exactl
 With ``tie_embeddings`` the output layer's weight *is* the embedding table (one Parameter, two
 state-dict keys: ``tok_embeddings.weight`` and ``output.weight``).
 
-Multi-token prediction (DeepSeek-V3, ``args.mtp_layers`` depths): depth k's block is
-``layers.{n_layers + k - 1}``, kept in ``layers`` so that every layout shards, checkpoints and
-balances it as any block (the main forward stops at ``n_layers``), and its norms and projection are
-``mtp.{k - 1}``; it shares the embedding and the output layer with the main model. ``forward(...,
-mtp=True)`` also returns each depth's logits.
+Multi-token prediction (``args.mtp_layers`` depths): depth k's block is ``layers.{n_layers + k - 1}``,
+kept in ``layers`` so that every layout shards, checkpoints and balances it as any block (the main
+forward stops at ``n_layers``), and the family's depth module (``Blocks.prediction_depth``) is
+``mtp.{k - 1}``: it turns the hidden states of the depth before and the embeddings of the tokens
+ahead into the block's input (``forward(h, ahead)``), and the block's output into the depth's hidden
+state (``norm``). Depths share the embedding and the output layer with the main model.
+``forward(..., mtp=True)`` also returns each depth's logits.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.attention import Attention, KVCache
+from titanctl.models.common.args import ModelArgs, MoEArgs
+from titanctl.models.common.attention import Attention
 from titanctl.models.common.feed_forward import FeedForward
-from titanctl.models.common.mla import MultiHeadLatentAttention
-from titanctl.models.common.moe import MoE
+from titanctl.models.common.init import ParamInit
+from titanctl.models.common.moe import MoE, grouped_experts
 from titanctl.models.common.norms import RMSNorm, build_norm
 from titanctl.models.common.rope import rope_table
+
+
+def grouped_query_attention(args: ModelArgs, layer_id: int) -> nn.Module:
+    """The shared attention; args that ask for another kind are refused (their family's Blocks build it)."""
+    for asked, what in ((args.mla is not None, "latent attention (mla)"), (args.attention_sinks, "attention sinks")):
+        if asked:
+            raise ValueError(f"ModelArgs of family {args.family!r} ask for {what}, which its blocks do not build")
+    return Attention(args, layer_id)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The parts of a family's decoder where families differ, each built from the model's args:
+    a block's attention (``attention(args, layer_id)``, with ``Attention.forward``'s signature), an MoE
+    block's routed experts (``experts(dim, moe)``, with ``GroupedExperts.forward``'s), and one
+    multi-token-prediction depth (``prediction_depth(args)``; None: the family has none)."""
+
+    attention: Callable[[ModelArgs, int], nn.Module] = grouped_query_attention
+    experts: Callable[[int, MoEArgs], nn.Module] = grouped_experts
+    prediction_depth: Callable[[ModelArgs], nn.Module] | None = None
+
+    def build(self, args: ModelArgs) -> Transformer:
+        """The decoder of ``args`` made of these parts (a family's ``ModelSpec.build``)."""
+        return Transformer(args, self)
+
+
+SHARED = Blocks()
 
 
 class TransformerBlock(nn.Module):
     """Attention, then a dense SwiGLU (``feed_forward``) or a Mixture of Experts (``moe``)."""
 
-    def __init__(self, args: ModelArgs, layer_id: int = 0):
+    def __init__(self, args: ModelArgs, layer_id: int = 0, blocks: Blocks = SHARED):
         super().__init__()
-        self.attention = MultiHeadLatentAttention(args) if args.mla is not None else Attention(args, layer_id)
+        self.attention = blocks.attention(args, layer_id)
         moe = args.is_moe_layer(layer_id)
         self.feed_forward = None if moe else FeedForward(args.dim, args.ffn_hidden_dim)
-        self.moe = MoE(args.dim, args.moe) if moe else None
+        self.moe = MoE(args.dim, args.moe, blocks.experts(args.dim, args.moe)) if moe else None
         self.attention_norm = build_norm(args)
         self.ffn_norm = build_norm(args)
+        # The std divisor of this block's output projections (its modules' param_inits): its depth.
+        self.init_depth = layer_id + 1 if args.depth_init else args.n_layers
 
     def forward(
         self,
@@ -64,45 +96,19 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MultiTokenPrediction(nn.Module):
-    """One depth of DeepSeek-V3's multi-token prediction, around its block: the embedding of the token
-    ``depth`` places ahead and position i's hidden state from the depth before (at depth 1 the main
-    model's, after its final norm), each normalized, are concatenated in that order and projected back
-    to dim (``eh_proj``) for the block; the block's output, through ``norm``, is this depth's hidden
-    state, which the shared output layer reads and the next depth takes (as transformers' MtpLayer and
-    the inference engines that run DeepSeek-V3's published MTP weights do)."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.enorm = build_norm(args)
-        self.hnorm = build_norm(args)
-        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.norm = build_norm(args)
-
-    def forward(self, h: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
-        """h, ahead (B, T, dim): hidden states and the embeddings of the tokens ahead -> the block's input."""
-        return self.eh_proj(torch.cat([self.enorm(ahead), self.hnorm(h)], dim=-1))
-
-
-@dataclass(frozen=True)
-class ParamInit:
-    """How one parameter is initialized: ones, zeros, or a (truncated) normal or uniform draw."""
-
-    kind: str  # "ones" | "zeros" | "normal" | "trunc_normal" | "uniform"
-    std: float = 1.0
-    bound: float = 2.0  # absolute truncation bound of "trunc_normal", half-width of "uniform"
-
-
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, blocks: Blocks = SHARED):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("ModelArgs.vocab_size must be set (from the tokenizer)")
+        if args.mtp_layers and blocks.prediction_depth is None:
+            raise ValueError(f"ModelArgs.mtp_layers = {args.mtp_layers}: family {args.family!r} has no prediction "
+                             "depths")
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         n_blocks = args.n_layers + args.mtp_layers  # the prediction depths' blocks after the main ones
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(n_blocks)})
-        self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args) for k in range(args.mtp_layers)}) or None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i, blocks) for i in range(n_blocks)})
+        self.mtp = nn.ModuleDict({str(k): blocks.prediction_depth(args) for k in range(args.mtp_layers)}) or None
         self.norm: RMSNorm | None = build_norm(args)
         # Tied: built on meta (no vocab x dim allocation) and given the embedding's Parameter below.
         device = "meta" if args.tie_embeddings else None
@@ -189,49 +195,23 @@ class Transformer(nn.Module):
         if length > self.rope_cache.shape[0]:
             raise ValueError(f"a {length}-position cache needs ModelArgs.max_seq_len >= {length}")
         for layer in self.layers.values():
-            attention = layer.attention
-            if isinstance(attention, MultiHeadLatentAttention):  # caches its latents, not per-head keys
-                attention.cache = attention.new_cache(batch_size, length)
-                continue
-            weight = attention.wk.weight
-            attention.cache = KVCache(batch_size, length, weight.shape[0] // attention.head_dim, attention.head_dim,
-                                      weight.dtype, weight.device)
+            layer.attention.cache = layer.attention.new_cache(batch_size, length)
 
     def clear_kv_cache(self) -> None:
         for layer in self.layers.values():
             layer.attention.cache = None
 
-    def param_init(self, name: str) -> ParamInit:
-        """The init of a parameter, from its name (wrapper prefixes are ignored)."""
+    def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
+        """The embedding table and the output layer (the blocks' modules answer for their own)."""
         args = self.args
-        if name.endswith("norm.weight"):  # also attention.q_norm / k_norm
-            return ParamInit("ones")
-        if name.endswith("tok_embeddings.weight"):
-            if args.tie_embeddings:  # named_parameters lists the shared table once, under this name
-                # Small, as transformers and torchtitan draw tied Qwen3 (initializer_range 0.02). At
-                # init the residual stream is mostly the token's own embedding e, and the final norm
-                # scales it to unit RMS, so e's own logit is ~std * dim: as the output layer's
-                # dim^-1/2 it would be ~sqrt(dim) and the first loss ~10.7, not ln V = 8.4 (debugmodel).
-                return ParamInit("normal", std=0.02)
-            return ParamInit("normal", std=1.0)
-        if name.endswith("output.weight"):
-            std = args.dim**-0.5
-            return ParamInit("trunc_normal", std=std, bound=3 * std)
-        if re.search(r"(^|\.)mtp\.\d+\.eh_proj\.weight$", name):  # an input projection, as wq's
-            return ParamInit("trunc_normal", std=0.02)
-        layer = re.search(r"layers\.(\d+)\.", name)
-        if layer is None:
-            raise ValueError(f"no init rule for parameter {name!r}")
-        depth = int(layer.group(1)) + 1 if args.depth_init else args.n_layers
-        # gpt-oss's biases and attention sinks: small but not zero (as torchtitan draws them), so that
-        # every layout's handling of them shows in the first step's losses.
-        if re.search(r"(\.bias|experts\.b13|experts\.b2|attention\.sinks)$", name):
-            return ParamInit("trunc_normal", std=0.02)
-        # Inputs of a block's branches (q/k/v, MLA's projections into and out of its latents, the FFN's
-        # and the experts' gate (and up, where one stack holds both), the router) at 0.02.
-        if re.search(r"(attention\.(w[qkv]|wq_[ab]|wkv_[ab])|\.w1|\.w13|router\.gate)(\.weight)?$", name):
-            return ParamInit("trunc_normal", std=0.02)
-        return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * depth))  # wo, w2, w3 (experts' too)
+        # Tied: small, as transformers and torchtitan draw a tied table (initializer_range 0.02). At
+        # init the residual stream is mostly the token's own embedding e, and the final norm scales it
+        # to unit RMS, so e's own logit is ~std * dim: as the output layer's dim^-1/2 it would be
+        # ~sqrt(dim) and the first loss ~10.7, not ln V = 8.4 (debugmodel). named_parameters lists a
+        # tied table once, under tok_embeddings.
+        embedding = ParamInit("normal", std=0.02 if args.tie_embeddings else 1.0)
+        std = args.dim**-0.5
+        return {"tok_embeddings.weight": embedding, "output.weight": ParamInit("trunc_normal", std=std, bound=3 * std)}
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE table (after ``to_empty`` left it uninitialized) and re-tie a tied
@@ -243,22 +223,6 @@ class Transformer(nn.Module):
                 block.moe.expert_bias.zero_()
                 block.moe.tokens_per_expert.zero_()
         self.tie_weights()
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialize in place from the global RNG (standalone use; training uses
-        ``titanctl.parallel.layouts.weight_init.initialize_weights`` so every layout draws the same numbers).
-        A tied table is one Parameter, listed and drawn once."""
-        self.init_buffers()
-        self.tie_weights()
-        for name, param in self.named_parameters():
-            spec = self.param_init(name)
-            if spec.kind == "ones":
-                nn.init.ones_(param)
-            elif spec.kind == "normal":
-                nn.init.normal_(param, std=spec.std)
-            else:
-                nn.init.trunc_normal_(param, std=spec.std, a=-spec.bound, b=spec.bound)
 
 
 def split_into_stage(model: Transformer, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> Transformer:

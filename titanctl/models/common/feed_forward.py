@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanctl.models.common.init import INPUT, ParamInit, output_projection
+
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
@@ -16,3 +18,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def param_inits(self, depth: int) -> dict[str, ParamInit]:
+        return {"w1.weight": INPUT, "w2.weight": output_projection(depth), "w3.weight": output_projection(depth)}

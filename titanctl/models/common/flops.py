@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.shapes import num_params
+from titanctl.models.shapes import num_params, weight_shapes
 
 
 def decoder_flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -16,14 +18,13 @@ def decoder_flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 def active_params(args: ModelArgs) -> int:
     """Parameters a token's matmuls use: all but the embedding lookup and, in MoE layers, the
-    routed experts it is not sent to (each of its top_k experts is 3 matrices of dim x hidden, and
-    gpt-oss's biases of 2 x hidden and dim)."""
+    routed experts it is not sent to (an expert's share of its layer's stacked expert weights)."""
     n = num_params(args, include_embedding=False)
     moe = args.moe
     if moe is not None:
-        moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_layers))
-        per_expert = 3 * args.dim * moe.hidden_dim
-        if moe.expert_kind == "clamped_swiglu":
-            per_expert += 2 * moe.hidden_dim + args.dim
-        n -= moe_layers * per_expert * (moe.num_experts - moe.top_k)
+        layers = [i for i in range(args.n_layers + args.mtp_layers) if args.is_moe_layer(i)]
+        if layers:
+            prefix = f"layers.{layers[0]}.moe.experts."
+            stacked = sum(math.prod(shape) for name, shape in weight_shapes(args).items() if name.startswith(prefix))
+            n -= len(layers) * stacked // moe.num_experts * (moe.num_experts - moe.top_k)
     return n

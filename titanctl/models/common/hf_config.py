@@ -1,8 +1,7 @@
-"""Hugging Face names and ``config.json`` keys that the dense decoder families share.
+"""Hugging Face ``config.json`` keys that the decoder families share, and one reader of their values.
 
-Llama and Qwen3 are the same ``*ForCausalLM`` layout in transformers; their families add their
-own keys (``titanctl.models.llama.hf``, ``titanctl.models.qwen3.hf``). Pure functions, no
-``transformers`` import.
+The dense families are the same ``*ForCausalLM`` layout in transformers; each family's ``hf`` module
+adds its own keys. Pure functions, no ``transformers`` import.
 """
 
 from __future__ import annotations
@@ -36,7 +35,9 @@ DECODER_TOP_NAMES = {
 }
 
 DEFAULT_THETA = 10000.0  # what transformers assumes when a config names no theta
-DEFAULT_EPS = 1e-6  # LlamaConfig's and Qwen3Config's default rms_norm_eps
+# transformers' rope_type of the frequency-dependent scaling (RopeScaling): a name in Hugging Face's format.
+SCALED_ROPE_TYPE = "llama3"
+DEFAULT_EPS = 1e-6  # the default rms_norm_eps of transformers' dense decoder configs
 
 
 _REQUIRED = object()
@@ -107,7 +108,7 @@ class ConfigJson:
         return value
 
     def strings(self, key: str, *, length: int, choices: tuple[str, ...]) -> list[str] | None:
-        """A list of ``length`` strings, each one of ``choices`` (Qwen3's and gpt-oss's ``layer_types``), or None."""
+        """A list of ``length`` strings, each one of ``choices`` (e.g. ``layer_types``), or None."""
         value = self.cfg.get(key)
         if value is None:
             return None
@@ -171,8 +172,8 @@ def _check_full_rotary(cfg: ConfigJson, params: ConfigJson, what: str) -> None:
 
 
 def rope_from_hf(cfg: ConfigJson, what: str) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and Llama 3.1-style scaling from 4.x keys (rope_theta, rope_scaling) or 5.x's
-    rope_parameters."""
+    """RoPE theta and frequency-dependent scaling (``RopeScaling``) from 4.x keys (rope_theta, rope_scaling)
+    or 5.x's rope_parameters."""
     # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.
     params = cfg.section("rope_scaling", "rope_parameters")
     theta = _theta(cfg, params, DEFAULT_THETA)
@@ -180,9 +181,9 @@ def rope_from_hf(cfg: ConfigJson, what: str) -> tuple[float, RopeScaling | None]
     rope_type = params.text("rope_type", params.text("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
+    if rope_type != SCALED_ROPE_TYPE:
         raise CheckpointError(f"{cfg.where}: unsupported RoPE type {rope_type!r} (titanctl knows 'default' and "
-                              "'llama3')")
+                              f"{SCALED_ROPE_TYPE!r})")
     low, high = params.number("low_freq_factor", above=0), params.number("high_freq_factor", above=0)
     if high <= low:  # the ramp between them divides by their difference
         raise CheckpointError(f"{cfg.where}: {params.prefix}high_freq_factor {high:g} must exceed low_freq_factor "
@@ -208,7 +209,7 @@ def decoder_config(args: ModelArgs, max_position_embeddings: int) -> dict[str, A
         rope_parameters = {"rope_type": "default", "rope_theta": theta}
     else:
         rope_scaling = {
-            "rope_type": "llama3",
+            "rope_type": SCALED_ROPE_TYPE,
             "factor": float(scaling.factor),
             "low_freq_factor": float(scaling.low_freq_factor),
             "high_freq_factor": float(scaling.high_freq_factor),
@@ -240,7 +241,7 @@ def decoder_config(args: ModelArgs, max_position_embeddings: int) -> dict[str, A
 def yarn_from_config(cfg: ConfigJson, family: str, default_theta: float, *, takes_mscale: bool,
                      takes_truncate: bool) -> tuple[float, YarnScaling | None]:
     """RoPE theta and YaRN (or none) from 4.x keys (rope_theta, rope_scaling) or 5.x's rope_parameters,
-    for a family whose YaRN takes DeepSeek's mscale terms (``takes_mscale``) or transformers' ``truncate``
+    for a family whose YaRN takes the mscale terms (``takes_mscale``) or transformers' ``truncate``
     (``takes_truncate``: whole pairs at the ramp's ends or not); what the family's YaRN lacks is refused."""
     where = cfg.where
     # transformers 5 prefers a 4.x `rope_scaling` over `rope_parameters` when both are present.

@@ -26,6 +26,7 @@ from torch import nn
 from titanctl import _torch_compat
 from titanctl.models.common.args import MoEArgs
 from titanctl.models.common.feed_forward import FeedForward
+from titanctl.models.common.init import INPUT, ParamInit, output_projection
 
 _GRAPH_TASK_ID = _torch_compat.GRAPH_TASK_ID.get()
 
@@ -90,8 +91,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> (logits (N, E), expert ids (N, k), weights (N, k) in x's dtype).
 
-        ``expert_bias`` (E,) shifts which experts are chosen but not their weights (DeepSeek-V3's
-        auxiliary-loss-free balancing; zeros without it).
+        ``expert_bias`` (E,) shifts which experts are chosen but not their weights (auxiliary-loss-free
+        balancing; zeros without it).
         """
         logits = self.gate(x)
         if self.moe.score_func == "softmax_topk":  # choose on the logits, weigh by a softmax over the chosen
@@ -115,7 +116,7 @@ class Router(nn.Module):
 
     def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """(N, E) biased scores with every expert outside a token's topk_group best groups at -inf; a
-        group's score is the sum of its two best experts' (DeepSeek-V3)."""
+        group's score is the sum of its two best experts'."""
         groups = choice.unflatten(-1, (self.moe.n_group, -1))  # (N, G, E / G)
         best = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
         kept = torch.topk(best, self.moe.topk_group, dim=-1, sorted=True).indices  # (N, topk_group)
@@ -134,6 +135,9 @@ class Router(nn.Module):
         scores = self.scores(logits)
         return scores if self.moe.score_func != "sigmoid" else scores / scores.sum(dim=-1, keepdim=True)
 
+    def param_inits(self, depth: int) -> dict[str, ParamInit]:
+        return {"gate.weight": INPUT, "gate.bias": INPUT}
+
 
 def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` in the autocast dtype when autocast is on, as it casts a linear's input and weights.
@@ -149,7 +153,18 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-class GroupedExperts(nn.Module):
+class RoutedExperts(nn.Module):
+    """E experts as stacked weights [E, ...] behind one seam: ``forward(x, counts)`` takes tokens sorted
+    by expert, ``counts[e]`` of them for (local) expert e, and returns their outputs in that order. That
+    seam is where expert parallelism exchanges tokens between ranks; ``grouped_mm`` is looked up here,
+    as compiled code cannot import it, and is what shape-only runs (memory estimates) replace."""
+
+    def __init__(self):
+        super().__init__()
+        self.grouped_mm = _torch_compat.GROUPED_MM.get()
+
+
+class GroupedExperts(RoutedExperts):
     """E SwiGLU experts as stacked weights: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
@@ -157,7 +172,6 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.grouped_mm = _torch_compat.GROUPED_MM.get()  # looked up here: compiled code cannot import
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, dim): tokens sorted by expert, counts[e] of them for expert e (of this module's
@@ -172,53 +186,26 @@ class GroupedExperts(nn.Module):
         h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
         return grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
 
-
-class ClampedSwiGLUExperts(nn.Module):
-    """gpt-oss's E experts as stacked weights: w13 (E, 2 x hidden, dim), the gate's and the up
-    projection's rows interleaved (gate j at row 2j, up j at 2j + 1), as openai's checkpoints and
-    torchtitan hold them, with its bias b13 (E, 2 x hidden); w2 (E, dim, hidden) with b2 (E, dim).
-    Each token's hidden units are gate * sigmoid(alpha * gate) * (up + 1), the gate clamped above and
-    up on both sides at ``limit``. The same seam as ``GroupedExperts``."""
-
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, limit: float, alpha: float):
-        super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
-        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.b2 = nn.Parameter(torch.empty(num_experts, dim))
-        self.limit, self.alpha = limit, alpha
-        self.grouped_mm = _torch_compat.GROUPED_MM.get()  # looked up here: compiled code cannot import
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (M, dim): tokens sorted by expert, counts[e] of them for (local) expert e. Returns (M, dim)."""
-        params = (self.w13, self.b13, self.w2, self.b2)
-        w13, b13, w2, b2 = (w.to_local() if hasattr(w, "to_local") else w for w in params)
-        x, w13, b13, w2, b2 = autocast_operands(x, w13, b13, w2, b2)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        # Each row's expert, for its biases: (M,), a static size (fake tensors allow it).
-        expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
-                                                output_size=x.shape[0])
-        h = self.grouped_mm(x, w13.transpose(-2, -1), offs=offsets) + b13[expert_of_row]  # (M, 2 x hidden)
-        gate, up = h[..., 0::2].clamp(max=self.limit), h[..., 1::2].clamp(-self.limit, self.limit)
-        h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)  # (M, hidden)
-        return self.grouped_mm(h, w2.transpose(-2, -1), offs=offsets) + b2[expert_of_row]
+    def param_inits(self, depth: int) -> dict[str, ParamInit]:
+        return {"w1": INPUT, "w2": output_projection(depth), "w3": output_projection(depth)}
 
 
-def build_experts(dim: int, moe: MoEArgs) -> nn.Module:
-    """The routed experts ``moe.expert_kind`` names."""
-    if moe.expert_kind == "clamped_swiglu":
-        return ClampedSwiGLUExperts(dim, moe.hidden_dim, moe.num_experts, moe.swiglu_limit, moe.swiglu_alpha)
+def grouped_experts(dim: int, moe: MoEArgs) -> GroupedExperts:
+    """The shared routed experts (``MoEArgs.expert_kind`` "swiglu"); a family with another kind builds its own
+    (``Blocks.experts``)."""
     if moe.expert_kind != "swiglu":
-        raise ValueError(f"MoEArgs.expert_kind {moe.expert_kind!r} is not one of swiglu, clamped_swiglu")
+        raise ValueError(f"MoEArgs.expert_kind {moe.expert_kind!r}: the shared experts are swiglu, and this "
+                         "family's blocks build no other kind")
     return GroupedExperts(dim, moe.hidden_dim, moe.num_experts)
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, moe: MoEArgs):
+    def __init__(self, dim: int, moe: MoEArgs, experts: RoutedExperts | None = None):
+        """``experts``: the routed experts (a family's own kind); None: the shared ones."""
         super().__init__()
         self.moe = moe
         self.router = Router(dim, moe)
-        self.experts = build_experts(dim, moe)
+        self.experts = experts if experts is not None else grouped_experts(dim, moe)
         self.shared_experts = (
             FeedForward(dim, moe.hidden_dim * moe.num_shared_experts) if moe.num_shared_experts else None
         )

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.init import ONES, ParamInit
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +21,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
+
+    def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
+        return {"weight": ONES}
 
 
 class FusedRMSNorm(RMSNorm):

@@ -15,7 +15,7 @@ from titanctl.models.common.args import ROPE_LAYOUTS, ModelArgs, RopeScaling, Ya
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Rotation frequency of each pair of channels, with Llama 3.1's scaling."""
+    """Rotation frequency of each pair of channels, with frequency-dependent scaling (``RopeScaling``)."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
         return freqs.float()
@@ -52,7 +52,7 @@ def yarn_frequencies(rope_dim: int, theta: float, yarn: YarnScaling) -> tuple[to
         return rope_dim * math.log(turns) / (2 * math.log(theta))
 
     low, high = pair_of(yarn.beta_fast), pair_of(yarn.beta_slow)
-    if yarn.truncate:  # whole pairs (gpt-oss keeps the fractional ends: truncate = false)
+    if yarn.truncate:  # whole pairs (truncate = false keeps the fractional ends)
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rope_dim - 1)
     if low == high:
@@ -68,7 +68,7 @@ def yarn_frequencies(rope_dim: int, theta: float, yarn: YarnScaling) -> tuple[to
 
 
 def yarn_softmax_factor(yarn: YarnScaling | None) -> float:
-    """DeepSeek's correction of the softmax scale under YaRN: mscale(factor, mscale_all_dim) squared
+    """The correction of the softmax scale under YaRN with ``mscale_all_dim``: mscale(factor, mscale_all_dim) squared
     (1 without YaRN or without mscale_all_dim)."""
     if yarn is None or not yarn.mscale_all_dim:
         return 1.0

@@ -1,4 +1,4 @@
-"""The dense decoder's tensor-parallel plan: module name -> parallel style.
+"""The shared decoder's tensor-parallel plan: module name -> parallel style.
 
 Sequence parallel keeps activations sharded on the sequence dim (Shard(1)) between
 blocks and around the norms; attention and the MLP gather the sequence, shard heads /
@@ -9,7 +9,7 @@ layer leaves logits sharded on the vocabulary and the loss is computed on the sh
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
@@ -40,14 +40,6 @@ class LinearStyles:
 
 PLAIN = LinearStyles()
 
-# Multi-head Latent Attention's modules that tensor parallel leaves whole on every rank: the low-rank
-# projections into the latents and their norms, small next to the per-head expansions (wq_b, wkv_b),
-# whose outputs every head needs. Their gradients are whole on every rank too: the split linears
-# after them sum their inputs' gradients over the ranks (as any column-wise linear does), and the one
-# slice of wkv_a's output that reaches the heads without such a linear (the shared rotary key,
-# ``attention.shared_rope_key``) is summed over the ranks by tensor_parallel.
-MLA_REPLICATED = ("attention.wq_a", "attention.q_norm", "attention.wkv_a", "attention.kv_norm")
-
 
 def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     return {
@@ -61,15 +53,19 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def mtp_plan(depths: int) -> dict[str, ParallelStyle]:
-    """The plan of the multi-token-prediction modules (``model.mtp``, keyed by depth index): norms and
-    the projection run on this rank's part of the sequence (replicated weights whose gradients sum
-    over the ranks' parts); the projection hands its block a local tensor, as the embedding does."""
-    plan = {}
-    for k in range(depths):
-        plan |= {f"{k}.hnorm": SequenceParallel(), f"{k}.enorm": SequenceParallel(), f"{k}.norm": SequenceParallel(),
-                 f"{k}.eh_proj": SequenceParallel(use_local_output=True)}
-    return plan
+def gqa_attention_plan(styles: Callable[..., LinearStyles]) -> dict[str, ParallelStyle]:
+    """Grouped-query attention split by heads: q/k/v column-wise, wo row-wise. ``styles(*linears)``:
+    the styles for those linears (see ``block_plan``)."""
+    return {
+        # The block passes (hidden, rope): gather the hidden states, leave the rope table alone.
+        "attention": styles("attention.wq", "attention.wk", "attention.wv").prepare_input(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": styles("attention.wq").colwise(),
+        "attention.wk": styles("attention.wk").colwise(),
+        "attention.wv": styles("attention.wv").colwise(),
+        "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
+    }
 
 
 def block_plan(
@@ -77,47 +73,22 @@ def block_plan(
     float8_linears: Collection[str] = (),
     qk_norm: bool = False,
     moe: bool = False,
-    mla: bool = False,
+    attention: Callable[[Callable[..., LinearStyles]], dict[str, ParallelStyle]] = gqa_attention_plan,
 ) -> dict[str, ParallelStyle]:
     """The plan of one block. ``float8``: the styles for the linears named in ``float8_linears``
     (names inside the block, e.g. attention.wq); the others, and a gather feeding any of them,
     keep the plain styles (a float8 input would reach a high-precision linear).
     ``qk_norm``: the block has per-head ``attention.q_norm`` / ``k_norm`` (ModelArgs.qk_norm).
     ``moe``: the model has Mixture-of-Experts blocks (a block gets the entries of what it has:
-    ``feed_forward`` or ``moe``). ``mla``: the attention is Multi-head Latent Attention
-    (DeepSeek-V3), split by heads as its docstring says."""
+    ``feed_forward`` or ``moe``). ``attention``: the attention's entries, from the styles function
+    (a family whose attention is another module gives its own)."""
 
     def styles(*linears: str) -> LinearStyles:
         return float8 if float8 is not None and all(n in float8_linears for n in linears) else PLAIN
 
-    if mla:
-        attention = {
-            # The latent projections (wq_a, wkv_a) and their norms run whole on every rank (see
-            # MLA_REPLICATED) on the gathered sequence, a local tensor like every activation inside.
-            "attention": PLAIN.prepare_input(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
-            ),
-            # Split by heads: a query head is qk_head_dim rows of wq / wq_b, a key-and-value head
-            # nope + v rows of wkv_b, in head order, so each rank's rows are whole heads.
-            "attention.wq": styles("attention.wq").colwise(),
-            "attention.wq_b": styles("attention.wq_b").colwise(),
-            "attention.wkv_b": styles("attention.wkv_b").colwise(),
-            "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
-        }
-    else:
-        attention = {
-            # The block passes (hidden, rope): gather the hidden states, leave the rope table alone.
-            "attention": styles("attention.wq", "attention.wk", "attention.wv").prepare_input(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-            ),
-            "attention.wq": styles("attention.wq").colwise(),
-            "attention.wk": styles("attention.wk").colwise(),
-            "attention.wv": styles("attention.wv").colwise(),
-            "attention.wo": styles("attention.wo").rowwise(output_layouts=Shard(1)),
-        }
     plan = {
         "attention_norm": SequenceParallel(),
-        **attention,
+        **attention(styles),
         "ffn_norm": SequenceParallel(),
         "feed_forward": styles("feed_forward.w1", "feed_forward.w3").prepare_input(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -159,8 +130,11 @@ def sharded_linear_dims(name: str, tp: int, plan: TPPlan, args) -> tuple[int, in
     return 1, 1
 
 
-def _block(args, float8: LinearStyles | None = None, float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
-    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None, mla=args.mla is not None)
+def block_plan_of(
+    args, float8: LinearStyles | None = None, float8_linears: Collection[str] = ()
+) -> dict[str, ParallelStyle]:
+    """``block_plan`` for the blocks ``args`` build (``TPPlan.block``)."""
+    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None)
 
 
-DECODER_TP_PLAN = TPPlan(root=root_plan, block=_block)
+DECODER_TP_PLAN = TPPlan(root=root_plan, block=block_plan_of)

@@ -40,7 +40,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, ModelArgs] = {
     # CPU-sized, every DeepSeek-V3 mechanism on: q LoRA, a dense first layer, 8 experts in 2 groups
     # (top-2 from the best group), a shared expert, sigmoid scores with the expert bias, YaRN. The
     # latent is the published 512 + 64 = 576 wide: vLLM's CPU MLA takes no other width (on GPU 320 and
-    # 512 too: titanctl.checkpoint.serving_kernels).
+    # 512 too: titanctl.checkpoint.hf.serving_kernels).
     "debugmodel": deepseek_v3_args(
         dim=256, n_layers=6, n_heads=8, dense_ffn=768,
         mla=MLAArgs(q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32),

@@ -6,7 +6,7 @@ interleaved, with ``gate_up_proj_bias`` (E, 2 x hidden), and ``down_proj`` (E, h
 ``down_proj_bias`` (E, dim). titanctl's ``w13`` and ``w2`` are the same tensors with the last two
 dimensions swapped (``HFFormat.transposed``), the rows of w13 in the same interleaved order, so
 the weights convert by renaming and transposing alone. The published checkpoints store those two
-matrices in MXFP4 (``gate_up_proj_blocks`` / ``_scales``, ...): ``titanctl.checkpoint.mxfp4`` reads
+matrices in MXFP4 (``gate_up_proj_blocks`` / ``_scales``, ...): ``titanctl.checkpoint.quantized.mxfp4`` reads
 them. RoPE rotates halves, as titanctl's gpt-oss does; YaRN as transformers computes it (truncate
 false keeps the ramp's fractional ends).
 """

@@ -1,8 +1,4 @@
-"""Llama 3.x hyper-parameters and the published flavors.
-
-ModelArgs and RopeScaling live in ``titanctl.models.common.args`` (every dense family shares
-them) and are re-exported here, where the rest of titanctl imports them from.
-"""
+"""Llama 3.x's published flavors (ModelArgs and RopeScaling are the shared ``titanctl.models.common.args``)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ LLAMA32_ROPE = RopeScaling(
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     # CPU-sized: 8 heads of 32 (vLLM's CPU attention takes no head narrower than 32:
-    # titanctl.checkpoint.serving_kernels), 2 of them key/value, as 8B's ratio of 4.
+    # titanctl.checkpoint.hf.serving_kernels), 2 of them key/value, as 8B's ratio of 4.
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=2),
     # torchtitan's own debugmodel (0.2 and 0.3): the same widths in 16 heads of 16, all of them
     # key/value; what a torchtitan debug checkpoint, which records no config, is read as.
@@ -40,5 +36,3 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         rope_scaling=LLAMA32_ROPE, tie_embeddings=True,
     ),
 }
-
-__all__ = ["LLAMA32_ROPE", "LLAMA3_FLAVORS", "ModelArgs", "RopeScaling"]

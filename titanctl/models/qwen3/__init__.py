@@ -3,11 +3,5 @@
 Nothing here subclasses the model: every Qwen3 difference from Llama is a ModelArgs switch
 (``qk_norm``, ``rope_layout``, ``explicit_head_dim``, ``explicit_ffn_hidden_dim``, ``tie_embeddings``),
 so the TP plan (``titanctl.models.common.tp_plan``, with QK-norm entries), weight init, shapes and
-parameter counts are the shared ones.
+parameter counts are the shared ones. Its spec is ``titanctl.models.qwen3.spec.SPEC``.
 """
-
-from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.decoder import Transformer
-from titanctl.models.qwen3.args import QWEN3_FLAVORS, QWEN3_VOCAB_SIZE, qwen3_args
-
-__all__ = ["QWEN3_FLAVORS", "QWEN3_VOCAB_SIZE", "ModelArgs", "Transformer", "qwen3_args"]

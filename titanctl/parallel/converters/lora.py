@@ -35,7 +35,7 @@ from titanctl.config.job_config import LoRA as LoRAConfig
 from titanctl.config.user_regex import UserRegex
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.decoder import ParamInit
+from titanctl.models.common.init import ParamInit
 from titanctl.models.common.moe import GroupedExperts, autocast_operands
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")

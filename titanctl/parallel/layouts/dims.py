@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from titanctl import _torch_compat
 from titanctl.config.job_config import Parallelism
 from titanctl.errors import ParallelError
+from titanctl.parallel.runtime import peers
 from titanctl.parallel.runtime.env import device_type
 
 # Outermost to innermost: pipeline stages talk least, tensor parallel talks most.
@@ -89,7 +90,8 @@ class ParallelDims:
     def mesh(self):
         """The world mesh over the dims of size > 1, plus flattened combinations (see mesh_for)."""
         names = [n for n in MESH_DIMS if self.degrees[n] > 1] or ["dp_shard"]
-        mesh = init_device_mesh(device_type(), [self.degrees[n] for n in names], mesh_dim_names=tuple(names))
+        with peers.connecting():
+            mesh = init_device_mesh(device_type(), [self.degrees[n] for n in names], mesh_dim_names=tuple(names))
         for parts in (("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp")):
             present = [p for p in parts if self.degrees[p] > 1]
             if len(present) > 1:
@@ -123,7 +125,8 @@ class ParallelDims:
         efsdp = self.dp_shard * self.cp // self.ep
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "efsdp": efsdp, "ep": self.ep, "tp": self.tp}
         names = [n for n, size in sizes.items() if size > 1 or n in ("efsdp", "ep")]
-        return init_device_mesh(device_type(), [sizes[n] for n in names], mesh_dim_names=tuple(names))
+        with peers.connecting():
+            return init_device_mesh(device_type(), [sizes[n] for n in names], mesh_dim_names=tuple(names))
 
     def expert_fsdp_mesh(self):
         """FSDP's mesh for the experts: efsdp, or (dp_replicate, efsdp) beside replicas."""

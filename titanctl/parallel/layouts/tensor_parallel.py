@@ -10,8 +10,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from titanctl import _torch_compat
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.tp_plan import MLA_REPLICATED, mtp_plan
 from titanctl.models.registry import spec_of
+from titanctl.models.spec import TPPlan
 from titanctl.parallel.converters.float8 import float8_tp_styles, is_float8_linear, sends_float8
 from titanctl.parallel.converters.lora import tp_style as lora_tp_style
 
@@ -42,15 +42,14 @@ def apply_tp(
     root = {name: lora_tp_style(getattr(model, name), style) for name, style in plan.root(loss_parallel).items()
             if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
-    if getattr(model, "mtp", None) is not None:
-        parallelize_module(model.mtp, tp_mesh, mtp_plan(len(model.mtp)))
+    if extra := plan.extra(model):
+        parallelize_module(model, tp_mesh, extra)
     if compiled:
         # torch 2.13: a compiled block whose input is the view that DTensor.to_local() returns (the
         # embedding's local output, or a prediction depth's projection) gives that input no gradient,
         # and the backward fails in its redistribute. A copy (B x T/tp x dim) makes it a plain tensor.
-        feeding_blocks = [model.tok_embeddings, *(depth.eh_proj for depth in (model.mtp or {}).values())]
-        for module in feeding_blocks:
-            if module is not None:
+        for name in plan.block_inputs(model):
+            if (module := submodule_or_none(model, name)) is not None:
                 module.register_forward_hook(lambda module, inputs, output: output.clone())
     styles = None
     if float8:
@@ -61,14 +60,14 @@ def apply_tp(
         present = {name: lora_tp_style(module, style) for name, style in plan.block(model.args, styles, names).items()
                    if (module := submodule_or_none(block, name)) is not None}
         parallelize_module(block, tp_mesh, present)
-        if model.args.mla is not None:
-            for name in MLA_REPLICATED:
-                if (module := submodule_or_none(block, name)) is not None:
-                    _replicate(module, tp_mesh)
-            _sum_gradient_over_ranks(block.attention.shared_rope_key, tp_mesh)
-        sinks = getattr(block.attention, "sinks", None)
-        if sinks is not None:  # gpt-oss: one logit per query head, split with the heads (attention reads its own)
-            block.attention.sinks = nn.Parameter(distribute_tensor(sinks, tp_mesh, [Shard(0)]))
+        for name in plan.replicated:
+            if (module := submodule_or_none(block, name)) is not None:
+                _replicate(module, tp_mesh)
+        for name in plan.summed_gradient:
+            if (module := submodule_or_none(block, name)) is not None:
+                _sum_gradient_over_ranks(module, tp_mesh)
+        for _, owner, attr in head_params(block, plan):  # the module reads its own heads' values
+            setattr(owner, attr, nn.Parameter(distribute_tensor(getattr(owner, attr), tp_mesh, [Shard(0)])))
         if getattr(block, "moe", None) is not None:
             _replicate(block.moe.router.gate, tp_mesh)
             if block.moe.shared_experts is not None:
@@ -105,6 +104,17 @@ def _sum_gradient_over_ranks(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         return (first.to_local(grad_placements=[Partial()]), *inputs[1:])
 
     distribute_module(module, tp_mesh, input_fn=whole_forward_summed_backward)
+
+
+def head_params(block: nn.Module, plan: TPPlan) -> list[tuple[str, nn.Module, str]]:
+    """(name, owning module, attribute) of each of the plan's ``head_params`` that ``block`` has."""
+    found = []
+    for name in plan.head_params:
+        owner_name, _, attr = name.rpartition(".")
+        owner = submodule_or_none(block, owner_name)
+        if owner is not None and getattr(owner, attr, None) is not None:
+            found.append((name, owner, attr))
+    return found
 
 
 def submodule_or_none(module: nn.Module, name: str) -> nn.Module | None:

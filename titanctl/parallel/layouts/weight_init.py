@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanctl import _torch_compat
-from titanctl.models.common.decoder import ParamInit
+from titanctl.models.common.init import ParamInit, init_rules
 from titanctl.parallel.converters.lora import adapter_init, is_adapter
 
 
@@ -50,17 +50,24 @@ def initialize_weights(
 ) -> None:
     """Initialize ``model`` (plain, FSDP/TP-sharded or a pipeline stage) deterministically.
 
-    ``model`` must provide ``param_init(name) -> ParamInit`` and ``init_buffers(device)``; LoRA
-    adapters are drawn as ``titanctl.parallel.converters.lora.adapter_init`` says. ``adapters_only``:
+    Each parameter is drawn as the module that owns it says (``titanctl.models.common.init``); ``model``
+    must provide ``init_buffers(device)``. LoRA adapters are drawn as
+    ``titanctl.parallel.converters.lora.adapter_init`` says. ``adapters_only``:
     only the adapters (their frozen base is loaded from a checkpoint).
     """
     model.init_buffers(buffer_device)
-    for name, param in model.named_parameters():
-        name = canonical_name(name)
+    rules = init_rules(model)
+    for given_name, param in model.named_parameters():
+        name = canonical_name(given_name)
         adapter = is_adapter(name)
         if adapters_only and not adapter:
             continue
-        spec = adapter_init(name, tuple(param.shape)) if adapter else model.param_init(name)
+        if adapter:
+            spec = adapter_init(name, tuple(param.shape))
+        elif given_name in rules:
+            spec = rules[given_name]
+        else:
+            raise ValueError(f"no init rule for parameter {name!r}")
         full = draw(param.shape, spec, seed, name)
         if isinstance(param, DTensor):
             # Every rank drew the same full tensor, so slicing locally needs no communication.

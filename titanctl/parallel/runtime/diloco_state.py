@@ -25,7 +25,7 @@ from titanctl import _torch_compat
 from titanctl.parallel.layouts.weight_init import canonical_name
 from titanctl.parallel.runtime import ft_state
 
-PART = "diloco"  # its entries' prefix in a checkpoint (titanctl.checkpoint.load_plan.STATE_PARTS)
+PART = "diloco"  # its entries' prefix in a checkpoint (titanctl.checkpoint.run.load_plan.STATE_PARTS)
 GLOBAL, MOMENTUM = "global.", "outer_momentum."
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from titanctl.errors import TitanError
-from titanctl.parallel.runtime import elastic, hang_watchdog
+from titanctl.parallel.runtime import elastic, hang_watchdog, peers
 
 
 def device_type() -> str:
@@ -84,9 +84,10 @@ def init_process(timeout_seconds: int, trace_buf_size: int = 0, flight_recorder_
         timeout = datetime.timedelta(seconds=timeout_seconds)
         store = elastic.attempt_store(world_size, timeout)
         where = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
-        dist.init_process_group(
-            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **where
-        )
+        with peers.connecting():
+            dist.init_process_group(
+                backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **where
+            )
     return ProcessEnv(rank, local_rank, world_size, local_world_size, device)
 
 

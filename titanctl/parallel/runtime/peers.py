@@ -16,6 +16,7 @@ import datetime
 import os
 import re
 import sys
+import tempfile
 import time
 
 from titanctl.errors import TitanError
@@ -91,6 +92,29 @@ def _peer_reason(rank: int, world_size: int) -> tuple[int, str] | None:
             time.sleep(0.05)
     except (RuntimeError, OSError, TitanError):
         return None
+
+
+@contextlib.contextmanager
+def connecting():
+    """Around the forming of a process group: gloo logs a lost peer on standard error itself
+    ("[E... ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with ... Connection closed by peer")
+    before torch raises it, which ``peer_failures_named`` then says in one line naming the peer's
+    failure. Those lines are held back; whatever else the connection prints follows once it is done."""
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)  # the file descriptor: gloo's C++ logging writes there, not to sys.stderr
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True)
+                    if not _PEER_GONE.search(line.decode(errors="replace"))]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def is_peer_gone(error: BaseException) -> bool:
