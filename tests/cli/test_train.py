@@ -135,7 +135,9 @@ def test_a_default_precision_run_starts_at_once_and_times_no_matmul(tmp_path, is
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
-    big = ["train", *TINY[:4], "--training.steps", "3", "--training.local_batch_size", "4"]
+    # fp32, DESIGN.md's 1e-5: in bf16 the two sums round apart by more on CPUs without bf16 units.
+    big = ["train", *TINY[:4], "--training.steps", "3", "--training.mixed_precision_param", "float32",
+           "--training.local_batch_size", "4"]
     run([*big, "--job.dump_folder", str(tmp_path / "big")])
     run([*big[:-1], "2", "--training.global_batch_size", "4", "--job.dump_folder", str(tmp_path / "acc")])
     big_losses = [r["loss"] for r in rows(tmp_path / "big")]
