@@ -10,12 +10,10 @@ completions of up to ``--tokens`` tokens a step, rewarded by exact match; trl ge
 ``generate()``, titanctl with its own sampler. Each side runs ``--steps`` steps after ``--warmup`` and the
 figure is steps over their wall time; the sides alternate ``--rounds`` times (a busy machine slows both alike).
 
-trl runs in its own environment, outside the repository (it must not change titanctl's): trl 1.16.0 installs
-under torch 2.13.0 with a constraints file that pins torch and transformers:
+trl runs in a process of its own (so that neither side's imports or threads touch the other's), from the same
+environment: it is in the ``bench`` extra, pinned in constraints.txt:
 
-    python -m venv ~/.cache/titanctl/trl-venv
-    ~/.cache/titanctl/trl-venv/bin/pip install torch==2.13.0
-    ~/.cache/titanctl/trl-venv/bin/pip install -c constraints.txt trl==1.16.0 transformers==5.23.0
+    make install && .venv/bin/pip install -c constraints.txt -e '.[bench]'
 
 Usage: PYTHONPATH=. .venv/bin/python benchmarks/rl_vs_trl.py [--trl-python PATH] [--steps 5] [--layers 2]
 """
@@ -35,7 +33,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRL_PYTHON = Path(os.environ.get("TITANCTL_TRL_PYTHON", "~/.cache/titanctl/trl-venv/bin/python")).expanduser()
 
 TRL_SCRIPT = textwrap.dedent('''
     import json, sys, time
@@ -132,7 +129,7 @@ def trl_seconds(python: Path, hf: Path, args, folder: Path, rows: list[dict]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trl-python", type=Path, default=DEFAULT_TRL_PYTHON)
+    parser.add_argument("--trl-python", type=Path, default=Path(sys.executable), help="a Python with trl 1.16")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
@@ -143,9 +140,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
     args = parser.parse_args()
-    if not args.trl_python.exists():
-        sys.exit(f"no trl environment at {args.trl_python}: build one as the module docstring says, or pass "
-                 "--trl-python")
+    probe = subprocess.run([str(args.trl_python), "-c", "import trl"], capture_output=True)
+    if probe.returncode:
+        sys.exit(f"{args.trl_python} cannot import trl: .venv/bin/pip install -c constraints.txt -e '.[bench]'")
     import torch
 
     args.threads = args.threads or torch.get_num_threads()

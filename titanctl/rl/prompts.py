@@ -45,7 +45,8 @@ class PromptSet:
         template = chat_template_for(tokenizer, chat_template_path)
         encoder = ChatEncoder(tokenizer, template)
         self.prompts: list[Prompt] = []
-        turn_ends: set[int] = set()
+        turn_ends: dict[tuple, int | None] = {}  # by the conversation's roles and tools: what a template's
+        # end of turn can depend on short of the text (7,000 probes were a third of the start-up)
         room = seq_len - cfg.max_response_tokens
         for row, where in read_rows(files):
             if isinstance(row, Unreadable):
@@ -63,14 +64,14 @@ class PromptSet:
                     f"rl.dataset {self.description}: row {where}'s prompt has {len(ids)} tokens, and "
                     f"rl.max_response_tokens = {cfg.max_response_tokens} more exceed training.seq_len = {seq_len}, "
                     f"the model's positions; raise training.seq_len or shorten the prompts or responses")
-            turn_end = encoder.turn_end_id(messages, tools)
-            if turn_end is not None:
-                turn_ends.add(turn_end)
+            shape = (tuple(m["role"] for m in messages), bool(tools))
+            if shape not in turn_ends:
+                turn_ends[shape] = encoder.turn_end_id(messages, tools)
             text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
             self.prompts.append(Prompt(ids, text, self._answer(row, cfg, where), where))
         if not self.prompts:
             raise DataError(f"rl.dataset {self.description} has no rows")
-        self.stop_tokens = sorted(set(tokenizer.stop_tokens) | turn_ends)
+        self.stop_tokens = sorted(set(tokenizer.stop_tokens) | {t for t in turn_ends.values() if t is not None})
         self.longest = max(len(p.ids) for p in self.prompts)
 
     def _prompt(self, row, cfg: RL, where: str) -> list:

@@ -277,7 +277,7 @@ def _scenarios(tmp: Path) -> list[tuple[str, str, list[str]]]:
                       "--training.steps", "2", "--job.dump_folder", str(tmp / "rl"), "--checkpoint.interval", "1",
                       "--checkpoint.initial_load_path", str(train / "checkpoint" / "step-2"),
                       "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rl.max_response_tokens", "4",
-                      "--rl.kl_coef", "0.1", "--rl.importance_correction", "token_truncate",
+                      "--rl.split", "validation", "--rl.kl_coef", "0.1", "--rl.importance_correction", "token_truncate",
                       "--rl.overlong_buffer_tokens", "2", "--rl.epsilon_high", "0.28", "--rl.rewards",
                       "exact_match,format", "--rl.format_regex", "[0-9]+", "--rl.reward_weights", "1,0.5",
                       "--rl.scale_rewards", "batch", "--rl.dynamic_sampling", "--sft.chat_template_path", "",

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from titanctl.config.recipe import load_config
 from titanctl.models.registry import build_model, model_args_from_config
+from titanctl.parallel.layouts.weight_init import initialize_weights
 from titanctl.rl import batch_invariant as bi
 from titanctl.rl.rollout import Sampler, row_keys
 from titanctl.rl.update import response_logprobs
@@ -23,7 +24,7 @@ def tiny_model(name: str, vocab: int) -> torch.nn.Module:
     cfg = load_config(None, ["--model.name", name, "--model.n_layers", "2"])
     torch.manual_seed(0)
     model = build_model(model_args_from_config(cfg.model, vocab, CACHE))
-    model.init_weights()
+    initialize_weights(model, seed=0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)  # peaked, varied logits: greedy-like ties would hide nothing, flat ones flip

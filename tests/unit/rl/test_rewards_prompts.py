@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.conftest import REPO
 from titanctl.config.job_config import RL
 from titanctl.config.recipe import load_config
 from titanctl.errors import ConfigError, DataError
@@ -119,6 +120,16 @@ def test_the_shipped_task_loads(tok):
     first = prompts.prompts[0]
     a, b = first.text.removeprefix("Which is larger, ").removesuffix("?").split(" or ")
     assert first.answer == str(max(int(a), int(b)))
+
+
+def test_the_grpo_recipe_starts_from_the_task_sft_recipes_output():
+    """The two commands of docs/rl.md need no flags: rl's initial load is where the SFT recipe saves."""
+    sft = load_config(REPO / "recipes" / "llama3_debug_task_sft.toml", [], command="train")
+    grpo = load_config(REPO / "recipes" / "llama3_debug_grpo.toml", [], command="rl")
+    assert grpo.checkpoint.initial_load_path == f"{sft.job.dump_folder}/{sft.checkpoint.folder}"
+    assert sft.training.dataset == f"chat:{grpo.rl.dataset}" and sft.checkpoint.enable_checkpoint
+    assert (sft.model.name, sft.model.flavor, sft.training.seq_len) == (grpo.model.name, grpo.model.flavor,
+                                                                        grpo.training.seq_len)
 
 
 def test_the_prompt_order_is_a_permutation_per_epoch_and_resumes(tok, tmp_path):
