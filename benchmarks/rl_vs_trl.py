@@ -41,7 +41,7 @@ TRL_SCRIPT = textwrap.dedent('''
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    args = json.loads(sys.argv[1])
+    args = json.loads(sys.stdin.read())
     torch.set_num_threads(args["threads"])
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -120,7 +120,7 @@ def trl_seconds(python: Path, hf: Path, args, folder: Path, rows: list[dict]) ->
                           "out": str(folder), "threads": args.threads})
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": ""}
-    proc = subprocess.run([str(python), "-c", TRL_SCRIPT, payload], capture_output=True, text=True, env=env,
+    proc = subprocess.run([str(python), "-c", TRL_SCRIPT], input=payload, capture_output=True, text=True, env=env,
                           cwd=folder)
     if proc.returncode:
         sys.exit(f"trl failed:\n{proc.stderr[-3000:]}")

@@ -58,7 +58,7 @@ def plot(runs: dict[str, list[tuple[int, float]]], out: Path, window: int, key: 
         colour = COLOURS[n % len(COLOURS)]
         values = smooth([v for _, v in run], window)
         draw.line([xy(step, v) for (step, _), v in zip(run, values)], fill=colour, width=2)
-        draw.text((right - 200, top + 8 + 14 * n), f"-- {name}", fill=colour)
+        draw.text((right - 200, bottom - 8 - 14 * (len(runs) - n)), f"-- {name}", fill=colour)  # below rewards
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
 

@@ -19,10 +19,10 @@ such kernel is replaced by one whose per-row work is fixed:
 - linear layers (``F.linear`` and oneDNN's linear op) multiply rows in tiles of ``ROW_TILE`` rows, one
   batched GEMM of identical (ROW_TILE, in, out) products: each row is computed by the same product of
   the same shape wherever it sits (checked for every row position and 1 to 4,096 tiles);
-- attention pads the keys to ``key_length`` (the KV cache's length) with zeros, scores each query row
-  against all of them as products summed along a contiguous last dimension (head_dim), masks by position,
-  softmaxes in fp32 and sums the weighted values along one of key_length: decode and training reduce over
-  the same keys in the same order (a reduction along the last dimension depends on its length only);
+- attention pads the keys to ``key_length`` (the KV cache's length) with zeros and scores the query rows
+  in tiles of ``ROW_TILE`` rows, as the linear layers multiply them: one product of a fixed shape for the
+  scores, a softmax in fp32 over the key_length keys, masked by position, and one product of a fixed
+  shape for the weighted values, so decode and training reduce over the same keys in the same order;
 - ``silu`` runs on its input padded to whole vectors (every element takes the vector path), ``rsqrt``
   as ``1 / sqrt`` (both correctly rounded on every path);
 - routed experts (``torch._grouped_mm``) multiply each expert's rows in tiles too.
@@ -53,12 +53,31 @@ def row_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
     return F.pad(x, (0, 0, 0, -rows % tile)).view(-1, tile, x.shape[1]), rows
 
 
+class TiledMatmul(torch.autograd.Function):
+    """The forward in row tiles; the backward as a plain matmul's: only the forward's values must not depend
+    on the batch (the logprobs), and autograd through the tiles would reduce the weight's gradient over one
+    copy of it per tile."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w_t)
+        flat = x.reshape(-1, x.shape[-1])
+        tiles, rows = row_tiles(flat, ROW_TILE)
+        out = torch.bmm(tiles, w_t.expand(tiles.shape[0], *w_t.shape))  # (tiles, ROW_TILE, N)
+        return out.reshape(-1, w_t.shape[1])[:rows].view(*x.shape[:-1], w_t.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, w_t = ctx.saved_tensors
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_x = (flat_grad @ w_t.t()).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = x.reshape(-1, x.shape[-1]).t() @ flat_grad if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
 def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """x (..., K) @ w_t (K, N), each row computed the same way whatever the number of rows."""
-    flat = x.reshape(-1, x.shape[-1])
-    tiles, rows = row_tiles(flat, ROW_TILE)
-    out = torch.bmm(tiles, w_t.expand(tiles.shape[0], *w_t.shape))  # (tiles, ROW_TILE, N)
-    return out.reshape(-1, w_t.shape[1])[:rows].view(*x.shape[:-1], w_t.shape[1])
+    return TiledMatmul.apply(x, w_t)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,20 +121,30 @@ def attention(
     if heads != kv_heads and not enable_gqa:
         raise ValueError("query and key heads differ without enable_gqa")
     group = heads // kv_heads
-    k = F.pad(k, (0, 0, 0, key_length - keys))  # (B, H_kv, L, D)
-    v = F.pad(v, (0, 0, 0, key_length - keys))
     if attn_mask is None:
         attn_mask = torch.ones(length, keys, dtype=torch.bool, device=q.device)
         if is_causal:
             attn_mask = attn_mask.tril()
+    # The query rows that share a key/value head (head h = j * group + r serves KV head j), in tiles of
+    # ROW_TILE rows: every tile is one (ROW_TILE, D) x (D, key_length) product, then one (ROW_TILE,
+    # key_length) x (key_length, D), whatever the number of rows. Padded rows see every key (no NaN).
+    rows = group * length
+    pad = -rows % ROW_TILE
+    tiles = (rows + pad) // ROW_TILE
+    q_tiles = F.pad(q.reshape(batch, kv_heads, rows, dim), (0, 0, 0, pad)).reshape(-1, ROW_TILE, dim)
+    k = F.pad(k, (0, 0, 0, key_length - keys))  # (B, H_kv, L, D)
+    v = F.pad(v, (0, 0, 0, key_length - keys)).float()
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # (B, H_kv, X, Y) -> (B * H_kv * tiles, X, Y)
+        return t[:, :, None].expand(batch, kv_heads, tiles, *t.shape[2:]).reshape(-1, *t.shape[2:])
+
     seen = F.pad(attn_mask.expand(batch, heads, length, keys), (0, key_length - keys), value=False)
-    # The query rows that share a key/value head: head h = j * group + r serves KV head j.
-    rows = q.reshape(batch, kv_heads, group * length, 1, dim)
+    seen = F.pad(seen.reshape(batch, kv_heads, rows, key_length), (0, 0, 0, pad), value=True)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    scores = (rows * k[:, :, None]).sum(-1).float() * scale  # (B, H_kv, rows, L)
-    scores = scores.masked_fill(~seen.reshape(batch, kv_heads, group * length, key_length), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)[:, :, :, None, :]  # (B, H_kv, rows, 1, L)
-    out = (weights * v.transpose(-2, -1)[:, :, None].float()).sum(-1)  # (B, H_kv, rows, D)
+    scores = torch.bmm(q_tiles, per_tile(k.transpose(-2, -1))).float() * scale  # (B * H_kv * tiles, T, L)
+    scores = scores.masked_fill(~seen.reshape(-1, ROW_TILE, key_length), float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), per_tile(v))  # (B * H_kv * tiles, ROW_TILE, D)
+    out = out.reshape(batch, kv_heads, rows + pad, dim)[:, :, :rows]
     return out.reshape(batch, heads, length, dim).to(q.dtype)
 
 

@@ -98,6 +98,26 @@ def test_each_kernel_computes_a_row_the_same_way_whatever_the_rows_around_it():
     torch.testing.assert_close(bi.silu(values), F.silu(values))
 
 
+def test_the_tiled_linear_has_the_linears_gradients():
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64, requires_grad=True), torch.randn(3, 37, 64, requires_grad=True)
+    grad = torch.randn(3, 37, 96)
+    want = torch.autograd.grad(F.linear(x, weight), (x, weight), grad)
+    torch.testing.assert_close(torch.autograd.grad(bi.linear(x, weight), (x, weight), grad), want)
+
+
+def test_attention_scores_a_query_in_decode_as_in_training():
+    """A query row attended alone over a cache (decode) equals the same row inside a causal training pass."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 8, 20, 16), torch.randn(3, 2, 20, 16), torch.randn(3, 2, 20, 16)
+    training = bi.attention(q, k, v, is_causal=True, enable_gqa=True, key_length=32)
+    for t in (0, 7, 19):
+        seen = (torch.arange(t + 1) <= t)[None, None, None, :]
+        decode = bi.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], attn_mask=seen, enable_gqa=True,
+                              key_length=32)
+        assert torch.equal(decode[:, :, 0], training[:, :, t]), t
+
+
 def test_attention_over_a_padded_cache_is_sdpa():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
