@@ -13,8 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "development.md"
 HEADING = "## Layout of the code"
-# The rooms from the top down (tests/unit/test_architecture.py's LAYERS: a room imports only those below);
-# a room not yet in titanctl/ (rl, issue 59) is left out of the map until it is.
+# The rooms from the top down (tests/unit/test_architecture.py's LAYERS: a room imports only those below).
 ROOMS = ("cli", "planning", "observability", "rl", "train", "inference", "checkpoint", "parallel", "models",
          "data", "config")
 

@@ -47,6 +47,7 @@ class Case:
     always: bool  # a reference: run with its world whatever is selected
     prepare: Callable[[Path], None] | None  # writes the files its args name under ROOT, before the world runs
     final: bool  # also dump every parameter, gathered whole, after the last step
+    command: str = "train"  # what runs the case: train (titanctl.train.trainer.Trainer) or rl (titanctl.rl.loop.RLTrainer)
 
 
 _CASES: dict[str, Case] = {}
@@ -57,11 +58,12 @@ ROOT = "{ROOT}"  # in a case's args: the worlds' folder (where ``prepare`` wrote
 
 
 def register(module: str, name: str, nproc: int, args: list[str], grads: bool = False, probe: bool = False,
-             always: bool = False, prepare: Callable[[Path], None] | None = None, final: bool = False) -> str:
+             always: bool = False, prepare: Callable[[Path], None] | None = None, final: bool = False,
+             command: str = "train") -> str:
     """Declare a case (at import, before any world runs); returns its key."""
     key = f"{module.rsplit('.', 1)[-1]}::{name}"
     assert key not in _CASES, f"case {key} registered twice"
-    _CASES[key] = Case(key, nproc, tuple(args), grads, probe, always, prepare, final)
+    _CASES[key] = Case(key, nproc, tuple(args), grads, probe, always, prepare, final, command)
     return key
 
 
@@ -138,7 +140,8 @@ class Worlds:
         for prepare in dict.fromkeys(c.prepare for c in cases if c.prepare is not None):
             prepare(self.root)
         plan = [{"key": c.key, "args": [a.replace(ROOT, str(self.root)) for a in c.args], "grads": c.grads,
-                 "probe": c.probe, "final": c.final, "folder": str(self._folder(c.key))} for c in cases]
+                 "probe": c.probe, "final": c.final, "command": c.command, "folder": str(self._folder(c.key))}
+                for c in cases]
         plan_file = self.root / (f"world{nproc}.json" if asked is None else f"world{nproc}-{os.getpid()}.json")
         plan_file.write_text(json.dumps(plan))
         start = time.perf_counter()

@@ -91,6 +91,7 @@ def _register() -> None:
         inspect_trace,
         plan,
         profile,
+        rl,
         train,
     )
 
@@ -98,6 +99,7 @@ def _register() -> None:
         app.command(name, cls=_Command, **kwargs)(fn)
 
     command("train", train.train, context_settings=OVERRIDES)
+    command("rl", rl.rl, context_settings=OVERRIDES)
     command("download-tokenizer", download_tokenizer.download_tokenizer)
     command("convert-checkpoint", convert.convert, context_settings=OVERRIDES)
     command("convert", convert.convert, help="Alias of convert-checkpoint.", context_settings=OVERRIDES)

@@ -16,13 +16,22 @@ def train(
 ) -> None:
     """Train the recipe's model (pre-training, chat SFT, LoRA). Any config key can be overridden:
     --section.key VALUE."""
+    run_recipe("train", config, ctx.args, print_config)
+
+
+def run_recipe(command: str, config: Path | None, overrides: list[str], print_config: bool) -> None:
+    """Load the recipe with its overrides (refusing those ``command`` does not read), then print it or run it:
+    train's Trainer, or rl's RLTrainer."""
     from titanctl.config.recipe import load_config, to_toml
 
-    cfg = load_config(config, ctx.args, command="train")
+    cfg = load_config(config, overrides, command=command)
     if print_config:
         typer.echo(to_toml(cfg))
         return
     with heavy_imports():
-        from titanctl.train.trainer import Trainer
+        if command == "rl":
+            from titanctl.rl.loop import RLTrainer as Trainer
+        else:
+            from titanctl.train.trainer import Trainer
 
     Trainer(cfg).train()

@@ -31,6 +31,8 @@ _ESTIMATE = (
 
 READS: dict[str, tuple[str, ...]] = {
     "train": ("*",),
+    # The same model build, layout, optimizer, schedule and checkpoints as train; prompts instead of a dataset.
+    "rl": ("*", "sft.chat_template_path", "fault_tolerance.enable", "float8.enable_float8_linear"),
     "profile": (
         "*",
         # Checkpointing is off, but a run still starts from initial weights.
@@ -70,9 +72,36 @@ _ESTIMATE_NOT_READ = {
     "fault_tolerance.*": "it estimates one replica group's step",
 }
 
+_RL_ONLY = "only titanctl rl reads the [rl] section"
+
 # Refused keys, with the reason the error shows.
 NOT_READ: dict[str, dict[str, str]] = {
+    "train": {"rl.*": _RL_ONLY},
+    "rl": {
+        "training.dataset": "its prompts are rl.dataset",
+        "training.dataset_path": "its prompts are rl.dataset",
+        "training.datasets": "its prompts are rl.dataset",
+        "training.stream_shards": "its prompts are rl.dataset",
+        "training.global_batch_size": "an update trains rl.prompts_per_step x rl.group_size sequences",
+        "model.attn_mask_type": "each sequence is one prompt and its completion: attention is causal",
+        "model.mtp_loss_weight": "its loss is the policy loss",
+        "parallelism.disable_loss_parallel": "it refuses tensor parallelism",
+        "parallelism.pipeline_parallel_split_points": "it refuses pipeline parallelism",
+        "parallelism.pipeline_parallel_layers_per_stage": "it refuses pipeline parallelism",
+        "parallelism.pipeline_parallel_schedule": "it refuses pipeline parallelism",
+        "parallelism.pipeline_parallel_schedule_csv": "it refuses pipeline parallelism",
+        "parallelism.pipeline_parallel_microbatch_size": "it refuses pipeline parallelism",
+        "parallelism.context_parallel_rotate_method": "it refuses context parallelism",
+        "float8.*": "its sampler and trainer compute in training.mixed_precision_param",
+        "moe.*": "it moves no expert bias and adds no auxiliary loss",
+        "metrics.peak_tflops": "it reports tokens/s, not MFU",
+        "validation.*": "its rollouts' rewards are its evaluation",
+        "sft.*": "its prompts are not chat data to learn",
+        "profiling.*": "it records no traces",
+        "fault_tolerance.*": "it does not run as a torchft replica group",
+    },
     "profile": {
+        "rl.*": _RL_ONLY,
         "training.steps": "--steps sets it",
         "profiling.enable_profiling": "it always records a step",
         "profiling.profile_freq": "it records the last of --steps steps",

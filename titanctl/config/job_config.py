@@ -521,6 +521,120 @@ class SFT:
 
 
 @dataclass
+class RL:
+    """`titanctl rl`: reinforcement learning with verifiable rewards after SFT (docs/rl.md). Each step
+    samples rl.group_size completions of rl.prompts_per_step prompts with the policy itself, scores them,
+    and takes rl.updates_per_rollout policy updates (each one of training.steps) on group-relative
+    advantages."""
+
+    dataset: str = opt(
+        "arithmetic",
+        "Prompts with answers: a .jsonl/.jsonl.gz/.json/.parquet file, a folder laid out like a Hugging Face "
+        "dataset, hf:<folder or hub id>, or arithmetic (titanctl/assets/arithmetic: which of two two-digit "
+        "numbers is larger, built by scripts/build_rl_task.py). Each row has a prompt (text, one user message, "
+        "or a list of messages) and an answer; prompts are rendered with the tokenizer's chat template and its "
+        "generation prompt.",
+    )
+    split: str = opt("train", "The split a folder or hf: dataset is read from.")
+    prompt_field: str = opt("prompt", "The column holding each row's prompt.")
+    answer_field: str = opt("answer", "The column holding each row's answer (text; every row needs one).")
+    group_size: int = opt(8, "Completions sampled per prompt (G); advantages are relative to the group.", min=2)
+    prompts_per_step: int = opt(
+        16, "Prompts per rollout over all data-parallel ranks (each rank samples its share); a multiple of "
+        "the data-parallel degree. The policy update's batch is prompts_per_step x group_size sequences, in "
+        "microbatches of training.local_batch_size.", min=1,
+    )
+    max_response_tokens: int = opt(
+        16, "Tokens sampled per completion at most (a completion ends earlier at a stop token); the longest "
+        "prompt plus this must fit training.seq_len, the model's positions.", min=1,
+    )
+    temperature: float = opt(1.0, "Sampling temperature; logprobs are those of the tempered distribution.",
+                             above=0)
+    loss_type: str = opt(
+        "grpo",
+        "How token losses become the loss (trl 1.16's names): grpo (mean over each completion's tokens, "
+        "then over completions), dapo (sum over tokens / the count of response tokens), dr_grpo (sum over "
+        "tokens / (completions x max_response_tokens)). Every count is global: over microbatches and "
+        "data-parallel ranks.",
+        choices=("grpo", "dapo", "dr_grpo"),
+    )
+    scale_rewards: str = opt(
+        "group",
+        "Advantage = reward - its group's mean, divided by the group's std (group, GRPO), the std over the "
+        "whole rollout (batch), or not divided (none, Dr.GRPO); std is Bessel-corrected, + 1e-4.",
+        choices=("group", "batch", "none"),
+    )
+    importance_sampling_level: str = opt(
+        "token",
+        "The ratio pi / pi_old of the clipped surrogate: per token, or per completion (sequence: GSPO, the "
+        "exp of the mean log-ratio over its tokens, the same for each of its tokens).",
+        choices=("token", "sequence"),
+    )
+    epsilon: float = opt(0.2, "Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high].", min=0)
+    epsilon_high: float | None = opt(
+        None, "Upper clipping bound (DAPO's clip-higher, e.g. 0.28); unset: rl.epsilon.", min=0,
+    )
+    kl_coef: float = opt(
+        0.0,
+        "Weight of the KL penalty to a frozen reference model, the policy at the run's start (k3 estimator "
+        "per token: exp(ref - logp) - (ref - logp) - 1). 0: no reference model is kept. With LoRA the "
+        "reference is the base, the adapters switched off.",
+        min=0,
+    )
+    updates_per_rollout: int = opt(
+        1, "Policy updates (optimizer steps, each counted in training.steps) on each rollout's batch; the "
+        "first one's logprobs are pi_old for the others.", min=1,
+    )
+    dynamic_sampling: bool = opt(
+        False, "DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are left out "
+        "of the loss and its counts; the share kept is logged (groups_kept).",
+    )
+    overlong_buffer_tokens: int = opt(
+        0,
+        "DAPO's soft overlong punishment: a completion longer than max_response_tokens minus this many tokens "
+        "loses up to rl.overlong_penalty of reward, linearly, reaching it at max_response_tokens. 0: off.",
+        min=0,
+    )
+    overlong_penalty: float = opt(1.0, "The largest overlong punishment (rl.overlong_buffer_tokens).", min=0)
+    importance_correction: str = opt(
+        "none",
+        "Correct for the sampler's logprobs differing from the trainer's (without rl.batch_invariant they "
+        "differ by rounding): each token's loss is weighted by exp(trainer - sampler logprob), per token or "
+        "per completion (its sum), truncated at rl.importance_cap (TIS: *_truncate) or zeroed above it (MIS: "
+        "*_mask).",
+        choices=("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    )
+    importance_cap: float = opt(2.0, "The cap of rl.importance_correction.", above=0)
+    batch_invariant: bool = opt(
+        False,
+        "Exact on-policy numerics: the sampler and the trainer run kernels whose result for a row never "
+        "depends on the other rows (linears in fixed tiles of rows, attention over the KV cache's length in "
+        "the same order, rsqrt and silu path-independent), so each sampled token's logprob under the logits "
+        "it was drawn from equals the trainer's bitwise (logprob_diff_max = 0). Eager only (compile.enable "
+        "and rl.compile_sampler must be off); dense and MoE families with grouped-query attention.",
+    )
+    routing_replay: bool = opt(
+        False,
+        "MoE: the training forward routes each token to the experts the sampler chose for it (top-k ids "
+        "recorded during the rollout), with the weights recomputed from the live router. Needs an MoE model.",
+    )
+    compile_sampler: bool = opt(
+        False, "torch.compile the sampler's decode step (one token of every completion and its choice); not "
+        "with rl.batch_invariant.",
+    )
+    rewards: list[str] = opt(
+        ["exact_match"],
+        "Reward functions, summed (weighted by rl.reward_weights): exact_match (the response, stripped, is the "
+        "answer), math (its final number or last \\boxed{} equals the answer as a number), format (the "
+        "response matches rl.format_regex), or module:function, your own code, imported like a recipe's: "
+        "function(prompt=str, response=str, answer=str) -> float.",
+    )
+    reward_weights: list[float] = opt([], "One weight per reward function; empty: 1 each.")
+    format_regex: str = opt("", "The regular expression the whole response must match (the format reward).")
+    pass_threshold: float = opt(1.0, "A completion passes (pass_rate) when its reward is at least this.")
+
+
+@dataclass
 class Profiling:
     enable_profiling: bool = opt(False, "Capture torch.profiler traces while training.")
     save_traces_folder: str = opt(
@@ -607,6 +721,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     sft: SFT = field(default_factory=SFT)
+    rl: RL = field(default_factory=RL)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

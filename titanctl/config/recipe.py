@@ -299,11 +299,11 @@ def validate(cfg: JobConfig, command: str | None = None) -> None:
             raise ConfigError(
                 f"config key '{key}' = {value!r} is not one of {', '.join(map(str, choices))}{hint}"
             )
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            _check_number(key, value, f.metadata)
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                _check_utf8(key, text)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, (int, float)) and not isinstance(item, bool):
+                _check_number(key, item, f.metadata)
+            elif isinstance(item, str):
+                _check_utf8(key, item)
         if f.metadata.get("in_dump_folder"):
             _check_in_dump_folder(key, value, f.default)
     flavors = MODEL_FLAVORS[cfg.model.name]

@@ -8,7 +8,10 @@
   folder (a link out) is refused;
 - ``hf:<owner/name>``: that repository, downloaded from the Hub into its cache, then read as a folder;
 - ``bundled``: the small chat set titanctl ships (titanctl/assets/chat, built by
-  scripts/build_chat_data.py from the bundled corpus; splits train and validation).
+  scripts/build_chat_data.py from the bundled corpus; splits train and validation);
+- ``arithmetic``: the task ``titanctl rl`` ships (titanctl/assets/arithmetic, built by
+  scripts/build_rl_task.py: which of two two-digit numbers is larger, as prompt and completion; splits
+  train and validation).
 
 Rows are yielded with where they came from (``file:line`` or ``file[row]``). A line that is not
 valid UTF-8 JSON is yielded as ``Unreadable`` so that the caller counts it; a file that cannot be
@@ -29,11 +32,13 @@ from titanctl.errors import DataError
 from titanctl.safe_io import MAX_NESTING, open_regular, visible
 
 CHAT_SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet")
-BUNDLED = Path(__file__).resolve().parent.parent / "assets" / "chat"
-_SKIPPED_SUFFIXES = (".md",)
+_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUNDLED = _ASSETS / "chat"
+SHIPPED = {"bundled": BUNDLED, "arithmetic": _ASSETS / "arithmetic"}  # sets titanctl ships, by name
+_SKIPPED_SUFFIXES = (".md",)  # a repository's README sits beside its data
 # A JSON line longer than this is skipped unread: 8x the longest conversation (chat.MAX_CONVERSATION_CHARS)
 # leaves room for JSON's escapes, and parsing it takes at most a few hundred MB.
-MAX_ROW_BYTES = 16 << 20  # a repository's README sits beside its data
+MAX_ROW_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,8 @@ def chat_files(target: str, split: str = "train") -> tuple[list[Path], str]:
                                 "(a hub id looks like owner/name)")
             folder = _download(name)
         return _split_files(folder, split), f"{visible(target)}:{split}"
-    if target == "bundled":
-        return _split_files(BUNDLED, split), f"bundled:{split}"
+    if target in SHIPPED:
+        return _split_files(SHIPPED[target], split), f"{target}:{split}"
     path = Path(target).expanduser()
     if not target:
         raise DataError("dataset 'chat:' names nothing; give chat:<file, folder or hf:id>")

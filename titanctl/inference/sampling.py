@@ -52,6 +52,15 @@ def uniform(key: torch.Tensor, position: torch.Tensor, n: int) -> torch.Tensor:
     return ((bits >> 8).float() + 0.5) / 2**24  # 24 bits: exact in float32, never 0 or 1
 
 
+def row_uniform(keys: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`uniform` for a batch of rows: (B, n) from keys (B,) and positions (B,), row r's numbers those
+    ``uniform(keys[r], positions[r], n)`` gives."""
+    stream = mix32(keys ^ mix32(positions & _MASK))  # (B,)
+    ids = torch.arange(n, device=positions.device, dtype=torch.int64)
+    bits = mix32((stream[:, None] + ids * _STRIDE) & _MASK)  # (B, n)
+    return ((bits >> 8).float() + 0.5) / 2**24
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0: greedy

@@ -67,6 +67,11 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        self._check_config()
+
+    def _check_config(self) -> None:
+        """The relations between keys, the layout and the model that training needs (``_preflight``)."""
+        cfg = self.cfg
         check_moe_keys(cfg.moe, self.model_args, cfg.model.name)
         check_layout(cfg, self.dims, self.model_args)
         if self.dims.tp > 1 and cfg.parallelism.enable_async_tensor_parallel:
@@ -222,17 +227,19 @@ class Trainer:
         self._said_peak_exceeded = False
         self.memory = MemoryMonitor(self.env.device)
         self.losses = StepLosses()
-        if self.env.rank == 0:
-            note = run_folder.supersede_metrics(self.dump_folder, metrics_from)
-            if note:
-                self.say(note)
-            self.sinks = MetricSinks(
-                self.dump_folder,
-                tensorboard_folder=(
-                    self.dump_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None
-                ),
-                wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None,
-            )
+        self._open_sinks(metrics_from)
+
+    def _open_sinks(self, metrics_from: int) -> None:
+        """Rank 0's metrics.jsonl (rows after ``metrics_from`` superseded), TensorBoard and W&B sinks."""
+        if self.env.rank != 0:
+            return
+        cfg = self.cfg
+        note = run_folder.supersede_metrics(self.dump_folder, metrics_from)
+        if note:
+            self.say(note)
+        tensorboard = self.dump_folder / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None
+        self.sinks = MetricSinks(self.dump_folder, tensorboard_folder=tensorboard,
+                                 wandb_config=dataclasses.asdict(cfg) if cfg.metrics.enable_wandb else None)
 
     def _global_batch(self, load_plan) -> int:
         """training.global_batch_size, or with -1 the resumed checkpoint's (so that a run restarted on

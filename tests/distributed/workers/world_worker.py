@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node N world_worker.py PLAN.json
 
-PLAN.json lists {"key", "args", "grads", "folder"}. Each case is a Trainer of its own on the same
-process group, exactly as ``titanctl train ARGS --job.dump_folder FOLDER`` would build it, plus
+PLAN.json lists {"key", "args", "grads", "command", "folder"}. Each case is a Trainer of its own on the same
+process group, exactly as ``titanctl train ARGS --job.dump_folder FOLDER`` would build it (command rl: an
+RLTrainer, as ``titanctl rl`` builds it), plus
 init_digests_rank{r}.json (a digest of every parameter gathered whole before the first step; in a world
 of one process, where the references run, also the tensors themselves: init_rank0.pt) and, with "grads", the first
 step's gradients before clipping (grads_rank{r}.pt) and the experts' meshes (experts_rank{r}.json);
@@ -40,6 +41,8 @@ with heavy_imports():
     from titanctl.cli.console import finish
     from titanctl.config.recipe import load_config
     from titanctl.parallel.layouts.weight_init import canonical_name
+    from titanctl.rl.loop import RLTrainer
+    from titanctl.rl.update import PolicyUpdate
     from titanctl.train.step import ForwardBackward
     from titanctl.train.trainer import Trainer
 
@@ -57,32 +60,39 @@ def digests(weights: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def dump_first_step_gradients() -> None:
-    """Every ForwardBackward writes its first call's gradients (a tied table once, with both uses' sum)."""
-    forward_backward = ForwardBackward.__call__
+    """Every ForwardBackward (and RL PolicyUpdate) writes its first call's gradients (a tied table once, with
+    both uses' sum)."""
+    for cls, parts in ((ForwardBackward, lambda step: step.model_parts), (PolicyUpdate, lambda step: [step.model])):
+        _dump_after(cls, parts)
 
-    def call(self, microbatches):
-        loss = forward_backward(self, microbatches)
+
+def _dump_after(cls, parts_of) -> None:
+    step_call = cls.__call__
+
+    def call(self, *args):
+        loss = step_call(self, *args)
         folder = GRADS_TO[0]
         if folder is not None and not getattr(self, "gradients_dumped", False):
             self.gradients_dumped = True
             rank = os.environ.get("RANK", "0")
+            model_parts = parts_of(self)
             grads = {canonical_name(name): full(param.grad)  # a frozen weight (LoRA's base) has none
-                     for part in self.model_parts for name, param in part.named_parameters() if param.grad is not None}
+                     for part in model_parts for name, param in part.named_parameters() if param.grad is not None}
             torch.save(grads, folder / f"grads_rank{rank}.pt")
             experts = {canonical_name(name): dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape))
-                       for part in self.model_parts for name, param in part.named_parameters()
+                       for part in model_parts for name, param in part.named_parameters()
                        if name.endswith(("experts.w1", "experts.w13")) and isinstance(param, DTensor)}
             (folder / f"experts_rank{rank}.json").write_text(json.dumps(experts))
         return loss
 
-    ForwardBackward.__call__ = call
+    cls.__call__ = call
 
 
 def run_case(case: dict) -> None:
     folder = Path(case["folder"])
     cfg = load_config(None, [*case["args"], "--job.dump_folder", str(folder)])
     GRADS_TO[0] = folder if case["grads"] else None
-    trainer = Trainer(cfg)
+    trainer = RLTrainer(cfg) if case.get("command") == "rl" else Trainer(cfg)
     weights = {canonical_name(name): full(param) for part in trainer.model_parts for name, param in part.named_parameters()}
     rank = trainer.env.rank
     # Digests: the layouts' initial weights must equal one process's bit for bit, and 110 cases' whole

@@ -45,7 +45,7 @@ from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
 
 # Top-level entries of a full training checkpoint besides the model (metadata.py's contract).
-TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco")
+TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco", "reference")
 GROUP_BYTES = 256 * 2**20  # tensors read per DCP load call (a tensor larger than this goes alone)
 
 

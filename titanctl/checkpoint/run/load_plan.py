@@ -48,8 +48,9 @@ from titanctl.parallel.converters.lora import saved_shapes
 
 # What a full checkpoint holds: the model's tensors at the top level, the other parts nested under their names.
 # ``diloco`` (DiLoCo's global weights and outer optimizer, titanctl.parallel.runtime.diloco_state) only in the
-# checkpoints of a DiLoCo run, and loaded only by one.
-STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco")
+# checkpoints of a DiLoCo run, and loaded only by one; ``reference`` (an RL run's frozen reference model,
+# titanctl.rl.loop) only in those of an RL run with a KL penalty.
+STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "diloco", "reference")
 # Model-args fields that decide tensor shapes (named in mismatch messages).
 _SHAPE_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
 

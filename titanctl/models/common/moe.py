@@ -80,6 +80,9 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.gate = nn.Linear(dim, moe.num_experts, bias=moe.router_bias)
+        # Set from outside to replace the chosen expert ids (N, k) by others (routing replay in RL: the
+        # sampler's choices); the weights still come from this forward's scores at those experts.
+        self.route_override = None
         if moe.n_group > 1 and (moe.num_experts % moe.n_group or not 1 <= moe.topk_group <= moe.n_group
                                 or moe.top_k > moe.topk_group * (moe.num_experts // moe.n_group)):
             raise ValueError(f"MoEArgs: {moe.num_experts} experts in n_group {moe.n_group} groups, top_k "
@@ -94,6 +97,8 @@ class Router(nn.Module):
         logits = self.gate(x)
         if self.moe.score_func == "softmax_topk":  # choose on the logits, weigh by a softmax over the chosen
             experts = torch.topk(logits.float() + expert_bias, self.moe.top_k, dim=-1, sorted=True).indices
+            if self.route_override is not None:
+                experts = self.route_override(experts)
             weights = F.softmax(logits.float().gather(-1, experts), dim=-1)
             return logits, experts, (weights * self.moe.route_scale).to(x.dtype)
         scores = self.scores(logits)
@@ -102,6 +107,8 @@ class Router(nn.Module):
             choice = self.limit_to_groups(choice)
         # Sorted so that ties between equal scores resolve the same way in every layout.
         experts = torch.topk(choice, self.moe.top_k, dim=-1, sorted=True).indices
+        if self.route_override is not None:
+            experts = self.route_override(experts)
         weights = scores.gather(-1, experts)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

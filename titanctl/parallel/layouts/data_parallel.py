@@ -28,11 +28,9 @@ def apply_fsdp(
     their own FSDP unit whose gradients are divided by ``experts_divide_factor``.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = list(model.layers.values())
-    for index, block in enumerate(blocks):
-        # The last block's parameters are needed again right away by backward.
-        last = index == len(blocks) - 1
-        reshard = _reshard(reshard_after_forward, default=not pipelined and not last)
+    reshards = reshard_after_forward_plan(model, reshard_after_forward, pipelined)
+    for block in model.layers.values():
+        reshard = reshards[block]
         moe = getattr(block, "moe", None)
         if experts_mesh is not None and moe is not None:
             fully_shard(moe.experts, mesh=experts_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
@@ -43,8 +41,21 @@ def apply_fsdp(
                 # torch 2.13 then divides while copying, and would divide again after.)
                 moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy,
-                reshard_after_forward=_reshard(reshard_after_forward, default=not pipelined))
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshards[model])
+
+
+def reshard_after_forward_plan(model: nn.Module, mode: str, pipelined: bool) -> dict[nn.Module, bool]:
+    """Whether each module that ``apply_fsdp`` shards (every block, its routed experts with it, and the
+    root) frees its gathered parameters after forward, for parallelism.fsdp_reshard_after_forward ``mode``."""
+    blocks = list(model.layers.values())
+    plan: dict[nn.Module, bool] = {}
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward.
+        plan[block] = _reshard(mode, default=not pipelined and index < len(blocks) - 1)
+        if getattr(block, "moe", None) is not None:
+            plan[block.moe.experts] = plan[block]
+    plan[model] = _reshard(mode, default=not pipelined)
+    return plan
 
 
 def _reshard(mode: str, default: bool) -> bool:
