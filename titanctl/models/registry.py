@@ -22,6 +22,8 @@ FAMILIES = {
     "qwen3_moe": "titanctl.models.qwen3_moe.spec",
     "deepseek_v3": "titanctl.models.deepseek_v3.spec",
     "gpt_oss": "titanctl.models.gpt_oss.spec",
+    "qwen3_5": "titanctl.models.qwen3_5.spec",
+    "qwen3_5_moe": "titanctl.models.qwen3_5_moe.spec",
 }
 
 
@@ -77,7 +79,10 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
     vocab_size = max(vocab_size, flavor.vocab_size)
     args = flavor.replace(vocab_size=vocab_size, max_seq_len=seq_len, norm_type=cfg.norm_type)
     if cfg.n_layers:
-        args = args.replace(n_layers=cfg.n_layers)
+        # A per-layer schedule follows the new depth, repeated as ModelArgs.layer_types says.
+        types = tuple(args.layer_types[i % len(args.layer_types)] for i in range(cfg.n_layers)) if args.layer_types \
+            else ()
+        args = args.replace(n_layers=cfg.n_layers, layer_types=types)
     if cfg.mtp_layers:
         if args.family != "deepseek_v3":
             raise ConfigError(
