@@ -121,7 +121,7 @@ class MoEArgs:
     expert_kind: str = "swiglu"  # one of EXPERT_KINDS
     swiglu_limit: float = 7.0  # clamped_swiglu only
     swiglu_alpha: float = 1.702  # clamped_swiglu only
-    # The shared experts' output scaled by sigmoid(a learned linear of the token) (Qwen3.5, Qwen3-Next).
+    # The shared experts' output scaled by sigmoid(a learned linear of the token).
     shared_expert_gate: bool = False
 
 

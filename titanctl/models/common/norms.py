@@ -1,6 +1,6 @@
 """RMSNorm, written out or through ``F.rms_norm``: the same weights and the same math.
 
-A zero-centred norm (``ModelArgs.norm_offset``: Qwen3.5, Qwen3-Next) scales by ``1 + weight``, its
+A zero-centred norm (``ModelArgs.norm_offset``) scales by ``1 + weight``, its
 weight starting at zero, so weight decay pulls it towards the identity scale rather than towards 0."""
 
 from __future__ import annotations
