@@ -11,7 +11,7 @@ token j to token i, A_i from the chunk's start to i), so the sequence needs T / 
 matrix products, not T. A reset inside a chunk zeroes the decays that cross it (D_ij, A_i, and those to
 the chunk's end): exact, with no -inf in log space to cancel.
 Inputs are (B, T, H, dim) with as many query/key heads as value heads (repeat them first); computed
-in fp32, returned in v's dtype.
+in fp32 (fp64 for fp64 inputs, which tests use to see exactness past fp32 rounding), returned in v's dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ import torch
 import torch.nn.functional as F
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs: never below fp32 (bf16 states drift)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _to_heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t.transpose(1, 2).float() for t in tensors]  # (B, H, T, ...)
+    return [t.transpose(1, 2).to(compute_dtype(t.dtype)) for t in tensors]  # (B, H, T, ...)
 
 
 def chunk_gated_delta_rule(
@@ -35,12 +40,12 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k (B, T, H, dk), v (B, T, H, dv), g (log decay, <= 0) and beta (B, T, H), resets (B, T) bool,
-    initial_state (B, H, dk, dv). Returns (out (B, T, H, dv), final state (B, H, dk, dv) in fp32)."""
+    initial_state (B, H, dk, dv). Returns (out (B, T, H, dv), final state (B, H, dk, dv) in the compute dtype)."""
     batch, length, heads, dk = k.shape
     dv = v.shape[-1]
     out_dtype = v.dtype
     q, k, v = _to_heads_first(q, k, v)  # (B, H, T, d)
-    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # (B, H, T)
+    g, beta = g.transpose(1, 2).to(q.dtype), beta.transpose(1, 2).to(q.dtype)  # (B, H, T)
     pad = (-length) % chunk_size
     if pad:  # padded tokens: beta 0 writes nothing, g 0 decays nothing, after every real token
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -73,7 +78,7 @@ def chunk_gated_delta_rule(
     q_start = q * from_start[..., None]
     k_end = k * to_end[..., None]
 
-    state = (initial_state.float() if initial_state is not None
+    state = (initial_state.to(q.dtype) if initial_state is not None
              else q.new_zeros(batch, heads, dk, dv))  # (B, H, dk, dv)
     outs = []
     for c in range(n):  # the one sequential part: a chunk's deltas need the state before it
@@ -99,11 +104,11 @@ def recurrent_gated_delta_rule(
     dv = v.shape[-1]
     out_dtype = v.dtype
     q, k, v = _to_heads_first(q, k, v)
-    decay = g.transpose(1, 2).float().exp()  # (B, H, T)
+    decay = g.transpose(1, 2).to(q.dtype).exp()  # (B, H, T)
     if resets is not None:
         decay = decay * (~resets.bool())[:, None, :]
-    beta = beta.transpose(1, 2).float()
-    state = initial_state.float() if initial_state is not None else q.new_zeros(batch, heads, dk, dv)
+    beta = beta.transpose(1, 2).to(q.dtype)
+    state = initial_state.to(q.dtype) if initial_state is not None else q.new_zeros(batch, heads, dk, dv)
     outs = []
     for t in range(length):
         state = state * decay[:, :, t, None, None]

@@ -25,7 +25,11 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from titanctl.models.common.args import LinearAttentionArgs, ModelArgs
-from titanctl.models.common.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from titanctl.models.common.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    compute_dtype,
+    recurrent_gated_delta_rule,
+)
 from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projection
 
 
@@ -77,7 +81,7 @@ class GatedDeltaNetCache(nn.Module):
         super().__init__()
         self.register_buffer("window", torch.zeros(batch, taps - 1, channels, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("state", torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device),
+        self.register_buffer("state", torch.zeros(batch, heads, dk, dv, dtype=compute_dtype(dtype), device=device),
                              persistent=False)
 
 
@@ -128,12 +132,13 @@ class GatedDeltaNet(nn.Module):
         groups = v.shape[2] // q.shape[2]
         if groups > 1:
             q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)  # (B, T, H_v, dk)
-        q = _l2_normalize(q.float()) / math.sqrt(la.key_head_dim)
-        k = _l2_normalize(k.float())
-        beta = torch.sigmoid(self.wb(x).float())  # (B, T, H_v)
-        g = -self.a_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
+        fp = compute_dtype(x.dtype)
+        q = _l2_normalize(q.to(fp)) / math.sqrt(la.key_head_dim)
+        k = _l2_normalize(k.to(fp))
+        beta = torch.sigmoid(self.wb(x).to(fp))  # (B, T, H_v)
+        g = -self.a_log.to(fp).exp() * F.softplus(self.wa(x).to(fp) + self.dt_bias.to(fp))
         rule = recurrent_gated_delta_rule if input_pos is not None and seqlen == 1 else chunk_gated_delta_rule
-        out, state = rule(q, k, v.float(), g, beta, resets=starts, initial_state=state)
+        out, state = rule(q, k, v.to(fp), g, beta, resets=starts, initial_state=state)
         if input_pos is not None:
             self.cache.state.copy_(state)
         z = self.wz(x).reshape(bsz, seqlen, -1, la.value_head_dim)
@@ -166,7 +171,8 @@ def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x over its last dim, times SiLU(gate), in fp32 (the references' order: normalize, cast
-    to the activations' dtype, scale, gate)."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(gate.dtype) * F.silu(gate.float())
+    """RMSNorm of x over its last dim, times SiLU(gate), in fp32 or finer (the references' order:
+    normalize, cast to the activations' dtype, scale, gate)."""
+    fp = compute_dtype(gate.dtype)
+    normed = x.to(fp) * torch.rsqrt(x.to(fp).pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(gate.dtype) * F.silu(gate.to(fp))

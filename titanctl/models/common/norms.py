@@ -23,9 +23,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64 for fp64 input
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # scaled in fp32 before the cast back, as the zero-centred references do
-            return (normed * (1.0 + self.weight.float())).type_as(x)
+            return (normed * (1.0 + self.weight.to(normed.dtype))).type_as(x)
         return normed.type_as(x) * self.weight
 
     def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
