@@ -23,8 +23,8 @@ from titanctl.models.common.args import (
     EXPERT_KINDS,
     LAYER_TYPES,
     ROPE_LAYOUTS,
-    LinearAttentionArgs,
     SCORE_FUNCS,
+    LinearAttentionArgs,
     MLAArgs,
     ModelArgs,
     MoEArgs,
@@ -238,7 +238,8 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
         if not isinstance(moe, dict) or set(moe) - fields or not {"num_experts", "top_k", "hidden_dim"} <= set(moe):
             raise CheckpointError(f"{where}: model_args.moe must be an object with {', '.join(sorted(fields))}")
         raw["moe"] = MoEArgs(**moe)
-    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling), ("linear_attention", LinearAttentionArgs)):  # DeepSeek-V3's (and gpt-oss's YaRN)
+    # DeepSeek-V3's MLA (and gpt-oss's YaRN), the hybrid families' Gated DeltaNet
+    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling), ("linear_attention", LinearAttentionArgs)):
         if raw.get(key) is not None:
             fields = {f.name for f in dataclasses.fields(cls)}
             # YaRN's truncate came later: a titanctl.json without it meant true, the default.

@@ -50,8 +50,9 @@ def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str
                               f"{expert_ffn}: titanctl's shared expert is one routed expert's width")
     dense = qwen3_5_hf.hybrid_args(ConfigJson({**config, "intermediate_size": expert_ffn}, where), "qwen3_5_moe",
                                    max_seq_len, "Qwen3.5-MoE")
-    moe = MoEArgs(num_experts=cfg.integer("num_experts", minimum=1), top_k=cfg.integer("num_experts_per_tok", minimum=1),
-                  hidden_dim=expert_ffn, num_shared_experts=1, shared_expert_gate=True)
+    moe = MoEArgs(num_experts=cfg.integer("num_experts", minimum=1),
+                  top_k=cfg.integer("num_experts_per_tok", minimum=1), hidden_dim=expert_ffn, num_shared_experts=1,
+                  shared_expert_gate=True)
     if not 1 <= moe.top_k <= moe.num_experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to num_experts {moe.num_experts}")
     return dense.replace(moe=moe)
