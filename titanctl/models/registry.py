@@ -79,10 +79,10 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
     vocab_size = max(vocab_size, flavor.vocab_size)
     args = flavor.replace(vocab_size=vocab_size, max_seq_len=seq_len, norm_type=cfg.norm_type)
     if cfg.n_layers:
-        # A per-layer schedule follows the new depth, repeated as ModelArgs.layer_types says.
-        types = tuple(args.layer_types[i % len(args.layer_types)] for i in range(cfg.n_layers)) if args.layer_types \
-            else ()
-        args = args.replace(n_layers=cfg.n_layers, layer_types=types)
+        args = args.replace(n_layers=cfg.n_layers)
+        if args.linear_attention is not None:  # a hybrid schedule lists every layer: it follows the new depth
+            types = args.layer_types
+            args = args.replace(layer_types=tuple(types[i % len(types)] for i in range(cfg.n_layers)))
     if cfg.mtp_layers:
         if args.family != "deepseek_v3":
             raise ConfigError(

@@ -25,3 +25,13 @@ def test_the_debug_recipe_trains(repo, tmp_path, recipe, mask):
               if "loss" in json.loads(line)]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0, losses
+
+
+def test_a_recipe_depth_override_keeps_the_schedule(repo):
+    from titanctl.models.registry import build_model, model_args_from_config
+
+    cfg = load_config(repo / "recipes" / "qwen3_5_debug.toml", ["--model.n_layers", "6"])
+    args = model_args_from_config(cfg.model, 4352, cfg.training.seq_len)
+    assert args.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 2
+    kinds = [type(block.attention).__name__ for block in build_model(args.replace(dim=64)).layers.values()]
+    assert kinds == ["GatedDeltaNet"] * 3 + ["GatedAttention"] + ["GatedDeltaNet"] * 2
