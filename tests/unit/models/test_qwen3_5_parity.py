@@ -154,3 +154,19 @@ def test_the_blocks_refuse_args_they_cannot_build():
                        "at least 1 tap")):
         with pytest.raises(ValueError, match=says):
             build_model(bad)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("taps", [1, 2])
+def test_decoding_with_short_convs(taps):
+    """A conv of one tap keeps no window, of two one input: decoding still equals the full forward."""
+    args = args_of(reference("qwen3_5"))
+    args = args.replace(linear_attention=dataclasses.replace(args.linear_attention, conv_kernel=taps))
+    torch.manual_seed(0)
+    model = build_model(args).double().eval()
+    ids = IDS[:1, :6]
+    full = model(ids)
+    model.setup_kv_cache(8)
+    prefill = model(ids[:, :3], input_pos=torch.arange(3))
+    steps = [model(ids[:, t : t + 1], input_pos=torch.tensor([t])) for t in range(3, 6)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=0, atol=1e-9)

@@ -122,7 +122,8 @@ class GatedDeltaNet(nn.Module):
             window = self.cache.window * fresh
             state = self.cache.state * fresh
             conv_out = causal_conv(mixed, self.conv.weight, None, window)
-            self.cache.window.copy_(torch.cat([window, mixed.to(window.dtype)], dim=1)[:, -(la.conv_kernel - 1):])
+            seen = torch.cat([window, mixed.to(window.dtype)], dim=1)  # (B, K - 1 + T, C)
+            self.cache.window.copy_(seen[:, seen.shape[1] - (la.conv_kernel - 1):])  # the last K - 1 inputs
         else:
             conv_out = causal_conv(mixed, self.conv.weight, starts)
         q, k, v = conv_out.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
