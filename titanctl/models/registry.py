@@ -22,6 +22,8 @@ FAMILIES = {
     "qwen3_moe": "titanctl.models.qwen3_moe.spec",
     "deepseek_v3": "titanctl.models.deepseek_v3.spec",
     "gpt_oss": "titanctl.models.gpt_oss.spec",
+    "qwen3_5": "titanctl.models.qwen3_5.spec",
+    "qwen3_5_moe": "titanctl.models.qwen3_5_moe.spec",
 }
 
 
@@ -78,6 +80,9 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
     args = flavor.replace(vocab_size=vocab_size, max_seq_len=seq_len, norm_type=cfg.norm_type)
     if cfg.n_layers:
         args = args.replace(n_layers=cfg.n_layers)
+        if args.linear_attention is not None:  # a hybrid schedule lists every layer: it follows the new depth
+            types = args.layer_types
+            args = args.replace(layer_types=tuple(types[i % len(types)] for i in range(cfg.n_layers)))
     if cfg.mtp_layers:
         if args.family != "deepseek_v3":
             raise ConfigError(

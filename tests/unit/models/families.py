@@ -84,6 +84,30 @@ def qwen3_moe_config():
         tie_word_embeddings=False)
 
 
+# Qwen3.5: four layers (three Gated DeltaNet, then gated full attention), 2 key heads serving 4 value heads
+# of 16 (heads of 8 let an L2 norm of a near-zero key amplify fp32 rounding past 1e-4 by the last layer),
+# RoPE on half of each 16-channel head, theta 1e7 as published.
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5}
+QWEN3_5_SHAPE = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                     max_position_embeddings=64, rope_parameters=QWEN3_5_ROPE, tie_word_embeddings=False)
+
+
+def qwen3_5_config(**changes):
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(**{**QWEN3_5_SHAPE, "intermediate_size": 96, **changes})
+
+
+def qwen3_5_moe_config(**changes):
+    import transformers
+
+    return transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_SHAPE, "moe_intermediate_size": 32,
+                                                "shared_expert_intermediate_size": 32, "num_experts": 8,
+                                                "num_experts_per_tok": 2, **changes})
+
+
 # DeepSeek-V3 with every mechanism on: a dense first layer, 8 routed experts in 4 groups (top-2 from the 2
 # best), a shared expert; with and without q LoRA, YaRN, and DeepSeek's interleaved RoPE pairs.
 DEEPSEEK_V3_VARIANTS = {
@@ -184,6 +208,11 @@ def _gpt_oss_export(config: dict, theirs) -> None:
     assert config["layer_types"] == theirs.config.layer_types
 
 
+def _qwen3_5_export(config: dict, theirs) -> None:
+    assert config["layer_types"] == theirs.config.layer_types
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
+
+
 def _qwen3_moe_export(config: dict, theirs) -> None:
     # What the model does not use or titanctl's args do not hold comes back as the source had it.
     assert (config["intermediate_size"], config["max_position_embeddings"], config["num_local_experts"]) == (96, 64, 8)
@@ -202,6 +231,13 @@ REFERENCES = [
       for name, changes in DEEPSEEK_V3_VARIANTS.items()),
     Reference("gpt_oss", "gpt_oss", "GptOssForCausalLM", gpt_oss_config, tol=1e-5, after_init=real_sinks,
               exported=_gpt_oss_export),
+    Reference("qwen3_5", "qwen3_5", "Qwen3_5ForCausalLM", qwen3_5_config, exported=_qwen3_5_export),
+    # Tied, the std-1 table is the output layer: logits reach 67 (not ~10), and each Gated DeltaNet layer
+    # amplifies a difference in its input about 10x (its L2 and RMS norms of small vectors), in
+    # transformers' model as in titanctl's: max |Δlogit| 2.4e-4, 3.6e-6 of the largest logit.
+    Reference("qwen3_5-tied", "qwen3_5", "Qwen3_5ForCausalLM", lambda: qwen3_5_config(tie_word_embeddings=True),
+              tol=3e-4),
+    Reference("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", qwen3_5_moe_config, exported=_qwen3_5_export),
 ]
 
 # Published sizes: (family, flavor) -> (total parameters, relative tolerance; 0: exact). Llama with its
@@ -224,5 +260,11 @@ PUBLISHED_SIZES = {
     ("deepseek_v3", "671B"): (671.03e9, 1e-3),
     ("gpt_oss", "20b"): (20.91e9, 1e-3),  # OpenAI's model card
     ("gpt_oss", "120b"): (116.83e9, 1e-3),
+    # The name's 35B, text only: the Hub's checkpoint adds a vision tower (~0.4B) titanctl does not build.
+    ("qwen3_5_moe", "35B-A3B"): (35e9, 0.02),
+}
+# Families with no published flavor yet, and why: their sizes join PUBLISHED_SIZES with the flavors.
+UNPUBLISHED = {
+    "qwen3_5": "the dense sizes' Gated DeltaNet widths were not readable offline (no config.json of the Hub here)",
 }
 LLAMA3_TOKENIZER_ROWS = 128_256

@@ -24,6 +24,7 @@ from titanctl.models.common.args import (
     LAYER_TYPES,
     ROPE_LAYOUTS,
     SCORE_FUNCS,
+    LinearAttentionArgs,
     MLAArgs,
     ModelArgs,
     MoEArgs,
@@ -102,9 +103,11 @@ def check_args(args: ModelArgs, where: str) -> ModelArgs:
     for name in ("explicit_head_dim", "explicit_ffn_hidden_dim"):  # set by families that publish them (Qwen3)
         if getattr(args, name) is not None:
             _int(getattr(args, name), name, where)
-    for name in ("depth_init", "qk_norm", "tie_embeddings", "attention_bias", "attention_sinks"):
+    for name in ("depth_init", "qk_norm", "tie_embeddings", "attention_bias", "attention_sinks",
+                 "attention_output_gate", "norm_offset"):
         _one_of(getattr(args, name), name, where, (True, False))
     _check_sliding_window(args, where)
+    _check_linear_attention(args, where)
     _one_of(args.family, "family", where, FAMILIES)
     _one_of(args.norm_type, "norm_type", where, NORMS)
     _one_of(args.rope_layout, "rope_layout", where, ROPE_LAYOUTS)
@@ -164,6 +167,29 @@ def _check_sliding_window(args: ModelArgs, where: str) -> None:
         raise CheckpointError(f"{where}: sliding_window is {args.sliding_window}, but layer_types has sliding layers")
 
 
+def _check_linear_attention(args: ModelArgs, where: str) -> None:
+    """Gated DeltaNet layers (hybrid families): positive widths, heads that divide, a schedule of one
+    entry per layer, partial RoPE within the head."""
+    _int(args.partial_rope_dim, "partial_rope_dim", where, minimum=0)
+    if args.partial_rope_dim > args.head_dim or args.partial_rope_dim % 2:
+        raise CheckpointError(f"{where}: partial_rope_dim {args.partial_rope_dim} must be even and at most head_dim "
+                              f"{args.head_dim}")
+    la = args.linear_attention
+    if la is None:
+        if "linear_attention" in args.layer_types:
+            raise CheckpointError(f"{where}: layer_types has linear_attention layers, but linear_attention is null")
+        return
+    if not isinstance(la, LinearAttentionArgs):
+        raise CheckpointError(f"{where}: linear_attention is {_brief(la)}, expected LinearAttentionArgs")
+    for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+        _int(getattr(la, name), f"linear_attention.{name}", where, minimum=1)
+    if la.num_value_heads % la.num_key_heads:
+        raise CheckpointError(f"{where}: linear_attention.num_key_heads {la.num_key_heads} must divide "
+                              f"num_value_heads {la.num_value_heads}")
+    if len(args.layer_types) != args.n_layers:
+        raise CheckpointError(f"{where}: layer_types has {len(args.layer_types)} entries for {args.n_layers} layers")
+
+
 def _check_mla(args: ModelArgs, where: str) -> None:
     """Multi-head Latent Attention and YaRN (DeepSeek-V3), when the args have them."""
     if args.mla is not None:
@@ -212,7 +238,8 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
         if not isinstance(moe, dict) or set(moe) - fields or not {"num_experts", "top_k", "hidden_dim"} <= set(moe):
             raise CheckpointError(f"{where}: model_args.moe must be an object with {', '.join(sorted(fields))}")
         raw["moe"] = MoEArgs(**moe)
-    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling)):  # DeepSeek-V3's (and gpt-oss's YaRN)
+    # DeepSeek-V3's MLA (and gpt-oss's YaRN), the hybrid families' Gated DeltaNet
+    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling), ("linear_attention", LinearAttentionArgs)):
         if raw.get(key) is not None:
             fields = {f.name for f in dataclasses.fields(cls)}
             # YaRN's truncate came later: a titanctl.json without it meant true, the default.

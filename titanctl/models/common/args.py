@@ -72,7 +72,35 @@ SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
 # w2(gate * sigmoid(swiglu_alpha * gate) * (up + 1)) + b2.
 EXPERT_KINDS = ("swiglu", "clamped_swiglu")
 # Attention kinds of a layer (ModelArgs.layer_types), named as Hugging Face's layer_types.
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# "linear_attention": a Gated DeltaNet layer (ModelArgs.linear_attention) in place of softmax attention.
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+
+@dataclass(frozen=True)
+class LinearAttentionArgs:
+    """Gated DeltaNet (linear attention with a gated delta-rule state): queries and keys of
+    ``num_key_heads`` heads, each serving ``num_value_heads // num_key_heads`` value heads, a causal
+    depthwise conv of ``conv_kernel`` taps over the q/k/v channels, and one (key_head_dim x
+    value_head_dim) state per value head."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv runs over: queries, keys, then values."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -93,6 +121,8 @@ class MoEArgs:
     expert_kind: str = "swiglu"  # one of EXPERT_KINDS
     swiglu_limit: float = 7.0  # clamped_swiglu only
     swiglu_alpha: float = 1.702  # clamped_swiglu only
+    # The shared experts' output scaled by sigmoid(a learned linear of the token).
+    shared_expert_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,10 +176,23 @@ class ModelArgs:
     # all before it. Empty: every layer full.
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
+    # The "linear_attention" layers' Gated DeltaNet; None: the model has none.
+    linear_attention: LinearAttentionArgs | None = None
+    # Channels of each head that RoPE rotates (the first ones, "partial RoPE"); 0: all of them.
+    partial_rope_dim: int = 0
+    # Softmax attention's output scaled per channel by sigmoid of a gate that wq also projects (wq's
+    # rows per head: head_dim query rows, then head_dim gate rows).
+    attention_output_gate: bool = False
+    # RMSNorms scale by (1 + weight), their weight starting at zero (zero-centred), not by weight.
+    norm_offset: bool = False
 
     def is_sliding_layer(self, layer_id: int) -> bool:
         types = self.layer_types
         return bool(types) and types[layer_id % len(types)] == "sliding_attention"
+
+    def is_linear_attention_layer(self, layer_id: int) -> bool:
+        types = self.layer_types
+        return bool(types) and types[layer_id % len(types)] == "linear_attention"
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.moe.first_dense_layers
@@ -160,8 +203,10 @@ class ModelArgs:
 
     @property
     def rope_dim(self) -> int:
-        """Channels of a head that RoPE rotates: all of them, or MLA's rope slice."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """Channels of a head that RoPE rotates: all of them, MLA's rope slice, or the partial RoPE's."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.partial_rope_dim or self.head_dim
 
     @property
     def kv_heads(self) -> int:

@@ -78,7 +78,8 @@ def attention(
     returns to q's dtype.
     """
     gqa = k.shape[1] != q.shape[1]
-    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[-1] < CPU_FP32_ATTENTION_BELOW_HEAD_DIM:
+    half = q.dtype in (torch.bfloat16, torch.float16)  # fp64 stays fp64
+    if q.device.type == "cpu" and half and q.shape[-1] < CPU_FP32_ATTENTION_BELOW_HEAD_DIM:
         with torch.autocast("cpu", enabled=False):
             out = F.scaled_dot_product_attention(
                 q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, enable_gqa=gqa

@@ -23,6 +23,7 @@ class ParamInit:
     kind: str  # "ones" | "zeros" | "normal" | "trunc_normal" | "uniform"
     std: float = 1.0
     bound: float = 2.0  # absolute truncation bound of "trunc_normal", half-width of "uniform"
+    center: float = 0.0  # the middle of "uniform"'s interval
 
 
 ONES = ParamInit("ones")

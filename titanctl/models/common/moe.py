@@ -209,6 +209,9 @@ class MoE(nn.Module):
         self.shared_experts = (
             FeedForward(dim, moe.hidden_dim * moe.num_shared_experts) if moe.num_shared_experts else None
         )
+        # One logit per token whose sigmoid scales the shared experts' output (MoEArgs.shared_expert_gate).
+        gated = moe.shared_expert_gate and moe.num_shared_experts
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if gated else None
         # Added to the routing scores to choose experts (auxiliary-loss-free balancing); updated
         # between steps by the trainer, never by a gradient. Saved with the weights.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
@@ -219,6 +222,9 @@ class MoE(nn.Module):
         # statistics over the ranks that share a sequence: both set by titanctl.train.moe_balance.
         self.aux_loss_coef = 0.0
         self.reduce_sequence_sums = None
+
+    def param_inits(self, depth: int) -> dict[str, ParamInit]:
+        return {"shared_gate.weight": INPUT} if self.shared_gate is not None else {}
 
     # Runs eagerly inside a compiled block: torch 2.13's fake (compile-time) kernel of _grouped_mm
     # accepts only bf16, and the routing's sizes depend on the data.
@@ -237,7 +243,10 @@ class MoE(nn.Module):
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation
         out = (unsorted.view(-1, self.moe.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         if self.aux_loss_coef and torch.is_grad_enabled():
             aux = sequence_aux_loss(
                 self.router.probabilities(logits), experts, shape[0], self.moe.num_experts, self.reduce_sequence_sums

@@ -118,7 +118,7 @@ def apply_rope_halves(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     x: (B, T, H, head_dim); rope: (T, head_dim // 2, 2), or (B, T, head_dim // 2, 2) per token. Computed
     in fp32 like ``apply_rope``.
     """
-    first, second = x.float().chunk(2, dim=-1)  # (B, T, H, head_dim // 2) each
+    first, second = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # (B, T, H, head_dim // 2)
     cos, sin = _cos_sin(rope)  # (1 or B, T, 1, head_dim // 2)
     rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
     return rotated.type_as(x)  # (B, T, H, head_dim)

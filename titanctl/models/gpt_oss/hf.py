@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from titanctl.errors import CheckpointError
-from titanctl.models.common.args import LAYER_TYPES, ModelArgs, MoEArgs
+from titanctl.models.common.args import ModelArgs, MoEArgs
 from titanctl.models.common.hf_config import (
     DECODER_LAYER_NAMES,
     DECODER_TOP_NAMES,
@@ -41,6 +41,9 @@ MOE_NAMES = {
 NORM_NAMES = {k: DECODER_LAYER_NAMES[k] for k in ("attention_norm.weight", "ffn_norm.weight")}
 DEFAULT_THETA = 150000.0  # GptOssConfig's default_theta
 DEFAULT_MAX_POSITIONS = 131072  # the published context
+
+# gpt-oss's layer kinds (ModelArgs' LAYER_TYPES also has the hybrid families' linear_attention).
+GPT_OSS_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _rope_config(args: ModelArgs) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -106,7 +109,7 @@ def _layer_types(cfg: ConfigJson, n_layers: int) -> tuple[tuple[str, ...], int]:
     window = cfg.integer("sliding_window", 128)
     if window < 1:
         raise CheckpointError(f"{cfg.where}: sliding_window {window} must be >= 1 (or null: no sliding layers)")
-    types = cfg.strings("layer_types", length=n_layers, choices=LAYER_TYPES)
+    types = cfg.strings("layer_types", length=n_layers, choices=GPT_OSS_LAYER_TYPES)
     if types is None:
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
     # Kept as its shortest repeating pattern (ModelArgs.layer_types repeats over the layers), so that the

@@ -40,7 +40,7 @@ def draw(shape: torch.Size, spec: ParamInit, seed: int, name: str) -> torch.Tens
     if spec.kind == "normal":
         return nn.init.normal_(full, std=spec.std, generator=gen)
     if spec.kind == "uniform":
-        return nn.init.uniform_(full, -spec.bound, spec.bound, generator=gen)
+        return nn.init.uniform_(full, spec.center - spec.bound, spec.center + spec.bound, generator=gen)
     return nn.init.trunc_normal_(full, std=spec.std, a=-spec.bound, b=spec.bound, generator=gen)
 
 

@@ -1,0 +1,179 @@
+"""Gated DeltaNet: the linear-attention layer of hybrid models, in place of a block's softmax attention.
+
+x -> wqkv -> a causal depthwise conv (``conv``, SiLU) -> q, k (L2-normalized; q also by key_head_dim^-1/2)
+and v; beta = sigmoid(wb x), the decay g = -exp(a_log) softplus(wa x + dt_bias); the gated delta rule
+(``gated_delta_rule``) per value head; an RMSNorm over each head gated by SiLU(wz x); ``out_proj``.
+Each query/key head serves ``num_value_heads // num_key_heads`` consecutive value heads.
+
+Documents: under a block-causal mask (``attn_mask``, dense or a BlockMask, the one every layer gets)
+the conv window and the state restart at every document's first token, read off the mask itself
+(a token starts a document when it may not see the token before it).
+
+Decoding (``forward(..., input_pos)`` after ``Transformer.setup_kv_cache``): the cache holds the conv's
+last ``conv_kernel - 1`` inputs and the state, not keys and values; both restart when input_pos begins at 0.
+Parameter names differ from softmax attention's (``out_proj``, not ``wo``), so one Hugging Face name
+map covers both kinds of layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from titanctl.models.common.args import LinearAttentionArgs, ModelArgs
+from titanctl.models.common.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    compute_dtype,
+    recurrent_gated_delta_rule,
+)
+from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projection
+
+
+def document_starts(attn_mask: torch.Tensor | BlockMask | None, batch: int, length: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """(B, T) bool: the tokens that may not see the token before them (a document's first), from the
+    mask every layer gets; None under the causal default (one document)."""
+    if attn_mask is None:
+        return None
+    t = torch.arange(1, length, device=device)
+    if isinstance(attn_mask, BlockMask):
+        b = torch.arange(batch, device=device)[:, None]
+        sees_previous = attn_mask.mask_mod(b, torch.zeros_like(b), t[None, :], t[None, :] - 1)
+        sees_previous = sees_previous.expand(batch, length - 1)
+    elif isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 4 and attn_mask.shape[-2] == attn_mask.shape[-1]:
+        sees_previous = attn_mask[:, 0, t, t - 1].expand(batch, length - 1)
+    else:
+        raise ValueError("Gated DeltaNet reads document boundaries from one (B, 1, T, T) mask or a BlockMask; "
+                         f"got {type(attn_mask).__name__}")
+    first = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    return torch.cat([first, ~sees_previous.bool()], dim=1)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None,
+                window: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv of x (B, T, C) with weight (C, 1, K), SiLU after. ``starts`` (B, T): no tap
+    reaches back across a document's first token. ``window`` (B, K - 1, C): the inputs before x (decoding)."""
+    taps = weight.shape[-1]
+    length = x.shape[1]
+    history = window if window is not None else x.new_zeros(x.shape[0], taps - 1, x.shape[2])
+    padded = torch.cat([history.to(x.dtype), x], dim=1)  # (B, K - 1 + T, C)
+    if starts is None:
+        out = F.conv1d(padded.transpose(1, 2), weight, groups=weight.shape[0]).transpose(1, 2)
+        return F.silu(out)
+    doc = starts.long().cumsum(1)  # (B, T) document index
+    out = x * weight[:, 0, -1]
+    for lag in range(1, taps):  # tap K-1-lag reads the token lag back, if it is of the same document
+        same = torch.zeros_like(starts)
+        same[:, lag:] = doc[:, lag:] == doc[:, :-lag]
+        out = out + padded[:, taps - 1 - lag : taps - 1 - lag + length] * weight[:, 0, -1 - lag] * same[..., None]
+    return F.silu(out)
+
+
+class GatedDeltaNetCache(nn.Module):
+    """Decoding state of one Gated DeltaNet layer: the conv's last inputs and the delta-rule state."""
+
+    def __init__(self, batch: int, taps: int, channels: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.register_buffer("window", torch.zeros(batch, taps - 1, channels, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("state", torch.zeros(batch, heads, dk, dv, dtype=compute_dtype(dtype), device=device),
+                             persistent=False)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
+        super().__init__()
+        la: LinearAttentionArgs = args.linear_attention
+        self.la = la
+        self.layer_type = "linear_attention"
+        self.wqkv = nn.Linear(args.dim, la.conv_dim, bias=False)
+        self.wz = nn.Linear(args.dim, la.value_dim, bias=False)
+        self.wb = nn.Linear(args.dim, la.num_value_heads, bias=False)
+        self.wa = nn.Linear(args.dim, la.num_value_heads, bias=False)
+        self.conv = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
+        self.a_log = nn.Parameter(torch.zeros(la.num_value_heads))
+        # Over each value head, its weight scaling plainly (not 1 + weight) in every family that has one.
+        self.norm = nn.Parameter(torch.ones(la.value_head_dim))
+        self.norm_eps = args.norm_eps
+        self.out_proj = nn.Linear(la.value_dim, args.dim, bias=False)
+        self.cache: GatedDeltaNetCache | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | BlockMask | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, dim); ``rope`` is unused (no positions: the recurrence orders the tokens)."""
+        la = self.la
+        bsz, seqlen, _ = x.shape
+        starts = document_starts(attn_mask, bsz, seqlen, x.device) if input_pos is None else None
+        mixed = self.wqkv(x)  # (B, T, 2 key_dim + value_dim)
+        state = None
+        if input_pos is not None:  # decoding: continue from the cache (fresh when the sequence restarts)
+            fresh = (input_pos[0] != 0).to(x.dtype)
+            window = self.cache.window * fresh
+            state = self.cache.state * fresh
+            conv_out = causal_conv(mixed, self.conv.weight, None, window)
+            seen = torch.cat([window, mixed.to(window.dtype)], dim=1)  # (B, K - 1 + T, C)
+            self.cache.window.copy_(seen[:, seen.shape[1] - (la.conv_kernel - 1):])  # the last K - 1 inputs
+        else:
+            conv_out = causal_conv(mixed, self.conv.weight, starts)
+        q, k, v = conv_out.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
+        q = q.reshape(bsz, seqlen, -1, la.key_head_dim)  # (B, T, H_k, dk)
+        k = k.reshape(bsz, seqlen, -1, la.key_head_dim)
+        v = v.reshape(bsz, seqlen, -1, la.value_head_dim)  # (B, T, H_v, dv)
+        groups = v.shape[2] // q.shape[2]
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)  # (B, T, H_v, dk)
+        fp = compute_dtype(x.dtype)
+        q = _l2_normalize(q.to(fp)) / math.sqrt(la.key_head_dim)
+        k = _l2_normalize(k.to(fp))
+        beta = torch.sigmoid(self.wb(x).to(fp))  # (B, T, H_v)
+        g = -self.a_log.to(fp).exp() * F.softplus(self.wa(x).to(fp) + self.dt_bias.to(fp))
+        rule = recurrent_gated_delta_rule if input_pos is not None and seqlen == 1 else chunk_gated_delta_rule
+        out, state = rule(q, k, v.to(fp), g, beta, resets=starts, initial_state=state)
+        if input_pos is not None:
+            self.cache.state.copy_(state)
+        z = self.wz(x).reshape(bsz, seqlen, -1, la.value_head_dim)
+        out = _gated_rms_norm(out, z, self.norm, self.norm_eps).to(x.dtype)  # (B, T, H_v, dv)
+        return self.out_proj(out.reshape(bsz, seqlen, -1))  # (B, T, dim)
+
+    def new_cache(self, batch_size: int, max_seq_len: int) -> GatedDeltaNetCache:
+        """A zeroed decoding state of the heads ``wb`` produces (a sharded layer: this rank's)."""
+        weight = self.wqkv.weight
+        la = self.la
+        return GatedDeltaNetCache(batch_size, la.conv_kernel, weight.shape[0], self.wb.weight.shape[0],
+                                  la.key_head_dim, la.value_head_dim, weight.dtype, weight.device)
+
+    def param_inits(self, depth: int) -> dict[str, ParamInit]:
+        bound = 1 / math.sqrt(self.la.conv_kernel)  # torch's Conv1d default (fan-in: K taps of one channel)
+        return {
+            **{f"{name}.weight": INPUT for name in ("wqkv", "wz", "wb", "wa")},
+            "conv.weight": ParamInit("uniform", bound=bound),
+            "dt_bias": ONES,
+            # log A uniform in [0, ln 16] (A from 1 to 16): per-head decay rates from slow to fast, as the
+            # references draw A (theirs uniform in [0.01, 16]; log-uniform keeps to ParamInit's kinds)
+            "a_log": ParamInit("uniform", bound=math.log(16.0) / 2, center=math.log(16.0) / 2),
+            "norm": ONES,
+            "out_proj.weight": output_projection(depth),
+        }
+
+
+def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x over its last dim, times SiLU(gate), in fp32 or finer (the references' order:
+    normalize, cast to the activations' dtype, scale, gate)."""
+    fp = compute_dtype(gate.dtype)
+    normed = x.to(fp) * torch.rsqrt(x.to(fp).pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(gate.dtype) * F.silu(gate.to(fp))
