@@ -37,8 +37,9 @@ def check_rl_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None
                 f"parallelism.{key} = {degree}: titanctl rl samples with the training model, and a decode step "
                 "cannot be split that way; use data parallelism (FSDP, HSDP, DDP) and expert parallelism")
     if args.family not in SAMPLED_FAMILIES:
-        raise ConfigError(f"model.name = {cfg.model.name!r}: titanctl rl samples families with a per-head KV cache "
-                          f"({', '.join(SAMPLED_FAMILIES)}), not multi-head latent attention")
+        raise ConfigError(f"model.name = {cfg.model.name!r}: titanctl rl samples the families whose every layer "
+                          f"keeps a per-head KV cache ({', '.join(SAMPLED_FAMILIES)}); this one's layers cache "
+                          "latents (MLA) or a recurrent state")
     if rl.batch_invariant:
         if args.family not in BATCH_INVARIANT_FAMILIES:
             raise ConfigError(f"rl.batch_invariant with model.name = {cfg.model.name!r}: its attention (sinks) has "

@@ -143,3 +143,16 @@ def test_the_prompt_order_is_a_permutation_per_epoch_and_resumes(tok, tmp_path):
     resumed.load_state_dict(PromptLoader(prompts, 4, 3, 2).state_dict() | {"taken": 8})
     assert [resumed.next_step() for _ in range(3)] == steps[2:]
     assert PromptLoader(prompts, 4, 4, 2).next_step() != steps[0]  # another seed, another order
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5"])
+def test_a_family_without_a_per_head_kv_cache_is_one_line(name):
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.dims import ParallelDims
+    from titanctl.rl.layouts import check_rl_layout
+
+    cfg = load_config(None, ["--model.name", name], command="rl")
+    args = model_args_from_config(cfg.model, 512, cfg.training.seq_len)
+    with pytest.raises(ConfigError, match=rf"model.name = '{name}': titanctl rl samples the families whose every "
+                                          "layer keeps a per-head KV cache"):
+        check_rl_layout(cfg, ParallelDims.from_config(cfg.parallelism, 1), args)
