@@ -54,7 +54,7 @@ def refused(args, tmp_path, **env):
          "Invalid value for '--temperature': inf is not a finite number"),
         (["estimate-memory", "--world-size", "two"], "Invalid value for '--world-size'"),
         (["trian"], "No such command 'trian'. Did you mean 'train'?"),
-        (["xyzzy"], "No such command 'xyzzy'; commands: train, download-tokenizer,"),
+        (["xyzzy"], "No such command 'xyzzy'; commands: train, rl, download-tokenizer,"),
         (["train", "--nope"], "unexpected argument '--nope'"),
         (["--nope"], "No such option: --nope"),
     ],
