@@ -22,7 +22,6 @@ SHARED_EXPERT_NAMES = {
     "moe.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
     "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
 }
-_DENSE_ONLY = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
 
 def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> dict[str, Any]:
@@ -61,7 +60,7 @@ def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str
 HF = HFFormat(
     model_type="qwen3_5_moe_text",
     architecture="Qwen3_5MoeForCausalLM",
-    layer_names={**{k: v for k, v in qwen3_5_hf.LAYER_NAMES.items() if k not in _DENSE_ONLY},
+    layer_names={**{k: v for k, v in qwen3_5_hf.LAYER_NAMES.items() if k not in qwen3_moe_hf.DENSE_ONLY},
                  **qwen3_moe_hf.MOE_NAMES, **SHARED_EXPERT_NAMES},
     top_names=qwen3_5_hf.HF.top_names,
     config_from_args=config_from_args,

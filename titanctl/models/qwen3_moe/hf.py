@@ -30,7 +30,8 @@ PER_EXPERT = {
     "moe.experts.w3": "mlp.experts.{e}.up_proj.weight",
     "moe.experts.w2": "mlp.experts.{e}.down_proj.weight",
 }
-_DENSE_ONLY = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+# A dense block's FFN, which an MoE block has not (Qwen3.5-MoE drops the same names).
+DENSE_ONLY = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
 
 def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str
 HF = HFFormat(
     model_type="qwen3_moe",
     architecture="Qwen3MoeForCausalLM",
-    layer_names={k: v for k, v in {**qwen3_hf.HF.layer_names, **MOE_NAMES}.items() if k not in _DENSE_ONLY},
+    layer_names={k: v for k, v in {**qwen3_hf.HF.layer_names, **MOE_NAMES}.items() if k not in DENSE_ONLY},
     top_names=qwen3_hf.HF.top_names,
     config_from_args=config_from_args,
     args_from_config=args_from_config,
