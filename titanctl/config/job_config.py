@@ -57,7 +57,7 @@ MODEL_FLAVORS = {
     "qwen3_moe": ("debugmodel", "30B-A3B", "235B-A22B"),
     "deepseek_v3": ("debugmodel", "16B", "671B"),
     "gpt_oss": ("debugmodel", "20b", "120b"),
-    "qwen3_5": ("debugmodel",),
+    "qwen3_5": ("debugmodel", "debugmodel_untied"),
     "qwen3_5_moe": ("debugmodel", "35B-A3B"),
 }
 

@@ -40,4 +40,7 @@ DEBUG_LINEAR = LinearAttentionArgs(num_key_heads=2, num_value_heads=4, key_head_
 QWEN3_5_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": qwen3_5_args(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=512, tied=True,
                                linear=DEBUG_LINEAR, head_dim=32, vocab_size=-1),
+    # Its own output layer: pipeline layouts need one (the embedding and the output live on different stages).
+    "debugmodel_untied": qwen3_5_args(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn=512, tied=False,
+                                      linear=DEBUG_LINEAR, head_dim=32, vocab_size=-1),
 }

@@ -1,0 +1,90 @@
+"""Qwen3.5 (dense and MoE: three Gated DeltaNet layers, then gated full attention) under every parallel
+layout reproduces the single-process run, as test_family_layouts.py checks the other families: the same
+initial weights bit for bit, the first step's gradient of every parameter (the MoE's routers, its shared
+expert's gate, each Gated DeltaNet's a_log, dt_bias, conv and gated norm included), per-step losses within
+1e-5 relative (fp32) and each step's tokens per expert.
+
+Context parallel is the case no other family has: the Gated DeltaNet layers carry their recurrent state and
+their conv's last inputs from rank to rank (a prefix scan over the ranks' chunk maps,
+titanctl/parallel/layouts/linear_attention_cp.py) while the full-attention layers run torch's ring (causal)
+or gather keys and values (block_causal); CP 2 and CP 4, both masks, documents crossing the ranks' chunks.
+
+The cases run in the shared torchrun worlds (tests/distributed/worlds.py); each reference runs only with a
+test that compares with it (its ``reference_case``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import (
+    TINY_RUN,
+    assert_same_init,
+    expert_loads,
+    gathered,
+    init_digests,
+    losses,
+    max_rel_diff,
+    worst_tensor_diff,
+)
+from tests.distributed.test_family_layouts import DOCUMENTS, write_documents
+from tests.distributed.worlds import register
+
+DENSE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
+DENSE_UNTIED = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_untied"]
+MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel",
+       "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
+FLAVORS = {"dense": DENSE, "untied": DENSE_UNTIED, "moe": MOE, "dense_documents": [*DENSE, *DOCUMENTS],
+           "moe_documents": [*MOE, *DOCUMENTS]}
+MOE_LAYERS = 4  # every block of the MoE debug model routes
+
+REFERENCES = {name: register(__name__, f"single_{name}", 1, [*TINY_RUN, *flavor, "--training.local_batch_size", "8"],
+                             grads=True, prepare=write_documents if "documents" in name else None)
+              for name, flavor in FLAVORS.items()}
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+CP4 = ["--parallelism.context_parallel_degree", "4"]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+
+# (id, reference, processes, local batch, overrides); global batch is 8 sequences everywhere.
+LAYOUTS = [
+    ("fsdp2", "dense", 2, 4, []),
+    ("hsdp2x2", "dense", 4, 2, HSDP),
+    ("pp2", "untied", 2, 8, PP2),
+    ("moe_fsdp2", "moe", 2, 4, []),
+    ("moe_ep2", "moe", 2, 4, EP2),
+    ("moe_ep2_hsdp2x2", "moe", 4, 2, [*EP2, *HSDP]),
+    ("moe_pp2", "moe", 2, 8, PP2),
+]
+
+CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.local_batch_size", str(local_batch),
+                                         *overrides], grads=True,
+                  prepare=write_documents if "documents" in ref else None)
+         for name, ref, nproc, local_batch, overrides in LAYOUTS]
+
+
+@pytest.mark.parametrize("world_case, reference_case, ref, nproc, overrides",
+                         [(case, REFERENCES[ref], ref, nproc, overrides)
+                          for case, (_, ref, nproc, _, overrides) in zip(CASES, LAYOUTS)],
+                         ids=[layout[0] for layout in LAYOUTS])
+def test_hybrid_layout_matches_single_process(worlds, world_case, reference_case, ref, nproc, overrides):
+    reference = worlds.folder(reference_case)
+    folder = worlds.folder(world_case)
+    name = world_case.split("::")[1]
+    assert_same_init(folder, nproc, init_digests(reference, 1))
+    grads = gathered(folder, nproc, "grads")
+    grad_diff, worst = worst_tensor_diff(grads, gathered(reference, 1, "grads"))
+    got, ref_losses = losses(folder), losses(reference)
+    diff = max_rel_diff(got, ref_losses)
+    print(f"\nHYBRID LAYOUT {name:24s} procs {nproc}  max rel loss diff {diff:.2e}  grad diff {grad_diff:.1e} ({worst})")
+    assert len(got) == 3 and got[-1] != got[0]
+    assert any(".attention.a_log" in key for key in grads)  # the Gated DeltaNet layers' gradients are compared
+    assert grad_diff <= 1e-4, f"{name}: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
+    assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
+    loads = expert_loads(reference)
+    assert expert_loads(folder) == loads, f"{name}: tokens per expert differ from one process"
+    if ref.startswith("moe"):
+        assert all(load and len(load) == MOE_LAYERS for load in loads)  # every MoE layer, every step
