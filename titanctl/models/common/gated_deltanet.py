@@ -11,6 +11,8 @@ the conv window and the state restart at every document's first token, read off 
 
 Decoding (``forward(..., input_pos)`` after ``Transformer.setup_kv_cache``): the cache holds the conv's
 last ``conv_kernel - 1`` inputs and the state, not keys and values; both restart when input_pos begins at 0.
+Context parallel: each call then holds pieces of the sequence, and ``sequence_scan`` (set from outside,
+titanctl/parallel/layouts/linear_attention_cp.py) runs the conv and the rule with what the other pieces pass.
 Parameter names differ from softmax attention's (``out_proj``, not ``wo``), so one Hugging Face name
 map covers both kinds of layer.
 """
@@ -103,6 +105,9 @@ class GatedDeltaNet(nn.Module):
         self.norm_eps = args.norm_eps
         self.out_proj = nn.Linear(la.value_dim, args.dim, bias=False)
         self.cache: GatedDeltaNetCache | None = None
+        # Set from outside when each call holds pieces of a longer sequence (context parallel): an object
+        # with conv(mixed, weight, attn_mask) and rule(q, k, v, g, beta, attn_mask), as this layer uses them.
+        self.sequence_scan = None
 
     def forward(
         self,
@@ -114,7 +119,8 @@ class GatedDeltaNet(nn.Module):
         """x (B, T, dim); ``rope`` is unused (no positions: the recurrence orders the tokens)."""
         la = self.la
         bsz, seqlen, _ = x.shape
-        starts = document_starts(attn_mask, bsz, seqlen, x.device) if input_pos is None else None
+        scan = self.sequence_scan if input_pos is None else None
+        starts = document_starts(attn_mask, bsz, seqlen, x.device) if input_pos is None and scan is None else None
         mixed = self.wqkv(x)  # (B, T, 2 key_dim + value_dim)
         state = None
         if input_pos is not None:  # decoding: continue from the cache (fresh when the sequence restarts)
@@ -124,6 +130,8 @@ class GatedDeltaNet(nn.Module):
             conv_out = causal_conv(mixed, self.conv.weight, None, window)
             seen = torch.cat([window, mixed.to(window.dtype)], dim=1)  # (B, K - 1 + T, C)
             self.cache.window.copy_(seen[:, seen.shape[1] - (la.conv_kernel - 1):])  # the last K - 1 inputs
+        elif scan is not None:
+            conv_out = scan.conv(mixed, self.conv.weight, attn_mask)
         else:
             conv_out = causal_conv(mixed, self.conv.weight, starts)
         q, k, v = conv_out.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
@@ -138,8 +146,11 @@ class GatedDeltaNet(nn.Module):
         k = _l2_normalize(k.to(fp))
         beta = torch.sigmoid(self.wb(x).to(fp))  # (B, T, H_v)
         g = -self.a_log.to(fp).exp() * F.softplus(self.wa(x).to(fp) + self.dt_bias.to(fp))
-        rule = recurrent_gated_delta_rule if input_pos is not None and seqlen == 1 else chunk_gated_delta_rule
-        out, state = rule(q, k, v.to(fp), g, beta, resets=starts, initial_state=state)
+        if scan is not None:
+            out = scan.rule(q, k, v.to(fp), g, beta, attn_mask)
+        else:
+            rule = recurrent_gated_delta_rule if input_pos is not None and seqlen == 1 else chunk_gated_delta_rule
+            out, state = rule(q, k, v.to(fp), g, beta, resets=starts, initial_state=state)
         if input_pos is not None:
             self.cache.state.copy_(state)
         z = self.wz(x).reshape(bsz, seqlen, -1, la.value_head_dim)

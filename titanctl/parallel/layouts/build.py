@@ -33,6 +33,7 @@ from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
 from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import apply_ep, expert_gradient_divide_factor
+from titanctl.parallel.layouts.linear_attention_cp import enable_gated_deltanet_context_parallel
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
@@ -108,6 +109,8 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
 def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Module:
     """Apply TP, AC, compile and data parallelism to one model part, in that order."""
     p = cfg.parallelism
+    if dims.cp > 1:  # linear-attention layers carry their state across the CP ranks' chunks
+        enable_gated_deltanet_context_parallel(model, dims.mesh["cp"])
     if dims.tp > 1:
         apply_tp(
             model,

@@ -1,0 +1,128 @@
+"""Gated DeltaNet context parallel (titanctl/parallel/layouts/linear_attention_cp.py) is exact: a layer run as
+cp ranks, each holding its two head-tail chunks and passing conv tails and chunk maps to the others, equals
+the layer over the whole sequence in fp64, outputs and every parameter's and input's gradient, causal and with
+documents that cross the ranks' chunks. The ranks are threads of this process, and the all-gather a cat of
+their pieces (one autograd graph, one backward), so what is checked is the scan itself; the torchrun worlds
+(tests/distributed/test_hybrid_layouts.py) check it on gloo inside training."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from titanctl.errors import ParallelError
+from titanctl.models.common.document_mask import dense_document_mask
+from titanctl.models.common.gated_deltanet import GatedDeltaNet
+from titanctl.models.qwen3_5.args import QWEN3_5_FLAVORS
+from titanctl.parallel.layouts.context_parallel import load_balanced_order
+from titanctl.parallel.layouts.linear_attention_cp import GatedDeltaNetScan
+
+SEQ = 32
+
+
+class FakeMesh:
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+class ThreadGather:
+    """The all-gather of cp threads: each hands its (2, ...) pieces, all get the (2cp, ...) cat in rank order."""
+
+    def __init__(self, cp: int):
+        self.barrier = threading.Barrier(cp, timeout=30)
+        self.slots: list = [None] * cp
+
+    def __call__(self, rank: int, pieces: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = pieces
+        self.barrier.wait()
+        every = torch.cat(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank read it
+        return every
+
+
+def layer() -> GatedDeltaNet:
+    torch.manual_seed(0)
+    gdn = GatedDeltaNet(QWEN3_5_FLAVORS["debugmodel"].replace(dim=64)).double()
+    with torch.no_grad():
+        for p in gdn.parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
+        gdn.a_log.uniform_(-1.0, 1.0)  # decays between fast and slow
+    return gdn
+
+
+def sharded_run(gdn: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | None, cp: int) -> torch.Tensor:
+    """The layer's output (B, T, dim) over cp simulated ranks, put back in sequence order."""
+    order = load_balanced_order(SEQ, cp)
+    mine = order.view(cp, -1)
+    gather = ThreadGather(cp)
+    outs: list = [None] * cp
+    errors: list = []
+
+    def rank(r: int) -> None:
+        try:
+            scan = GatedDeltaNetScan(FakeMesh(cp, r))
+            scan._gather = lambda pieces: gather(r, pieces)
+            mask = None if doc_ids is None else dense_document_mask(doc_ids, q_positions=mine[r], kv_positions=order)
+            outs[r] = _with_scan(gdn, scan)(x[:, mine[r]], attn_mask=mask)
+        except BaseException as e:  # surface a rank's failure in the test
+            errors.append(e)
+            gather.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return torch.cat(outs, dim=1)[:, torch.argsort(order)]  # (B, T, dim) in sequence order
+
+
+def _with_scan(gdn: GatedDeltaNet, scan: GatedDeltaNetScan) -> GatedDeltaNet:
+    """A shallow copy of gdn (the same parameters) with this thread's scan: the threads share the module."""
+    clone = object.__new__(GatedDeltaNet)
+    clone.__dict__ = dict(gdn.__dict__)
+    clone.sequence_scan = scan
+    return clone
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_sharded_layer_equals_the_whole_sequence(cp, documents):
+    gdn = layer()
+    torch.manual_seed(1)
+    x = torch.randn(2, SEQ, 64, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, SEQ, 64, dtype=torch.float64)
+    doc_ids = None
+    if documents:  # starts at 0, inside chunks and on a chunk's first token (chunks of 16 / 8 tokens)
+        starts = torch.zeros(2, SEQ, dtype=torch.long)
+        starts[0, [0, 5, 16, 27]] = 1
+        starts[1, [0, 9, 10, 24]] = 1
+        doc_ids = starts.cumsum(1)
+
+    whole = gdn(x, attn_mask=None if doc_ids is None else dense_document_mask(doc_ids))
+    grads = torch.autograd.grad((whole * weights).sum(), [x, *gdn.parameters()])
+    sharded = sharded_run(gdn, x, doc_ids, cp)
+    sharded_grads = torch.autograd.grad((sharded * weights).sum(), [x, *gdn.parameters()])
+
+    assert (sharded - whole).abs().max() <= 1e-12 * whole.abs().max()
+    names = ["x", *(n for n, _ in gdn.named_parameters())]
+    for name, a, b in zip(names, grads, sharded_grads):
+        assert (a - b).abs().max() <= 1e-11 * a.abs().max(), name
+    if not documents:  # the state and the halo matter: pieces run alone (no scan) give other outputs
+        alone = torch.cat([gdn(x[:, i * SEQ // cp:(i + 1) * SEQ // cp]) for i in range(cp)], dim=1)
+        assert (alone - whole).abs().max() > 1e-3 * whole.abs().max()
+
+
+def test_chunks_shorter_than_the_conv_halo_are_refused():
+    scan = GatedDeltaNetScan(FakeMesh(4, 0))
+    with pytest.raises(ParallelError, match="must hold the conv's 3 earlier inputs"):
+        scan.conv(torch.zeros(1, 4, 8), torch.zeros(8, 1, 4), None)
