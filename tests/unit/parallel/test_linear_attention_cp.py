@@ -126,3 +126,19 @@ def test_chunks_shorter_than_the_conv_halo_are_refused():
     scan = GatedDeltaNetScan(FakeMesh(4, 0))
     with pytest.raises(ParallelError, match="must hold the conv's 3 earlier inputs"):
         scan.conv(torch.zeros(1, 4, 8), torch.zeros(8, 1, 4), None)
+
+
+def test_a_layout_with_chunks_shorter_than_the_halo_is_refused_before_training():
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    def check(seq_len: int) -> None:
+        cfg = load_config(None, ["--model.name", "qwen3_5", "--model.flavor", "debugmodel",
+                                 "--parallelism.context_parallel_degree", "4", "--training.seq_len", str(seq_len)])
+        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 4), model_args_from_config(cfg.model, 256, seq_len))
+
+    with pytest.raises(ParallelError, match="chunks of 2 tokens, fewer than the 3 earlier inputs"):
+        check(16)
+    check(24)  # chunks of 3: enough

@@ -33,7 +33,10 @@ from titanctl.parallel.layouts.context_parallel import check_cp_divisibility
 from titanctl.parallel.layouts.data_parallel import apply_compile, apply_ddp, apply_fsdp
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.expert_parallel import apply_ep, expert_gradient_divide_factor
-from titanctl.parallel.layouts.linear_attention_cp import enable_gated_deltanet_context_parallel
+from titanctl.parallel.layouts.linear_attention_cp import (
+    check_linear_attention_cp,
+    enable_gated_deltanet_context_parallel,
+)
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
@@ -62,6 +65,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     if dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
+        check_linear_attention_cp(args, cfg.training.seq_len, dims.cp)
     if args.mtp_layers and (dims.pp > 1 or dims.cp > 1):
         which = f"pipeline_parallel_degree = {dims.pp}" if dims.pp > 1 else f"context_parallel_degree = {dims.cp}"
         reason = ("its depths need the embedding of the first stage and the output layer of the last"

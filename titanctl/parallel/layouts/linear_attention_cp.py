@@ -144,6 +144,18 @@ class GatedDeltaNetScan:
         return torch.stack(pieces, dim=1).reshape(batch, length, heads, dv)
 
 
+def check_linear_attention_cp(args, seq_len: int, cp: int) -> None:
+    """Refuse, before any rank connects, chunks too short to hold the conv's earlier inputs."""
+    la = args.linear_attention
+    if la is None or "linear_attention" not in args.layer_types:
+        return
+    chunk = seq_len // (2 * cp)
+    if chunk < la.conv_kernel - 1:
+        raise ParallelError(f"context_parallel_degree = {cp} cuts training.seq_len {seq_len} into chunks of {chunk} "
+                            f"tokens, fewer than the {la.conv_kernel - 1} earlier inputs the Gated DeltaNet conv "
+                            f"reads: use seq_len >= {2 * cp * (la.conv_kernel - 1)} or a smaller degree")
+
+
 def enable_gated_deltanet_context_parallel(model: torch.nn.Module, cp_mesh) -> None:
     """Give every Gated DeltaNet layer of ``model`` the scan over ``cp_mesh`` (idempotent)."""
     for module in model.modules():
