@@ -30,7 +30,7 @@ BATCH_INVARIANT_FAMILIES = ("llama3", "qwen3", "qwen3_moe")  # their attention i
 def check_rl_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """The layouts and models RL runs; anything else is a one-line error naming the key."""
     rl = cfg.rl
-    for key, degree in (("tensor_parallel_degree", dims.tp), ("pipeline_parallel_degree", dims.pp),
+    for key, degree in (("pipeline_parallel_degree", dims.pp),
                         ("context_parallel_degree", dims.cp)):
         if degree > 1:
             raise ParallelError(

@@ -173,7 +173,7 @@ class Sampler:
     def __init__(self, model: nn.Module, *, batch: int, key_length: int, stop_tokens: Sequence[int], vocab: int,
                  temperature: float, pad_id: int, forward_context: Callable = nullcontext, compile: bool = False,
                  record_routes: bool = False, finished: Callable[[torch.Tensor], bool] | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tp: int = 1):
         self.model, self.batch, self.key_length = model, batch, key_length
         self.device = model.rope_cache.device
         self.stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=self.device)
@@ -182,7 +182,7 @@ class Sampler:
         self.finished = finished or (lambda done: bool(done.all()))
         # Every key/value head (tensor parallelism, which would split them, is refused), in the dtype a forward
         # computes in (FSDP's mixed-precision parameters, autocast).
-        self.caches = [RowCache(batch, key_length, model.args.kv_heads, model.args.head_dim, dtype, self.device)
+        self.caches = [RowCache(batch, key_length, model.args.kv_heads // tp, model.args.head_dim, dtype, self.device)
                        for _ in model.layers]
         self.recorder = RouteRecorder(model, batch, key_length) if record_routes else None
         self._step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile else self._decode_step
