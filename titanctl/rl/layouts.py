@@ -12,13 +12,14 @@ heads and hidden units, each row-parallel linear (wo, w2) and the vocabulary-spl
 their partial sums, the output layer all-gathers the logits, and sampler and trainer both take one
 log-softmax over the whole vocabulary (no loss parallel: the logits are gathered whatever
 parallelism.disable_loss_parallel says). The sampler runs these same DTensor modules, so decode and
-training differ only in how many positions they compute (every sampled family's plan has that variant). Every TP rank decodes the same rows in step
-(each decode step is collective over the TP group). With ``rl.batch_invariant`` the only reduction that
-crosses ranks is the all-reduce: under TP 2 it adds two partial sums, one rounding whatever the order,
-so it is bitwise the same in decode and training; past 2 gloo's ring splits the tensor by its size into
-chunks reduced in different orders, so decode (one token) and training (the sequence) would round
-differently: refused. Pipeline and context parallelism shard what a decode step computes (stages,
-sequence shards) and are refused here in one line, before the model is built.
+training differ only in how many positions they compute (every sampled family's plan has that variant).
+Every TP rank decodes the same rows in step: the logits are whole on each, so each draws the same tokens.
+With ``rl.batch_invariant`` the one reduction that crosses ranks is that all-reduce. Under TP 2 it adds
+two partial sums, one rounding whatever the order: bitwise the same in decode and training. Past 2, gloo
+may add each element's partials in an order set by where the element falls in its chunks of the buffer,
+whose size differs between decode (one token) and training (the sequence): refused. Pipeline and context
+parallelism shard what a decode step computes (stages, sequence shards) and are refused here in one
+line, before the model is built.
 """
 
 from __future__ import annotations

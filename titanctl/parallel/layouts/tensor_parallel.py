@@ -67,7 +67,8 @@ def apply_tp(
             styles = float8_tp_styles()
     for block in model.layers.values():
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
-        present = {name: lora_tp_style(module, style) for name, style in plan.block(model.args, styles, names, **variant).items()
+        block_plan = plan.block(model.args, styles, names, **variant)
+        present = {name: lora_tp_style(module, style) for name, style in block_plan.items()
                    if (module := submodule_or_none(block, name)) is not None}
         parallelize_module(block, tp_mesh, present)
         for name in plan.replicated:
