@@ -104,8 +104,8 @@ class RLTrainer(Trainer):
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.loader = PromptLoader(self.prompts, rl.prompts_per_step, cfg.training.seed, rl.group_size)
         self.global_batch = self.loader.global_batch_size
-        self.say(f"rl prompts {self.prompts.description}: {len(self.prompts):,} rows, the longest "
-                 f"{self.prompts.longest} tokens; {rl.prompts_per_step} prompts x {rl.group_size} completions a "
+        self.say(f"rl prompts {self.prompts.description}: {len(self.prompts):,} rows; {rl.prompts_per_step} "
+                 f"prompts x {rl.group_size} completions a "
                  f"rollout, up to {rl.max_response_tokens} tokens each")
 
         restores = load_plan is not None and load_plan.restores_model
@@ -207,7 +207,11 @@ class RLTrainer(Trainer):
         rows = self.loader.next_step()
         share = rl.prompts_per_step // self.dims.dp
         first = self.dp_rank * share
-        mine = [self.prompts.prompts[i] for i in rows[first:first + share]]
+        try:
+            mine, error = [self.prompts[i] for i in rows[first:first + share]], None
+        except DataError as e:  # a prompt past the model's positions, rendered now
+            error = str(e)
+        self._agree(error)
         keys = row_keys(self.cfg.training.seed, index, range(first, first + share), rl.group_size)
         with gathered(self.model, self.cfg):
             sampled = self.sampler.sample([p.ids for p in mine for _ in range(rl.group_size)], keys,
