@@ -2,7 +2,8 @@
 divides by the global count of what it averages (completions, or response tokens), over microbatches and
 data-parallel ranks. With rl.batch_invariant every layout also samples one process's completions bit for
 bit (each rank samples its share of the prompts; no row depends on the others), so the rewards match
-exactly. The cases run in the torchrun worlds of tests/distributed/worlds.py."""
+exactly; under tensor parallelism (TP 2, where each row-parallel sum of two partials is exact) a prompt's
+sampler logprobs are the same whatever the batch around it. The cases run in the torchrun worlds of tests/distributed/worlds.py."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ REFERENCES = {name: register(__name__, f"single_{name}", 1, [*RUN, *flavor, "--t
                              grads=True, always=True, command="rl")
               for name, flavor in FLAVORS.items()}
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 LAYOUTS = [  # (id, reference, processes, local batch, overrides); 16 completions a rollout everywhere
     ("accumulation", "grpo", 1, 3, []),
     ("fsdp2", "grpo", 2, 8, FSDP2),
@@ -38,10 +40,17 @@ LAYOUTS = [  # (id, reference, processes, local batch, overrides); 16 completion
     ("dapo_fsdp2", "dapo", 2, 3, FSDP2),
     ("gspo_fsdp2", "gspo", 2, 8, FSDP2),
     ("moe_ep2", "moe", 2, 8, [*FSDP2, "--parallelism.expert_parallel_degree", "2"]),
+    ("tp2", "grpo", 2, 8, TP2),
+    ("moe_tp2", "moe", 2, 16, TP2),
 ]
 CASES = [register(__name__, name, nproc, [*RUN, *FLAVORS[ref], "--training.local_batch_size", str(local), *overrides],
                   grads=True, command="rl")
          for name, ref, nproc, local, overrides in LAYOUTS]
+# TP 2 sampling half of tp2's batch: its first rollout is tp2's first two prompts (the same places in the
+# same step, so the same noise), decoded among 8 rows instead of 16.
+TP2_HALF = register(__name__, "tp2_half_batch", 2, [*RUN, "--training.local_batch_size", "8", *TP2,
+                                                    "--rl.prompts_per_step", "2", "--training.steps", "1"],
+                    grads=True, command="rl")
 
 
 @pytest.mark.parametrize("world_case, ref, nproc", [(case, ref, nproc) for case, (_, ref, nproc, _, _) in
@@ -75,3 +84,19 @@ def test_the_references_train_what_their_keys_say(worlds):
     assert all(r["clip_fraction"] == 0 for r in data["grpo"])  # one update per rollout: on-policy
     assert any(r["clip_fraction"] > 0 for r in data["dapo"][1:]) and any(r["clip_fraction"] > 0 for r in data["gspo"][1:])
     assert data["gspo"][0]["kl"] == 0 and data["gspo"][-1]["kl"] > 0 and data["grpo"][0]["kl"] is None
+
+
+def test_tensor_parallel_sampling_is_batch_invariant(worlds):
+    """Under one TP degree a prompt's completions and the sampler's logprobs of them are the same bit for bit
+    whatever shares its batch: tp2's first 8 rows against the same prompts sampled alone (tp2_half_batch)."""
+    import torch
+
+    whole = torch.load(worlds.folder(CASES[[layout[0] for layout in LAYOUTS].index("tp2")]) / "rollout_rank0.pt")
+    half = torch.load(worlds.folder(TP2_HALF) / "rollout_rank0.pt")
+    assert all(r["logprob_diff_max"] == 0.0 for r in rows(worlds.folder(TP2_HALF)))
+    for key in ("prompt_lengths", "response_lengths", "sampler_logprobs"):
+        assert torch.equal(half[key], whole[key][:8]), key
+    ends = half["prompt_lengths"] + half["response_lengths"]
+    for row, end in enumerate(ends.tolist()):  # the batch's width is its longest prompt's
+        assert half["tokens"][row, :end].tolist() == whole["tokens"][row, :end].tolist(), f"row {row}"
+    assert half["sampler_logprobs"].abs().sum() > 0

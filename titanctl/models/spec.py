@@ -92,6 +92,8 @@ class TPPlan:
     ``head_params`` parameter holds one value per query head and is split with them (dim 0).
     ``extra(model)``: the styles of modules outside the root and the blocks, by their name in the model;
     ``block_inputs(model)``: the modules whose local output a block takes (copied under compile).
+    ``sequence_parallel_optional``: ``root`` and ``block`` also take ``sequence_parallel=False``, a plan
+    whose activations stay whole on every rank between blocks (what a decode step of one token needs).
     """
 
     root: Callable[[bool], dict]
@@ -101,6 +103,7 @@ class TPPlan:
     head_params: tuple[str, ...] = ()
     extra: Callable[[nn.Module], dict] = _no_extra
     block_inputs: Callable[[nn.Module], list[str]] = _embedding_feeds_blocks
+    sequence_parallel_optional: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,23 @@
 The sampler calls the training model itself. Under FSDP/HSDP each block's parameters are gathered once
 for the whole rollout (``gathered``), not once per decoded token, and freed after it: a decode step then
 runs no collective, and ranks may decode different numbers of steps (each stops when its own rows are
-done). DDP holds whole parameters already. Tensor, pipeline and context parallelism shard what a decode
-step computes (sequence-parallel activations of one token, stages, sequence shards) and are refused here
-in one line, before the model is built.
+done). DDP holds whole parameters already.
+
+Tensor parallelism: the policy is built with its family's TP plan *without sequence parallel*
+(``build_model_parts(sequence_parallel=False)``): a decode step holds one token per row, which cannot be
+split over the ranks, so activations stay whole on every rank between blocks. Each rank computes its
+heads and hidden units, each row-parallel linear (wo, w2) and the vocabulary-split embedding all-reduce
+their partial sums, the output layer all-gathers the logits, and sampler and trainer both take one
+log-softmax over the whole vocabulary (no loss parallel: the logits are gathered whatever
+parallelism.disable_loss_parallel says). The sampler runs these same DTensor modules, so decode and
+training differ only in how many positions they compute (every sampled family's plan has that variant).
+Every TP rank decodes the same rows in step: the logits are whole on each, so each draws the same tokens.
+With ``rl.batch_invariant`` the one reduction that crosses ranks is that all-reduce. Under TP 2 it adds
+two partial sums, one rounding whatever the order: bitwise the same in decode and training. Past 2, gloo
+may add each element's partials in an order set by where the element falls in its chunks of the buffer,
+whose size differs between decode (one token) and training (the sequence): refused. Pipeline and context
+parallelism shard what a decode step computes (stages, sequence shards) and are refused here in one
+line, before the model is built.
 """
 
 from __future__ import annotations
@@ -30,17 +44,21 @@ BATCH_INVARIANT_FAMILIES = ("llama3", "qwen3", "qwen3_moe")  # their attention i
 def check_rl_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """The layouts and models RL runs; anything else is a one-line error naming the key."""
     rl = cfg.rl
-    for key, degree in (("tensor_parallel_degree", dims.tp), ("pipeline_parallel_degree", dims.pp),
+    for key, degree in (("pipeline_parallel_degree", dims.pp),
                         ("context_parallel_degree", dims.cp)):
         if degree > 1:
             raise ParallelError(
                 f"parallelism.{key} = {degree}: titanctl rl samples with the training model, and a decode step "
-                "cannot be split that way; use data parallelism (FSDP, HSDP, DDP) and expert parallelism")
+                "cannot be split that way; use data, tensor and expert parallelism")
     if args.family not in SAMPLED_FAMILIES:
         raise ConfigError(f"model.name = {cfg.model.name!r}: titanctl rl samples the families whose every layer "
                           f"keeps a per-head KV cache ({', '.join(SAMPLED_FAMILIES)}); this one's layers cache "
                           "latents (MLA) or a recurrent state")
     if rl.batch_invariant:
+        if dims.tp > 2:
+            raise ParallelError(f"rl.batch_invariant with parallelism.tensor_parallel_degree = {dims.tp}: gloo sums "
+                                "more than two partial sums in an order set by the tensor's size, so decode and "
+                                "training round differently; use tensor_parallel_degree = 2")
         if args.family not in BATCH_INVARIANT_FAMILIES:
             raise ConfigError(f"rl.batch_invariant with model.name = {cfg.model.name!r}: its attention (sinks) has "
                               f"no batch-invariant kernel; the mode runs {', '.join(BATCH_INVARIANT_FAMILIES)}")

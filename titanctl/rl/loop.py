@@ -104,12 +104,13 @@ class RLTrainer(Trainer):
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.loader = PromptLoader(self.prompts, rl.prompts_per_step, cfg.training.seed, rl.group_size)
         self.global_batch = self.loader.global_batch_size
-        self.say(f"rl prompts {self.prompts.description}: {len(self.prompts):,} rows, the longest "
-                 f"{self.prompts.longest} tokens; {rl.prompts_per_step} prompts x {rl.group_size} completions a "
+        self.say(f"rl prompts {self.prompts.description}: {len(self.prompts):,} rows; {rl.prompts_per_step} "
+                 f"prompts x {rl.group_size} completions a "
                  f"rollout, up to {rl.max_response_tokens} tokens each")
 
         restores = load_plan is not None and load_plan.restores_model
-        built = build_model_parts(cfg, self.dims, self.model_args, self.env.device, init=not restores)
+        built = build_model_parts(cfg, self.dims, self.model_args, self.env.device, init=not restores,
+                                  sequence_parallel=False)
         if restores:
             for part in built.parts:
                 part.init_buffers(self.env.device)
@@ -118,7 +119,8 @@ class RLTrainer(Trainer):
         self.reference = None
         extra = {}
         if rl.kl_coef and self.lora is None:  # with LoRA the base is the reference
-            frozen = build_model_parts(cfg, self.dims, self.model_args, self.env.device, init=False)
+            frozen = build_model_parts(cfg, self.dims, self.model_args, self.env.device, init=False,
+                                       sequence_parallel=False)
             self.reference = frozen.parts[0].requires_grad_(False).eval()
             self.reference.init_buffers(self.env.device)
             extra["reference"] = ModelState([self.reference])
@@ -152,7 +154,7 @@ class RLTrainer(Trainer):
             self.model, batch=rl.prompts_per_step // self.dims.dp * rl.group_size, key_length=key_length,
             stop_tokens=self.prompts.stop_tokens, vocab=vocab, temperature=rl.temperature, pad_id=pad,
             forward_context=forward_context, compile=rl.compile_sampler, record_routes=rl.routing_replay,
-            finished=self._all_done if self.dims.ep > 1 else None, dtype=compute_dtype,
+            finished=self._all_done if self.dims.ep > 1 else None, dtype=compute_dtype, tp=self.dims.tp,
         )
         self.update = PolicyUpdate(
             rl, self.model, cfg.training.local_batch_size, vocab, self._sum, self.dims.dp, forward_context,
@@ -205,7 +207,11 @@ class RLTrainer(Trainer):
         rows = self.loader.next_step()
         share = rl.prompts_per_step // self.dims.dp
         first = self.dp_rank * share
-        mine = [self.prompts.prompts[i] for i in rows[first:first + share]]
+        try:
+            mine, error = [self.prompts[i] for i in rows[first:first + share]], None
+        except DataError as e:  # a prompt past the model's positions, rendered now
+            error = str(e)
+        self._agree(error)
         keys = row_keys(self.cfg.training.seed, index, range(first, first + share), rl.group_size)
         with gathered(self.model, self.cfg):
             sampled = self.sampler.sample([p.ids for p in mine for _ in range(rl.group_size)], keys,

@@ -5,9 +5,12 @@ shuffled order that a checkpoint resumes.
 Hugging Face dataset, ``hf:``), or ``arithmetic``: the task titanctl ships, built by scripts/build_rl_task.py. A
 row's ``rl.prompt_field`` is one user message (text) or a list of messages; it is rendered with the
 tokenizer's chat template and its generation prompt (``titanctl.data.chat_encode``), and a completion
-ends at the tokenizer's stop tokens or the template's end of turn. Every row must have an answer, and
-every rendered prompt must leave room for ``rl.max_response_tokens`` within training.seq_len: anything
-else is a one-line error naming the row, before the model is built.
+ends at the tokenizer's stop tokens or the template's end of turn. Every row must have an answer and be
+a conversation the template takes: anything else is a one-line error naming the row, before the model is
+built. A row is rendered when a step first samples it (rendering every row up front was most of the
+start-up: two minutes for 100,000 rows); a rendered prompt that leaves no room for
+``rl.max_response_tokens`` within training.seq_len stops the run at that step, in one line naming the
+row, with every checkpoint written before it kept.
 
 The order: epoch e is a permutation of the rows drawn from (training.seed, e); step s takes the next
 rl.prompts_per_step prompts of it (an epoch's last step may reach into the next one). The loader's state is
@@ -37,42 +40,68 @@ class Prompt:
     where: str  # file:line, for messages
 
 
+@dataclass(frozen=True)
+class _Row:
+    """A row checked and read as a conversation, not yet rendered."""
+
+    messages: list
+    tools: list | None
+    text: str
+    answer: str
+    where: str
+
+
 class PromptSet:
-    """Every row of ``cfg.dataset``'s split, rendered; ``stop_tokens``: where completions end."""
+    """Every row of ``cfg.dataset``'s split, checked up front and rendered when first sampled (``set[i]``: the
+    chat template is most of the start-up, two minutes for 100,000 rows); ``stop_tokens``: where completions end."""
 
     def __init__(self, cfg: RL, tokenizer: Tokenizer, seq_len: int, chat_template_path: str = ""):
         files, self.description = chat_files(cfg.dataset, cfg.split)
         template = chat_template_for(tokenizer, chat_template_path)
-        encoder = ChatEncoder(tokenizer, template)
-        self.prompts: list[Prompt] = []
+        self._encoder = ChatEncoder(tokenizer, template)
+        self._room, self._seq_len, self._max_response = seq_len - cfg.max_response_tokens, seq_len, \
+            cfg.max_response_tokens
+        self._rows: list[_Row] = []
+        self._rendered: dict[int, Prompt] = {}
         turn_ends: dict[tuple, int | None] = {}  # by the conversation's roles and tools: what a template's
         # end of turn can depend on short of the text (7,000 probes were a third of the start-up)
-        room = seq_len - cfg.max_response_tokens
         for row, where in read_rows(files):
             if isinstance(row, Unreadable):
                 raise DataError(f"rl.dataset {self.description}: row {where} is not readable ({row.reason})")
             prompt = self._prompt(row, cfg, where)
             try:
                 messages, tools = conversation_of({"messages": prompt, "tools": row.get("tools")}, to_answer=True)
-                ids = tuple(int(i) for i in encoder.prompt_ids(messages, tools))
+                shape = (tuple(m["role"] for m in messages), bool(tools))
+                if shape not in turn_ends:
+                    turn_ends[shape] = self._encoder.turn_end_id(messages, tools)
             except BadConversation as e:
-                why = f"a row {e.reason} {visible(e.detail)}".rstrip()  # a reason says what a row is
-                raise DataError(f"rl.dataset {self.description}: row {where} is no prompt the chat template "
-                                f"renders: {why}") from None
-            if len(ids) > room:
-                raise DataError(
-                    f"rl.dataset {self.description}: row {where}'s prompt has {len(ids)} tokens, and "
-                    f"rl.max_response_tokens = {cfg.max_response_tokens} more exceed training.seq_len = {seq_len}, "
-                    f"the model's positions; raise training.seq_len or shorten the prompts or responses")
-            shape = (tuple(m["role"] for m in messages), bool(tools))
-            if shape not in turn_ends:
-                turn_ends[shape] = encoder.turn_end_id(messages, tools)
+                raise self._unrendered(where, e) from None
             text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-            self.prompts.append(Prompt(ids, text, self._answer(row, cfg, where), where))
-        if not self.prompts:
+            self._rows.append(_Row(messages, tools, text, self._answer(row, cfg, where), where))
+        if not self._rows:
             raise DataError(f"rl.dataset {self.description} has no rows")
         self.stop_tokens = sorted(set(tokenizer.stop_tokens) | {t for t in turn_ends.values() if t is not None})
-        self.longest = max(len(p.ids) for p in self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        """Row ``index`` rendered (once): a one-line DataError if the template cannot render it or it leaves no
+        room for rl.max_response_tokens."""
+        if index not in self._rendered:
+            row = self._rows[index]
+            try:
+                ids = tuple(int(i) for i in self._encoder.prompt_ids(row.messages, row.tools))
+            except BadConversation as e:
+                raise self._unrendered(row.where, e) from None
+            if len(ids) > self._room:
+                raise DataError(
+                    f"rl.dataset {self.description}: row {row.where}'s prompt has {len(ids)} tokens, and "
+                    f"rl.max_response_tokens = {self._max_response} more exceed training.seq_len = {self._seq_len}, "
+                    f"the model's positions; raise training.seq_len or shorten the prompts or responses")
+            self._rendered[index] = Prompt(ids, row.text, row.answer, row.where)
+        return self._rendered[index]
+
+    def _unrendered(self, where: str, e: BadConversation) -> DataError:
+        why = f"a row {e.reason} {visible(e.detail)}".rstrip()  # a reason says what a row is
+        return DataError(f"rl.dataset {self.description}: row {where} is no prompt the chat template renders: {why}")
 
     def _prompt(self, row, cfg: RL, where: str) -> list:
         if not isinstance(row, dict) or row.get(cfg.prompt_field) is None:
@@ -95,7 +124,7 @@ class PromptSet:
         return str(answer)
 
     def __len__(self) -> int:
-        return len(self.prompts)
+        return len(self._rows)
 
 
 class PromptLoader:

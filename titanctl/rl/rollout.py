@@ -168,21 +168,22 @@ class Sampler:
     """Samples completions with ``model`` (the policy) over a KV cache of ``key_length`` positions for
     ``batch`` rows; ``forward_context()`` wraps every forward (autocast, the batch-invariant kernels).
     ``finished(done)``: whether decoding may stop, given which rows are done (default: all of this rank's;
-    under expert parallelism all ranks', whose decode steps exchange tokens)."""
+    under expert parallelism all ranks', whose decode steps exchange tokens); ``tp``: the tensor-parallel
+    degree, which splits the key/value heads (the policy's TP plan keeps a decode step's activations whole)."""
 
     def __init__(self, model: nn.Module, *, batch: int, key_length: int, stop_tokens: Sequence[int], vocab: int,
                  temperature: float, pad_id: int, forward_context: Callable = nullcontext, compile: bool = False,
                  record_routes: bool = False, finished: Callable[[torch.Tensor], bool] | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tp: int = 1):
         self.model, self.batch, self.key_length = model, batch, key_length
         self.device = model.rope_cache.device
         self.stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=self.device)
         self.vocab, self.temperature, self.pad_id = vocab, temperature, pad_id
         self.forward_context = forward_context
         self.finished = finished or (lambda done: bool(done.all()))
-        # Every key/value head (tensor parallelism, which would split them, is refused), in the dtype a forward
+        # This rank's key/value heads (tensor parallelism splits them ``tp`` ways), in the dtype a forward
         # computes in (FSDP's mixed-precision parameters, autocast).
-        self.caches = [RowCache(batch, key_length, model.args.kv_heads, model.args.head_dim, dtype, self.device)
+        self.caches = [RowCache(batch, key_length, model.args.kv_heads // tp, model.args.head_dim, dtype, self.device)
                        for _ in model.layers]
         self.recorder = RouteRecorder(model, batch, key_length) if record_routes else None
         self._step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile else self._decode_step

@@ -7,7 +7,8 @@ process group, exactly as ``titanctl train ARGS --job.dump_folder FOLDER`` would
 RLTrainer, as ``titanctl rl`` builds it), plus
 init_digests_rank{r}.json (a digest of every parameter gathered whole before the first step; in a world
 of one process, where the references run, also the tensors themselves: init_rank0.pt) and, with "grads", the first
-step's gradients before clipping (grads_rank{r}.pt) and the experts' meshes (experts_rank{r}.json);
+step's gradients before clipping (grads_rank{r}.pt) and the experts' meshes (experts_rank{r}.json) (command rl:
+also the first rollout, rollout_rank{r}.pt: tokens, prompt and response lengths, the sampler's logprobs);
 with "final", every parameter gathered whole after the last step (final_rank{r}.pt) and, under Muon, the
 Newton-Schulz FLOPs the rank ran (ns_flops_rank{r}.json);
 with "probe", what sync_train_worker.py records.
@@ -83,6 +84,11 @@ def _dump_after(cls, parts_of) -> None:
                        for part in model_parts for name, param in part.named_parameters()
                        if name.endswith(("experts.w1", "experts.w13")) and isinstance(param, DTensor)}
             (folder / f"experts_rank{rank}.json").write_text(json.dumps(experts))
+            if isinstance(self, PolicyUpdate):  # the first rollout as this rank sampled it
+                batch = args[0]
+                torch.save({"tokens": batch.tokens.cpu(), "prompt_lengths": batch.prompt_lengths.cpu(),
+                            "response_lengths": batch.response_lengths.cpu(),
+                            "sampler_logprobs": batch.sampler_logprobs.cpu()}, folder / f"rollout_rank{rank}.pt")
         return loss
 
     cls.__call__ = call

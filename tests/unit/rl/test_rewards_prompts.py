@@ -86,7 +86,7 @@ def test_prompts_are_rendered_with_the_chat_template(tmp_path, tok):
                                            {"prompt": [{"role": "system", "content": "Be brief."},
                                                        {"role": "user", "content": "And 2 + 2?"}], "answer": "4"}]))
     prompts = PromptSet(cfg, tok, seq_len=64)
-    first, second = prompts.prompts
+    first, second = prompts[0], prompts[1]
     assert tok.decode(list(first.ids)).endswith("What is 1 + 2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     assert (first.text, first.answer, second.text, second.answer) == ("What is 1 + 2?", "3", "And 2 + 2?", "4")
     assert "Be brief." in tok.decode(list(second.ids)) and first.where.endswith("prompts.jsonl:1")
@@ -105,7 +105,7 @@ def test_prompts_are_rendered_with_the_chat_template(tmp_path, tok):
 ])
 def test_bad_prompts_are_one_line(tmp_path, tok, rows, says):
     with pytest.raises(DataError, match=says) as e:
-        PromptSet(RL(dataset=write_rows(tmp_path, rows)), tok, seq_len=64)
+        PromptSet(RL(dataset=write_rows(tmp_path, rows)), tok, seq_len=64)[0]  # a long prompt: when rendered
     assert "\n" not in str(e.value)
 
 
@@ -116,8 +116,8 @@ def test_a_group_of_one_is_refused():
 
 def test_the_shipped_task_loads(tok):
     prompts = PromptSet(RL(), tok, seq_len=64)
-    assert len(prompts) == 7000 and prompts.longest <= 64 - 16
-    first = prompts.prompts[0]
+    assert len(prompts) == 7000 and max(len(prompts[i].ids) for i in range(0, 7000, 97)) <= 64 - 16
+    first = prompts[0]
     a, b = first.text.removeprefix("Which is larger, ").removesuffix("?").split(" or ")
     assert first.answer == str(max(int(a), int(b)))
 
@@ -156,3 +156,13 @@ def test_a_family_without_a_per_head_kv_cache_is_one_line(name):
     with pytest.raises(ConfigError, match=rf"model.name = '{name}': titanctl rl samples the families whose every "
                                           "layer keeps a per-head KV cache"):
         check_rl_layout(cfg, ParallelDims.from_config(cfg.parallelism, 1), args)
+
+
+def test_prompts_are_rendered_when_first_sampled(tmp_path, tok):
+    """A prompt past the model's positions is found when a step samples it (not up front); a rendered prompt
+    is kept, the same object on every later step."""
+    prompts = PromptSet(RL(dataset=write_rows(tmp_path, [{"prompt": "1 + 2?", "answer": "3"},
+                                                         {"prompt": "word " * 80, "answer": "1"}])), tok, seq_len=64)
+    assert len(prompts) == 2 and prompts[0] is prompts[0]
+    with pytest.raises(DataError, match=r"prompts.jsonl:2's prompt has \d+ tokens"):
+        prompts[1]

@@ -4,6 +4,11 @@ Sequence parallel keeps activations sharded on the sequence dim (Shard(1)) betwe
 blocks and around the norms; attention and the MLP gather the sequence, shard heads /
 hidden units (colwise in, rowwise out) and scatter back. With loss parallel the output
 layer leaves logits sharded on the vocabulary and the loss is computed on the shards.
+
+Without sequence parallel (``sequence_parallel=False``: a decode step's one token cannot be split
+over the ranks) activations stay whole on every rank between blocks: the norms run whole
+(``Replicated``), each row-wise linear all-reduces its partial sums, the embedding all-reduces its
+vocabulary shards' lookups and the output layer all-gathers the logits.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -41,7 +48,30 @@ class LinearStyles:
 PLAIN = LinearStyles()
 
 
-def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+class Replicated(ParallelStyle):
+    """The module runs whole on every rank, on local inputs that are equal there: its parameters become
+    replicated DTensors (beside the split ones in one optimizer), its inputs and outputs stay local."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_parameters(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(submodule.named_parameters(recurse=False)):
+                submodule.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        return distribute_module(
+            module, device_mesh, replicate_parameters,
+            lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                                               for x in inputs),
+            lambda module, output, mesh: output.to_local(),
+        )
+
+
+def root_plan(loss_parallel: bool, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
+    if not sequence_parallel:  # loss parallel needs sharded logits: the output layer gathers them whole
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "norm": Replicated(),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        }
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -74,6 +104,7 @@ def block_plan(
     qk_norm: bool = False,
     moe: bool = False,
     attention: Callable[[Callable[..., LinearStyles]], dict[str, ParallelStyle]] = gqa_attention_plan,
+    sequence_parallel: bool = True,
 ) -> dict[str, ParallelStyle]:
     """The plan of one block. ``float8``: the styles for the linears named in ``float8_linears``
     (names inside the block, e.g. attention.wq); the others, and a gather feeding any of them,
@@ -81,7 +112,8 @@ def block_plan(
     ``qk_norm``: the block has per-head ``attention.q_norm`` / ``k_norm`` (ModelArgs.qk_norm).
     ``moe``: the model has Mixture-of-Experts blocks (a block gets the entries of what it has:
     ``feed_forward`` or ``moe``). ``attention``: the attention's entries, from the styles function
-    (a family whose attention is another module gives its own)."""
+    (a family whose attention is another module gives its own). ``sequence_parallel=False``: activations
+    whole between the linears (see the module docstring)."""
 
     def styles(*linears: str) -> LinearStyles:
         return float8 if float8 is not None and all(n in float8_linears for n in linears) else PLAIN
@@ -97,13 +129,21 @@ def block_plan(
         "feed_forward.w2": styles("feed_forward.w2").rowwise(output_layouts=Shard(1)),
         "feed_forward.w3": styles("feed_forward.w3").colwise(),
     }
+    if not sequence_parallel:
+        # The gathers of the sequence go, the norms run whole, the row-wise linears all-reduce (their
+        # default output, Replicate); a Mixture-of-Experts block already runs whole on every rank.
+        plan = {name: style for name, style in plan.items() if name.endswith((".w1", ".w2", ".w3", ".wq", ".wk",
+                                                                              ".wv", ".wo"))}
+        plan = {name: styles(name).rowwise() if isinstance(style, RowwiseParallel) else style
+                for name, style in plan.items()}
+        plan |= {"attention_norm": Replicated(), "ffn_norm": Replicated()}
     if qk_norm:
         # The norm weight (head_dim) is shared by all heads while each rank holds only its heads:
         # keep it whole (Replicate) and see the local (B, T, H/tp, head_dim) tensor as sharded on
         # dim 2, so the weight's gradient is summed over every rank's heads. Local in, local out.
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if moe:
+    if moe and sequence_parallel:
         # A Mixture-of-Experts block (in place of feed_forward): nothing in it is split. Every rank
         # of the TP group runs the whole layer on the gathered sequence, so each holds the full
         # gradient of the router and of every expert (nothing to reduce over tp, nothing
@@ -131,10 +171,11 @@ def sharded_linear_dims(name: str, tp: int, plan: TPPlan, args) -> tuple[int, in
 
 
 def block_plan_of(
-    args, float8: LinearStyles | None = None, float8_linears: Collection[str] = ()
+    args, float8: LinearStyles | None = None, float8_linears: Collection[str] = (), sequence_parallel: bool = True
 ) -> dict[str, ParallelStyle]:
     """``block_plan`` for the blocks ``args`` build (``TPPlan.block``)."""
-    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None)
+    return block_plan(float8, float8_linears, qk_norm=args.qk_norm, moe=args.moe is not None,
+                      sequence_parallel=sequence_parallel)
 
 
-DECODER_TP_PLAN = TPPlan(root=root_plan, block=block_plan_of)
+DECODER_TP_PLAN = TPPlan(root=root_plan, block=block_plan_of, sequence_parallel_optional=True)

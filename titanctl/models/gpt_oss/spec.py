@@ -42,7 +42,8 @@ SPEC = ModelSpec(
     build=BLOCKS.build,
     # Attention split by heads (biases with their rows, sinks with their heads); each MoE layer whole
     # on every TP rank.
-    tp_plan=TPPlan(root=root_plan, block=block_plan_of, head_params=("attention.sinks",)),
+    tp_plan=TPPlan(root=root_plan, block=block_plan_of, head_params=("attention.sinks",),
+                   sequence_parallel_optional=True),
     split_stage=split_into_stage,
     flops_per_token=decoder_flops_per_token,
     hf=HF,

@@ -110,8 +110,9 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     check_lora(cfg)
 
 
-def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Module:
-    """Apply TP, AC, compile and data parallelism to one model part, in that order."""
+def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_parallel: bool = True) -> nn.Module:
+    """Apply TP, AC, compile and data parallelism to one model part, in that order (``sequence_parallel``:
+    apply_tp's)."""
     p = cfg.parallelism
     if dims.cp > 1:  # linear-attention layers carry their state across the CP ranks' chunks
         enable_gated_deltanet_context_parallel(model, dims.mesh["cp"])
@@ -123,6 +124,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> nn.Modu
             async_tp=p.enable_async_tensor_parallel,
             compiled=cfg.compile.enable,
             float8=communicates_float8(cfg.float8),
+            sequence_parallel=sequence_parallel,
         )
     # The routed experts get their own mesh under EP, and under TP too (replicated there).
     experts_placed = model.args.moe is not None and (dims.ep > 1 or dims.tp > 1)
@@ -158,11 +160,14 @@ def build_model_parts(
     loss_fn: Callable | None = None,
     init: bool = True,
     fake_mode: contextlib.AbstractContextManager | None = None,
+    sequence_parallel: bool = True,
 ) -> ModelParts:
     """Build on the meta device, parallelize, then materialize on ``device`` and initialize.
 
     ``fake_mode`` (a FakeTensorMode, with ``init=False``): materialize inside it, so the parts hold
     fake tensors with shapes but no storage (memory estimation).
+    ``sequence_parallel=False``: tensor parallelism keeps activations whole between blocks (titanctl rl,
+    whose sampler decodes one token per row; apply_tp).
     With ``init=False`` (the weights come from a checkpoint) LoRA adapters are still drawn: a base
     checkpoint has none, and a LoRA checkpoint loaded afterwards overwrites them.
     """
@@ -187,7 +192,7 @@ def build_model_parts(
         )
         result = ModelParts(pipeline.model_parts, pipeline, float8, lora)
     else:
-        result = ModelParts([parallelize(model, cfg, dims)], float8=float8, lora=lora)
+        result = ModelParts([parallelize(model, cfg, dims, sequence_parallel)], float8=float8, lora=lora)
     if float8 is not None and dims.tp > 1 and not communicates_float8(cfg.float8):
         float8.notes.append(
             f"float8 {cfg.float8.recipe_name} with tensor parallel: activations are all-gathered in high precision "

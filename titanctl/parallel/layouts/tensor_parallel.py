@@ -29,18 +29,28 @@ def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool, compiled: bool, float8: bool = False
+    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool, compiled: bool, float8: bool = False,
+    sequence_parallel: bool = True,
 ) -> None:
     """Shard ``model`` (a whole model or a pipeline stage: absent parts are skipped).
+
+    ``sequence_parallel=False``: the plan's variant whose activations stay whole on every rank between
+    blocks (``TPPlan.sequence_parallel_optional``; the logits gathered whole, so no loss parallel).
 
     ``float8``: the model's float8 linears get torchao's float8 styles (see tp_plan.block_plan),
     which all-gather activations in float8; on gloo, which has no float8 dtypes, they keep the
     plain styles (float8 matmuls, high-precision communication).
     """
     plan = spec_of(model.args).tp_plan
+    variant = {}
+    if not sequence_parallel:
+        if not plan.sequence_parallel_optional:
+            raise ParallelError(f"{model.args.family}'s tensor-parallel plan always shards the sequence: it has no "
+                                "plan for a decode step of one token")
+        variant = {"sequence_parallel": False}
     # A LoRA linear's adapter is split with it (lora.tp_style).
-    root = {name: lora_tp_style(getattr(model, name), style) for name, style in plan.root(loss_parallel).items()
-            if getattr(model, name) is not None}
+    root = {name: lora_tp_style(getattr(model, name), style)
+            for name, style in plan.root(loss_parallel, **variant).items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root)
     if extra := plan.extra(model):
         parallelize_module(model, tp_mesh, extra)
@@ -57,7 +67,8 @@ def apply_tp(
             styles = float8_tp_styles()
     for block in model.layers.values():
         names = [name for name, m in block.named_modules() if float8 and is_float8_linear(m)]
-        present = {name: lora_tp_style(module, style) for name, style in plan.block(model.args, styles, names).items()
+        block_plan = plan.block(model.args, styles, names, **variant)
+        present = {name: lora_tp_style(module, style) for name, style in block_plan.items()
                    if (module := submodule_or_none(block, name)) is not None}
         parallelize_module(block, tp_mesh, present)
         for name in plan.replicated:
