@@ -42,6 +42,8 @@ LAYOUTS = [  # (id, reference, processes, local batch, overrides); 16 completion
     ("moe_ep2", "moe", 2, 8, [*FSDP2, "--parallelism.expert_parallel_degree", "2"]),
     ("tp2", "grpo", 2, 8, TP2),
     ("moe_tp2", "moe", 2, 16, TP2),
+    ("tp2_fsdp2", "grpo", 4, 8, [*TP2[:2], *FSDP2]),
+    ("moe_tp2_ep2", "moe", 4, 8, [*TP2[:2], *FSDP2, "--parallelism.expert_parallel_degree", "2"]),
 ]
 CASES = [register(__name__, name, nproc, [*RUN, *FLAVORS[ref], "--training.local_batch_size", str(local), *overrides],
                   grads=True, command="rl")
@@ -88,15 +90,21 @@ def test_the_references_train_what_their_keys_say(worlds):
 
 def test_tensor_parallel_sampling_is_batch_invariant(worlds):
     """Under one TP degree a prompt's completions and the sampler's logprobs of them are the same bit for bit
-    whatever shares its batch: tp2's first 8 rows against the same prompts sampled alone (tp2_half_batch)."""
+    whatever shares its batch and whatever the layout around TP: tp2's first 8 rows against the same prompts
+    sampled alone (tp2_half_batch) and against TP 2 x FSDP 2's first data-parallel share (its tp rank 0)."""
     import torch
 
-    whole = torch.load(worlds.folder(CASES[[layout[0] for layout in LAYOUTS].index("tp2")]) / "rollout_rank0.pt")
+    def case(name):
+        return CASES[[layout[0] for layout in LAYOUTS].index(name)]
+
+    whole = torch.load(worlds.folder(case("tp2")) / "rollout_rank0.pt")
     half = torch.load(worlds.folder(TP2_HALF) / "rollout_rank0.pt")
+    product = torch.load(worlds.folder(case("tp2_fsdp2")) / "rollout_rank0.pt")
     assert all(r["logprob_diff_max"] == 0.0 for r in rows(worlds.folder(TP2_HALF)))
-    for key in ("prompt_lengths", "response_lengths", "sampler_logprobs"):
-        assert torch.equal(half[key], whole[key][:8]), key
-    ends = half["prompt_lengths"] + half["response_lengths"]
-    for row, end in enumerate(ends.tolist()):  # the batch's width is its longest prompt's
-        assert half["tokens"][row, :end].tolist() == whole["tokens"][row, :end].tolist(), f"row {row}"
+    for other in (half, product):
+        for key in ("prompt_lengths", "response_lengths", "sampler_logprobs"):
+            assert torch.equal(other[key], whole[key][:8]), key
+        ends = other["prompt_lengths"] + other["response_lengths"]
+        for row, end in enumerate(ends.tolist()):  # the batch's width is its longest prompt's
+            assert other["tokens"][row, :end].tolist() == whole["tokens"][row, :end].tolist(), f"row {row}"
     assert half["sampler_logprobs"].abs().sum() > 0
