@@ -61,7 +61,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     elif p.enable_async_tensor_parallel:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     if dims.cp > 1 and p.context_parallel_method == "ulysses":
-        check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len)
+        check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len, dims.pp)
     elif dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
     if args.mtp_layers and (dims.pp > 1 or dims.cp > 1):
