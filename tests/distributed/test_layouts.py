@@ -17,7 +17,8 @@ from tests.distributed.harness import (
 )
 from tests.distributed.worlds import register
 
-REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_size", "8"], always=True)
+# Its first step's gradients too: test_ulysses_layouts.py compares Llama's against them.
+REFERENCE = register(__name__, "single", 1, [*TINY_RUN, "--training.local_batch_size", "8"], grads=True, always=True)
 
 
 @pytest.fixture(scope="session")

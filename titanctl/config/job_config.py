@@ -302,8 +302,16 @@ class Parallelism:
     pipeline_parallel_schedule_csv: str = opt("", "A schedule CSV file (overrides the schedule name).")
     pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch.", min=1)
     context_parallel_degree: int = opt(1, "Context parallel degree (sequence sharded across ranks).", min=1)
+    context_parallel_method: str = opt(
+        "ring",
+        "How attention is split over the context parallel ranks: ring (each rank keeps its queries, keys and "
+        "values circulate; context_parallel_rotate_method says how) or ulysses (two all-to-alls per attention: "
+        "each rank attends over the whole sequence for n_heads / (tp x cp) heads).",
+        choices=("ring", "ulysses"),
+    )
     context_parallel_rotate_method: str = opt(
-        "allgather", "How ring attention exchanges K/V.", choices=("allgather", "alltoall")
+        "allgather", "How ring attention exchanges K/V (context_parallel_method = ring).",
+        choices=("allgather", "alltoall"),
     )
     expert_parallel_degree: int = opt(
         1,

@@ -13,6 +13,11 @@ parallelism each sliding layer narrows the mask it gets (or the causal one) to i
 context parallelism the step builds the masks of this rank's queries over all keys here, one per layer
 type ({"full_attention": ..., "sliding_attention": ...}, dense), causal ones too, so that every layer
 gathers the keys and values (ring attention takes neither a window nor a sink).
+
+Under Ulysses context parallelism (``parallelism.context_parallel_method = "ulysses"``) every kernel sees
+the whole sequence in order, for a share of the heads: the masks are the one-process ones, built by
+layer type over all positions when the model has sliding layers (its layers hold T / cp tokens and
+could not narrow them), and nothing gathers keys.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class MicrobatchMasks:
     by_positions: bool = False  # chat data: documents start where positions restart
     window: int | None = None  # masks by layer type under CP (gpt-oss): the sliding layers' window (0: none)
     dense: bool = False  # dense masks on every device (gpt-oss's layers narrow and read dense masks only)
+    ulysses: bool = False  # Ulysses CP: every kernel sees the whole sequence, so masks are over all positions
 
     @classmethod
     def build(
@@ -59,13 +65,14 @@ class MicrobatchMasks:
                 f"model.attn_mask_type = {cfg.model.attn_mask_type} finds documents by their BOS token, but "
                 f"{where} has none; use model.attn_mask_type = causal"
             )
+        ulysses = dims.cp > 1 and cfg.parallelism.context_parallel_method == "ulysses"
         cp_mesh = None
-        if dims.cp > 1:
+        if dims.cp > 1 and not ulysses:
             cp_mesh = dims.mesh["cp"]
             for part in model_parts:
                 enable_document_context_parallel(part, cp_mesh)
         return cls(bos_id=None if causal else bos_id, cp_mesh=cp_mesh, by_positions=by_positions and not causal,
-                   window=window, dense=layered)
+                   window=window, dense=layered, ulysses=ulysses)
 
     def __call__(self, inputs: torch.Tensor, positions: torch.Tensor | None = None):
         """The mask for the model's ``attn_mask`` of a microbatch of whole windows (B, T); None: causal.
@@ -91,9 +98,13 @@ class MicrobatchMasks:
         return build(doc_ids, q_positions, kv_positions)
 
     def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Dense masks of this CP rank's queries over all keys: the document (or causal) one for full
-        layers, narrowed to the last ``window`` positions for sliding ones."""
-        q_positions, kv_positions = (p.to(inputs.device) for p in document_cp_positions(inputs.shape[1], self.cp_mesh))
+        """Dense masks of this CP rank's queries (Ulysses: of all queries) over all keys: the document (or
+        causal) one for full layers, narrowed to the last ``window`` positions for sliding ones."""
+        if self.ulysses:  # the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
+            q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
+        else:
+            shares = document_cp_positions(inputs.shape[1], self.cp_mesh)
+            q_positions, kv_positions = (p.to(inputs.device) for p in shares)
         full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
         distance = q_positions[:, None] - kv_positions[None, :]  # (T / cp, T) query minus key position
         if full is None:

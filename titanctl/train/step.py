@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titanctl.config.job_config import JobConfig
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.ulysses import ulysses_context_parallel_ctx
 from titanctl.train.attention_masks import MicrobatchMasks
 from titanctl.train.loss import IGNORE_INDEX, build_loss_fn, build_mean_loss_fn
 
@@ -103,7 +104,9 @@ class ForwardBackward:
                         loss = self.pipeline.eval_loss(inputs, labels, loss_divisor=divisor, **model_kwargs)
                 return None if loss is None else loss.detach()
             cp_ctx = contextlib.nullcontext()
-            if self.dims.cp > 1 and attn_mask is not None:
+            if self.dims.cp > 1 and self.cfg.parallelism.context_parallel_method == "ulysses":
+                cp_ctx = self.ulysses_ctx(inputs, labels, positions)
+            elif self.dims.cp > 1 and attn_mask is not None:
                 # With positions the model looks its RoPE rows up by them: they are cut like the tokens,
                 # and the table stays whole.
                 sharded = [inputs, labels, positions] if positions is not None else [inputs, labels]
@@ -136,6 +139,15 @@ class ForwardBackward:
                 if backward:
                     objective.backward()
             return loss.detach()
+
+    def ulysses_ctx(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None):
+        """Ulysses CP: tokens, labels and the RoPE table (or, with positions, those) cut to this rank's
+        contiguous share; attention's all-to-alls give its kernels the whole sequence."""
+        sharded = [inputs, labels] if positions is None else [inputs, labels, positions]
+        buffers = sharded if positions is not None else [*sharded, self.model_parts[0].rope_cache]
+        return ulysses_context_parallel_ctx(self.dims.mesh["cp"], buffers=buffers,
+                                            seq_dims=[1, 1, 1] if positions is not None else [1, 1, 0],
+                                            no_restore=set(sharded))
 
     def multi_token_loss(self, depth_logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         """The mean over depths of each depth's mean cross-entropy: depth k at position i predicts the

@@ -532,3 +532,15 @@ def test_the_report_names_the_recipes_family(capsys):
     print_report(e, None, 0)
     header = capsys.readouterr().out.splitlines()[0]
     assert ": qwen3 debugmodel (" in header and "Llama" not in header
+
+
+def test_ulysses_is_estimated_by_running_its_all_to_alls():
+    """The estimate runs the method's own step: at CP 4 over Llama's 2 KV heads, Ulysses repeats each KV head
+    to 4 (one per rank) before its all-to-all, and attention keeps those copies, which the ring never makes."""
+    args = ["--model.n_layers", "2", "--training.seq_len", "1024", "--training.local_batch_size", "1",
+            "--parallelism.context_parallel_degree", "4", "--activation_checkpoint.mode", "none"]
+    ring, ulysses = (estimate("recipes/llama3_debug.toml", 4, [*args, "--parallelism.context_parallel_method", m],
+                              device="cpu") for m in ("ring", "ulysses"))
+    # per layer, k and v as 1 head x 1024 positions x 32 channels (fp32) where the ring keeps 2 heads x 256
+    repeated = 2 * 2 * (1024 - 2 * 256) * 32 * 4
+    assert ulysses.categories["activations"] - ring.categories["activations"] == pytest.approx(repeated, rel=0.2)

@@ -40,6 +40,7 @@ from titanctl.parallel.layouts.linear_attention_cp import (
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
+from titanctl.parallel.layouts.ulysses import check_ulysses, enable_ulysses
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 
@@ -63,7 +64,9 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         check_tp(args, dims.tp, cfg.training.seq_len)
     elif p.enable_async_tensor_parallel:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
-    if dims.cp > 1:
+    if dims.cp > 1 and p.context_parallel_method == "ulysses":
+        check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len, dims.pp)
+    elif dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
         check_linear_attention_cp(args, cfg.training.seq_len, dims.cp)
     if args.mtp_layers and (dims.pp > 1 or dims.cp > 1):
@@ -132,6 +135,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_p
         apply_ep(model, dims.expert_mesh[tuple(n for n, size in (("ep", dims.ep), ("tp", dims.tp)) if size > 1)])
     if cfg.lora.enable:
         freeze_base(model)  # TP and EP give replicated modules new Parameters, which require gradients
+    if dims.cp > 1 and p.context_parallel_method == "ulysses":
+        enable_ulysses(model, dims.mesh["cp"])
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model)

@@ -8,7 +8,8 @@ recipe through the same loader and validation as train.
 
 The enumeration keeps the recipe's model, sequence length and global batch, and follows the usual
 placement rules: TP within a node (its traffic is the heaviest), CP only where the sequence splits
-into 2 x cp load-balanced chunks, PP only where every stage keeps a layer, EP only for MoE families.
+into 2 x cp load-balanced chunks (each CP degree as ring and as Ulysses), PP only where every stage
+keeps a layer, EP only for MoE families.
 Whether the trainer accepts a layout is asked of the trainer's functions (``ParallelDims.from_config``,
 ``build.check_layout``, the pipeline's stage and microbatch checks, the loader's batch rule), never
 re-decided here: a family's refusals (e.g. no CP for latent attention) come from there.
@@ -27,6 +28,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.errors import TitanError
 
 AC_MODES = ("none", "selective_op", "selective_2", "full")  # how the plan names activation checkpointing
+CP_METHODS = ("ring", "ulysses")  # parallelism.context_parallel_method; Ulysses where the heads split (check_layout)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Candidate:
     compile: bool = False
     float8: bool = False
     async_tp: bool = False
+    cp_method: str = "ring"  # parallelism.context_parallel_method when cp > 1: ring or ulysses
 
     @property
     def world_size(self) -> int:
@@ -71,6 +74,8 @@ class Candidate:
         parts = [f"{name} {value}" for name, value in
                  (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
                   ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)) if value > 1]
+        if self.cp > 1 and self.cp_method != "ring":
+            parts[[p.startswith("cp ") for p in parts].index(True)] += f" {self.cp_method}"
         text = " x ".join(parts) or "single device"
         if self.pp > 1:
             text += f" ({self.pp_schedule}, {self.microbatches} mb)"
@@ -103,6 +108,8 @@ class Candidate:
             "float8.enable_fsdp_float8_all_gather": self.float8 and self.fsdp,
             "float8.precompute_float8_dynamic_scale_for_fsdp": self.float8 and self.fsdp,
         }
+        if self.cp > 1:
+            out["parallelism.context_parallel_method"] = self.cp_method
         if mode == "selective":
             out["activation_checkpoint.selective_ac_option"] = option
         if self.pp > 1:
@@ -127,7 +134,8 @@ class Candidate:
     def to_json(self) -> dict:
         return {
             "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate, "tp": self.tp, "pp": self.pp,
-            "cp": self.cp, "ep": self.ep, "pp_schedule": self.pp_schedule or None,
+            "cp": self.cp, "cp_method": self.cp_method if self.cp > 1 else None, "ep": self.ep,
+            "pp_schedule": self.pp_schedule or None,
             "microbatches": self.microbatches, "pp_microbatch_size": self.pp_microbatch_size if self.pp > 1 else None,
             "local_batch_size": self.local_batch_size, "grad_accum_steps": self.grad_accum, "ac": self.ac,
             "compile": self.compile, "float8": self.float8, "async_tp": self.async_tp,
@@ -222,15 +230,17 @@ def enumerate_splits(
                             rejected[f"global batch {global_batch} not divisible by the data-parallel degree"] += 1
                             continue
                         per_rank = global_batch // (dp_replicate * dp_shard)
-                        base = Candidate(dp_replicate, dp_shard, tp, pp, cp, ep, per_rank, 1, ac="none")
-                        probe = base if pp == 1 else dataclasses.replace(
-                            base, pp_schedule="GPipe", pp_microbatch_size=1)  # GPipe: any count of microbatches
-                        try:
-                            check_candidate(recipe, probe, global_batch, model_args)
-                        except TitanError as e:
-                            rejected[_reason(e)] += 1
-                            continue
-                        out.extend(_splits(recipe, base, per_rank, global_batch, model_args, schedules, rejected))
+                        for method in CP_METHODS if cp > 1 else CP_METHODS[:1]:
+                            base = Candidate(dp_replicate, dp_shard, tp, pp, cp, ep, per_rank, 1, ac="none",
+                                             cp_method=method)
+                            probe = base if pp == 1 else dataclasses.replace(
+                                base, pp_schedule="GPipe", pp_microbatch_size=1)  # GPipe: any count of microbatches
+                            try:
+                                check_candidate(recipe, probe, global_batch, model_args)
+                            except TitanError as e:
+                                rejected[_reason(e)] += 1
+                                continue
+                            out.extend(_splits(recipe, base, per_rank, global_batch, model_args, schedules, rejected))
     return Enumeration(out, rejected)
 
 

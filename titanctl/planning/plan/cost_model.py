@@ -32,7 +32,9 @@ network: a group whose ranks span nodes runs at the network's speed) as latency 
 - TP with sequence parallel: two all-gathers and two reduce-scatters of the block's activations
   forward, the same backward (and again for recomputed forwards); exposed, but for the share
   ``async_tp_overlap`` x ``overlap`` that async TP hides behind its split matmuls;
-- CP: all-gathers of keys and of values forward and backward, reduce-scatters of their gradients;
+- CP: ring: all-gathers of keys and of values forward and backward, reduce-scatters of their gradients;
+  Ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward (recomputed
+  forwards again), and none of the ring's DTensor host time;
 - EP: all-to-all dispatch and combine of each MoE layer's routed tokens, forward and backward;
 - PP: point-to-point sends of activations and gradients at every stage boundary.
 
@@ -86,6 +88,7 @@ class Setting:
     seq_len: int
     attention_flops_per_token_layer: float  # forward + backward, as the model counts them
     kv_width: int  # key + value channels per token (all heads)
+    q_width: int = 0  # query channels per token (all heads): Ulysses sends them, and the output as wide
 
     @classmethod
     def of_model(cls, device: Device, dtype: str, args, seq_len: int) -> Setting:
@@ -96,7 +99,8 @@ class Setting:
         attention = (spec_of(args).flops_per_token(args, seq_len) - 6 * active_params(args)) / args.n_layers
         mla = args.mla
         kv = args.n_heads * (mla.qk_head_dim + mla.v_head_dim) if mla is not None else 2 * args.kv_heads * args.head_dim
-        return cls(device, dtype, seq_len, attention, kv)
+        q = args.n_heads * (mla.qk_head_dim if mla is not None else args.head_dim)
+        return cls(device, dtype, seq_len, attention, kv, q)
 
 
 def collective_time(device: Device, kind: str, nbytes: float, n: int, inter_node: bool) -> float:
@@ -249,7 +253,7 @@ class CostModel:
                     host_time += dtensor
                     if not d.host_runs_ahead:  # on GPUs it hides behind the kernels it queues
                         term("tp DTensor host time", count * dtensor)
-                if c.cp > 1:
+                if c.cp > 1 and c.cp_method == "ring":
                     # The ring: 2 cp attention calls forward and 4 cp backward, each with DTensor dispatch.
                     ring = 6 * c.cp * d.dtensor_op_us * 1e-6 * (1 + recompute)
                     host_time += ring
@@ -267,7 +271,14 @@ class CostModel:
                     block_comm += tp_comm
                     block_exposed += tp_exposed
                     term("tp collectives (exposed)", count * tp_exposed)
-                if c.cp > 1:  # keys and values (each) gathered forward and backward, their gradients reduce-scattered
+                if c.cp > 1 and c.cp_method == "ulysses":
+                    # q, k, v to head shards and the output back forward; their gradients the other way backward
+                    qkvo = tokens * (2 * self.s.q_width + self.s.kv_width) / c.tp * elem
+                    cp_comm = (2 + recompute) * collective_time(d, "all_to_all", qkvo, c.cp, cp_inter)
+                    block_comm += cp_comm
+                    block_exposed += cp_comm
+                    term("cp ulysses all-to-alls", count * cp_comm)
+                elif c.cp > 1:  # keys and values (each) gathered forward and backward, their gradients reduce-scattered
                     kv = tokens * c.cp * self.s.kv_width / 2 / c.tp * elem
                     cp_comm = 2 * (2 * collective_time(d, "all_gather", kv, c.cp, cp_inter)
                                    + collective_time(d, "reduce_scatter", kv, c.cp, cp_inter))
