@@ -76,6 +76,21 @@ def test_expert_parallel_needs_experts_it_can_split(family, flavor, ep, message)
         check_family_layout(family, flavor, dims(ep, expert_parallel=ep))
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallel_inside_pipeline_stages_is_refused(method):
+    """The pipeline's microbatches reach the stages whole: every CP rank would compute the whole sequence
+    (and Gated DeltaNet's scan would read it as two pieces of a longer one)."""
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+
+    cfg = load_config(None, ["--parallelism.context_parallel_method", method])
+    with pytest.raises(ParallelError, match="context_parallel_degree = 2 does not compose with "
+                                            "pipeline_parallel_degree = 2"):
+        check_layout(cfg, dims(4, pipeline_parallel=2, context_parallel=2, data_parallel_shard=1),
+                     model_args_from_config(cfg.model, 256, 64))
+
+
 def check_family_layout(family: str, flavor: str, layout: ParallelDims) -> None:
     from titanctl.config.recipe import load_config
     from titanctl.models.registry import model_args_from_config

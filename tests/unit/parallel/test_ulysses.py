@@ -25,11 +25,6 @@ def test_heads_must_divide_by_tp_times_cp():
         check_ulysses(args("llama3", n_heads=6, n_kv_heads=2), tp=1, cp=3, seq_len=64)
 
 
-def test_a_pipeline_is_refused():
-    with pytest.raises(ParallelError, match="does not compose with pipeline_parallel_degree = 2"):
-        check_ulysses(args("llama3"), tp=1, cp=2, seq_len=64, pp=2)
-
-
 def test_a_family_with_layers_other_than_attention_is_refused():
     with pytest.raises(ParallelError, match="qwen3_5 has linear_attention layers; use context_parallel_method = ring"):
         check_ulysses(args("qwen3_5"), tp=1, cp=2, seq_len=64)

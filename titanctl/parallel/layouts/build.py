@@ -64,8 +64,11 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         check_tp(args, dims.tp, cfg.training.seq_len)
     elif p.enable_async_tensor_parallel:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+    if dims.cp > 1 and dims.pp > 1:  # the pipeline's microbatches reach the stages whole: nothing cuts the sequence
+        raise ParallelError(f"context_parallel_degree = {dims.cp} does not compose with pipeline_parallel_degree = "
+                            f"{dims.pp}: the stages would each compute the whole sequence; use one of the two")
     if dims.cp > 1 and p.context_parallel_method == "ulysses":
-        check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len, dims.pp)
+        check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len)
     elif dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
         check_linear_attention_cp(args, cfg.training.seq_len, dims.cp)

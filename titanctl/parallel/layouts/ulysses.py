@@ -45,11 +45,8 @@ HEAD_DIM, SEQ_DIM = 1, 2  # of q, k, v and the output inside the kernel: (B, H, 
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
-def check_ulysses(args: ModelArgs, tp: int, cp: int, seq_len: int, pp: int = 1) -> None:
+def check_ulysses(args: ModelArgs, tp: int, cp: int, seq_len: int) -> None:
     """Fail before any collective if ``args``' attention cannot be split cp ways by heads after TP."""
-    if pp > 1:  # the pipeline's microbatches reach the stages whole: nothing would cut the sequence
-        raise ParallelError(f"ulysses context parallel does not compose with pipeline_parallel_degree = {pp}; "
-                            "use context_parallel_method = ring or pipeline_parallel_degree = 1")
     if seq_len % cp:
         raise ParallelError(f"ulysses context parallel needs training.seq_len divisible by "
                             f"context_parallel_degree = {cp}, but seq_len is {seq_len}")
