@@ -3,7 +3,9 @@
 titanctl's step is built as ``titanctl train`` builds it from a recipe (default the debug recipe:
 its compile and linear-kernel settings, model converters, loss and optimizer); the peer is the
 family's transformers class (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``:
-transformers loops over a MoE layer's experts; ``Qwen3_5MoeForCausalLM`` with --recipe recipes/qwen3_5_moe_debug.toml, its experts loaded packed as it holds them) in eager mode with torch's AdamW. Same model shape,
+transformers loops over a MoE layer's experts; ``Qwen3_5MoeForCausalLM`` with --recipe
+recipes/qwen3_5_moe_debug.toml, its experts loaded packed as it holds them) in eager mode with torch's
+AdamW. Same model shape,
 same weights (titanctl's initialization copied into transformers), same batch, same optimizer
 settings, same machine and threads. ``--dtype float32`` (default) runs both in fp32;
 ``--dtype bfloat16`` both under bf16 autocast, and only on a CPU with bf16 units (``avx512_bf16``
