@@ -119,3 +119,19 @@ def test_the_gpu_recipes_fit_by_the_fast_estimate(recipe, world_size):
                           ac="full" if cfg.activation_checkpoint.mode == "full" else "selective_op")
     planner = Planner(str(path), cfg, devices.resolve_device("h100", None, {}))
     assert 0 < planner.fast_memory(candidate) < (74.5 - 8) * 2**30
+
+
+@pytest.mark.slow  # three estimates on fake tensors (about 8 s)
+def test_a_hybrid_model_extrapolates_exactly():
+    """Forty hybrid blocks from runs of sixteen and twenty (groups of the schedule's four) equal running all
+    forty, byte for byte: the schedule of each shallow model is the full model's own."""
+    from titanctl.planning.memory import estimate as memory
+
+    overrides = ["--model.n_layers", "40", "--training.seq_len", "64", "--training.local_batch_size", "2",
+                 "--activation_checkpoint.mode", "none"]
+    fast = memory.estimate_memory(load_config(REPO / "recipes" / "qwen3_5_debug.toml", overrides), 1)
+    full = memory.estimate_memory(load_config(REPO / "recipes" / "qwen3_5_debug.toml", overrides), 1, all_layers=True)
+    assert fast.layers_run == [16, 20] and full.layers_run == [40]
+    assert [(p.step, p.phase, p.peak, p.module) for p in fast.phases] == [
+        (p.step, p.phase, p.peak, p.module) for p in full.phases]
+    assert fast.categories == full.categories
