@@ -3,7 +3,9 @@
 titanctl's step is built as ``titanctl train`` builds it from a recipe (default the debug recipe:
 its compile and linear-kernel settings, model converters, loss and optimizer); the peer is the
 family's transformers class (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``:
-transformers loops over a MoE layer's experts) in eager mode with torch's AdamW. Same model shape,
+transformers loops over a MoE layer's experts; ``Qwen3_5MoeForCausalLM`` with --recipe
+recipes/qwen3_5_moe_debug.toml, its experts loaded packed as it holds them) in eager mode with torch's
+AdamW. Same model shape,
 same weights (titanctl's initialization copied into transformers), same batch, same optimizer
 settings, same machine and threads. ``--dtype float32`` (default) runs both in fp32;
 ``--dtype bfloat16`` both under bf16 autocast, and only on a CPU with bf16 units (``avx512_bf16``
@@ -178,6 +180,26 @@ def step_floor(model: torch.nn.Module, args, batch: int, seq_len: int) -> tuple[
     return linear, linear / best_gemm_rate(model, tokens), attention_seconds(args, batch, seq_len)
 
 
+def in_memory_layout(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict in the Hub's one tensor per expert, packed as ``model`` holds its experts in
+    memory where it does (transformers 5's ``mlp.experts.gate_up_proj`` [E, 2F, D], gate rows first, and
+    ``down_proj`` [E, D, F])."""
+    wanted = set(model.state_dict())
+    per_expert = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        m = per_expert.fullmatch(name)
+        if m and f"{m.group(1)}.gate_up_proj" in wanted:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([w["gate"], w["up"]]) for w in order])
+        out[f"{prefix}.down_proj"] = torch.stack([w["down"] for w in order])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes/llama3_debug.toml"))
@@ -240,7 +262,8 @@ def main() -> None:
     ours, ours_loss = titanctl_model()
     hf = hf_config(args)
     theirs = getattr(transformers, hf["architectures"][0])(transformers.AutoConfig.for_model(**hf))
-    missing, unexpected = theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args), strict=False)
+    missing, unexpected = theirs.load_state_dict(in_memory_layout(to_hf_state_dict(ours.state_dict(), args), theirs),
+                                                 strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if args.tie_embeddings else set()), missing
 
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ import torch
 from titanctl.checkpoint.formats import FORMATS, WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf.hub_layout import naming_only
 from titanctl.checkpoint.hf.names import HF_FILES_KEY
 from titanctl.checkpoint.hf.serving_kernels import serving_warning
 from titanctl.checkpoint.hf.tokenizer_export import resolve_tokenizer, write_companion_files
@@ -304,7 +305,8 @@ def write_checkpoint(
             options["token_ids"] = (tokenizer.bos_id, tokenizer.eos_id)
         options["source_config"] = source_config
         options["notes"] = notes
-        options["layout"] = source_files if max_shard_size is None else None  # a size asked for: new shards
+        # A size asked for: new shards, in the source's names.
+        options["layout"] = source_files if max_shard_size is None else naming_only(source_files)
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))

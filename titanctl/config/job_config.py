@@ -58,7 +58,7 @@ MODEL_FLAVORS = {
     "deepseek_v3": ("debugmodel", "16B", "671B"),
     "gpt_oss": ("debugmodel", "20b", "120b"),
     "qwen3_5": ("debugmodel", "debugmodel_untied"),
-    "qwen3_5_moe": ("debugmodel", "35B-A3B"),
+    "qwen3_5_moe": ("debugmodel", "35B-A3B", "397B-A17B"),
 }
 
 

@@ -262,6 +262,7 @@ PUBLISHED_SIZES = {
     ("gpt_oss", "120b"): (116.83e9, 1e-3),
     # The name's 35B, text only: the Hub's checkpoint adds a vision tower (~0.4B) titanctl does not build.
     ("qwen3_5_moe", "35B-A3B"): (35e9, 0.02),
+    ("qwen3_5_moe", "397B-A17B"): (397e9, 0.01),  # text only: 396.35B (the name counts the vision tower and MTP)
 }
 # Families with no published flavor yet, and why: their sizes join PUBLISHED_SIZES with the flavors.
 UNPUBLISHED = {

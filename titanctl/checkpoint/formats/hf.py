@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ from titanctl.checkpoint.formats.base import (
     dtype_name,
     read_json,
 )
+from titanctl.checkpoint.hf import hub_layout
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY, carried, export_config
+from titanctl.checkpoint.hf.hub_layout import HubNaming
 from titanctl.checkpoint.hf.names import (
     HF_FILES_KEY,
     IGNORED_HF_SUFFIXES,
@@ -47,11 +50,12 @@ from titanctl.checkpoint.hf.names import (
     check_one_expert_layout,
     from_hf_tensor,
     hf_names_of,
+    hub_names_of,
     not_stored,
     shared_copy,
     special_token_ids,
     structured_pieces,
-    to_hf_tensors,
+    to_hub_tensors,
 )
 from titanctl.checkpoint.quantized import mxfp4
 from titanctl.checkpoint.quantized.fp8_blocks import (
@@ -99,7 +103,7 @@ def holds_hf_names(folder: Path) -> bool:
     files = sorted(p for p in Path(folder).glob("*.safetensors") if p.is_file())  # a FIFO would block
     try:
         with safe_open(str(files[0]), framework="pt") as f:
-            return any(canonical_name_of(key) is not None for key in f.keys())
+            return any(canonical_name_of(hub_layout.text_name(key)) is not None for key in f.keys())
     except (IndexError, SafetensorError, OSError):
         return False
 
@@ -149,11 +153,36 @@ class HFSource(Source):
             absent = [key for key in weight_map if key not in present]
             if absent:
                 raise CheckpointError(f"{weight_map[absent[0]]} lacks {absent[0]!r}, which {INDEX_FILE} lists")
+        self._unwrap()
         self._pair_block_scales()
         self._pair_mxfp4_blocks()
         self.pages = PageReleaser()
         self._open_path: Path | None = None
         self._open_file: Any = None
+
+    def _unwrap(self) -> None:
+        """A vision-language folder (``hub_layout``): its text model's tensors renamed as the ``*ForCausalLM``
+        spells them (``_stored`` maps back), the parts titanctl does not build set aside (``left_out``)."""
+        self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
+        self.left_out: list[str] = []
+        self.naming = HubNaming()
+        if not hub_layout.is_wrapped(key for key, *_ in self.raw):
+            return
+        self.naming = HubNaming(hub_layout.WRAPPED_PREFIX)
+        kept = []
+        for key, path, shape, dtype in self.raw:
+            if hub_layout.not_built(key):
+                self.left_out.append(key)
+                continue
+            name = hub_layout.text_name(key)
+            if name != key:
+                self._stored[name] = key
+            kept.append((name, path, shape, dtype))
+        self.raw = kept
+
+    def _tensor(self, path: Path, key: str) -> torch.Tensor:
+        """The stored tensor of a name in ``raw`` (memory-mapped)."""
+        return self._file(path).get_tensor(self._stored.get(key, key))
 
     def _pair_block_scales(self) -> None:
         """Take the FP8 weights' scales out of ``raw`` (they are no weights) into ``scales``, every
@@ -185,7 +214,11 @@ class HFSource(Source):
             shapes = {canonical_name_of(key): shape for key, _path, shape, _dtype in self.raw}
             return infer_model_args(shapes, f"{self.folder} (no {CONFIG_FILE})")
         where = str(self.folder / CONFIG_FILE)
-        args = args_from_hf_config(read_json(self.folder / CONFIG_FILE), where=where)
+        config = read_json(self.folder / CONFIG_FILE)
+        args = args_from_hf_config(config, where=where)
+        if self.left_out:
+            self.notes.append(hub_layout.left_out_note(self.left_out, hub_layout.unwrapped_config(config).get(
+                "architectures", ["the *ForCausalLM"])[0]))
         if args.mtp_layers and not any(_layer_of(key) >= args.n_layers for key, *_ in self.raw):
             # transformers writes DeepSeek-V3's num_nextn_predict_layers (default 1) without the weights.
             args = args.replace(mtp_layers=0)
@@ -204,6 +237,10 @@ class HFSource(Source):
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
         check_one_expert_layout((key for key, *_ in self.raw), args)
+        if self.naming.wrapped:  # the Hub's wrappers pack their experts; an export keeps the folder's layout
+            packed = any(structured_pieces(key, args)[:1] and structured_pieces(key, args)[0].expert is None
+                         for key, *_ in self.raw)
+            self.naming = HubNaming(self.naming.prefix, packed)
         unused_depths = self._unused_prediction_depths(args)
         for key, path, shape, dtype in self.raw:
             if key.endswith(IGNORED_HF_SUFFIXES) or shared_copy(key, args) or _layer_of(key) in unused_depths:
@@ -261,12 +298,16 @@ class HFSource(Source):
         if regular_file_size(config, what="config.json", error=CheckpointError) > MAX_CARRIED_CONFIG_BYTES:
             # titanctl.json, which carries it, is read back with a size limit: no model's config is this big.
             raise CheckpointError(f"{config} is larger than {MAX_CARRIED_CONFIG_BYTES >> 20} MiB: not a model's config")
-        return {HF_CONFIG_KEY: carried(read_json(config)), HF_FILES_KEY: self._layout()}
+        return {HF_CONFIG_KEY: carried(hub_layout.unwrapped_config(read_json(config))), HF_FILES_KEY: self._layout()}
 
     def _layout(self) -> dict[str, Any]:
-        """The folder's layout: which file holds each stored tensor (``file_layout``)."""
-        files = {key: str(path.relative_to(self.folder)) for key, path, _shape, _dtype in self.raw}
-        return file_layout(files, (self.folder / INDEX_FILE).is_file())
+        """The folder's layout: which file holds each stored tensor of the model (``file_layout``), and how
+        the folder names them (``hub_layout.HubNaming``, for a vision-language folder)."""
+        files = {self._stored.get(key, key): str(path.relative_to(self.folder)) for key, path, *_ in self.raw}
+        layout = file_layout(files, (self.folder / INDEX_FILE).is_file())
+        if self.naming.wrapped:
+            layout[hub_layout.NAMING_KEY] = self.naming.to_json()
+        return layout
 
     def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
         """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
@@ -322,7 +363,7 @@ class HFSource(Source):
         if info.shown in self.mxfp4:
             _, tensor = from_hf_tensor(info.shown, self._mxfp4_dequantized(self.mxfp4[info.shown]), self.args)
             return tensor.contiguous()  # transposed back: the fresh tensor in its own order
-        view = self._file(self.folder / info.where).get_tensor(info.shown)  # memory-mapped
+        view = self._tensor(self.folder / info.where, info.shown)  # memory-mapped
         _, tensor = from_hf_tensor(info.shown, view, self.args)
         if tensor.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
             tensor = self.pages.copy_out(tensor)  # not permuted (perhaps transposed): copy chunk by chunk
@@ -334,16 +375,16 @@ class HFSource(Source):
         """The FP8 weight `key` of `path` times its block scales, in ``dequantize_to`` (into `out`)."""
         scale_of = self.scales[key]
         # The scales first (small, copied): reading them may close the weight's file.
-        scale = self.pages.copy_out(self._file(scale_of.path).get_tensor(scale_of.key)).float()
-        view = self._file(path).get_tensor(key)  # memory-mapped
+        scale = self.pages.copy_out(self._tensor(scale_of.path, scale_of.key)).float()
+        view = self._tensor(path, key)  # memory-mapped
         return dequantize(view, scale, self.block, self.dequantize_to, out=out, release=self.pages.release)
 
     def _mxfp4_dequantized(self, entry: mxfp4.Packed) -> torch.Tensor:
         """The matrix an MXFP4 pair encodes, in ``dequantize_to``, its last two dimensions swapped as
         transformers holds it (a view of the fresh tensor)."""
         # The scales first (small, copied): reading them may close the blocks' file.
-        scales = self.pages.copy_out(self._file(entry.scales_path).get_tensor(entry.scales))
-        blocks = self._file(entry.blocks_path).get_tensor(entry.blocks)  # memory-mapped
+        scales = self.pages.copy_out(self._tensor(entry.scales_path, entry.scales))
+        blocks = self._tensor(entry.blocks_path, entry.blocks)  # memory-mapped
         return mxfp4.dequantize(blocks, scales, self.dequantize_to, entry.name, release=self.pages.release).mT
 
     def _load_structured(self, found: list) -> torch.Tensor:
@@ -354,7 +395,7 @@ class HFSource(Source):
                 whole = self._dequantized(key, path)
                 size = whole.shape[piece.dim] // piece.parts
                 return whole.narrow(piece.dim, piece.index * size, size).clone()
-            view = self._file(path).get_tensor(key)  # memory-mapped
+            view = self._tensor(path, key)  # memory-mapped
             size = view.shape[piece.dim] // piece.parts
             part = view.narrow(piece.dim, piece.index * size, size)
             out = part.clone()
@@ -367,7 +408,7 @@ class HFSource(Source):
             if key in self.scales:
                 self._dequantized(key, path, out=row)
             else:
-                self.pages.copy_into(row, self._file(path).get_tensor(key))
+                self.pages.copy_into(row, self._tensor(path, key))
         return stack
 
     def close(self) -> None:
@@ -415,19 +456,45 @@ def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None
     """The order in which ``write`` (given ``layout``) loads the tensors of a source whose infos name
     ``names`` (the ranks of a training run walk it together: ``titanctl.checkpoint.run.hf_save``): theirs,
     less the state the format does not store, file by file when the source's files are kept."""
-    stored = [name for name in names if hf_names_of(name, args)]
-    kept = _kept_files([(hf_name, name, 0) for name in stored for hf_name in hf_names_of(name, args)], layout)
-    return stored if kept is None else list(dict.fromkeys(name for shard in kept[1] for _, name, _ in shard))
+    return _plan(names, lambda name: 0, args, layout, DEFAULT_MAX_SHARD_SIZE)[2]
 
 
-def _kept_files(entries: list[tuple[str, str, int]], layout: dict[str, Any] | None) -> tuple[list[str], list] | None:
-    """(file names, the (HF name, titanctl weight, bytes) entries each holds, in order) of the source's
-    files, when ``layout`` (``file_layout``) records exactly these Hugging Face tensors; else None."""
-    kept = files_of(layout, [hf_name for hf_name, *_ in entries]) if layout else None
-    if kept is None:
-        return None
-    names = list(dict.fromkeys(kept.values()))
-    return names, [[entry for entry in entries if kept[entry[0]] == file] for file in names]
+# One Hugging Face tensor of a write: its name, the titanctl weights it is made of with each one's slice
+# (dim, index, parts) or None (the whole tensor), and its bytes.
+Entry = tuple[str, list[tuple[str, "tuple[int, int, int] | None"]], int]
+
+
+def _plan(names: list[str], nbytes_of: Callable[[str], int], args: ModelArgs, layout: dict[str, Any] | None,
+          max_shard_size: int) -> tuple[list[str], list[list[Entry]], list[str], bool]:
+    """(file names, the entries each holds in order, the order in which to load titanctl's weights, whether
+    an index is written): the source's files when ``layout`` records exactly these Hugging Face tensors,
+    else greedy shards of at most ``max_shard_size`` in the order of ``names``. Names follow the layout's
+    ``hub_layout.HubNaming``."""
+    naming = HubNaming.of_layout(layout)
+    entries: dict[str, Entry] = {}
+    for name in names:
+        stored = hub_names_of(name, args, naming)
+        for hf_name, piece in stored:
+            nbytes = nbytes_of(name) // len(stored)
+            _, parts, total = entries.get(hf_name, (hf_name, [], 0))
+            entries[hf_name] = (hf_name, [*parts, (name, piece)], total + nbytes)
+    kept = files_of(layout, list(entries)) if layout else None
+    if kept is not None:  # the source's files: each holds what it held, in the source's order of files
+        files = list(dict.fromkeys(kept.values()))
+        plan = [[entry for entry in entries.values() if kept[entry[0]] == file] for file in files]
+        index_file = bool(layout.get("index"))
+    else:
+        plan, size = [[]], 0
+        for entry in entries.values():
+            if plan[-1] and size + entry[2] > max_shard_size:
+                plan.append([])
+                size = 0
+            plan[-1].append(entry)
+            size += entry[2]
+        files = [SINGLE_FILE] if len(plan) == 1 else [shard_name(i, len(plan)) for i in range(1, len(plan) + 1)]
+        index_file = len(plan) > 1
+    order = list(dict.fromkeys(name for shard in plan for _, parts, _ in shard for name, _ in parts))
+    return files, plan, order, index_file
 
 
 def write(
@@ -449,38 +516,32 @@ def write(
     loaded in ``write_order``, each once; its Hugging Face tensors (one per expert for routed
     experts) fill the shards in order, so no shard exceeds ``max_shard_size`` unless one tensor does.
     ``layout``: the source folder's files (``file_layout``), used when they hold exactly these tensors
-    (and no --max-shard-size was asked for)."""
+    (and no --max-shard-size was asked for), and its names (``hub_layout.HubNaming``: a vision-language
+    folder's prefix and packed experts, whose slices are joined here)."""
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
-    # Plan the shards from shapes alone: (HF name, titanctl weight, bytes), greedy in the source's order.
-    plan: list[list[tuple[str, str, int]]] = [[]]
-    size = 0
-    for info in source.infos:
-        hf_names = hf_names_of(info.name, args)
-        for hf_name in hf_names:
-            nbytes = info.nbytes(dtype) // len(hf_names)
-            if plan[-1] and size + nbytes > max_shard_size:
-                plan.append([])
-                size = 0
-            plan[-1].append((hf_name, info.name, nbytes))
-            size += nbytes
-    kept = _kept_files([entry for shard in plan for entry in shard], layout)
-    if kept is not None:  # the source's files: each holds what it held, in the source's order of files
-        names, plan = kept
-        index_file = bool(layout.get("index"))
-    else:
-        names = [SINGLE_FILE] if len(plan) == 1 else [shard_name(i, len(plan)) for i in range(1, len(plan) + 1)]
-        index_file = len(plan) > 1
+    naming = HubNaming.of_layout(layout)
+    infos = {info.name: info for info in source.infos}
+    names, plan, _order, index_file = _plan(list(infos), lambda name: infos[name].nbytes(dtype), args, layout,
+                                            max_shard_size)
     weight_map: dict[str, str] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # titanctl weight -> its HF tensors not yet written
     for file, shard in zip(names, plan, strict=True):
         tensors = {}
-        for hf_name, name, nbytes in shard:
-            if name not in pending:
-                pending[name] = dict(to_hf_tensors(name, cast(source.load(name), dtype), args))
-            tensors[hf_name] = pending[name].pop(hf_name).contiguous()
-            if not pending[name]:
-                del pending[name]
+        for hf_name, parts, nbytes in shard:
+            pieces = []
+            for name, piece in parts:
+                if name not in pending:
+                    pending[name] = to_hub_tensors(name, cast(source.load(name), dtype), args, naming)
+                pieces.append((piece, pending[name].pop(hf_name)))
+                if not pending[name]:
+                    del pending[name]
+            if pieces[0][0] is None:
+                tensors[hf_name] = pieces[0][1].contiguous()
+            else:  # the slices of a packed tensor, joined in their order
+                pieces.sort(key=lambda p: p[0][1])
+                tensors[hf_name] = torch.cat([t for _, t in pieces], dim=pieces[0][0][0])
+            del pieces
             weight_map[hf_name] = file
             progress(hf_name, nbytes)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from titanctl.checkpoint.hf.hub_layout import HubNaming, unwrapped_config
 from titanctl.checkpoint.trust.model_args import check_args
 from titanctl.checkpoint.trust.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
@@ -300,6 +301,41 @@ def to_hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tupl
     return [to_hf_tensor(name, tensor, args)]
 
 
+def _packed_piece(name: str, args: ModelArgs) -> tuple[str, int, int, int] | None:
+    """(HF name, dim, index, parts) of a titanctl weight that is a slice of a packed Hugging Face tensor."""
+    m = _CANONICAL_LAYER.fullmatch(name)
+    packed = spec_of(args).hf.packed.get(m.group(2)) if m else None
+    if packed is None:
+        return None
+    theirs, dim, index, parts = packed
+    return f"model.layers.{m.group(1)}.{theirs}", dim, index, parts
+
+
+def hub_names_of(name: str, args: ModelArgs, naming: HubNaming) -> list[tuple[str, tuple[int, int, int] | None]]:
+    """``hf_names_of`` as a folder of ``naming`` stores them: each Hugging Face tensor with (dim, index,
+    parts) when the weight is that slice of it (packed experts), else None."""
+    if naming.packed_experts and not not_stored(name, args):
+        piece = _packed_piece(name, args)
+        if piece is not None:
+            return [(naming.stored(piece[0]), piece[1:])]
+        if stacked_over_experts(name, args):  # packed as titanctl holds it (down_proj [E, D, F])
+            return [(naming.stored(_hf_name(name, args)), None)]
+    return [(naming.stored(hf), None) for hf in hf_names_of(name, args)]
+
+
+def to_hub_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, naming: HubNaming) -> dict[str, torch.Tensor]:
+    """``to_hf_tensors`` as a folder of ``naming`` stores them; a weight that is a slice of a packed tensor
+    comes as itself, under the packed tensor's name (the writer joins the slices)."""
+    if naming.packed_experts and not not_stored(name, args):
+        if _packed_piece(name, args) is not None:
+            _check_shape(name, name, tensor, args)
+            return {hub_names_of(name, args, naming)[0][0]: tensor}
+        if stacked_over_experts(name, args):
+            hf, out = to_hf_tensor(name, tensor, args)
+            return {naming.stored(hf): out}
+    return {naming.stored(hf): t for hf, t in to_hf_tensors(name, tensor, args)}
+
+
 def to_hf_rows(name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
     """A tensor whose rows are those of the titanctl weight ``name`` (a LoRA adapter's B factor,
     (out, rank)): the weight's Hugging Face name, and the rows in Hugging Face's order (q/k rows
@@ -420,8 +456,10 @@ def args_from_hf_config(
     ``model_type`` picks the family, checked (``titanctl.checkpoint.trust.model_args.check_args``).
 
     ``max_seq_len`` (the RoPE table length; the trainer sets its own) defaults to
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. A vision-language wrapper's config (the Hub's Qwen3.5) is read as its
+    text model's (``hub_layout.unwrapped_config``).
     """
+    cfg = unwrapped_config(cfg)
     model_type = cfg.get("model_type", "llama")
     spec = spec_for_hf_model_type(model_type) if isinstance(model_type, str) else None
     if spec is None:

@@ -1,6 +1,6 @@
 """The hybrid decoder's parts (Qwen3.5 dense and MoE): each block's token mixer by the layer schedule,
 Gated DeltaNet or gated full attention, and what the rest of titanctl asks of such a model that differs
-from a plain decoder (FLOPs, a tensor-parallel plan not yet built)."""
+from a plain decoder (a tensor-parallel plan not yet built; FLOPs: ``flops``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from torch import nn
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import Blocks
-from titanctl.models.common.flops import active_params
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
 from titanctl.models.common.tp_plan import root_plan
 from titanctl.models.qwen3_5.attention import GatedAttention
@@ -38,18 +37,6 @@ def mixer(args: ModelArgs, layer_id: int) -> nn.Module:
 
 
 BLOCKS = Blocks(attention=mixer)
-
-
-def hybrid_flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """6N for the matmuls of the N active parameters, attention scores and values in the full-attention
-    layers only (12·H·Q·T each, as ``decoder_flops_per_token``), and the delta rule's state reads and
-    writes in the Gated DeltaNet layers (3 products of key_head_dim x value_head_dim per value head and
-    token forward, 3x with backward: 18·H_v·d_k·d_v, counted in its recurrent form)."""
-    full = sum(not args.is_linear_attention_layer(i) for i in range(args.n_layers))
-    la = args.linear_attention
-    linear = args.n_layers - full
-    return (6 * active_params(args) + 12 * full * args.n_heads * args.head_dim * seq_len
-            + 18 * linear * la.num_value_heads * la.key_head_dim * la.value_head_dim)
 
 
 def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from titanctl.models.common.decoder import split_into_stage
 from titanctl.models.qwen3_5.args import QWEN3_5_FLAVORS
-from titanctl.models.qwen3_5.blocks import BLOCKS, HYBRID_TP_PLAN, hybrid_flops_per_token
+from titanctl.models.qwen3_5.blocks import BLOCKS, HYBRID_TP_PLAN
+from titanctl.models.qwen3_5.flops import hybrid_flops_per_token
 from titanctl.models.qwen3_5.hf import HF
 from titanctl.models.spec import ModelSpec
 

@@ -5,7 +5,11 @@ Published dimensions: Qwen/Qwen3.5-35B-A3B (hidden 2048, 40 layers, 16 heads of 
 on a quarter of each head, theta 1e7, Gated DeltaNet 16 key heads and 32 value heads of 128, conv 4, 256
 experts of 512 with top-8 and a shared expert of 512, vocab 248320, untied), as read from slime's
 Megatron recipe of that checkpoint (scripts/models/qwen3.5-35B-A3B.sh); the Hub's config.json was not
-reachable here.
+reachable here, but transformers 5.23's ``Qwen3_5MoeTextConfig`` defaults (documented as that checkpoint's)
+are the same shape. Qwen/Qwen3.5-397B-A17B: hidden 4096, 60 layers (every fourth full attention), 32 heads
+of 256 over 2 KV heads, Gated DeltaNet 16 key heads and 64 value heads of 128, conv 4, 512 experts of 1024
+with top-10 and a shared expert of 1024, vocab 248320, untied (its GGUF metadata as llama.cpp users
+printed it, and a planner's copy of its config.json, in public issue threads).
 """
 
 from __future__ import annotations
@@ -32,4 +36,8 @@ QWEN3_5_MOE_FLAVORS: dict[str, ModelArgs] = {
                                 expert_ffn=512,
                                 linear=LinearAttentionArgs(num_key_heads=16, num_value_heads=32, key_head_dim=128,
                                                            value_head_dim=128)),
+    "397B-A17B": qwen3_5_moe_args(dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, experts=512, top_k=10,
+                                  expert_ffn=1024,
+                                  linear=LinearAttentionArgs(num_key_heads=16, num_value_heads=64, key_head_dim=128,
+                                                             value_head_dim=128)),
 }

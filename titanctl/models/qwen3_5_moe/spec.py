@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from titanctl.models.common.decoder import split_into_stage
-from titanctl.models.qwen3_5.blocks import BLOCKS, HYBRID_TP_PLAN, hybrid_flops_per_token
+from titanctl.models.qwen3_5.blocks import BLOCKS, HYBRID_TP_PLAN
+from titanctl.models.qwen3_5.flops import hybrid_flops_per_token
 from titanctl.models.qwen3_5_moe.args import QWEN3_5_MOE_FLAVORS
 from titanctl.models.qwen3_5_moe.hf import HF
 from titanctl.models.spec import ModelSpec

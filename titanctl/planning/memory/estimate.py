@@ -74,7 +74,7 @@ from titanctl.parallel.layouts.reductions import clip_grad_norm, global_mean_los
 from titanctl.parallel.runtime.env import init_process
 from titanctl.planning.memory.fake import fake_tensor_mode
 from titanctl.planning.memory.pipeline_peers import answer_for_fake_peers, is_schedule_action, label_actions
-from titanctl.planning.memory.shortcuts import ac_period, plan_runs, runs_to_make
+from titanctl.planning.memory.shortcuts import at_depth, block_period, plan_runs, runs_to_make
 from titanctl.planning.memory.tracker import (
     DDP_BUCKETS,
     PHASES,
@@ -579,10 +579,12 @@ def plan_estimate(
         notes.append(f"gradient accumulation: {_MAX_MICROBATCHES} of {accum} microbatches run "
                      "(later ones repeat the second)")
     pp_rank = rank // (world_size // dims.pp)  # pp is the outermost mesh dimension
-    runs = plan_runs(cfg, args.n_layers, dims.pp, pp_rank, all_layers=all_layers, all_microbatches=all_microbatches)
+    period = block_period(cfg, args.layer_types, args.n_layers)
+    runs = plan_runs(cfg, args.n_layers, dims.pp, pp_rank, all_layers=all_layers, all_microbatches=all_microbatches,
+                     period=period)
     notes.extend(runs.notes)
     return Plan(
-        cfg, recipe, world_size, rank, target, notes, vocab, dims, args, accum, ac_period(cfg), runs.depths,
+        cfg, recipe, world_size, rank, target, notes, vocab, dims, args, accum, period, runs.depths,
         runs.microbatches, runs.pipeline_microbatches, runs.layer_names, runs.count_slope_at_one_depth,
     )
 
@@ -631,7 +633,7 @@ def run_estimate(plan: Plan) -> MemoryEstimate:
             for n_layers, count, steps in runs_to_make(plan.depths, plan.microbatches, plan.count_slope_at_one_depth):
                 run_cfg = _with_pipeline_microbatches(cfg, count) if count else cfg
                 runs[n_layers, count] = _run_steps(
-                    run_cfg, run_dims, args.replace(n_layers=n_layers), cpu, accum=plan.accum, steps=steps,
+                    run_cfg, run_dims, at_depth(args, n_layers), cpu, accum=plan.accum, steps=steps,
                     period=plan.period, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True),
                     derive_second_step=plan.derive_second_step,
                 )

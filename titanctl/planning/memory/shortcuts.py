@@ -7,9 +7,11 @@ quantity along the line through them (``estimate._extrapolate``). Both sizes mus
 "place" of the full run (the first and last blocks, the schedule's warm-up, steady state and
 cool-down) for that line to be exact; the tests compare it with the full run byte for byte.
 
-- Depth: every block runs the same code. Without pipelines, models of 4 and 5 blocks (or groups
-  of ``period`` blocks) stand for any depth (``depth_plan``). With pipelines, every stage is
-  shortened by the same number of blocks, so that this rank's stages keep three blocks: the first
+- Depth: every block runs the same code, or every group of ``period`` blocks does (every second
+  block checkpointed; a hybrid model's layer schedule, three Gated DeltaNet blocks to one of full
+  attention). Without pipelines, models of 4 and 5 such groups stand for any depth (``depth_plan``).
+  With pipelines, every stage is shortened by the same number of blocks (whole groups, so the
+  schedule keeps its phase in every stage), so that this rank's stages keep three blocks: the first
   stage its first two and one after them, the last stage its last two and one before them
   (``pipeline_depth_plan``).
 - Pipeline microbatches: past the schedule's warm-up, one more microbatch adds the same memory at
@@ -29,6 +31,7 @@ runs (``count_slope_at_one_depth``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,11 +47,32 @@ from titanctl.parallel.layouts.pipeline_stages import (
 
 
 def ac_period(cfg: JobConfig) -> int:
-    """Blocks repeat with this period: 2 when every second block is checkpointed, else 1."""
+    """Checkpointing repeats with this period: 2 when every second block is checkpointed, else 1."""
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option.isdigit():
         return max(1, int(ac.selective_ac_option))
     return 1
+
+
+def schedule_period(layer_types: tuple[str, ...], n_layers: int) -> int:
+    """The layer schedule repeats with this period (a hybrid model's every fourth full-attention layer:
+    4; no schedule: 1): the shortest p with layer i of the kind of layer i % p."""
+    if not layer_types:
+        return 1
+    kinds = [layer_types[i % len(layer_types)] for i in range(n_layers)]
+    return next((p for p in range(1, n_layers + 1) if all(kinds[i] == kinds[i % p] for i in range(n_layers))), 1)
+
+
+def block_period(cfg: JobConfig, layer_types: tuple[str, ...] = (), n_layers: int = 1) -> int:
+    """Blocks repeat with this period: that of checkpointing and of the layer schedule together."""
+    return math.lcm(ac_period(cfg), schedule_period(layer_types, n_layers))
+
+
+def at_depth(args, n_layers: int):
+    """``args`` (ModelArgs) with ``n_layers`` blocks, the layer schedule continued over them."""
+    types = args.layer_types
+    return args.replace(n_layers=n_layers, layer_types=tuple(types[i % len(types)] for i in range(n_layers))
+                        if types else types)
 
 
 def depth_plan(n_layers: int, period: int, all_layers: bool) -> list[int]:
@@ -196,10 +220,12 @@ class RunPlan:
 
 
 def plan_runs(
-    cfg: JobConfig, n_layers: int, pp: int, pp_rank: int, *, all_layers: bool, all_microbatches: bool
+    cfg: JobConfig, n_layers: int, pp: int, pp_rank: int, *, all_layers: bool, all_microbatches: bool,
+    period: int | None = None,
 ) -> RunPlan:
-    """Depths and pipeline microbatch counts to run for ``cfg``, seen from pipeline rank ``pp_rank``."""
-    period = ac_period(cfg)
+    """Depths and pipeline microbatch counts to run for ``cfg``, seen from pipeline rank ``pp_rank``;
+    ``period``: how blocks repeat (``block_period``; default: checkpointing's)."""
+    period = period or ac_period(cfg)
     if pp == 1:
         depths = depth_plan(n_layers, period, all_layers)
         plan = RunPlan(depths, [], 0)

@@ -14,11 +14,11 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   parameters in the compute dtype (the one running and the one prefetched) and one block's gradients
   before their reduce-scatter (plus an fp32 copy when reduced in fp32); under pipelining parameters
   stay gathered and gradients unsharded for the whole step (``fsdp_reshard_after_forward`` default);
-- activations saved for backward, per token and block: what each matmul's backward needs (the
-  linears' outputs that later ops keep, the attention output, the SwiGLU product, CP's gathered keys
-  and values), the norms' inputs and outputs and their fp32 copies, and under TP with sequence
-  parallel the gathered inputs of the column-wise linears; activation checkpointing keeps only block
-  inputs (full), every second block's (selective 2), or the attention output and every odd-numbered
+- activations saved for backward, per token and block: what each matmul's backward needs (the linears' outputs
+  that later ops keep, the attention output, the SwiGLU product, CP's gathered keys and values, a Gated
+  DeltaNet's chunked delta rule's own tensors), the norms' inputs and outputs and their fp32 copies, and under
+  TP with sequence parallel the gathered inputs of the column-wise linears; activation checkpointing keeps
+  only block inputs (full), every second block's (selective 2), or the attention output and every odd-numbered
   matmul's output (selective op, as its policy saves them), and recomputes one block in backward;
 - blocks in flight: without pipelining one microbatch of every block; under a pipeline the
   microbatches each schedule keeps alive on a rank (1F1B: up to pp; GPipe and LoopedBFS: all of
@@ -182,6 +182,27 @@ def forward_order(linears: tuple[Linear, ...]) -> list[Linear]:
     return sorted(linears, key=key)
 
 
+DELTA_RULE_CHUNK = 64  # the chunk of titanctl's chunked gated delta rule in training
+
+
+def delta_rule_bytes_per_token(block: Block, tp: int, act: int) -> float:
+    """Bytes per token that a Gated DeltaNet block saves for its backward beyond its linears' outputs (0 for
+    any other block), its heads split over the TP ranks. Per value head, the chunked delta rule's, in fp32:
+    8·d_k + 2·d_v (the keys scaled and masked, the solves' outputs, the decays), 5·C (the chunk's C x C
+    decay, system and score rows), d_k·d_v / C (the state at each chunk's start), and under 16-bit
+    activations its fp32 copies of q, k and v; around it, the conv's and the L2 norms' tensors and the gated
+    RMSNorm's, (3·a + 2)·d_k + (4·a + 6)·d_v bytes per value head and 2·a·d_k per key head (a: the
+    activations' bytes). Measured with saved-tensor hooks on the kernel (to 4 bytes a head) and on the
+    layer (bf16: exact but for 16 bytes a head; fp32: within 256 bytes a token), for six head shapes."""
+    if block.delta_rule is None:
+        return 0.0
+    key_heads, heads, dk, dv = block.delta_rule
+    c = DELTA_RULE_CHUNK
+    rule = 4 * (8 * dk + 2 * dv + dk * dv / c + 5 * c + 3) + (4 * (2 * dk + dv) if act == 2 else 0)
+    around = (3 * act + 2) * dk + (4 * act + 6) * dv
+    return (heads * (rule + around) + key_heads * 2 * act * dk) / tp
+
+
 def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: int, ac: str,
                                adapters: Adapters | None = None) -> tuple[float, float]:
     """(bytes kept per token by this block until its backward, bytes of one block recomputed in backward)."""
@@ -207,7 +228,11 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
         "full": block_input,
     }[ac]
     recompute = 0.0 if ac in ("none", "selective_op") else full
-    return kept * act, recompute * act
+    # The Gated DeltaNet's own tensors (batched matmuls, solves, elementwise ops): op-level AC saves none of
+    # them (its policy saves mm and attention), so they exist only while the block's backward recomputes them.
+    rule = delta_rule_bytes_per_token(block, tp, act)
+    rule_kept = {"none": rule, "selective_op": 0.0, "selective_2": rule / 2, "full": 0.0}[ac]
+    return kept * act + rule_kept, recompute * act + (0.0 if ac == "none" else rule)
 
 
 def _op_level_saved(block: Block, tp: int, dim: int, adapters: Adapters | None = None) -> float:

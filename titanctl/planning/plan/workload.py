@@ -5,8 +5,9 @@ Read off the model itself: the weight shapes (``titanctl.models.shapes``, the me
 the family's tensor-parallel plan (``spec.tp_plan``, the same data ``apply_tp`` applies). A linear the
 plan marks column-wise has its output features split tp ways, row-wise its input features; anything
 else (norms, MoE routers, latent-attention down-projections, every MoE layer's experts: tensor
-parallel runs MoE layers whole on each TP rank) is whole on every TP rank. Routed experts are split
-over the expert-parallel ranks.
+parallel runs MoE layers whole on each TP rank) is whole on every TP rank (every linear of a family
+without a tensor-parallel plan). Routed experts are split over the expert-parallel ranks. A Gated
+DeltaNet block also names its delta rule's widths (``delta_rule``), whose saved tensors are no linear's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 
 
@@ -53,6 +55,8 @@ class Block:
     experts: Experts | None  # the routed experts (MoE blocks)
     other_params: int  # norms and biases: whole on every rank
     moe_linears: tuple[Linear, ...]  # the linears of the MoE layer (router, shared experts): whole under TP
+    # A Gated DeltaNet block's heads and widths: (key heads, value heads, key width, value width), else None.
+    delta_rule: tuple[int, int, int] | None = None
 
     def params(self, tp: int, ep: int) -> int:
         """Parameters of this block on one rank of a tp x ep layout (before FSDP sharding)."""
@@ -88,7 +92,10 @@ def model_shape(args: ModelArgs) -> ModelShape:
 
     shapes = weight_shapes(args)
     buffers_or_tied = set(tied_weights(args))
-    plan = spec_of(args).tp_plan.block(args, None, ())
+    try:
+        plan = spec_of(args).tp_plan.block(args, None, ())
+    except ConfigError:  # a family without tensor parallelism (yet): every linear whole on each rank
+        plan = {}
     split = {name: "col" if isinstance(style, ColwiseParallel) else "row" if isinstance(style, RowwiseParallel) else ""
              for name, style in plan.items()}
     per_layer: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -116,7 +123,10 @@ def model_shape(args: ModelArgs) -> ModelShape:
         routed = None
         if experts:
             routed = Experts(count, args.moe.top_k, tuple(experts), expert_biases)
-        blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears)))
+        la = args.linear_attention
+        rule = ((la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
+                if la is not None and args.is_linear_attention_layer(layer) else None)
+        blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears), rule))
     vocab, dim = shapes["tok_embeddings.weight"]
     tied = "output.weight" in buffers_or_tied
     return ModelShape(
