@@ -79,6 +79,8 @@ LAYOUTS = [
     # channels, dt_bias and a_log) and half the full-attention heads; the gated norm's weight is whole.
     ("tp2", "dense", 2, 8, [*TP2, *TWO_STEPS]),
     ("moe_tp2", "moe", 2, 8, [*TP2, *TWO_STEPS]),
+    # TP x CP: the scan runs on each rank's heads (local to it), documents crossing the chunks.
+    ("tp2_cp2_documents", "dense_documents", 4, 8, [*TP2, *CP2, *TWO_STEPS]),
 ]
 
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.local_batch_size", str(local_batch),
