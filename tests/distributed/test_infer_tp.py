@@ -215,3 +215,32 @@ def test_deepseek_v3_tp2_equals_transformers(tmp_path):
     ids = tokenizer.encode(QWEN_PROMPT, bos=True, eos=False)
     want = reference(model, ids, tokenizer.stop_tokens, tokenizer.vocab_size)
     assert len(want) > 1 and greedy_tokens_under_tp2(tmp_path / "deepseek", QWEN_PROMPT, NEW, tmp_path) == want
+
+
+def test_qwen3_5_tp2_equals_transformers(tmp_path):
+    """A transformers-written Qwen3.5 folder under TP 2: each rank holds one key-head group of every Gated
+    DeltaNet layer (its rows of the Hub's [q | k | v] projection and conv, reordered on load) and a decode
+    cache of that group's conv window and state, and half the full-attention heads; the greedy tokens
+    equal generate()'s."""
+    import shutil
+
+    import transformers
+
+    from tests.unit.data.test_hf_tokenizer import train_qwen_style
+    from tests.unit.hf_reference import unit_scale_
+    from tests.unit.inference.test_infer_formats import NEW, reference
+    from tests.unit.inference.test_infer_formats import PROMPT as QWEN_PROMPT
+    from tests.unit.models.families import qwen3_5_config
+    from titanctl.data.tokenizer import Tokenizer
+
+    train_qwen_style(tmp_path / "tokenizer")
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(qwen3_5_config(vocab_size=448, max_position_embeddings=128)).eval()
+    unit_scale_(model, torch.Generator().manual_seed(0))
+    model.save_pretrained(tmp_path / "qwen3_5")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tokenizer" / name, tmp_path / "qwen3_5" / name)
+    tokenizer = Tokenizer(tmp_path / "qwen3_5" / "tokenizer.json")
+    ids = tokenizer.encode(QWEN_PROMPT, bos=True, eos=False)
+    want = reference(model, ids, tokenizer.stop_tokens, tokenizer.vocab_size)
+    assert len(want) > 1 and greedy_tokens_under_tp2(tmp_path / "qwen3_5", QWEN_PROMPT, NEW, tmp_path) == want

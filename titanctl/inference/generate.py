@@ -78,12 +78,15 @@ __all__ = [
 
 
 def check_tp_degree(args: ModelArgs, tp: int) -> None:
-    """Fail before any collective if attention heads cannot be split ``tp`` ways."""
-    for what, size in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
+    """Fail before any collective if attention heads (and Gated DeltaNet key heads) cannot be split ``tp`` ways."""
+    sizes = [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)]
+    if args.linear_attention is not None:
+        sizes.append(("linear_attention.num_key_heads", args.linear_attention.num_key_heads))
+    for what, size in sizes:
         if size % tp:
             raise ParallelError(
                 f"model {what} = {size} is not divisible by the {tp} processes of tensor parallel inference: "
-                f"run with a process count that divides {args.n_heads} and {args.kv_heads}"
+                f"run with a process count that divides {' and '.join(str(n) for _, n in sizes)}"
             )
 
 

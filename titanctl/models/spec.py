@@ -46,6 +46,11 @@ class HFFormat:
     # titanctl layer suffixes whose Hugging Face tensor holds the last two dimensions swapped (gpt-oss's
     # experts: gate_up_proj (E, dim, 2 x hidden) for titanctl's w13 (E, 2 x hidden, dim)). Read and written.
     transposed: tuple[str, ...] = ()
+    # titanctl layer suffixes whose rows (dim 0: a weight's, a LoRA B factor's, a conv's channels) titanctl
+    # orders otherwise than Hugging Face: {suffix: (to_hf(rows, args), from_hf(rows, args))}, each the
+    # other's inverse and shape-preserving (Qwen3.5's Gated DeltaNet groups wqkv per key head). Read and written.
+    reordered_rows: Mapping[str, tuple[Callable[[Any, ModelArgs], Any], Callable[[Any, ModelArgs], Any]]] = field(
+        default_factory=dict)
     # Multi-token prediction (DeepSeek-V3): {suffix after mtp.{k}.: HF suffix after model.layers.{n_layers + k}.}
     # (the depth's block is layers.{n_layers + k}, named as any layer), and the HF suffixes of that layer
     # that copy the main model's shared weights (the embedding, the output layer): skipped when read.

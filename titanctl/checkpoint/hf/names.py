@@ -6,14 +6,14 @@ Pure functions, no ``transformers`` import. Conversion is one tensor at a time
 through it; ``iter_to_hf`` / ``iter_from_hf`` add the completeness checks over a
 stream, and the ``*_state_dict`` functions are the same over a dict.
 
-Two things are more than renames. Meta's RoPE rotates interleaved channel pairs ``(2i, 2i+1)``
-of a head, Hugging Face's rotates halves ``(i, i + head_dim/2)``: for a model in Meta's layout
-(Llama) the output rows of ``wq`` and ``wk`` are permuted within each head (``wk`` with the KV
-head count). And routed experts, stacked ``[E, ...]`` in titanctl, are written one tensor per
-expert (``mlp.experts.{e}.gate_proj.weight``, ...) as ``save_pretrained``, the Hub's checkpoints,
-vLLM, SGLang and transformers 4.x have them; reading also takes transformers 5's packed
-``mlp.experts.gate_up_proj`` / ``down_proj`` (its in-memory layout). A tied output layer is the
-embedding table: Hugging Face writes only the embedding.
+Two things are more than renames. Meta's RoPE rotates interleaved channel pairs ``(2i, 2i+1)`` of a head,
+Hugging Face's rotates halves ``(i, i + head_dim/2)``: for a model in Meta's layout (Llama) the output rows of
+``wq`` and ``wk`` are permuted within each head (``wk`` with the KV head count); a family may reorder other
+rows its own way (``HFFormat.reordered_rows``). And routed experts, stacked ``[E, ...]`` in titanctl, are
+written one tensor per expert (``mlp.experts.{e}.gate_proj.weight``, ...) as ``save_pretrained``, the Hub's
+checkpoints, vLLM, SGLang and transformers 4.x have them; reading also takes transformers 5's packed
+``mlp.experts.gate_up_proj`` / ``down_proj`` (its in-memory layout). A tied output layer is the embedding
+table: Hugging Face writes only the embedding.
 """
 
 from __future__ import annotations
@@ -268,14 +268,26 @@ def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- tensors
 
 
+def _reorder_rows(canonical: str, rows: torch.Tensor, args: ModelArgs, to_hf: bool) -> torch.Tensor:
+    """``rows`` (dim 0 of the weight ``canonical`` or of its LoRA B factor) in the other side's order:
+    Meta's RoPE layout's q/k permute, or the family's own ``reordered_rows``."""
+    m = _CANONICAL_LAYER.fullmatch(canonical)
+    reorder = spec_of(args).hf.reordered_rows.get(m.group(2)) if m is not None else None
+    if reorder is not None:
+        return reorder[0 if to_hf else 1](rows, args)
+    heads = _heads_of(canonical, args)
+    if heads is None:
+        return rows
+    return _interleaved_to_halves(rows, heads) if to_hf else _halves_to_interleaved(rows, heads)
+
+
 def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
     """One titanctl weight (canonical name) -> its Hugging Face name and layout. Dtype is kept."""
     hf = _hf_name(name, args)
     _check_shape(name, name, tensor, args)
     if transposed(name, args):
         return hf, tensor.mT  # a view: the writer makes it contiguous
-    heads = _heads_of(name, args)
-    return hf, (tensor if heads is None else _interleaved_to_halves(tensor, heads))
+    return hf, _reorder_rows(name, tensor, args, to_hf=True)
 
 
 def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
@@ -285,8 +297,7 @@ def from_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[st
     if transposed(canonical, args):
         tensor = tensor.mT
     _check_shape(canonical, name, tensor, args)
-    heads = _heads_of(canonical, args)
-    return canonical, (tensor if heads is None else _halves_to_interleaved(tensor, heads))
+    return canonical, _reorder_rows(canonical, tensor, args, to_hf=False)
 
 
 def to_hf_tensors(name: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
@@ -340,17 +351,14 @@ def to_hf_rows(name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, tor
     """A tensor whose rows are those of the titanctl weight ``name`` (a LoRA adapter's B factor,
     (out, rank)): the weight's Hugging Face name, and the rows in Hugging Face's order (q/k rows
     permuted for Meta's RoPE layout, as the weight's are). Dtype is kept."""
-    hf = _hf_name(name, args)
-    heads = _heads_of(name, args)
-    return hf, (rows if heads is None else _interleaved_to_halves(rows, heads))
+    return _hf_name(name, args), _reorder_rows(name, rows, args, to_hf=True)
 
 
 def from_hf_rows(hf_name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:
     """``to_hf_rows`` inverted: rows in the Hugging Face weight ``hf_name``'s order (a peft adapter's
     lora_B, (out, rank)) -> the titanctl weight's name and the rows in its order. Dtype is kept."""
     canonical = _canonical_name(hf_name, args)
-    heads = _heads_of(canonical, args)
-    return canonical, (rows if heads is None else _halves_to_interleaved(rows, heads))
+    return canonical, _reorder_rows(canonical, rows, args, to_hf=False)
 
 
 def _convert_stream(pairs: Pairs, args: ModelArgs, to_hf: bool, complete: bool) -> Iterator[tuple[str, torch.Tensor]]:

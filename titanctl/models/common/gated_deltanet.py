@@ -5,6 +5,13 @@ and v; beta = sigmoid(wb x), the decay g = -exp(a_log) softplus(wa x + dt_bias);
 (``gated_delta_rule``) per value head; an RMSNorm over each head gated by SiLU(wz x); ``out_proj``.
 Each query/key head serves ``num_value_heads // num_key_heads`` consecutive value heads.
 
+Channel order: ``wqkv``'s rows and ``conv``'s channels are stored per key-head group, for each key head h
+[q_h (dk) | k_h (dk) | the value heads of h (dv each)], not [all q | all k | all v] as Hugging Face's
+``in_proj_qkv`` has them (the family's hf.py reorders on the way): so a contiguous split of the rows
+(tensor parallelism) gives each rank whole groups, and the layer reads its heads off the local rows.
+Parameters split with the heads (``conv.weight``, ``dt_bias``, ``a_log``) are read through ``local``
+(a head-sharded DTensor under tensor parallelism: this rank's heads).
+
 Documents: under a block-causal mask (``attn_mask``, dense or a BlockMask, the one every layer gets)
 the conv window and the state restart at every document's first token, read off the mask itself
 (a token starts a document when it may not see the token before it).
@@ -33,6 +40,7 @@ from titanctl.models.common.gated_delta_rule import (
     recurrent_gated_delta_rule,
 )
 from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projection
+from titanctl.models.common.norms import RMSNorm
 
 
 def document_starts(attn_mask: torch.Tensor | BlockMask | None, batch: int, length: int,
@@ -100,9 +108,9 @@ class GatedDeltaNet(nn.Module):
         self.conv = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
         self.a_log = nn.Parameter(torch.zeros(la.num_value_heads))
-        # Over each value head, its weight scaling plainly (not 1 + weight) in every family that has one.
-        self.norm = nn.Parameter(torch.ones(la.value_head_dim))
-        self.norm_eps = args.norm_eps
+        # Over each value head, its weight scaling plainly (not 1 + weight) in every family that has one;
+        # gated by SiLU(wz x) after. A module of one input, so tensor parallelism can keep its weight whole.
+        self.norm = RMSNorm(la.value_head_dim, args.norm_eps)
         self.out_proj = nn.Linear(la.value_dim, args.dim, bias=False)
         self.cache: GatedDeltaNetCache | None = None
         # Set from outside when each call holds pieces of a longer sequence (context parallel): an object
@@ -121,31 +129,31 @@ class GatedDeltaNet(nn.Module):
         bsz, seqlen, _ = x.shape
         scan = self.sequence_scan if input_pos is None else None
         starts = document_starts(attn_mask, bsz, seqlen, x.device) if input_pos is None and scan is None else None
-        mixed = self.wqkv(x)  # (B, T, 2 key_dim + value_dim)
+        mixed = self.wqkv(x)  # (B, T, 2 key_dim + value_dim), per key-head group
+        conv_weight = local(self.conv.weight)
         state = None
         if input_pos is not None:  # decoding: continue from the cache (fresh when the sequence restarts)
             fresh = (input_pos[0] != 0).to(x.dtype)
             window = self.cache.window * fresh
             state = self.cache.state * fresh
-            conv_out = causal_conv(mixed, self.conv.weight, None, window)
+            conv_out = causal_conv(mixed, conv_weight, None, window)
             seen = torch.cat([window, mixed.to(window.dtype)], dim=1)  # (B, K - 1 + T, C)
             self.cache.window.copy_(seen[:, seen.shape[1] - (la.conv_kernel - 1):])  # the last K - 1 inputs
         elif scan is not None:
-            conv_out = scan.conv(mixed, self.conv.weight, attn_mask)
+            conv_out = scan.conv(mixed, conv_weight, attn_mask)
         else:
-            conv_out = causal_conv(mixed, self.conv.weight, starts)
-        q, k, v = conv_out.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
-        q = q.reshape(bsz, seqlen, -1, la.key_head_dim)  # (B, T, H_k, dk)
-        k = k.reshape(bsz, seqlen, -1, la.key_head_dim)
-        v = v.reshape(bsz, seqlen, -1, la.value_head_dim)  # (B, T, H_v, dv)
-        groups = v.shape[2] // q.shape[2]
+            conv_out = causal_conv(mixed, conv_weight, starts)
+        groups = la.num_value_heads // la.num_key_heads
+        by_group = conv_out.reshape(bsz, seqlen, -1, 2 * la.key_head_dim + groups * la.value_head_dim)
+        q, k, v = by_group.split([la.key_head_dim, la.key_head_dim, groups * la.value_head_dim], dim=-1)
+        v = v.reshape(bsz, seqlen, -1, la.value_head_dim)  # (B, T, H_v, dv): q, k (B, T, H_k, dk)
         if groups > 1:
             q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)  # (B, T, H_v, dk)
         fp = compute_dtype(x.dtype)
         q = _l2_normalize(q.to(fp)) / math.sqrt(la.key_head_dim)
         k = _l2_normalize(k.to(fp))
         beta = torch.sigmoid(self.wb(x).to(fp))  # (B, T, H_v)
-        g = -self.a_log.to(fp).exp() * F.softplus(self.wa(x).to(fp) + self.dt_bias.to(fp))
+        g = -local(self.a_log).to(fp).exp() * F.softplus(self.wa(x).to(fp) + local(self.dt_bias).to(fp))
         if scan is not None:
             out = scan.rule(q, k, v.to(fp), g, beta, attn_mask)
         else:
@@ -154,7 +162,9 @@ class GatedDeltaNet(nn.Module):
         if input_pos is not None:
             self.cache.state.copy_(state)
         z = self.wz(x).reshape(bsz, seqlen, -1, la.value_head_dim)
-        out = _gated_rms_norm(out, z, self.norm, self.norm_eps).to(x.dtype)  # (B, T, H_v, dv)
+        # The references' order: normalize (fp32) what the rule returns in the activations' dtype, cast, scale,
+        # then gate in fp32.
+        out = (self.norm(out.to(z.dtype)) * F.silu(z.to(fp))).to(x.dtype)  # (B, T, H_v, dv)
         return self.out_proj(out.reshape(bsz, seqlen, -1))  # (B, T, dim)
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> GatedDeltaNetCache:
@@ -173,7 +183,6 @@ class GatedDeltaNet(nn.Module):
             # log A uniform in [0, ln 16] (A from 1 to 16): per-head decay rates from slow to fast, as the
             # references draw A (theirs uniform in [0.01, 16]; log-uniform keeps to ParamInit's kinds)
             "a_log": ParamInit("uniform", bound=math.log(16.0) / 2, center=math.log(16.0) / 2),
-            "norm": ONES,
             "out_proj.weight": output_projection(depth),
         }
 
@@ -182,9 +191,6 @@ def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x over its last dim, times SiLU(gate), in fp32 or finer (the references' order:
-    normalize, cast to the activations' dtype, scale, gate)."""
-    fp = compute_dtype(gate.dtype)
-    normed = x.to(fp) * torch.rsqrt(x.to(fp).pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(gate.dtype) * F.silu(gate.to(fp))
+def local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as this rank's tensor (a head-sharded DTensor under tensor parallelism: its heads)."""
+    return param.to_local() if hasattr(param, "to_local") else param

@@ -1,16 +1,19 @@
 """The hybrid decoder's parts (Qwen3.5 dense and MoE): each block's token mixer by the layer schedule,
 Gated DeltaNet or gated full attention, and what the rest of titanctl asks of such a model that differs
-from a plain decoder (a tensor-parallel plan not yet built; FLOPs: ``flops``)."""
+from a plain decoder (the tensor-parallel plan; FLOPs: ``flops``)."""
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Callable, Collection
 
-from titanctl.errors import ConfigError
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.decoder import Blocks
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
-from titanctl.models.common.tp_plan import root_plan
+from titanctl.models.common.tp_plan import LinearStyles, block_plan, gqa_attention_plan, root_plan
 from titanctl.models.qwen3_5.attention import GatedAttention
 from titanctl.models.spec import TPPlan
 
@@ -39,9 +42,36 @@ def mixer(args: ModelArgs, layer_id: int) -> nn.Module:
 BLOCKS = Blocks(attention=mixer)
 
 
-def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
-    raise ConfigError(f"tensor parallelism is not built for {args.family}'s Gated DeltaNet layers yet; set "
-                      "parallelism.tensor_parallel_degree = 1")
+GATED_DELTANET_LINEARS = ("attention.wqkv", "attention.wz", "attention.wb", "attention.wa")
 
 
-HYBRID_TP_PLAN = TPPlan(root=root_plan, block=_no_tensor_parallel)
+def hybrid_attention_plan(styles: Callable[..., LinearStyles]) -> dict[str, ParallelStyle]:
+    """Both token mixers split by heads; a block has one of them, and the plan's entries for the other's
+    modules find nothing in it.
+
+    Gated full attention: the shared GQA plan. ``wq`` holds each head's query rows then its gate rows, so a
+    contiguous split by rows still gives each rank whole heads with their gates.
+    Gated DeltaNet: ``wqkv`` (stored per key-head group, see gated_deltanet.py), ``wz``, ``wb`` and ``wa``
+    column-wise, so each rank holds whole key-head groups and their value heads; ``out_proj`` row-wise.
+    The conv's channels, ``dt_bias`` and ``a_log`` split with them (``HYBRID_TP_PLAN.head_params``). The
+    gated norm's weight (one value head's width, shared by every head) stays whole on every rank, its
+    gradient summed over the ranks' heads, as QK norm's is (``block_plan``)."""
+    plan = gqa_attention_plan(styles)
+    # The block passes (hidden, rope) to either mixer: gather the hidden states, leave the rope table alone.
+    plan["attention"] = styles("attention.wq", "attention.wk", "attention.wv", *GATED_DELTANET_LINEARS).prepare_input(
+        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    for name in GATED_DELTANET_LINEARS:
+        plan[name] = styles(name).colwise()
+    plan["attention.out_proj"] = styles("attention.out_proj").rowwise(output_layouts=Shard(1))
+    plan["attention.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def hybrid_block_plan(args: ModelArgs, float8: LinearStyles | None = None,
+                      float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
+    return block_plan(float8, float8_linears, qk_norm=True, moe=args.moe is not None,
+                      attention=hybrid_attention_plan)
+
+
+HYBRID_TP_PLAN = TPPlan(root=root_plan, block=hybrid_block_plan,
+                        head_params=("attention.conv.weight", "attention.dt_bias", "attention.a_log"))

@@ -2,12 +2,16 @@
 
 Full-attention layers keep Qwen3's names (``self_attn.*``; ``q_proj`` holds each head's query rows, then
 its gate rows); Gated DeltaNet layers are ``linear_attn.*``. Norm weights are stored as they are used,
-zero-centred (the model scales by 1 + weight): they load by renaming alone.
+zero-centred (the model scales by 1 + weight): they load by renaming alone. The Gated DeltaNet's
+``in_proj_qkv`` rows and ``conv1d`` channels, [all q | all k | all v] on the Hub, are titanctl's per
+key-head group [q_h | k_h | v of h] (gated_deltanet.py says why): reordered on read and back on write.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import LinearAttentionArgs, ModelArgs
@@ -30,9 +34,34 @@ GATED_DELTANET_NAMES = {
     "attention.conv.weight": "linear_attn.conv1d.weight",
     "attention.dt_bias": "linear_attn.dt_bias",
     "attention.a_log": "linear_attn.A_log",
-    "attention.norm": "linear_attn.norm.weight",
+    "attention.norm.weight": "linear_attn.norm.weight",
     "attention.out_proj.weight": "linear_attn.out_proj.weight",
 }
+
+
+def _group_widths(args: ModelArgs) -> tuple[int, int, int]:
+    la = args.linear_attention
+    return la.num_key_heads, la.key_head_dim, la.num_value_heads // la.num_key_heads * la.value_head_dim
+
+
+def grouped_from_hf(rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """[all q | all k | all v] rows (dim 0) -> per key head h [q_h | k_h | v of h]."""
+    heads, dk, dv = _group_widths(args)
+    q, k, v = rows.split([heads * dk, heads * dk, heads * dv])
+    rest = rows.shape[1:]
+    grouped = torch.cat([q.reshape(heads, dk, *rest), k.reshape(heads, dk, *rest), v.reshape(heads, dv, *rest)], 1)
+    return grouped.reshape(rows.shape)
+
+
+def grouped_to_hf(rows: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """``grouped_from_hf`` inverted."""
+    heads, dk, dv = _group_widths(args)
+    rest = rows.shape[1:]
+    q, k, v = rows.reshape(heads, 2 * dk + dv, *rest).split([dk, dk, dv], dim=1)
+    return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)])
+
+
+GROUPED_ROWS = {name: (grouped_to_hf, grouped_from_hf) for name in ("attention.wqkv.weight", "attention.conv.weight")}
 LAYER_NAMES = {**DECODER_LAYER_NAMES, **QK_NORM_NAMES, **GATED_DELTANET_NAMES}
 CHOICES = ("linear_attention", "full_attention")
 
@@ -113,4 +142,5 @@ HF = HFFormat(
     top_names=DECODER_TOP_NAMES,
     config_from_args=config_from_args,
     args_from_config=args_from_config,
+    reordered_rows=GROUPED_ROWS,
 )

@@ -68,4 +68,5 @@ HF = HFFormat(
     packed=qwen3_moe_hf.PACKED,
     per_expert=qwen3_moe_hf.PER_EXPERT,
     not_stored=("moe.expert_bias",),
+    reordered_rows=qwen3_5_hf.GROUPED_ROWS,
 )

@@ -23,6 +23,9 @@ def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
         ("model n_kv_heads", args.kv_heads),
         ("ffn hidden dim", args.ffn_hidden_dim),
         ("training.seq_len (sequence parallel)", seq_len),
+        # Gated DeltaNet layers split by key-head groups (each with its value heads)
+        *((("model linear_attention.num_key_heads", args.linear_attention.num_key_heads),)
+          if args.linear_attention is not None else ()),
     ):
         if size % tp:
             raise ParallelError(f"{what} = {size} is not divisible by tensor_parallel_degree = {tp}")
@@ -83,6 +86,8 @@ def apply_tp(
             _replicate(block.moe.router.gate, tp_mesh)
             if block.moe.shared_experts is not None:
                 _replicate(block.moe.shared_experts, tp_mesh)
+            if block.moe.shared_gate is not None:
+                _replicate(block.moe.shared_gate, tp_mesh)
     model.tie_weights()  # distributing each module gave the output layer a Parameter of its own
     if async_tp:
         enable_async_tp(tp_mesh, compiled)

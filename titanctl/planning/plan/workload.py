@@ -5,9 +5,9 @@ Read off the model itself: the weight shapes (``titanctl.models.shapes``, the me
 the family's tensor-parallel plan (``spec.tp_plan``, the same data ``apply_tp`` applies). A linear the
 plan marks column-wise has its output features split tp ways, row-wise its input features; anything
 else (norms, MoE routers, latent-attention down-projections, every MoE layer's experts: tensor
-parallel runs MoE layers whole on each TP rank) is whole on every TP rank (every linear of a family
-without a tensor-parallel plan). Routed experts are split over the expert-parallel ranks. A Gated
-DeltaNet block also names its delta rule's widths (``delta_rule``), whose saved tensors are no linear's.
+parallel runs MoE layers whole on each TP rank) is whole on every TP rank. Routed experts are split
+over the expert-parallel ranks. A Gated DeltaNet block also names its delta rule's widths
+(``delta_rule``), whose saved tensors are no linear's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import math
 import re
 from dataclasses import dataclass
 
-from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 
 
@@ -56,7 +55,7 @@ class Block:
     other_params: int  # norms and biases: whole on every rank
     moe_linears: tuple[Linear, ...]  # the linears of the MoE layer (router, shared experts): whole under TP
     # A Gated DeltaNet block's heads and widths: (key heads, value heads, key width, value width), else None.
-    delta_rule: tuple[int, int, int] | None = None
+    delta_rule: tuple[int, int, int, int] | None = None
 
     def params(self, tp: int, ep: int) -> int:
         """Parameters of this block on one rank of a tp x ep layout (before FSDP sharding)."""
@@ -92,10 +91,7 @@ def model_shape(args: ModelArgs) -> ModelShape:
 
     shapes = weight_shapes(args)
     buffers_or_tied = set(tied_weights(args))
-    try:
-        plan = spec_of(args).tp_plan.block(args, None, ())
-    except ConfigError:  # a family without tensor parallelism (yet): every linear whole on each rank
-        plan = {}
+    plan = spec_of(args).tp_plan.block(args, None, ())
     split = {name: "col" if isinstance(style, ColwiseParallel) else "row" if isinstance(style, RowwiseParallel) else ""
              for name, style in plan.items()}
     per_layer: dict[int, dict[str, tuple[int, ...]]] = {}
