@@ -51,6 +51,8 @@ LAYOUTS = [
     ("cp2_allgather", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
     ("cp2_alltoall", 2, 8, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"]),
     ("fsdp2_cp2", 4, 4, ["--parallelism.context_parallel_degree", "2"]),
+    ("pp2_cp2", 4, 8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     # Replicas with CP: HSDP over (dp_replicate, cp). It used to be DDP over dp_replicate alone,
     # which never reduced the cp ranks' gradients (losses off by 4e-4 at step 2).
     ("replicate2_cp2", 4, 4, ["--parallelism.data_parallel_replicate_degree", "2",

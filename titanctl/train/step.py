@@ -97,7 +97,7 @@ class ForwardBackward:
             model_kwargs["positions"] = positions
         with self.train_context():
             if self.pipeline is not None:
-                with self.autocast:
+                with self.pipelined_cp_ctx(inputs, labels), self.autocast:
                     if backward:
                         loss = self.pipeline.step(inputs, labels, loss_divisor=divisor, **model_kwargs)
                     else:
@@ -139,6 +139,16 @@ class ForwardBackward:
                 if backward:
                     objective.backward()
             return loss.detach()
+
+    def pipelined_cp_ctx(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """Ring CP inside pipeline stages (causal masks; build.check_pipelined_cp): the batch is cut by sequence
+        before the schedule splits it into microbatches by rows, and each stage's RoPE table with it."""
+        if self.dims.cp == 1:
+            return contextlib.nullcontext()
+        tables = [part.rope_cache for part in self.model_parts]
+        return context_parallel_ctx(self.dims.mesh["cp"], buffers=[inputs, labels, *tables],
+                                    seq_dims=[1, 1, *(0 for _ in tables)], no_restore={inputs, labels},
+                                    rotate_method=self.cfg.parallelism.context_parallel_rotate_method)
 
     def ulysses_ctx(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None):
         """Ulysses CP: tokens, labels and the RoPE table (or, with positions, those) cut to this rank's

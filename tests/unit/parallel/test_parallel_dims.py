@@ -76,19 +76,26 @@ def test_expert_parallel_needs_experts_it_can_split(family, flavor, ep, message)
         check_family_layout(family, flavor, dims(ep, expert_parallel=ep))
 
 
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_context_parallel_inside_pipeline_stages_is_refused(method):
-    """The pipeline's microbatches reach the stages whole: every CP rank would compute the whole sequence
-    (and Gated DeltaNet's scan would read it as two pieces of a longer one)."""
+@pytest.mark.parametrize("overrides, why", [
+    (["--parallelism.context_parallel_method", "ulysses"], "context_parallel_method = ulysses"),
+    (["--model.attn_mask_type", "block_causal"], "model.attn_mask_type = block_causal"),
+    (["--model.name", "gpt_oss"], "gpt_oss's attention sinks and sliding windows"),
+    (["--model.name", "qwen3_5", "--model.flavor", "debugmodel_untied"], "qwen3_5's Gated DeltaNet layers"),
+])
+def test_context_parallel_inside_pipeline_stages_is_the_causal_ring_only(overrides, why):
+    """Inside pipeline stages only ring attention over causal masks is built (the ring case itself:
+    tests/distributed/test_layouts.py pp2_cp2)."""
     from titanctl.config.recipe import load_config
     from titanctl.models.registry import model_args_from_config
     from titanctl.parallel.layouts.build import check_layout
 
-    cfg = load_config(None, ["--parallelism.context_parallel_method", method])
-    with pytest.raises(ParallelError, match="context_parallel_degree = 2 does not compose with "
-                                            "pipeline_parallel_degree = 2"):
-        check_layout(cfg, dims(4, pipeline_parallel=2, context_parallel=2, data_parallel_shard=1),
-                     model_args_from_config(cfg.model, 256, 64))
+    layout = dims(4, pipeline_parallel=2, context_parallel=2, data_parallel_shard=1)
+    cfg = load_config(None, overrides)
+    with pytest.raises(ParallelError, match=f"context_parallel_degree = 2 with pipeline_parallel_degree = 2 runs "
+                                            f"ring attention over causal masks only, not {why}"):
+        check_layout(cfg, layout, model_args_from_config(cfg.model, 256, 64))
+    ring = load_config(None, [])
+    check_layout(ring, layout, model_args_from_config(ring.model, 256, 64))
 
 
 def check_family_layout(family: str, flavor: str, layout: ParallelDims) -> None:

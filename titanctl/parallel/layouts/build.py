@@ -56,6 +56,24 @@ class ModelParts:
         return self.pipeline is None or self.pipeline.has_last_stage
 
 
+def check_pipelined_cp(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Context parallel inside pipeline stages is the ring over causal attention: the stages take the batch
+    already cut by sequence. Masks (documents, gpt-oss's layers), Ulysses and Gated DeltaNet's scan are not
+    built there."""
+    p, why = cfg.parallelism, None
+    if p.context_parallel_method != "ring":
+        why = f"context_parallel_method = {p.context_parallel_method}"
+    elif cfg.model.attn_mask_type != "causal":
+        why = f"model.attn_mask_type = {cfg.model.attn_mask_type}"
+    elif args.attention_sinks or "sliding_attention" in args.layer_types:
+        why = f"{args.family}'s attention sinks and sliding windows"
+    elif args.linear_attention is not None:
+        why = f"{args.family}'s Gated DeltaNet layers"
+    if why is not None:
+        raise ParallelError(f"context_parallel_degree = {dims.cp} with pipeline_parallel_degree = {dims.pp} runs ring "
+                            f"attention over causal masks only, not {why}; use one of the two degrees")
+
+
 def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """Every layout error that the config and the model's shape decide: the Trainer raises them before
     its rank joins the process group, so a bad layout never leaves a rank half-connected."""
@@ -64,9 +82,8 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         check_tp(args, dims.tp, cfg.training.seq_len)
     elif p.enable_async_tensor_parallel:
         raise ParallelError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
-    if dims.cp > 1 and dims.pp > 1:  # the pipeline's microbatches reach the stages whole: nothing cuts the sequence
-        raise ParallelError(f"context_parallel_degree = {dims.cp} does not compose with pipeline_parallel_degree = "
-                            f"{dims.pp}: the stages would each compute the whole sequence; use one of the two")
+    if dims.cp > 1 and dims.pp > 1:
+        check_pipelined_cp(cfg, args, dims)
     if dims.cp > 1 and p.context_parallel_method == "ulysses":
         check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len)
     elif dims.cp > 1:
