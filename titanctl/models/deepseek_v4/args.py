@@ -1,9 +1,12 @@
-"""DeepSeek-V4's hyper-parameters, named as transformers' ``DeepseekV4Config`` names them, with the
-checks that refuse, in one line each, a schedule the model cannot build."""
+"""DeepSeek-V4's hyper-parameters: the model's own view (``DeepseekV4Args``, close to transformers'
+``DeepseekV4Config``) read from titanctl's ModelArgs, the checks that refuse in one line each a schedule the
+model cannot build, and the flavors."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from titanctl.models.common.args import CompressedAttentionArgs, ModelArgs, MoEArgs
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 ATTENTION_TYPES = (SLIDING, CSA, HCA)
@@ -93,3 +96,57 @@ class DeepseekV4Args:
             if self.index_topk > compressed:
                 raise ValueError(f"index_topk {self.index_topk} is larger than the compressed length {compressed} "
                                  f"(seq_len {seq_len} / compress rate {self.compress_rates[CSA]})")
+
+
+def v4_args(args: ModelArgs) -> DeepseekV4Args:
+    """The model's view of titanctl's ModelArgs (which a checkpoint's titanctl.json records)."""
+    ca, moe = args.compressed_attention, args.moe
+    if ca is None or moe is None:
+        raise ValueError(f"ModelArgs of family {args.family!r} need compressed_attention and moe")
+    yarn = None if ca.compress_yarn is None else CompressYarn(*ca.compress_yarn)
+    return DeepseekV4Args(
+        vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+        head_dim=args.head_dim, rope_head_dim=args.rope_dim, q_lora_rank=ca.q_lora_rank, o_groups=ca.o_groups,
+        o_lora_rank=ca.o_lora_rank, sliding_window=args.sliding_window, layer_types=args.layer_types,
+        compress_rates={CSA: ca.csa_rate, HCA: ca.hca_rate}, index_n_heads=ca.index_n_heads,
+        index_head_dim=ca.index_head_dim, index_topk=ca.index_topk, rope_theta=args.rope_theta,
+        compress_rope_theta=ca.compress_rope_theta, compress_yarn=yarn, hc_mult=ca.hc_mult,
+        hc_sinkhorn_iters=ca.hc_sinkhorn_iters, hc_eps=ca.hc_eps, num_experts=moe.num_experts, top_k=moe.top_k,
+        moe_hidden_dim=moe.hidden_dim, route_scale=moe.route_scale, swiglu_limit=moe.swiglu_limit,
+        mlp_layer_types=tuple("hash_moe" if i < ca.hash_layers else "moe" for i in range(args.n_layers)),
+        norm_eps=args.norm_eps, tie_embeddings=args.tie_embeddings)
+
+
+def deepseek_v4_args(dim: int, n_layers: int, n_heads: int, head_dim: int, rope_dim: int, window: int,
+                     attention: CompressedAttentionArgs, moe: MoEArgs, vocab_size: int,
+                     layer_types: tuple[str, ...] = ()) -> ModelArgs:
+    return ModelArgs(
+        family="deepseek_v4", vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=1,
+        explicit_head_dim=head_dim, partial_rope_dim=rope_dim, norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, rope_layout="interleaved", sliding_window=window, attention_sinks=True,
+        layer_types=layer_types or default_layer_types(n_layers), compressed_attention=attention, moe=moe)
+
+
+def v4_moe(num_experts: int, top_k: int, hidden_dim: int) -> MoEArgs:
+    return MoEArgs(num_experts=num_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="sqrtsoftplus",
+                   route_scale=1.5, num_shared_experts=1, expert_kind="clamped_silu", swiglu_limit=10.0)
+
+
+DEEPSEEK_V4_FLAVORS: dict[str, ModelArgs] = {
+    # CPU-sized: every attention kind (HCA, CSA, sliding, CSA), the first layer hash-routed; at seq_len 256 a
+    # CSA layer has 64 compressed entries of which the indexer keeps 16, an HCA layer 16.
+    "debugmodel": deepseek_v4_args(
+        dim=128, n_layers=4, n_heads=4, head_dim=64, rope_dim=16, window=32, vocab_size=-1,
+        layer_types=(HCA, CSA, SLIDING, CSA),
+        attention=CompressedAttentionArgs(q_lora_rank=64, o_groups=2, o_lora_rank=64, csa_rate=4, hca_rate=16,
+                                          index_n_heads=2, index_head_dim=32, index_topk=16, hc_mult=4,
+                                          hash_layers=1),
+        moe=v4_moe(num_experts=8, top_k=2, hidden_dim=128)),
+    # DeepSeek-V4-Flash (284B-A13B): transformers 5.23's DeepseekV4Config defaults (its checkpoint is
+    # deepseek-ai/DeepSeek-V4-Flash-Base) and its default schedule; the published config.json's own
+    # schedule and compressed-RoPE YaRN are not known offline.
+    "Flash": deepseek_v4_args(
+        dim=4096, n_layers=43, n_heads=64, head_dim=512, rope_dim=64, window=128, vocab_size=129280,
+        attention=CompressedAttentionArgs(q_lora_rank=1024, o_groups=8, o_lora_rank=1024),
+        moe=v4_moe(num_experts=256, top_k=6, hidden_dim=2048)),
+}

@@ -47,16 +47,25 @@ class Experts(nn.Module):
         return out
 
 
+def hash_table(vocab_size: int, num_experts: int, top_k: int, layer_id: int, device=None) -> torch.Tensor:
+    """(vocab, top_k) distinct experts per token id, the same on every run and rank (seeded by the layer)."""
+    gen = torch.Generator().manual_seed(1_000_003 + layer_id)
+    table = torch.rand(vocab_size, num_experts, generator=gen).argsort(dim=-1)[:, :top_k]
+    return table.to(device)
+
+
 class MoE(nn.Module):
     def __init__(self, args: DeepseekV4Args, layer_id: int):
         super().__init__()
         self.hashed = args.mlp_types[layer_id] == "hash_moe"
         self.top_k, self.route_scale = args.top_k, args.route_scale
         self.router = nn.Linear(args.dim, args.num_experts, bias=False)
-        if self.hashed:  # token id -> its top_k experts, fixed (a checkpoint's table)
-            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.top_k, dtype=torch.long))
-        else:  # load-balancing bias: moves the choice, not the weights
-            self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+        self.num_experts = args.num_experts
+        if self.hashed:  # token id -> its top_k distinct experts, fixed: drawn by hash_table (seeded), not learned
+            self.register_buffer("tid2eid", hash_table(args.vocab_size, args.num_experts, args.top_k, layer_id),
+                                 persistent=False)
+        else:  # load-balancing bias: moves the choice, not the weights (zero: titanctl does not move it yet)
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=False)
         self.experts = Experts(args)
         self.shared_experts = SharedExpert(args)
 
