@@ -56,8 +56,8 @@ class DeepseekV4(nn.Module):
         """(B, S) token ids from position 0 -> (B, S, vocab) logits. Whole sequences only: packed documents,
         decoding and prediction depths are not built for this family."""
         if attn_mask is not None or positions is not None:
-            raise ValueError("deepseek_v4 trains on whole windows only: set training.document_mask = false "
-                             "(its compressed entries span document boundaries)")
+            raise ValueError("deepseek_v4 trains on whole windows only: set model.attn_mask_type = 'causal' "
+                             "(its compressed entries span document boundaries; chat data packs documents too)")
         if input_pos is not None:
             raise ValueError("deepseek_v4 has no decoding cache in titanctl yet")
         if mtp:
