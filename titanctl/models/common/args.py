@@ -111,12 +111,13 @@ class LinearAttentionArgs:
 
 @dataclass(frozen=True)
 class CompressedAttentionArgs:
-    """Compressed sparse attention and hyper-connection residual: shared-KV MQA over a sliding window
-    (ModelArgs.sliding_window) with queries through a ``q_lora_rank`` latent, plus per layer (ModelArgs.layer_types) compressed entries, one
-    per ``csa_rate`` tokens chosen per query by a lightning indexer (top ``index_topk``), or one per
-    ``hca_rate`` tokens all visible; heads in ``o_groups`` groups projected to ``o_lora_rank`` each before
-    the output linear; the residual as ``hc_mult`` hyper-connection streams; the first ``hash_layers``
-    MoE layers route by a fixed token -> experts table."""
+    """Compressed sparse attention and a hyper-connection residual: shared-KV MQA over a sliding window
+    (ModelArgs.sliding_window), queries through a ``q_lora_rank`` latent, plus per layer
+    (ModelArgs.layer_types) compressed entries: one per ``csa_rate`` tokens, chosen per query by a
+    lightning indexer (top ``index_topk``), or one per ``hca_rate`` tokens, all visible. Heads in
+    ``o_groups`` groups projected to ``o_lora_rank`` each before the output linear; the residual as
+    ``hc_mult`` hyper-connection streams; the first ``hash_layers`` MoE layers route by a fixed
+    token -> experts table."""
 
     q_lora_rank: int
     o_groups: int
