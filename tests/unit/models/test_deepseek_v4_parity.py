@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit.hf_reference import unit_scale_
-from titanctl.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
+from titanctl.models.deepseek_v4.args import CSA, HCA, SLIDING, CompressYarn, DeepseekV4Args
 from titanctl.models.deepseek_v4.model import DeepseekV4
 
 SEQ = 48
@@ -22,10 +22,17 @@ LAYER_TYPES = (CSA, HCA, SLIDING)
 MLP_TYPES = ("hash_moe", "moe", "moe")
 
 
-def tiny_config():
+# YaRN on the compressed layers' RoPE, as the published checkpoints have it (factor 16), over a context short
+# enough that the 48 tokens are beyond it.
+COMPRESS_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                 "beta_slow": 1.0}
+
+
+def tiny_config(compress_yarn: bool = False):
     import transformers
 
     return transformers.DeepseekV4Config(
+        rope_parameters=COMPRESS_YARN if compress_yarn else None,
         vocab_size=128, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
         head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=8,
         layer_types=list(LAYER_TYPES), mlp_layer_types=list(MLP_TYPES),
@@ -36,7 +43,13 @@ def tiny_config():
 
 
 def args_of(config) -> DeepseekV4Args:
-    return DeepseekV4Args(
+    compress = config.rope_parameters["compress"]
+    yarn = None
+    if compress["rope_type"] == "yarn":
+        yarn = CompressYarn(factor=compress["factor"], beta_fast=compress["beta_fast"],
+                            original_max_position_embeddings=compress["original_max_position_embeddings"],
+                            beta_slow=compress["beta_slow"])
+    return DeepseekV4Args(compress_yarn=yarn,
         vocab_size=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
         n_heads=config.num_attention_heads, head_dim=config.head_dim, rope_head_dim=config.qk_rope_head_dim,
         q_lora_rank=config.q_lora_rank, o_groups=config.o_groups, o_lora_rank=config.o_lora_rank,
@@ -68,12 +81,12 @@ def our_name(hf: str) -> str:
     return name
 
 
-def reference(seed: int = 0):
+def reference(seed: int = 0, compress_yarn: bool = False):
     """transformers' model in fp64 at unit scale; sinks, biases and hash table random too."""
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_config()
+    config = tiny_config(compress_yarn)
     config._experts_implementation = "eager"  # the grouped-mm default has no fp64 kernel
     theirs = transformers.DeepseekV4ForCausalLM(config).to(torch.float64).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -105,11 +118,12 @@ def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def test_logits_and_gradients_equal_transformers():
+@pytest.mark.parametrize("compress_yarn", [False, True], ids=["rope", "compress-yarn"])
+def test_logits_and_gradients_equal_transformers(compress_yarn):
     """fp64: max |Δlogit| within 1e-5 of the largest logit (measured 2.1e-7) and every parameter's gradient
     within 2e-5 of its largest entry (measured 4.9e-6 worst). Not ~1e-15: transformers casts to float32 inside
     its norms, hyper-connections, RoPE and indexer even in an fp64 model (ours keeps fp64 there)."""
-    theirs = reference()
+    theirs = reference(compress_yarn=compress_yarn)
     ours = ours_of(theirs)
     ids = tokens()
     ref = theirs(ids).logits
