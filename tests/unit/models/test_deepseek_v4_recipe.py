@@ -72,3 +72,17 @@ def test_packed_documents_are_refused_in_one_line():
         model = build_model(recipe_args())
     with pytest.raises(ValueError, match="^deepseek_v4 trains on whole windows only: set model.attn_mask_type = .causal."):
         model(torch.zeros(1, 8, dtype=torch.long, device="meta"), positions=torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("key, dim", [("tensor_parallel_degree", "tp"), ("context_parallel_degree", "cp"),
+                                      ("data_parallel_shard_degree", "dp_shard")])
+def test_a_layout_not_built_is_refused_in_one_line(key, dim):
+    from titanctl.errors import ParallelError
+    from titanctl.parallel.layouts.build import check_layout
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    cfg = load_config(RECIPE, [f"--parallelism.{key}", "2"])
+    dims = ParallelDims.from_config(cfg.parallelism, 2)
+    with pytest.raises(ParallelError) as err:
+        check_layout(cfg, dims, recipe_args())
+    assert str(err.value).startswith(f"deepseek_v4 does not run with {dim} = 2 yet (") and "\n" not in str(err.value)

@@ -88,4 +88,12 @@ SPEC = ModelSpec(
     hf=HF,
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
+    layouts_not_built={
+        "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
+        "pp": "its blocks pass hyper-connection streams and token ids between stages",
+        "cp": "its compressed entries and indexer span the whole sequence",
+        "ep": "its experts are its own, not the shared MoE that expert parallelism shards",
+        "dp_shard": "FSDP is not checked against one process for it yet",
+        "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
+    },
 )
