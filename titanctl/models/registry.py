@@ -24,6 +24,7 @@ FAMILIES = {
     "gpt_oss": "titanctl.models.gpt_oss.spec",
     "qwen3_5": "titanctl.models.qwen3_5.spec",
     "qwen3_5_moe": "titanctl.models.qwen3_5_moe.spec",
+    "deepseek_v4": "titanctl.models.deepseek_v4.spec",
 }
 
 
@@ -97,4 +98,5 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
                 f"n_heads {args.n_heads}"
             )
         args = args.replace(n_kv_heads=cfg.n_kv_heads)
+    spec.check_run(args)
     return args

@@ -133,3 +133,9 @@ class ModelSpec:
     torchtune_names: tuple[Mapping[str, str], Mapping[str, str]] | None = None
     # Where `download-tokenizer` fetches the family's tokenizer: (Hub repository, folder in it).
     tokenizer_repo: tuple[str, str] = ("", "")
+    # Refuses (ConfigError, one line) a recipe's args the family cannot run, its max_seq_len the run's
+    # sequence length: what ``build`` cannot check, as it also builds at max_seq_len 1 to count weights.
+    check_run: Callable[[ModelArgs], None] = lambda args: None
+    # Parallel dimensions (``ParallelDims`` fields: "tp", "pp", "cp", "ep", "dp_shard", "dp_replicate") the
+    # family does not run under yet, each with why: a layout with one of them > 1 is refused in one line.
+    layouts_not_built: Mapping[str, str] = field(default_factory=dict)

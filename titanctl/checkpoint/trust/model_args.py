@@ -24,6 +24,7 @@ from titanctl.models.common.args import (
     LAYER_TYPES,
     ROPE_LAYOUTS,
     SCORE_FUNCS,
+    CompressedAttentionArgs,
     LinearAttentionArgs,
     MLAArgs,
     ModelArgs,
@@ -239,7 +240,8 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
             raise CheckpointError(f"{where}: model_args.moe must be an object with {', '.join(sorted(fields))}")
         raw["moe"] = MoEArgs(**moe)
     # DeepSeek-V3's MLA (and gpt-oss's YaRN), the hybrid families' Gated DeltaNet
-    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling), ("linear_attention", LinearAttentionArgs)):
+    for key, cls in (("mla", MLAArgs), ("yarn", YarnScaling), ("linear_attention", LinearAttentionArgs),
+                     ("compressed_attention", CompressedAttentionArgs)):
         if raw.get(key) is not None:
             fields = {f.name for f in dataclasses.fields(cls)}
             # YaRN's truncate came later: a titanctl.json without it meant true, the default.
@@ -247,6 +249,8 @@ def args_from_fields(raw: Any, where: str) -> ModelArgs:
             if not isinstance(raw[key], dict) or not fields - optional <= set(raw[key]) <= fields:
                 raise CheckpointError(f"{where}: model_args.{key} must be an object with {', '.join(sorted(fields))}")
             raw[key] = cls(**raw[key])
+            if key == "compressed_attention" and isinstance(raw[key].compress_yarn, list):
+                raw[key] = dataclasses.replace(raw[key], compress_yarn=tuple(raw[key].compress_yarn))
     if isinstance(raw.get("layer_types"), list):  # JSON has no tuples; ModelArgs is hashed
         raw["layer_types"] = tuple(raw["layer_types"])
     return check_args(ModelArgs(**raw), where)

@@ -66,14 +66,20 @@ class MLAArgs:
 
 # "softmax": over all experts, before the choice; "sigmoid": each expert's own; "softmax_topk": over the
 # top_k chosen logits only, so the chosen weights sum to 1 whatever norm_topk_prob says.
-SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
+# "sqrtsoftplus": each expert's own sqrt(softplus(logit)).
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk", "sqrtsoftplus")
 # "swiglu": w2(silu(w1 x) * w3 x), the shared experts. "clamped_swiglu": gate and up rows interleaved in one
 # stack w13 with a bias b13, gate clamped above and up on both sides at swiglu_limit, then
 # w2(gate * sigmoid(swiglu_alpha * gate) * (up + 1)) + b2.
-EXPERT_KINDS = ("swiglu", "clamped_swiglu")
+# "clamped_silu": w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit)), no bias (the shared expert clamped
+# too).
+EXPERT_KINDS = ("swiglu", "clamped_swiglu", "clamped_silu")
 # Attention kinds of a layer (ModelArgs.layer_types), named as Hugging Face's layer_types.
 # "linear_attention": a Gated DeltaNet layer (ModelArgs.linear_attention) in place of softmax attention.
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# "compressed_sparse_attention" / "heavily_compressed_attention": a sliding window plus compressed entries
+# (ModelArgs.compressed_attention).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "compressed_sparse_attention",
+               "heavily_compressed_attention")
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,33 @@ class LinearAttentionArgs:
     def conv_dim(self) -> int:
         """Channels the conv runs over: queries, keys, then values."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class CompressedAttentionArgs:
+    """Compressed sparse attention and a hyper-connection residual: shared-KV MQA over a sliding window
+    (ModelArgs.sliding_window), queries through a ``q_lora_rank`` latent, plus per layer
+    (ModelArgs.layer_types) compressed entries: one per ``csa_rate`` tokens, chosen per query by a
+    lightning indexer (top ``index_topk``), or one per ``hca_rate`` tokens, all visible. Heads in
+    ``o_groups`` groups projected to ``o_lora_rank`` each before the output linear; the residual as
+    ``hc_mult`` hyper-connection streams; the first ``hash_layers`` MoE layers route by a fixed
+    token -> experts table."""
+
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    csa_rate: int = 4
+    hca_rate: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    compress_rope_theta: float = 160000.0
+    # YaRN on the compressed layers' RoPE (factor, original context, beta_fast, beta_slow), cos/sin unscaled.
+    compress_yarn: tuple[float, int, float, float] | None = None
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hash_layers: int = 3
 
 
 @dataclass(frozen=True)
@@ -185,6 +218,8 @@ class ModelArgs:
     attention_output_gate: bool = False
     # RMSNorms scale by (1 + weight), their weight starting at zero (zero-centred), not by weight.
     norm_offset: bool = False
+    # Compressed attention, hyper-connections and hash routing; None: the model has none.
+    compressed_attention: CompressedAttentionArgs | None = None
 
     def is_sliding_layer(self, layer_id: int) -> bool:
         types = self.layer_types

@@ -18,7 +18,7 @@ from torch import nn
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.registry import build_model
+from titanctl.models.registry import build_model, spec_of
 from titanctl.parallel.converters.float8 import (
     Float8Conversion,
     check_float8,
@@ -78,6 +78,10 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """Every layout error that the config and the model's shape decide: the Trainer raises them before
     its rank joins the process group, so a bad layout never leaves a rank half-connected."""
     p = cfg.parallelism
+    for dim, why in spec_of(args).layouts_not_built.items():
+        if getattr(dims, dim) > 1:
+            raise ParallelError(f"{args.family} does not run with {dim} = {getattr(dims, dim)} yet ({why}); "
+                                f"use a layout without it")
     if dims.tp > 1:
         check_tp(args, dims.tp, cfg.training.seq_len)
     elif p.enable_async_tensor_parallel:

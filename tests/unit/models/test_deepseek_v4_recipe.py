@@ -1,0 +1,88 @@
+"""DeepSeek-V4 in titanctl: the debug recipe's model trains (the loss falls in a few steps, drawn by titanctl's
+own init), and what a recipe cannot run is refused in one line: the indexer's top-k beyond the compressed
+length of the run's sequences, a schedule of the wrong length, tensor and pipeline parallelism, the Hugging
+Face format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanctl.config.recipe import load_config
+from titanctl.errors import CheckpointError, ConfigError
+from titanctl.models.registry import build_model, get_spec, model_args_from_config
+from titanctl.parallel.layouts.weight_init import initialize_weights
+
+RECIPE = Path(__file__).parents[3] / "recipes" / "deepseek_v4_debug.toml"
+VOCAB = 4352  # the bundled tokenizer's
+
+
+def recipe_args(*overrides: str, seq_len: int | None = None):
+    cfg = load_config(RECIPE, list(overrides))
+    return model_args_from_config(cfg.model, VOCAB, seq_len or cfg.training.seq_len)
+
+
+def test_the_debug_model_learns():
+    """Six AdamW steps on one batch of the recipe's length at its lr: the loss falls below 90% of the first."""
+    args = recipe_args()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(args.replace(max_seq_len=64))
+    model.to_empty(device="cpu")
+    initialize_weights(model, seed=0)
+    tokens = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(6):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(float(VOCAB))).item(), rel=0.1)
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("overrides, seq_len, message", [
+    ((), 32, "model deepseek_v4: index_topk 16 is larger than the compressed length 8 (seq_len 32 / compress rate 4)"),
+    (("--model.n_layers", "2"), None, "model deepseek_v4: layer_types has 4 entries for 2 layers"),
+])
+def test_a_recipe_the_model_cannot_run_is_refused_in_one_line(overrides, seq_len, message):
+    with pytest.raises(ConfigError) as err:
+        recipe_args(*overrides, seq_len=seq_len)
+    assert str(err.value) == message
+
+
+def test_layouts_and_formats_not_built_refuse_in_one_line():
+    spec = get_spec("deepseek_v4")
+    args = recipe_args()
+    with pytest.raises(ConfigError, match="^tensor parallelism is not built for deepseek_v4 yet; set parallelism"):
+        spec.tp_plan.block(args)
+    with pytest.raises(ConfigError, match="^pipeline parallelism is not built for deepseek_v4 yet"):
+        spec.split_stage(None, [0], True, False)
+    with pytest.raises(CheckpointError, match="^the Hugging Face format is not built for deepseek_v4 yet"):
+        spec.hf.args_from_config({}, None, "config.json")
+
+
+def test_packed_documents_are_refused_in_one_line():
+    with torch.device("meta"):
+        model = build_model(recipe_args())
+    with pytest.raises(ValueError, match="^deepseek_v4 trains on whole windows only: set model.attn_mask_type = .causal."):
+        model(torch.zeros(1, 8, dtype=torch.long, device="meta"), positions=torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("key, dim", [("tensor_parallel_degree", "tp"), ("context_parallel_degree", "cp"),
+                                      ("data_parallel_shard_degree", "dp_shard")])
+def test_a_layout_not_built_is_refused_in_one_line(key, dim):
+    from titanctl.errors import ParallelError
+    from titanctl.parallel.layouts.build import check_layout
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    cfg = load_config(RECIPE, [f"--parallelism.{key}", "2"])
+    dims = ParallelDims.from_config(cfg.parallelism, 2)
+    with pytest.raises(ParallelError) as err:
+        check_layout(cfg, dims, recipe_args())
+    assert str(err.value).startswith(f"deepseek_v4 does not run with {dim} = 2 yet (") and "\n" not in str(err.value)

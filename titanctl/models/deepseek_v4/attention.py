@@ -1,0 +1,212 @@
+"""DeepSeek-V4's attention: shared-KV multi-query attention over a sliding window, plus the compressed
+entries of a CSA (compressor + lightning indexer + top-k) or HCA (compressor only) layer, with learned
+sinks, partial interleaved RoPE and the grouped output projection. Training form: a whole sequence from
+position 0, no cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanctl.models.common.args import YarnScaling
+from titanctl.models.common.rope import yarn_frequencies
+from titanctl.models.deepseek_v4.args import CSA, SLIDING, DeepseekV4Args
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 tensors, fp64 for fp64 ones: the precision the reference's float32 islands
+    (norms, RoPE, softmaxes) keep, without lowering an fp64 model."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, weighted: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if weighted else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(compute_dtype(x))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            h = self.weight.to(h.dtype) * h
+        return h.to(x.dtype)
+
+
+def rope_frequencies(args: DeepseekV4Args, compressed: bool) -> torch.Tensor:
+    """One frequency per rotated pair: the main RoPE for sliding layers, the compressed one (its own theta,
+    YaRN if set) for CSA/HCA layers and their compressors."""
+    dim = args.rope_head_dim
+    if compressed and args.compress_yarn is not None:
+        y = args.compress_yarn
+        freqs, _ = yarn_frequencies(dim, args.compress_rope_theta, YarnScaling(
+            factor=y.factor, original_max_position_embeddings=y.original_max_position_embeddings,
+            beta_fast=y.beta_fast, beta_slow=y.beta_slow))
+        return freqs  # the reference keeps cos/sin unscaled (attention factor 1)
+    theta = args.compress_rope_theta if compressed else args.rope_theta
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Angles in fp32 (as the reference computes them), one per pair, repeated for the pair's two channels."""
+    angles = positions.to(torch.float32)[:, None] * freqs.to(device=positions.device, dtype=torch.float32)[None]
+    angles = angles.repeat_interleave(2, dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``cos.shape[-1]`` channels of ``x`` (..., S, D) in interleaved pairs."""
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    r = rope.to(compute_dtype(x))
+    rotated = torch.stack((-r[..., 1::2], r[..., 0::2]), dim=-1).flatten(-2)
+    out = r * cos.to(r.dtype) + rotated * sin.to(r.dtype)
+    return torch.cat([nope, out.to(x.dtype)], dim=-1)
+
+
+def window_pool(kv: torch.Tensor, gate: torch.Tensor, rate: int, overlap: bool) -> torch.Tensor:
+    """Softmax-gated pooling of each closed window of ``rate`` tokens into one entry: (B, S, C) -> (B, n, D).
+
+    ``overlap`` (CSA): C = 2D, two series per token; entry w pools window w's second series with window
+    w - 1's first (width 2 x rate, stride rate). Else (HCA) C = D, one series, disjoint windows.
+    """
+    b, s, c = kv.shape
+    n = s // rate
+    kv = kv[:, : n * rate].view(b, n, rate, c)
+    gate = gate[:, : n * rate].view(b, n, rate, c)
+    if overlap:
+        d = c // 2
+        pad_kv = kv.new_zeros(b, 1, rate, d)
+        pad_gate = gate.new_full((b, 1, rate, d), float("-inf"))
+        previous_kv = torch.cat([pad_kv, kv[:, :-1, :, :d]], dim=1)
+        previous_gate = torch.cat([pad_gate, gate[:, :-1, :, :d]], dim=1)
+        kv = torch.cat([previous_kv, kv[..., d:]], dim=2)
+        gate = torch.cat([previous_gate, gate[..., d:]], dim=2)
+    weights = gate.softmax(dim=2, dtype=compute_dtype(gate)).to(kv.dtype)
+    return (kv * weights).sum(dim=2)
+
+
+def visible_entries(n_entries: int, seq_len: int, rate: int, device) -> torch.Tensor:
+    """(S, n) bool: query t sees compressed entry w once its window has closed, w < (t + 1) // rate."""
+    threshold = (torch.arange(seq_len, device=device) + 1) // rate
+    return torch.arange(n_entries, device=device)[None, :] < threshold[:, None]
+
+
+class Compressor(nn.Module):
+    """One compressed KV entry per ``rate`` tokens (HCA: disjoint windows; CSA: overlapping pairs), RMS-normed
+    and rotated at its window's first position."""
+
+    def __init__(self, args: DeepseekV4Args, rate: int, head_dim: int, overlap: bool):
+        super().__init__()
+        self.rate, self.overlap = rate, overlap
+        width = 2 * head_dim if overlap else head_dim
+        self.kv_proj = nn.Linear(args.dim, width, bias=False)
+        self.gate_proj = nn.Linear(args.dim, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width))
+        self.kv_norm = RMSNorm(head_dim, args.norm_eps)
+
+    def entries(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        n = s // self.rate
+        gate = self.gate_proj(x)
+        bias = self.position_bias.repeat(n, 1)
+        gate = torch.cat([gate[:, : n * self.rate] + bias, gate[:, n * self.rate:]], dim=1)
+        pooled = self.kv_norm(window_pool(self.kv_proj(x), gate, self.rate, self.overlap))
+        positions = torch.arange(n, device=x.device) * self.rate
+        cos, sin = cos_sin(freqs, positions, pooled.dtype)
+        return apply_rope(pooled, cos, sin)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own small compressor, scored by sum_h w_h relu(q_h . k); each query keeps its
+    top ``index_topk`` visible entries."""
+
+    def __init__(self, args: DeepseekV4Args):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.compressor = Compressor(args, args.compress_rates[CSA], args.index_head_dim, overlap=True)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """(B, S, n) bool: the entries each query keeps."""
+        b, s, _ = x.shape
+        keys = self.compressor.entries(x, freqs)  # (B, n, d)
+        n = keys.shape[1]
+        cos, sin = cos_sin(freqs, torch.arange(s, device=x.device), x.dtype)
+        q = apply_rope(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+        dt = compute_dtype(x)
+        scores = F.relu(torch.einsum("bhsd,bnd->bshn", q.to(dt), keys.to(dt))) * self.head_dim ** -0.5
+        weights = self.weights_proj(x).to(dt) * self.n_heads ** -0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, S, n)
+        visible = visible_entries(n, s, self.compressor.rate, x.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = scores.topk(min(self.topk, n), dim=-1).indices
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+        return keep & visible
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: group g of the input (its heads) through its own (rank x in/g) block."""
+
+    def __init__(self, in_per_group: int, rank: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * rank, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., groups, in_per_group) -> (..., groups * rank)
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("...gi,gri->...gr", x, w).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DeepseekV4Args, layer_id: int):
+        super().__init__()
+        self.kind = args.attention_types[layer_id]
+        self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.sliding_window
+        self.o_groups = args.o_groups
+        self.q_a_proj = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, args.n_heads * args.head_dim, bias=False)
+        self.q_b_norm = RMSNorm(args.head_dim, args.norm_eps, weighted=False)
+        self.kv_proj = nn.Linear(args.dim, args.head_dim, bias=False)
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.o_a_proj = GroupedLinear(args.n_heads * args.head_dim // args.o_groups, args.o_lora_rank, args.o_groups)
+        self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads))
+        self.compressor = None
+        if self.kind != SLIDING:
+            self.compressor = Compressor(args, args.compress_rates[self.kind], args.head_dim, overlap=self.kind == CSA)
+        if self.kind == CSA:
+            self.indexer = Indexer(args)
+        self.register_buffer("freqs", rope_frequencies(args, compressed=self.kind != SLIDING), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        positions = torch.arange(s, device=x.device)
+        cos, sin = cos_sin(self.freqs, positions, x.dtype)
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_norm(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2))
+        q = apply_rope(q, cos, sin)  # (B, H, S, D)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, S, D): one head, keys = values
+
+        rel = positions[:, None] - positions[None, :]
+        allowed = ((rel >= 0) & (rel < self.window)).expand(b, s, s)
+        if self.compressor is not None:
+            entries = self.compressor.entries(x, self.freqs)
+            visible = visible_entries(entries.shape[1], s, self.compressor.rate, x.device).expand(b, -1, -1)
+            if self.kind == CSA:
+                visible = self.indexer(x, q_latent, self.freqs)
+            kv = torch.cat([kv, entries], dim=1)
+            allowed = torch.cat([allowed, visible], dim=-1)
+
+        scores = torch.einsum("bhsd,btd->bhst", q, kv) * self.head_dim ** -0.5
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        out = torch.einsum("bhst,btd->bshd", probs, kv)
+        # Values carry the keys' rotation: undo it at the query's position (rotate by -angle).
+        out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+        out = self.o_a_proj(out.reshape(b, s, self.o_groups, -1))
+        return self.o_b_proj(out)

@@ -1,0 +1,99 @@
+"""DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
+one process only so far: tensor and pipeline parallelism and the Hugging Face format refuse in one line."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanctl.errors import CheckpointError, ConfigError
+from titanctl.models.common.args import ModelArgs
+from titanctl.models.common.tp_plan import root_plan
+from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, v4_args
+from titanctl.models.deepseek_v4.model import DeepseekV4
+from titanctl.models.spec import HFFormat, ModelSpec, TPPlan
+
+
+def build(args: ModelArgs) -> nn.Module:
+    return DeepseekV4(v4_args(args), args)
+
+
+def check_run(args: ModelArgs) -> None:
+    """The schedule, and the indexer's top-k against the compressed length of the run's sequences."""
+    try:
+        v4_args(args).check(seq_len=args.max_seq_len)
+    except ValueError as err:
+        raise ConfigError(f"model {args.family}: {err}") from None
+
+
+def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
+    raise ConfigError("tensor parallelism is not built for deepseek_v4 yet; set parallelism.tensor_parallel_degree = 1")
+
+
+def _no_pipeline(model, layer_ids, is_first, is_last) -> nn.Module:
+    raise ConfigError("pipeline parallelism is not built for deepseek_v4 yet (its blocks pass hyper-connection "
+                      "streams and token ids); set parallelism.pipeline_parallel_degree = 1")
+
+
+@functools.cache
+def _active_params(args: ModelArgs) -> int:
+    """Matmul parameters a token uses: all but the embedding lookup, the indexer (it only ranks) and the
+    routed experts it is not sent to."""
+    with torch.device("meta"):
+        model = build(args)
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "tok_embeddings.weight" and not args.tie_embeddings:
+            continue
+        n = p.numel()
+        if ".mlp.experts." in name:
+            n = n * args.moe.top_k // args.moe.num_experts
+        total += n
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """6N for the N active parameters, plus each layer's scores and values over the keys a query sees (its
+    window and, in CSA/HCA layers, the compressed entries it may pick: index_topk, or seq_len / rate):
+    12 x heads x head_dim x keys, forward and backward."""
+    ca = args.compressed_attention
+    keys = 0
+    for kind in args.layer_types:
+        seen = min(args.sliding_window, seq_len)
+        if kind == CSA:
+            seen += min(ca.index_topk, seq_len // ca.csa_rate)
+        elif kind != "sliding_attention":
+            seen += seq_len // ca.hca_rate // 2  # on average half the entries are closed before a query
+        keys += seen
+    return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
+
+
+def _no_hf(*_: Any) -> Any:
+    raise CheckpointError("the Hugging Face format is not built for deepseek_v4 yet; save and load dcp checkpoints")
+
+
+HF = HFFormat(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", layer_names={}, top_names={},
+              config_from_args=_no_hf, args_from_config=_no_hf)
+
+SPEC = ModelSpec(
+    name="deepseek_v4",
+    flavors=DEEPSEEK_V4_FLAVORS,
+    build=build,
+    tp_plan=TPPlan(root=root_plan, block=_no_tensor_parallel),
+    split_stage=_no_pipeline,
+    flops_per_token=flops_per_token,
+    hf=HF,
+    tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
+    check_run=check_run,
+    layouts_not_built={
+        "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
+        "pp": "its blocks pass hyper-connection streams and token ids between stages",
+        "cp": "its compressed entries and indexer span the whole sequence",
+        "ep": "its experts are its own, not the shared MoE that expert parallelism shards",
+        "dp_shard": "FSDP is not checked against one process for it yet",
+        "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
+    },
+)
