@@ -545,6 +545,32 @@ STAGE_SET_UP = {
 }
 
 
+def replicated_style() -> Any:
+    """A tensor-parallel style for a module that runs whole on every rank, on local inputs equal there (tensor
+    parallel without sequence parallel): its parameters become replicated DTensors (beside the split ones in
+    one optimizer), its inputs and outputs stay local. torch has no public style for it, and a ParallelStyle
+    subclass must implement the private ``_apply``."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class Replicated(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            def replicate_parameters(name, submodule, mesh):
+                for param_name, param in list(submodule.named_parameters(recurse=False)):
+                    replicated = distribute_tensor(param, mesh, [Replicate()])
+                    submodule.register_parameter(param_name, nn.Parameter(replicated))
+
+            return distribute_module(
+                module, device_mesh, replicate_parameters,
+                lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                                                   for x in inputs),
+                lambda module, output, mesh: output.to_local(),
+            )
+
+    return Replicated()
+
+
 # --- helpers for private methods and attributes of objects ---------------------------------------
 def flatten_mesh(mesh: Any, name: str) -> Any:
     return MESH_FLATTEN.of(mesh)(mesh_dim_name=name)

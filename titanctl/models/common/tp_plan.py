@@ -7,7 +7,7 @@ layer leaves logits sharded on the vocabulary and the loss is computed on the sh
 
 Without sequence parallel (``sequence_parallel=False``: a decode step's one token cannot be split
 over the ranks) activations stay whole on every rank between blocks: the norms run whole
-(``Replicated``), each row-wise linear all-reduces its partial sums, the embedding all-reduces its
+(``_torch_compat.replicated_style``), each row-wise linear all-reduces its partial sums, the embedding all-reduces its
 vocabulary shards' lookups and the output layer all-gathers the logits.
 """
 
@@ -17,9 +17,7 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from titanctl._torch_compat import replicated_style
 from titanctl.models.spec import TPPlan
 
 
@@ -48,28 +47,11 @@ class LinearStyles:
 PLAIN = LinearStyles()
 
 
-class Replicated(ParallelStyle):
-    """The module runs whole on every rank, on local inputs that are equal there: its parameters become
-    replicated DTensors (beside the split ones in one optimizer), its inputs and outputs stay local."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate_parameters(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
-            for param_name, param in list(submodule.named_parameters(recurse=False)):
-                submodule.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
-
-        return distribute_module(
-            module, device_mesh, replicate_parameters,
-            lambda module, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                                               for x in inputs),
-            lambda module, output, mesh: output.to_local(),
-        )
-
-
 def root_plan(loss_parallel: bool, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
     if not sequence_parallel:  # loss parallel needs sharded logits: the output layer gathers them whole
         return {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "norm": Replicated(),
+            "norm": replicated_style(),
             "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         }
     return {
@@ -136,7 +118,7 @@ def block_plan(
                                                                               ".wv", ".wo"))}
         plan = {name: styles(name).rowwise() if isinstance(style, RowwiseParallel) else style
                 for name, style in plan.items()}
-        plan |= {"attention_norm": Replicated(), "ffn_norm": Replicated()}
+        plan |= {"attention_norm": replicated_style(), "ffn_norm": replicated_style()}
     if qk_norm:
         # The norm weight (head_dim) is shared by all heads while each rank holds only its heads:
         # keep it whole (Replicate) and see the local (B, T, H/tp, head_dim) tensor as sharded on
