@@ -66,12 +66,10 @@ TWO_STEPS = ["--training.steps", "2"]
 LAYOUTS = [
     ("fsdp2", "dense", 2, 4, []),
     ("pp2", "untied", 2, 8, PP2),
-    ("moe_ep2", "moe", 2, 4, EP2),
     ("moe_ep2_hsdp2x2", "moe", 4, 2, [*EP2, *HSDP]),
     ("moe_pp2", "moe", 2, 8, PP2),
-    # The Gated DeltaNet layers' state and conv halo cross the ranks' chunks (chunks of 16 and 8 tokens).
-    ("cp2", "dense", 2, 8, [*CP2, *TWO_STEPS]),
-    ("cp2_documents", "dense_documents", 2, 8, [*CP2, *TWO_STEPS]),
+    # The Gated DeltaNet layers' state and conv halo cross the ranks' chunks (chunks of 16 and 8 tokens). CP 2:
+    # moe_ep2_cp2 (causal) and tp2_cp2_documents; EP 2 alone is in moe_ep2_hsdp2x2 and moe_ep2_cp2.
     ("cp4", "dense", 4, 8, [*CP4, *TWO_STEPS]),
     ("cp4_documents", "dense_documents", 4, 8, [*CP4, *TWO_STEPS]),
     ("moe_ep2_cp2", "moe", 2, 8, [*EP2, *CP2, *TWO_STEPS]),

@@ -41,7 +41,6 @@ LAYOUTS = [  # (id, reference, processes, local batch, overrides); 16 completion
     ("gspo_fsdp2", "gspo", 2, 8, FSDP2),
     ("moe_ep2", "moe", 2, 8, [*FSDP2, "--parallelism.expert_parallel_degree", "2"]),
     ("tp2", "grpo", 2, 8, TP2),
-    ("moe_tp2", "moe", 2, 16, TP2),
     ("tp2_fsdp2", "grpo", 4, 8, [*TP2[:2], *FSDP2]),
     ("moe_tp2_ep2", "moe", 4, 8, [*TP2[:2], *FSDP2, "--parallelism.expert_parallel_degree", "2"]),
 ]
