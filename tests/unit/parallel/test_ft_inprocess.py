@@ -327,8 +327,10 @@ def _replica_group(tmp_path, monkeypatch, replica_id: int, method: str) -> tuple
     cfg = load_config(None, [
         "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica_id),
         "--fault_tolerance.group_size", "2", *SEMI_SYNC[method],
-        "--fault_tolerance.connect_timeout_seconds", "2", "--fault_tolerance.process_group_timeout_seconds", "4",
-        "--fault_tolerance.timeout_seconds", "8", "--fault_tolerance.quorum_timeout_seconds", "16",
+        # Generous: nothing here waits for a timeout, and on loaded cores (the suite's torchrun worlds beside it)
+        # a 4 s process-group timeout once ran out while the TCPStore accepted the peer.
+        "--fault_tolerance.connect_timeout_seconds", "5", "--fault_tolerance.process_group_timeout_seconds", "15",
+        "--fault_tolerance.timeout_seconds", "30", "--fault_tolerance.quorum_timeout_seconds", "60",
     ])
     folder = tmp_path / f"replica_{replica_id}"
     folder.mkdir(exist_ok=True)
