@@ -294,11 +294,20 @@ def document_context_parallel_ctx(
     attention needs ``enable_document_context_parallel`` and the mask of those positions."""
     seq_len = _check_buffers(cp_mesh, buffers, seq_dims)
     mine, _ = document_cp_positions(seq_len, cp_mesh)
+    with buffers_cut_in_place(buffers, seq_dims, no_restore, mine):
+        yield
+
+
+@contextlib.contextmanager
+def buffers_cut_in_place(buffers: list[Tensor], seq_dims: list[int], no_restore: set[Tensor],
+                         positions: Tensor) -> Iterator[None]:
+    """Each buffer cut in place to ``positions`` along its sequence dim, restored on exit (except
+    ``no_restore``): the model's own tensors (the RoPE table) keep their identity."""
     originals = []
     with torch.no_grad():
         for buf, dim in zip(buffers, seq_dims):
             originals.append(None if any(buf is b for b in no_restore) else buf.clone())
-            shard = buf.index_select(dim, mine.to(buf.device))
+            shard = buf.index_select(dim, positions.to(buf.device))
             buf.resize_(shard.shape)
             buf.copy_(shard)
     try:

@@ -39,6 +39,7 @@ from torch import Tensor
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import AttentionKernel
+from titanctl.parallel.layouts.context_parallel import buffers_cut_in_place
 
 METHODS = ("ring", "ulysses")
 HEAD_DIM, SEQ_DIM = 1, 2  # of q, k, v and the output inside the kernel: (B, H, T, head_dim)
@@ -148,18 +149,6 @@ def ulysses_context_parallel_ctx(
     if len(lengths) != 1 or next(iter(lengths)) % cp:
         raise ParallelError(f"ulysses context parallel needs buffers of one length divisible by {cp}, got {lengths}: "
                             "build the model with max_seq_len == seq_len")
-    originals = []
-    with torch.no_grad():
-        for buf, dim in zip(buffers, seq_dims):
-            originals.append(None if any(buf is b for b in no_restore) else buf.clone())
-            shard = buf.chunk(cp, dim=dim)[rank].clone()
-            buf.resize_(shard.shape)
-            buf.copy_(shard)
-    try:
+    share = next(iter(lengths)) // cp
+    with buffers_cut_in_place(buffers, seq_dims, no_restore, torch.arange(rank * share, (rank + 1) * share)):
         yield
-    finally:
-        with torch.no_grad():
-            for buf, original in zip(buffers, originals):
-                if original is not None:
-                    buf.resize_(original.shape)
-                    buf.copy_(original)
