@@ -28,11 +28,22 @@ def args_of(theirs, max_seq_len: int = 64) -> ModelArgs:
     return args_from_hf_config(theirs.config.to_dict(), max_seq_len=max_seq_len)
 
 
-def titanctl_model_of(theirs, args: ModelArgs | None = None, read_as: ModelArgs | None = None) -> nn.Module:
-    """titanctl's model of ``args`` (default: theirs') holding ``theirs``' weights, read through the
-    family's Hugging Face names as ``read_as`` (default: theirs' args) says, in eval mode."""
+def saved_state_dict(theirs) -> dict[str, torch.Tensor]:
+    """``theirs``' state dict under the names save_pretrained writes (transformers' conversion mapping
+    reversed: DeepSeek-V4's own names, experts one tensor per expert)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(theirs, theirs.state_dict()))
+
+
+def titanctl_model_of(theirs, args: ModelArgs | None = None, read_as: ModelArgs | None = None,
+                      state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """titanctl's model of ``args`` (default: theirs') holding ``theirs``' weights (``state``: them under
+    other names, default its state dict), read through the family's Hugging Face names as ``read_as``
+    (default: theirs' args) says, in eval mode."""
     model = build_model(args or args_of(theirs))
-    model.load_state_dict(from_hf_state_dict(theirs.state_dict(), read_as or args_of(theirs)), strict=True)
+    state = theirs.state_dict() if state is None else state
+    model.load_state_dict(from_hf_state_dict(state, read_as or args_of(theirs)), strict=True)
     return model.eval()
 
 

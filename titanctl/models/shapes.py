@@ -25,25 +25,34 @@ EMBEDDING = "tok_embeddings.weight"
 
 
 @functools.lru_cache(maxsize=8)
-def _layout(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], dict[str, str], frozenset[str]]:
+def _layout(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], dict[str, str], frozenset[str], frozenset[str]]:
     with torch.device("meta"):
         model = build_model(args.replace(max_seq_len=1))  # the RoPE table is no weight
     buffers = frozenset(name for name, _ in model.named_buffers())  # saved state such as MoE's expert_bias
     shapes: dict[str, tuple[int, ...]] = {}
     first_name: dict[int, str] = {}  # id(tensor) -> the first key that holds it
     tied: dict[str, str] = {}
+    integers = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         shapes[name] = tuple(tensor.shape)
+        if not tensor.is_floating_point():
+            integers.add(name)
         source = first_name.setdefault(id(tensor), name)
         if source != name:
             tied[name] = source
-    return shapes, tied, buffers
+    return shapes, tied, buffers, frozenset(integers)
 
 
 def weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """{canonical name: shape} of every state-dict key (saved buffers included), in the model's own
     order (a tied weight appears under both of its keys). Cached and shared: do not modify it."""
     return _layout(args)[0]
+
+
+def integer_state(args: ModelArgs) -> frozenset[str]:
+    """State-dict keys whose tensor holds integers, not weights (DeepSeek-V4's token -> experts tables):
+    stored and loaded as they are, never cast to a weight dtype."""
+    return _layout(args)[3]
 
 
 def tied_weights(args: ModelArgs) -> dict[str, str]:
@@ -59,7 +68,7 @@ def num_params(args: ModelArgs, include_embedding: bool = True) -> int:
     FLOPs: ``titanctl.train.flops`` counts 6 FLOPs per remaining parameter). A table tied to the
     output layer is that layer's matmul weight too, so it stays in.
     """
-    shapes, tied, buffers = _layout(args)
+    shapes, tied, buffers, _ = _layout(args)
     lookup_only = EMBEDDING not in tied.values()
     return sum(
         math.prod(shape)

@@ -39,8 +39,9 @@ class HFFormat:
     # in-memory experts.gate_up_proj holds w1 then w3). Read only.
     packed: Mapping[str, tuple[str, int, int, int]] = field(default_factory=dict)
     # One tensor per expert, the Hub's layout: {titanctl layer suffix: HF layer suffix with {e}}; the
-    # titanctl weight stacks them on dim 0. Read and written.
-    per_expert: Mapping[str, str] = field(default_factory=dict)
+    # titanctl weight stacks them on dim 0. A tuple of suffixes: each expert's matrix is their tensors
+    # concatenated along its dim 0 (DeepSeek-V4's w1 then w3 make gate_up_proj). Read and written.
+    per_expert: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     # titanctl layer suffixes of state the format does not store (read as zeros, not written).
     not_stored: tuple[str, ...] = ()
     # titanctl layer suffixes whose Hugging Face tensor holds the last two dimensions swapped (gpt-oss's

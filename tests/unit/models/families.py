@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.unit.hf_reference import unit_scale_
+from tests.unit.hf_reference import saved_state_dict, unit_scale_
 
 # Default RoPE of the dense references; the scaled ones (frequency-dependent, YaRN) where a family has them.
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
@@ -156,6 +156,38 @@ def gpt_oss_model(**changes):
     return model
 
 
+# DeepSeek-V4: every attention kind (CSA, HCA, sliding), the first layer hash-routed, YaRN on the compressed
+# branches as published (factor 16) over a context the 48 tokens exceed; over a window of 8 most keys are
+# compressed entries (CSA: 24 at rate 2, of which the indexer keeps 3; HCA: 12 at rate 4).
+V4_COMPRESS_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                    "beta_slow": 1.0}
+
+
+def deepseek_v4_config():
+    import transformers
+
+    return transformers.DeepseekV4Config(
+        vocab_size=512, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=8,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], rope_parameters=V4_COMPRESS_YARN,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, index_n_heads=2,
+        index_head_dim=8, index_topk=3, hc_mult=2, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def deepseek_v4_state(model, gen: torch.Generator) -> None:
+    """DeepSeek-V4's state unit scale leaves at rest: a trained expert bias, and a token -> experts table
+    unlike titanctl's seeded one (two distinct experts per token), so that reading it is what makes the
+    logits equal."""
+    trained_expert_bias(model, gen)
+    with torch.no_grad():
+        for name, table in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                table.copy_(torch.rand(table.shape[0], experts, generator=gen).argsort(-1)[:, : table.shape[1]])
+
+
 def trained_expert_bias(model, gen: torch.Generator) -> None:
     """DeepSeek-V3's e_score_correction_bias as training leaves it: it moves the choice of experts."""
     with torch.no_grad():
@@ -183,6 +215,13 @@ class Reference:
     after_init: Callable[[Any, torch.Generator], None] | None = None  # state unit_scale_ does not set
     # config.json facts an export keeps, beyond the round trip's (the family's own keys)
     exported: Callable[[dict, Any], None] = field(default=lambda config, theirs: None)
+    # transformers holds the model under other names than save_pretrained writes (DeepSeek-V4's conversion
+    # mapping): titanctl reads the written ones, so the suite feeds it those (``hf_state_dict``).
+    saved_names_only: bool = False
+
+    def hf_state_dict(self, theirs) -> dict:
+        """The reference's weights under the names titanctl reads."""
+        return saved_state_dict(theirs) if self.saved_names_only else theirs.state_dict()
 
     def build(self):
         """The reference, its weights at unit scale (seed 0), in eval mode."""
@@ -213,6 +252,11 @@ def _qwen3_5_export(config: dict, theirs) -> None:
     assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
 
 
+def _deepseek_v4_export(config: dict, theirs) -> None:
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters"):
+        assert config[key] == getattr(theirs.config, key), key
+
+
 def _qwen3_moe_export(config: dict, theirs) -> None:
     # What the model does not use or titanctl's args do not hold comes back as the source had it.
     assert (config["intermediate_size"], config["max_position_embeddings"], config["num_local_experts"]) == (96, 64, 8)
@@ -238,6 +282,8 @@ REFERENCES = [
     Reference("qwen3_5-tied", "qwen3_5", "Qwen3_5ForCausalLM", lambda: qwen3_5_config(tie_word_embeddings=True),
               tol=3e-4),
     Reference("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", qwen3_5_moe_config, exported=_qwen3_5_export),
+    Reference("deepseek_v4", "deepseek_v4", "DeepseekV4ForCausalLM", deepseek_v4_config, after_init=deepseek_v4_state,
+              exported=_deepseek_v4_export, saved_names_only=True),
 ]
 
 # Published sizes: (family, flavor) -> (total parameters, relative tolerance; 0: exact). Llama with its
@@ -271,7 +317,5 @@ UNPUBLISHED = {
 }
 # Families with no REFERENCES entry yet, and why: their parity against transformers is in their own file
 # until their Hugging Face names exist (the suite's round trips need them).
-NOT_IN_SUITE = {
-    "deepseek_v4": "no Hugging Face names yet (issue 62 part 4); logits and gradients: test_deepseek_v4_parity.py",
-}
+NOT_IN_SUITE: dict[str, str] = {}
 LLAMA3_TOKENIZER_ROWS = 128_256

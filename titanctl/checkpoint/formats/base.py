@@ -31,7 +31,7 @@ from titanctl.checkpoint.trust.paths import check_inside
 from titanctl.checkpoint.trust.shape_inference import kv_heads_hint
 from titanctl.errors import CheckpointError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.shapes import tied_weights, weight_shapes
+from titanctl.models.shapes import integer_state, tied_weights, weight_shapes
 from titanctl.safe_io import load_json, read_head
 
 FORMATS = ("meta", "dcp", "hf", "torchtune", "torchtitan")
@@ -56,7 +56,7 @@ class TensorInfo:
     where: str  # the file that holds it (for messages)
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        return math.prod(self.shape) * (dtype or self.dtype).itemsize
+        return math.prod(self.shape) * written_dtype(self.dtype, dtype).itemsize
 
 
 class Source(abc.ABC):
@@ -145,6 +145,7 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
     aliases = tied_weights(args)  # a tied output layer is the embedding: stored once, if at all
     infos[:] = [info for info in infos if info.name not in aliases]
     expected = {name: shape for name, shape in weight_shapes(args).items() if name not in aliases}
+    integers = integer_state(args)
     seen: dict[str, TensorInfo] = {}
     for info in infos:
         if info.name not in expected:
@@ -163,7 +164,10 @@ def check_complete(infos: list[TensorInfo], args: ModelArgs, origin: str, folder
                 f"tensor {info.shown!r} in {info.where} has shape {tuple(info.shape)}, expected {want} "
                 f"for the model from {origin}{kv_heads_hint(info.name, info.shape, want, args)}"
             )
-        if not info.dtype.is_floating_point:
+        if info.name in integers:
+            if info.dtype.is_floating_point or info.dtype.is_complex or info.dtype == torch.bool:
+                raise CheckpointError(f"tensor {info.shown!r} in {info.where} has dtype {info.dtype}, not an integer")
+        elif not info.dtype.is_floating_point:
             raise CheckpointError(f"tensor {info.shown!r} in {info.where} has dtype {info.dtype}, not a float")
     missing = [name for name in expected if name not in seen]
     if missing:
@@ -346,8 +350,15 @@ class TorchFiles:
         self.files.clear()
 
 
+def written_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of dtype ``stored`` is written in when a conversion asks for ``dtype``: weights take
+    it, integer state (a token -> experts table) keeps its own (a float would round its ids)."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
 def cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+    target = written_dtype(tensor.dtype, dtype)
+    return tensor if tensor.dtype == target else tensor.to(target)
 
 
 def torch_weight_files(folder: Path) -> list[Path]:

@@ -34,6 +34,7 @@ from titanctl.checkpoint.formats.base import (
     cast,
     check_complete,
     dtype_name,
+    written_dtype,
 )
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
 from titanctl.checkpoint.hf.names import HF_FILES_KEY
@@ -158,7 +159,8 @@ def save_streaming(
     rename = stored_name or (lambda name: name)
     canonical = {rename(info.name): info.name for info in source.infos}
     placeholders = {
-        rename(info.name): torch.empty(info.shape, dtype=dtype or info.dtype, device="meta") for info in source.infos
+        rename(info.name): torch.empty(info.shape, dtype=written_dtype(info.dtype, dtype), device="meta")
+        for info in source.infos
     }
 
     def fetch(key: str) -> torch.Tensor:

@@ -37,6 +37,7 @@ from titanctl.checkpoint.formats.base import (
     check_complete,
     dtype_name,
     read_json,
+    written_dtype,
 )
 from titanctl.checkpoint.hf import hub_layout
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY, carried, export_config
@@ -323,9 +324,10 @@ class HFSource(Source):
             split = list(shape)
             split[piece.dim] //= piece.parts
             return TensorInfo(name, tuple(split), dtype, f"{key}[part {piece.index + 1} of {piece.parts}]", where)
-        experts = sorted(p.expert for p, _key, _path in found)
-        if experts != list(range(self.args.moe.num_experts)):
-            raise CheckpointError(f"{name}: the per-expert tensors ({key!r}, ...) are not one of each of "
+        experts = sorted((p.expert, p.index) for p, _key, _path in found)
+        if experts != [(e, i) for e in range(self.args.moe.num_experts) for i in range(piece.parts)]:
+            each = "one" if piece.parts == 1 else f"{piece.parts} (of dim 0)"
+            raise CheckpointError(f"{name}: the per-expert tensors ({key!r}, ...) are not {each} of each of "
                                   f"{self.args.moe.num_experts} experts")
 
         def kind(k: str) -> str:  # as loaded: an FP8 weight is dequantized
@@ -336,7 +338,8 @@ class HFSource(Source):
             if shapes[other] != (shape, dtype):
                 raise CheckpointError(f"{name}: expert tensor {other!r} is {kind(other)}, but {key!r} is {kind(key)}: "
                                       "every expert's must have the same shape and dtype")
-        return TensorInfo(name, (len(experts), *shape), dtype, key.replace(f".{piece.expert}.", ".{e}.", 1), where)
+        return TensorInfo(name, (self.args.moe.num_experts, piece.parts * shape[0], *shape[1:]), dtype,
+                          key.replace(f".{piece.expert}.", ".{e}.", 1), where)
 
     def _file(self, path: Path):
         if self._open_path != path:
@@ -388,7 +391,7 @@ class HFSource(Source):
         return mxfp4.dequantize(blocks, scales, self.dequantize_to, entry.name, release=self.pages.release).mT
 
     def _load_structured(self, found: list) -> torch.Tensor:
-        found = sorted(found, key=lambda f: f[0].expert or 0)
+        found = sorted(found, key=lambda f: (f[0].expert or 0, f[0].index))
         piece, key, path = found[0]
         if piece.expert is None:  # one slice of a packed tensor
             if key in self.scales:  # its blocks may straddle the slices: dequantize whole, keep the slice
@@ -401,10 +404,12 @@ class HFSource(Source):
             out = part.clone()
             self.pages.release(part)
             return out
-        # One tensor per expert: each written straight into its row of the stack (no second copy).
+        # One tensor per expert (or several, stacked on the matrix's dim 0): each written straight into
+        # its rows of the stack (no second copy).
         info = self.info(piece.name)
         stack = torch.empty(info.shape, dtype=info.dtype)
-        for (_piece, key, path), row in zip(found, stack, strict=True):
+        rows = [part for matrix in stack for part in matrix.chunk(piece.parts, dim=0)]
+        for (_piece, key, path), row in zip(found, rows, strict=True):
             if key in self.scales:
                 self._dequantized(key, path, out=row)
             else:
@@ -547,7 +552,8 @@ def write(
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         del tensors
     # Of the tensors written: an expert bias Hugging Face does not store reads as float32 zeros.
-    out_dtypes = sorted({dtype_name(dtype or i.dtype) for i in source.infos if hf_names_of(i.name, args)})
+    out_dtypes = sorted({dtype_name(written_dtype(i.dtype, dtype)) for i in source.infos
+                         if hf_names_of(i.name, args) and i.dtype.is_floating_point})
     config = export_config(
         args, source_config, dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", token_ids=token_ids,
         default_token_ids=special_token_ids(args), notes=notes,

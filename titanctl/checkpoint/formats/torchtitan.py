@@ -54,6 +54,7 @@ from titanctl.checkpoint.formats.base import (
     check_complete,
     dtype_name,
     read_json,
+    written_dtype,
 )
 from titanctl.checkpoint.formats.dcp import TRAINING_STATE, DCPSource, save_streaming
 from titanctl.checkpoint.formats.hf import CONFIG_FILE
@@ -205,6 +206,7 @@ def write(folder: Path, args: ModelArgs, source: Source, *, dtype: torch.dtype |
         (folder / PARAMS_FILE).write_text(json.dumps(params_from_args(args), indent=2) + "\n")
         return
     described = source.source.args if isinstance(source, UntiedView) else args  # a tied model says so
-    dtypes = sorted({dtype_name(dtype or info.dtype) for info in source.infos})
+    dtypes = sorted({dtype_name(written_dtype(info.dtype, dtype)) for info in source.infos
+                     if info.dtype.is_floating_point})
     config = hf_config(described, torch_dtype=dtypes[0] if len(dtypes) == 1 else "float32")
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -127,7 +127,7 @@ class Piece:
     dim: int = 0
     index: int = 0
     parts: int = 1
-    expert: int | None = None
+    expert: int | None = None  # with parts > 1: slice ``index`` along dim 0 of that expert's matrix
 
 
 def structured_pieces(hf_name: str, args: ModelArgs) -> list[Piece]:
@@ -139,17 +139,25 @@ def structured_pieces(hf_name: str, args: ModelArgs) -> list[Piece]:
     layer, suffix = m.groups()
     pieces = [Piece(f"layers.{layer}.{ours}", dim, index, parts)
               for ours, (theirs, dim, index, parts) in spec.packed.items() if theirs == suffix]
-    for ours, template in spec.per_expert.items():
-        e = re.fullmatch(re.escape(template).replace(r"\{e\}", r"(\d+)"), suffix)
-        if e and int(e.group(1)) < args.moe.num_experts:
-            pieces.append(Piece(f"layers.{layer}.{ours}", expert=int(e.group(1))))
+    for ours, found in spec.per_expert.items():
+        templates = expert_templates(found)
+        for index, template in enumerate(templates):
+            e = re.fullmatch(re.escape(template).replace(r"\{e\}", r"(\d+)"), suffix)
+            if e and int(e.group(1)) < args.moe.num_experts:
+                pieces.append(Piece(f"layers.{layer}.{ours}", 0, index, len(templates), expert=int(e.group(1))))
     return pieces
 
 
-def _expert_template(name: str, args: ModelArgs) -> tuple[str, str] | None:
+def expert_templates(per_expert: str | tuple[str, ...]) -> tuple[str, ...]:
+    """An ``HFFormat.per_expert`` value as its templates: one, or several whose tensors stack along dim 0
+    into the expert's matrix (DeepSeek-V4's w1 and w3 rows make titanctl's gate_up_proj)."""
+    return (per_expert,) if isinstance(per_expert, str) else tuple(per_expert)
+
+
+def _expert_template(name: str, args: ModelArgs) -> tuple[str, tuple[str, ...]] | None:
     m = _CANONICAL_LAYER.fullmatch(name)
     template = spec_of(args).hf.per_expert.get(m.group(2)) if m else None
-    return None if template is None else (m.group(1), template)
+    return None if template is None else (m.group(1), expert_templates(template))
 
 
 def stacked_over_experts(name: str, args: ModelArgs) -> bool:
@@ -159,9 +167,11 @@ def stacked_over_experts(name: str, args: ModelArgs) -> bool:
 
 def per_expert_tensors(name: str, stack: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
     """A weight stacked over experts under the Hub's names (``mlp.experts.{e}.gate_proj.weight``, ...):
-    one (name, matrix) per expert, each a view of ``stack``."""
-    layer, template = _expert_template(name, args)
-    return [(f"model.layers.{layer}.{template.format(e=e)}", stack[e]) for e in range(stack.shape[0])]
+    one (name, matrix) per expert and template, each a view of ``stack``."""
+    layer, templates = _expert_template(name, args)
+    return [(f"model.layers.{layer}.{template.format(e=e)}", part)
+            for e in range(stack.shape[0])
+            for template, part in zip(templates, stack[e].chunk(len(templates), dim=0), strict=True)]
 
 
 def expert_layout(hf_name: str, args: ModelArgs) -> str | None:
@@ -206,15 +216,16 @@ def hf_names_of(name: str, args: ModelArgs) -> list[str]:
         return []
     template = _expert_template(name, args)
     if template is not None:
-        layer, suffix = template
-        return [f"model.layers.{layer}.{suffix.format(e=e)}" for e in range(args.moe.num_experts)]
+        layer, suffixes = template
+        return [f"model.layers.{layer}.{suffix.format(e=e)}" for e in range(args.moe.num_experts)
+                for suffix in suffixes]
     return [_hf_name(name, args)]
 
 
 def _shown_hf_name(name: str, args: ModelArgs) -> str:
     """One name for messages: a weight stored per expert as its name template (``experts.{e}.``)."""
     template = _expert_template(name, args)
-    return f"model.layers.{template[0]}.{template[1]}" if template else _hf_name(name, args)
+    return " + ".join(f"model.layers.{template[0]}.{t}" for t in template[1]) if template else _hf_name(name, args)
 
 
 def transposed(canonical: str, args: ModelArgs) -> bool:
@@ -411,7 +422,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
             plain[key] = tensor
         for piece in pieces:
             if piece.expert is not None:
-                stacks.setdefault(piece.name, {})[piece.expert] = tensor
+                stacks.setdefault(piece.name, {}).setdefault(piece.expert, {})[piece.index] = (tensor, piece.parts)
             else:
                 size = tensor.shape[piece.dim] // piece.parts
                 stacks.setdefault(piece.name, {})[None] = tensor.narrow(piece.dim, piece.index * size, size)
@@ -419,8 +430,10 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
     for name, by_expert in stacks.items():
         if None in by_expert:
             out[name] = by_expert[None]
-        elif sorted(by_expert) == list(range(args.moe.num_experts)):
-            out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+        elif sorted(by_expert) == list(range(args.moe.num_experts)) and all(
+                sorted(parts) == list(range(next(iter(parts.values()))[1])) for parts in by_expert.values()):
+            out[name] = torch.stack([torch.cat([by_expert[e][i][0] for i in sorted(by_expert[e])])
+                                     for e in sorted(by_expert)])
     shapes = weight_shapes(args)
     for name in shapes:
         if not_stored(name, args):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanctl.checkpoint.formats import hf
-from titanctl.checkpoint.formats.base import Source, TensorInfo, no_progress
+from titanctl.checkpoint.formats.base import Source, TensorInfo, no_progress, written_dtype
 from titanctl.checkpoint.hf.tokenizer_export import resolve_tokenizer, write_companion_files
 from titanctl.checkpoint.run.state import ModelState
 from titanctl.checkpoint.trust.reader import one_line
@@ -186,7 +186,7 @@ def write_hf_folder(
     if orphans:
         raise RuntimeError(f"no rank holds {orphans[:3]} of the model")
     first = {name: everyone[ranks[0]][name] for name, ranks in holders.items()}
-    dtypes = {name: dtype or getattr(torch, held[0]) for name, held in first.items()}
+    dtypes = {name: written_dtype(getattr(torch, held[0]), dtype) for name, held in first.items()}
     shapes = {name: held[1] for name, held in first.items()}
     infos = [TensorInfo(name, shapes[name], getattr(torch, first[name][0]), name, "the run's model") for name in names]
     order = hf.write_order(names, args, layout)

@@ -248,7 +248,8 @@ class CheckpointManager:
             state.update((model or self.model).state_dict())
             if dtype is not None:
                 target = getattr(torch, dtype)
-                state = {k: v.to(target) if v.dtype != target else v for k, v in state.items()}
+                state = {k: v.to(target) if v.dtype != target and v.is_floating_point() else v  # not integer state
+                         for k, v in state.items()}
         state.update({part: self.states[part] for part in parts if part != "model"})
         return state
 

@@ -61,11 +61,11 @@ class MoE(nn.Module):
         self.top_k, self.route_scale = args.top_k, args.route_scale
         self.router = nn.Linear(args.dim, args.num_experts, bias=False)
         self.num_experts = args.num_experts
+        # Both saved state: a checkpoint's table and bias (the Hub's, trained) replace the fresh model's.
         if self.hashed:  # token id -> its top_k distinct experts, fixed: drawn by hash_table (seeded), not learned
-            self.register_buffer("tid2eid", hash_table(args.vocab_size, args.num_experts, args.top_k, layer_id),
-                                 persistent=False)
+            self.register_buffer("tid2eid", hash_table(args.vocab_size, args.num_experts, args.top_k, layer_id))
         else:  # load-balancing bias: moves the choice, not the weights (zero: titanctl does not move it yet)
-            self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts))
         self.experts = Experts(args)
         self.shared_experts = SharedExpert(args)
 

@@ -4,17 +4,17 @@ one process only so far: tensor and pipeline parallelism and the Hugging Face fo
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 from torch import nn
 
-from titanctl.errors import CheckpointError, ConfigError
+from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.tp_plan import root_plan
 from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, v4_args
+from titanctl.models.deepseek_v4.hf import HF
 from titanctl.models.deepseek_v4.model import DeepseekV4
-from titanctl.models.spec import HFFormat, ModelSpec, TPPlan
+from titanctl.models.spec import ModelSpec, TPPlan
 
 
 def build(args: ModelArgs) -> nn.Module:
@@ -70,13 +70,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
         keys += seen
     return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
 
-
-def _no_hf(*_: Any) -> Any:
-    raise CheckpointError("the Hugging Face format is not built for deepseek_v4 yet; save and load dcp checkpoints")
-
-
-HF = HFFormat(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", layer_names={}, top_names={},
-              config_from_args=_no_hf, args_from_config=_no_hf)
 
 SPEC = ModelSpec(
     name="deepseek_v4",
