@@ -106,11 +106,7 @@ def reference(seed: int = 0, compress_yarn: bool = False):
 
 def ours_of(theirs) -> DeepseekV4:
     ours = DeepseekV4(args_of(theirs.config)).to(torch.float64)
-    state = {our_name(k): v for k, v in theirs.state_dict().items()}
-    for name in [n for n in state if n.endswith(("tid2eid", "expert_bias"))]:  # ours: non-persistent buffers
-        ours.get_buffer(name).copy_(state.pop(name))
-    missing, unexpected = ours.load_state_dict(state, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
+    ours.load_state_dict({our_name(k): v for k, v in theirs.state_dict().items()}, strict=True)  # buffers too
     return ours.eval()
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from titanctl.config.recipe import load_config
-from titanctl.errors import CheckpointError, ConfigError
+from titanctl.errors import ConfigError
 from titanctl.models.registry import build_model, get_spec, model_args_from_config
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
@@ -56,15 +56,13 @@ def test_a_recipe_the_model_cannot_run_is_refused_in_one_line(overrides, seq_len
     assert str(err.value) == message
 
 
-def test_layouts_and_formats_not_built_refuse_in_one_line():
+def test_layouts_not_built_refuse_in_one_line():
     spec = get_spec("deepseek_v4")
     args = recipe_args()
     with pytest.raises(ConfigError, match="^tensor parallelism is not built for deepseek_v4 yet; set parallelism"):
         spec.tp_plan.block(args)
     with pytest.raises(ConfigError, match="^pipeline parallelism is not built for deepseek_v4 yet"):
         spec.split_stage(None, [0], True, False)
-    with pytest.raises(CheckpointError, match="^the Hugging Face format is not built for deepseek_v4 yet"):
-        spec.hf.args_from_config({}, None, "config.json")
 
 
 def test_packed_documents_are_refused_in_one_line():

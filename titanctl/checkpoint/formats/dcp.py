@@ -192,7 +192,7 @@ def write(
     extra: dict[str, Any] | None = None,
 ) -> None:
     written, checksums = save_streaming(folder, source, dtype=dtype, progress=progress)
-    dtypes = sorted({dtype_name(d) for d in written})
+    dtypes = sorted({dtype_name(d) for d in written if d.is_floating_point})  # the weights' (not a hash table's)
     write_metadata(
         folder,
         args,

@@ -87,9 +87,10 @@ def model_shape(args: ModelArgs) -> ModelShape:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from titanctl.models.registry import spec_of
-    from titanctl.models.shapes import tied_weights, weight_shapes
+    from titanctl.models.shapes import integer_state, tied_weights, weight_shapes
 
     shapes = weight_shapes(args)
+    integers = integer_state(args)  # token -> experts tables
     buffers_or_tied = set(tied_weights(args))
     plan = spec_of(args).tp_plan.block(args, None, ())
     split = {name: "col" if isinstance(style, ColwiseParallel) else "row" if isinstance(style, RowwiseParallel) else ""
@@ -103,7 +104,7 @@ def model_shape(args: ModelArgs) -> ModelShape:
     for layer in range(args.n_layers):
         linears, moe_linears, other, experts, expert_biases = [], [], 0, [], 0
         for name, shape in per_layer[layer].items():
-            if name.endswith("expert_bias"):  # a buffer, no parameter
+            if name.endswith("expert_bias") or f"layers.{layer}.{name}" in integers:  # buffers, no parameters
                 continue
             module = name.removesuffix(".weight")
             if ".experts." in name and len(shape) == 3:
