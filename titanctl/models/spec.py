@@ -60,6 +60,10 @@ class HFFormat:
     # (bos, eos) ids the family's convention derives from the vocabulary size, for a config.json
     # written without a tokenizer; None for a family whose ids only its tokenizer knows.
     special_ids: Callable[[int], tuple[int | None, int | None]] = lambda vocab_size: (None, None)
+    # A published folder that names the decoder without save_pretrained's ``model.`` prefix (DeepSeek-V4's:
+    # ``layers.{i}.*``): {save_pretrained's top-level name: the folder's} (``embed.weight``); the layers' names
+    # lose the prefix. Empty: the family has no such folder. Read, and written back to such a folder's exports.
+    unprefixed_names: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """DeepSeek-V4's Hugging Face format beyond the conformance suite's round trips (test_conformance.py): the
 config.json titanctl writes from a model's arguments alone (a model trained from scratch) is one transformers
 builds the same model from, with 0 missing keys and titanctl's logits; DeepSeek's own config keys read as
-transformers reads them; the token -> experts table stays int64 through a bf16 export and a float one is
-refused; bad configs are refused in one line."""
+transformers reads them; the Hub's own folder names (no ``model.`` prefix) read and are written back; the
+token -> experts table stays int64 through a bf16 export and a float one is refused; bad configs are refused
+in one line."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import re
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.unit.hf_reference import IDS, args_of, titanctl_model_of
 from tests.unit.models.families import REFERENCES
-from titanctl.checkpoint.convert import convert_checkpoint
-from titanctl.checkpoint.hf.names import args_from_hf_config, hf_config, to_hf_state_dict
+from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
+from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
 from titanctl.errors import CheckpointError
+from titanctl.models.deepseek_v4.hf import PUBLISHED_TOP_NAMES
 from titanctl.models.deepseek_v4.moe import hash_table
 
 REFERENCE = next(r for r in REFERENCES if r.family == "deepseek_v4")
@@ -70,6 +72,35 @@ def test_deepseeks_own_config_keys_read_as_transformers_reads_them(theirs):
     assert ours.layer_types[1:3] == ("compressed_sparse_attention", "heavily_compressed_attention")
     assert ours.compressed_attention.hash_layers == 2 and ours.rope_dim == 4
     assert ours.compressed_attention.compress_yarn == (16.0, 16, 32.0, 1.0)
+
+
+def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
+    """A tiny folder in the published layout (save_pretrained's tensors renamed: layers.{i}.*, embed.weight,
+    norm.weight, hc_head_fn, ...; plus a multi-token-prediction tensor): transformers loads it with nothing
+    missing, titanctl reads the same tensors as from save_pretrained's folder, leaves mtp.* unread in one
+    line, and an export (HF -> DCP -> HF) writes the Hub's names back bit for bit."""
+    import transformers
+
+    theirs.save_pretrained(tmp_path / "saved")
+    hub = {PUBLISHED_TOP_NAMES.get(k, k.removeprefix("model.")): v
+           for k, v in load_file(tmp_path / "saved" / "model.safetensors").items()}
+    assert "layers.0.ffn.experts.3.w3.weight" in hub and "embed.weight" in hub and "head.weight" in hub
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    save_file(hub, str(tmp_path / "hub" / "model.safetensors"))
+    _, info = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "hub", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    save_file({**hub, "mtp.0.norm.weight": torch.ones(32)}, str(tmp_path / "hub" / "model.safetensors"))
+    report = convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp")
+    assert report.notes == ["1 tensors of the published folder left unread, titanctl does not build them: mtp.* (1, "
+                            "the multi-token-prediction head); an export is the model without them "
+                            "(DeepseekV4ForCausalLM, under the folder's names)"]
+    ours, args = load_checkpoint(tmp_path / "dcp")
+    saved = from_hf_state_dict(REFERENCE.hf_state_dict(theirs), args)  # what save_pretrained's names read to
+    assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in saved)
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == hub.keys() and all(torch.equal(back[k], hub[k]) for k in hub)
 
 
 def test_the_hash_table_stays_int64_through_a_bf16_export_and_a_float_one_is_refused(theirs, tmp_path):

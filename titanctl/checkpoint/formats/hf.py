@@ -167,15 +167,21 @@ class HFSource(Source):
         self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
         self.left_out: list[str] = []
         self.naming = HubNaming()
-        if not hub_layout.is_wrapped(key for key, *_ in self.raw):
-            return
-        self.naming = HubNaming(hub_layout.WRAPPED_PREFIX)
+        keys = [key for key, *_ in self.raw]
+        if hub_layout.is_wrapped(keys):
+            self.naming = HubNaming(hub_layout.WRAPPED_PREFIX)
+        else:  # perhaps a family's published folder without the model. prefix
+            config = self.folder / CONFIG_FILE
+            naming = hub_layout.published_naming(keys, read_json(config) if config.is_file() else {})
+            if naming is None:
+                return
+            self.naming = naming
         kept = []
         for key, path, shape, dtype in self.raw:
             if hub_layout.not_built(key):
                 self.left_out.append(key)
                 continue
-            name = hub_layout.text_name(key)
+            name = self.naming.text_name(key)
             if name != key:
                 self._stored[name] = key
             kept.append((name, path, shape, dtype))
@@ -219,7 +225,7 @@ class HFSource(Source):
         args = args_from_hf_config(config, where=where)
         if self.left_out:
             self.notes.append(hub_layout.left_out_note(self.left_out, hub_layout.unwrapped_config(config).get(
-                "architectures", ["the *ForCausalLM"])[0]))
+                "architectures", ["the *ForCausalLM"])[0], self.naming))
         if args.mtp_layers and not any(_layer_of(key) >= args.n_layers for key, *_ in self.raw):
             # transformers writes DeepSeek-V3's num_nextn_predict_layers (default 1) without the weights.
             args = args.replace(mtp_layers=0)
@@ -306,7 +312,7 @@ class HFSource(Source):
         the folder names them (``hub_layout.HubNaming``, for a vision-language folder)."""
         files = {self._stored.get(key, key): str(path.relative_to(self.folder)) for key, path, *_ in self.raw}
         layout = file_layout(files, (self.folder / INDEX_FILE).is_file())
-        if self.naming.wrapped:
+        if not self.naming.plain:
             layout[hub_layout.NAMING_KEY] = self.naming.to_json()
         return layout
 

@@ -11,6 +11,11 @@ travels with the folder's file layout (``hf.names.HF_FILES_KEY``), so that an ex
 (``Qwen3_5MoeForCausalLM`` reads them: transformers' conversion mapping strips the prefix, as it does for the
 wrapper). Its config.json is the text model's ``*ForCausalLM`` (``unwrapped_config``): a wrapper's config
 would ask transformers for a vision encoder the export does not hold.
+
+A family's published folder may also name the decoder without the ``model.`` prefix that ``save_pretrained``
+writes (DeepSeek-V4's: ``layers.{i}.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``), its few top-level
+tensors spelled as the family's ``HFFormat.unprefixed_names`` say (``published_naming``); its
+multi-token-prediction layers (``mtp.*``) are left unread, named in one line, and exports keep its names.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from titanctl.models.registry import spec_for_hf_model_type
 
 TEXT_PREFIX = "model."  # a *ForCausalLM's decoder
 WRAPPED_PREFIX = "model.language_model."  # the same decoder inside a vision-language wrapper
+UNPREFIXED = ""  # the same decoder in a published folder without the prefix (DeepSeek-V4's)
 # Parts of a wrapper titanctl does not build: what each is, for the note that names them.
 NOT_BUILT = {"model.visual.": "the vision encoder", "mtp.": "the multi-token-prediction head"}
 NAMING_KEY = "hub_naming"  # in a file layout (formats.hf.file_layout)
@@ -36,27 +42,51 @@ class HubNaming:
 
     prefix: str = TEXT_PREFIX
     packed_experts: bool = False
+    # An unprefixed folder's top-level tensors: (the *ForCausalLM name, the folder's), where they differ.
+    renamed: tuple[tuple[str, str], ...] = ()
 
     @property
     def wrapped(self) -> bool:
         return self.prefix == WRAPPED_PREFIX
 
+    @property
+    def plain(self) -> bool:
+        """Whether this is ``save_pretrained``'s own naming."""
+        return self == HubNaming()
+
     def stored(self, hf_name: str) -> str:
         """A ``*ForCausalLM`` name as this folder stores it."""
-        if self.wrapped and hf_name.startswith(TEXT_PREFIX):
-            return WRAPPED_PREFIX + hf_name[len(TEXT_PREFIX):]
+        if self.prefix != TEXT_PREFIX:
+            renamed = dict(self.renamed)
+            if hf_name in renamed:
+                return renamed[hf_name]
+            if hf_name.startswith(TEXT_PREFIX):
+                return self.prefix + hf_name[len(TEXT_PREFIX):]
         return hf_name
 
+    def text_name(self, stored: str) -> str:
+        """A name this folder stores as the ``*ForCausalLM`` spells it (``stored`` inverted)."""
+        if self.prefix == UNPREFIXED:
+            theirs = {folder: ours for ours, folder in self.renamed}
+            return theirs.get(stored, TEXT_PREFIX + stored if stored.startswith("layers.") else stored)
+        return text_name(stored)
+
     def to_json(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "packed_experts": self.packed_experts}
+        out: dict[str, Any] = {"prefix": self.prefix, "packed_experts": self.packed_experts}
+        if self.renamed:
+            out["renamed"] = [list(pair) for pair in self.renamed]
+        return out
 
     @classmethod
     def of_layout(cls, layout: Any) -> HubNaming:
         """The naming a file layout records (the default: a plain folder, or a layout without one)."""
         found = layout.get(NAMING_KEY) if isinstance(layout, dict) else None
-        if not isinstance(found, dict) or found.get("prefix") != WRAPPED_PREFIX:
+        if not isinstance(found, dict) or found.get("prefix") not in (WRAPPED_PREFIX, UNPREFIXED):
             return cls()
-        return cls(WRAPPED_PREFIX, found.get("packed_experts") is True)
+        renamed = found.get("renamed")
+        pairs = tuple(tuple(p) for p in renamed) if isinstance(renamed, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(n, str) for n in p) for p in renamed) else ()
+        return cls(found["prefix"], found.get("packed_experts") is True, pairs)
 
 
 def naming_only(layout: Any) -> dict[str, Any] | None:
@@ -75,17 +105,33 @@ def is_wrapped(stored_names: Iterable[str]) -> bool:
     return any(name.startswith(WRAPPED_PREFIX) for name in stored_names)
 
 
+def published_naming(stored_names: list[str], config: dict[str, Any]) -> HubNaming | None:
+    """The naming of a published folder without the ``model.`` prefix, when the family of ``config``'s
+    model_type has one (``HFFormat.unprefixed_names``) and the folder's tensors are so named; else None."""
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    spec = spec_for_hf_model_type(model_type) if isinstance(model_type, str) else None
+    if spec is None or not spec.hf.unprefixed_names:
+        return None
+    if any(name.startswith(TEXT_PREFIX) for name in stored_names) or \
+            not any(name.startswith("layers.") for name in stored_names):
+        return None
+    return HubNaming(UNPREFIXED, renamed=tuple(spec.hf.unprefixed_names.items()))
+
+
 def not_built(stored: str) -> str | None:
     """The part of a wrapper this tensor belongs to, when titanctl does not build it (else None)."""
     return next((prefix for prefix in NOT_BUILT if stored.startswith(prefix)), None)
 
 
-def left_out_note(left: list[str], architecture: str) -> str:
-    """One line naming a wrapper's tensors that were not read, by part, and why."""
+def left_out_note(left: list[str], architecture: str, naming: HubNaming | None = None) -> str:
+    """One line naming a wrapper's (or a published folder's) tensors that were not read, by part, and why."""
     counts: dict[str, int] = {}
     for name in left:
         counts[not_built(name)] = counts.get(not_built(name), 0) + 1
     parts = ", ".join(f"{prefix}* ({n}, {NOT_BUILT[prefix]})" for prefix, n in counts.items())
+    if naming is not None and naming.prefix == UNPREFIXED:
+        return (f"{len(left)} tensors of the published folder left unread, titanctl does not build them: {parts}; "
+                f"an export is the model without them ({architecture}, under the folder's names)")
     return (f"{len(left)} tensors of the vision-language folder left unread, titanctl builds the text model only: "
             f"{parts}; an export is that text model ({architecture}, under the folder's {WRAPPED_PREFIX} names)")
 
@@ -109,5 +155,5 @@ def unwrapped_config(config: dict[str, Any]) -> dict[str, Any]:
     return unwrapped
 
 
-__all__ = ["HubNaming", "NAMING_KEY", "is_wrapped", "left_out_note", "naming_only", "not_built", "text_name",
-           "unwrapped_config"]
+__all__ = ["HubNaming", "NAMING_KEY", "is_wrapped", "left_out_note", "naming_only", "not_built", "published_naming",
+           "text_name", "unwrapped_config"]

@@ -78,6 +78,15 @@ TOP_NAMES = {
     "hc_head.base": "model.hc_head.hc_base",
     "hc_head.scale": "model.hc_head.hc_scale",
 }
+# The published folder (deepseek-ai/DeepSeek-V4-Flash's index, as transformers' conversion mapping reads it):
+# every layer's name without save_pretrained's model. prefix, and these top-level ones (head.weight is the same).
+PUBLISHED_TOP_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
 # DeepSeek's own config.json (and transformers' legacy keys): a compress ratio per layer.
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
@@ -277,4 +286,5 @@ HF = HFFormat(
     config_from_args=config_from_args,
     args_from_config=args_from_config,
     per_expert=PER_EXPERT,
+    unprefixed_names=PUBLISHED_TOP_NAMES,
 )
