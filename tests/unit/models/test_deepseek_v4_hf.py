@@ -17,11 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from tests.unit.hf_reference import IDS, args_of, titanctl_model_of
 from tests.unit.models.families import REFERENCES
-from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
+from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint, open_checkpoint
 from titanctl.checkpoint.hf.names import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
+from titanctl.checkpoint.run.load_into_model import load_source_into
 from titanctl.errors import CheckpointError
 from titanctl.models.deepseek_v4.hf import PUBLISHED_TOP_NAMES
 from titanctl.models.deepseek_v4.moe import hash_table
+from titanctl.models.registry import build_model
 
 REFERENCE = next(r for r in REFERENCES if r.family == "deepseek_v4")
 TABLE = "model.layers.0.ffn.gate.tid2eid"
@@ -77,8 +79,9 @@ def test_deepseeks_own_config_keys_read_as_transformers_reads_them(theirs):
 def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     """A tiny folder in the published layout (save_pretrained's tensors renamed: layers.{i}.*, embed.weight,
     norm.weight, hc_head_fn, ...; plus a multi-token-prediction tensor): transformers loads it with nothing
-    missing, titanctl reads the same tensors as from save_pretrained's folder, leaves mtp.* unread in one
-    line, and an export (HF -> DCP -> HF) writes the Hub's names back bit for bit."""
+    missing, titanctl reads the same tensors as from save_pretrained's folder (into a fresh model: the folder's
+    hash table replaces the seeded one, and the logits are transformers'), leaves mtp.* unread in one line, and
+    an export (HF -> DCP -> HF) writes the Hub's names back bit for bit."""
     import transformers
 
     theirs.save_pretrained(tmp_path / "saved")
@@ -95,6 +98,14 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     assert report.notes == ["1 tensors of the published folder left unread, titanctl does not build them: mtp.* (1, "
                             "the multi-token-prediction head); an export is the model without them "
                             "(DeepseekV4ForCausalLM, under the folder's names)"]
+    with torch.device("meta"):  # an initial load (train --checkpoint.initial_load_path): a fresh model's table
+        model = build_model(args_of(theirs))
+    model.to_empty(device="cpu").init_buffers("cpu")
+    with open_checkpoint(tmp_path / "hub") as source:
+        load_source_into(model, source)
+    assert torch.equal(model.layers["0"].mlp.tid2eid, hub["layers.0.ffn.gate.tid2eid"])
+    with torch.no_grad():
+        assert (model.eval()(IDS) - theirs(IDS).logits).abs().max() <= REFERENCE.tol
     ours, args = load_checkpoint(tmp_path / "dcp")
     saved = from_hf_state_dict(REFERENCE.hf_state_dict(theirs), args)  # what save_pretrained's names read to
     assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in saved)
