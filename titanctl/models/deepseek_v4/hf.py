@@ -10,7 +10,9 @@ transformers does (``gate_up_proj`` = w1 rows then w3 rows: ``HFFormat.per_exper
 The routing state is stored: the hash-routed layers' token -> experts table ``ffn.gate.tid2eid`` (int64; a
 checkpoint's table replaces titanctl's seeded one) and the other layers' ``ffn.gate.bias``
 (transformers' ``e_score_correction_bias``). Multi-token prediction is not built for the family:
-``num_nextn_predict_layers`` (transformers writes 1 without weights) is carried, not read.
+``num_nextn_predict_layers`` (transformers writes 1 without weights) is carried, not read. The Hub's published
+folder drops the ``model.`` prefix (``layers.{i}.*``, ``embed.weight``, ``hc_head_fn``: ``PUBLISHED_TOP_NAMES``,
+read through ``titanctl.checkpoint.hf.hub_layout``); its FP8 block weights and FP4 experts are not read.
 """
 
 from __future__ import annotations
