@@ -146,3 +146,16 @@ def test_a_config_the_model_cannot_build_is_refused_in_one_line(theirs, change, 
     with pytest.raises(CheckpointError, match="^config.json: " + re.escape(message)) as err:
         args_from_hf_config(config, where="config.json")
     assert "\n" not in str(err.value)
+
+
+def test_a_layouts_unprefixed_naming_is_a_familys_own():
+    """The naming a DCP checkpoint carries (titanctl.json) names tensors only as a family's published folder
+    does: other renames fall back to save_pretrained's names."""
+    from titanctl.checkpoint.hf.hub_layout import NAMING_KEY, HubNaming
+
+    published = HubNaming("", renamed=tuple(PUBLISHED_TOP_NAMES.items()))
+    assert HubNaming.of_layout({NAMING_KEY: published.to_json()}) == published
+    assert published.stored("model.layers.2.attn.wq_a.weight") == "layers.2.attn.wq_a.weight"
+    assert published.text_name("hc_head_fn") == "model.hc_head.hc_fn"
+    forged = {**published.to_json(), "renamed": [["model.embed_tokens.weight", "../../etc"]]}
+    assert HubNaming.of_layout({NAMING_KEY: forged}) == HubNaming()

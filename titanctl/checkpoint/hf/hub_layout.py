@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from titanctl.models.registry import spec_for_hf_model_type
+from titanctl.models.registry import all_specs, spec_for_hf_model_type
 
 TEXT_PREFIX = "model."  # a *ForCausalLM's decoder
 WRAPPED_PREFIX = "model.language_model."  # the same decoder inside a vision-language wrapper
@@ -83,10 +83,14 @@ class HubNaming:
         found = layout.get(NAMING_KEY) if isinstance(layout, dict) else None
         if not isinstance(found, dict) or found.get("prefix") not in (WRAPPED_PREFIX, UNPREFIXED):
             return cls()
+        if found["prefix"] == WRAPPED_PREFIX:
+            return cls(WRAPPED_PREFIX, found.get("packed_experts") is True)
+        # An unprefixed folder's renames are a family's own (titanctl.json is read, not trusted to name tensors).
         renamed = found.get("renamed")
-        pairs = tuple(tuple(p) for p in renamed) if isinstance(renamed, list) and all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(n, str) for n in p) for p in renamed) else ()
-        return cls(found["prefix"], found.get("packed_experts") is True, pairs)
+        known = [tuple(spec.hf.unprefixed_names.items()) for spec in all_specs() if spec.hf.unprefixed_names]
+        pairs = next((names for names in known if isinstance(renamed, list) and [list(p) for p in names] == renamed),
+                     None)
+        return cls() if pairs is None else cls(UNPREFIXED, False, pairs)
 
 
 def naming_only(layout: Any) -> dict[str, Any] | None:
