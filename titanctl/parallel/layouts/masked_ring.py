@@ -267,6 +267,7 @@ class MaskedRingAttention(torch.autograd.Function):
         return dq.to(q_dtype), dkv[..., :dk].to(k_dtype), dkv[..., dk:].to(v_dtype), dsinks, None, None
 
 
+@torch.compiler.disable  # point-to-point sends inside: a compiled block runs this one call eagerly
 def masked_ring_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask, peers, sinks: Tensor | None = None
 ) -> Tensor:
