@@ -177,3 +177,19 @@ def test_the_table_of_blocks_is_gathered_once_per_mask():
     for _ in range(3):
         masked_ring_attention(q, q, q, mask, peers)
     assert len(gathers) == 1 and masked_ring._TABLES[id(mask)][0]() is mask
+
+
+def test_fake_tensors_count_every_block_and_move_nothing():
+    """estimate-memory runs the step on fake tensors: no values to read the table off or to send, so every block
+    is computed and every receive buffer allocated (no process group is touched: it has none here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    peers = masked_ring.RingPeers.__new__(masked_ring.RingPeers)
+    peers.group, peers.rank, peers.size = None, 0, 2
+    with FakeTensorMode():
+        q = torch.randn(1, HEADS, 4, DIM, requires_grad=True)
+        k = torch.randn(1, KV_HEADS, 4, DIM, requires_grad=True)
+        mask = torch.ones(1, 1, 4, 8, dtype=torch.bool)
+        out = masked_ring_attention(q, k, k, mask, peers, torch.zeros(HEADS, requires_grad=True))
+        out.sum().backward()
+    assert out.shape == q.shape and k.grad.shape == k.shape

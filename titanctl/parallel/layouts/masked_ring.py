@@ -57,6 +57,8 @@ class RingPeers:
 
     def exchange(self, send: Tensor | None, dst: int, like: Tensor | None, src: int) -> Tensor | None:
         """Send ``send`` to ``dst`` (None: nothing) while receiving a tensor shaped ``like`` from ``src``."""
+        if _is_fake(like if like is not None else send):  # estimate-memory: no data to move, only the buffer
+            return None if like is None else torch.empty_like(like, memory_format=torch.contiguous_format)
         works, got = [], None
         if send is not None:
             works.append(dist.isend(send.contiguous(), group=self.group, group_dst=dst))
@@ -97,19 +99,26 @@ class MaskBlocks:
 
 # id(mask) -> (a weak reference to it, its (cp, cp) table of non-empty blocks); a tensor cannot key a
 # WeakKeyDictionary (its == is elementwise), and the id is dropped with the mask
-_TABLES: dict[int, tuple[weakref.ref, Tensor]] = {}
+_TABLES: dict[int, tuple[weakref.ref, list[list[bool]]]] = {}
 _TABLES_LOCK = threading.Lock()
 
 
-def needed_blocks(blocks: MaskBlocks, peers) -> Tensor:
-    """(cp, cp) bool: [r, j] whether rank r's queries see any of rank j's keys (one all-gather per mask: every
-    layer and the backward reuse it)."""
+def _is_fake(t: Tensor | None) -> bool:
+    return isinstance(t, _torch_compat.FAKE_TENSOR.get())
+
+
+def needed_blocks(blocks: MaskBlocks, peers) -> list[list[bool]]:
+    """[r][j]: whether rank r's queries see any of rank j's keys (one all-gather per mask: every layer and the
+    backward reuse it). Fake masks (estimate-memory) have no values to read: every block counts, the most the
+    ring can hold and send."""
+    if _is_fake(blocks.mask if isinstance(blocks.mask, Tensor) else None):
+        return [[True] * peers.size for _ in range(peers.size)]
     key = id(blocks.mask)
     with _TABLES_LOCK:
         ref, table = _TABLES.get(key, (None, None))
     if ref is not None and ref() is blocks.mask:
         return table
-    table = peers.gather_rows(blocks.row()).bool()
+    table = peers.gather_rows(blocks.row()).bool().tolist()
     with _TABLES_LOCK:
         _TABLES[key] = (weakref.ref(blocks.mask), table)
     weakref.finalize(blocks.mask, _TABLES.pop, key, None)
@@ -216,8 +225,8 @@ class MaskedRingAttention(torch.autograd.Function):
             if step == 0:
                 kv = mine
             else:  # my shard to dst if its queries see it; src's to me if mine see it
-                kv = peers.exchange(mine if table[dst, rank] else None, dst, mine if table[rank, src] else None, src)
-            if table[rank, src]:
+                kv = peers.exchange(mine if table[dst][rank] else None, dst, mine if table[rank][src] else None, src)
+            if table[rank][src]:
                 out_b, lse_b = block_forward(qw, kv[..., :dk], kv[..., dk:], blocks.block(src).to(q.device))
                 out, lse = merge(out, lse, out_b, lse_b)
             del kv
@@ -242,9 +251,9 @@ class MaskedRingAttention(torch.autograd.Function):
             if step == 0:
                 kv = mine
             else:
-                kv = peers.exchange(mine if table[dst, rank] else None, dst, mine if table[rank, src] else None, src)
+                kv = peers.exchange(mine if table[dst][rank] else None, dst, mine if table[rank][src] else None, src)
             partial = None
-            if table[rank, src]:
+            if table[rank][src]:
                 block = blocks.block(src).to(qw.device)
                 dq_b, dk_b, dv_b = block_backward(grad, qw, kv[..., :dk], kv[..., dk:], out, lse, block)
                 dq += dq_b
@@ -255,7 +264,7 @@ class MaskedRingAttention(torch.autograd.Function):
                     dkv += partial
                 continue
             # the partial back to its owner src; dst's partial of my shard to me
-            got = peers.exchange(partial, src, mine if table[dst, rank] else None, dst)
+            got = peers.exchange(partial, src, mine if table[dst][rank] else None, dst)
             if got is not None:
                 dkv += got
         dsinks = None
