@@ -109,8 +109,9 @@ def ring_run(q, k, v, mask, sinks, cp: int, order: torch.Tensor):
 
 
 def assemble(results, index: int, order: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    whole = torch.empty(like.shape, dtype=like.dtype)
-    whole[:, :, order] = torch.cat([r[index] for r in results], dim=2)
+    parts = torch.cat([r[index] for r in results], dim=2)
+    whole = torch.empty(like.shape, dtype=parts.dtype)
+    whole[:, :, order] = parts
     return whole
 
 
@@ -193,3 +194,23 @@ def test_fake_tensors_count_every_block_and_move_nothing():
         out = masked_ring_attention(q, k, k, mask, peers, torch.zeros(HEADS, requires_grad=True))
         out.sum().backward()
     assert out.shape == q.shape and k.grad.shape == k.shape
+
+
+def test_bf16_inputs_run_in_fp32_and_travel_as_bf16():
+    """bf16 q, k, v (K/V sent and saved as bf16, every block in fp32) against fp64 attention of the same numbers:
+    within bf16's rounding of the outputs and gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(BATCH, h, SEQ, DIM).bfloat16().requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
+    s = torch.randn(HEADS).bfloat16().requires_grad_()
+    mask, order = the_mask("documents+window"), torch.randperm(SEQ)
+    results, grad_out, _ = ring_run(q, k, v, mask, s, 2, order)
+    assert results[0][0].dtype == results[0][2].dtype == torch.bfloat16
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, s)]
+    ref = full_attention(*ref_leaves[:3], mask, ref_leaves[3])
+    ref.backward(grad_out.double())
+    for index, want in ((0, ref.detach()), (1, ref_leaves[0].grad), (2, ref_leaves[1].grad), (3, ref_leaves[2].grad)):
+        got = assemble(results, index, order, want).double()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert (sum(r[4].double() for r in results) - ref_leaves[3].grad).abs().max() <= 2e-2 * ref_leaves[
+        3
+    ].grad.abs().max()

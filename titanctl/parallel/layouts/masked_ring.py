@@ -15,8 +15,8 @@ Which blocks are sent: every rank reads off its rows of the mask which blocks ho
 pair, and one all-gather of those cp x cp booleans (once per mask, cached with it) tells every rank the whole
 table. At step s a rank's K/V go straight from their owner r - s (a shift, not a relay around the ring), so a
 block the mask leaves empty is neither computed nor sent; under a sliding window, or documents shorter than a
-shard, most of the blocks far from the diagonal never move. Memory: a rank holds its own K/V (one stacked copy,
-saved for backward) and at most one visiting shard: O(S / cp).
+shard, most of the blocks far from the diagonal never move. Memory: a rank holds its own K/V (one stacked copy
+in the inputs' dtype, saved for backward) and at most one visiting shard: O(S / cp).
 
 Backward recomputes each block from the saved output and final log-sum-exp (exact: the fused backward takes the
 merged statistics), the visiting shard fetched again from its owner by the same schedule; each block's dK and dV
@@ -216,7 +216,8 @@ class MaskedRingAttention(torch.autograd.Function):
         rank, cp = peers.rank, peers.size
         table = needed_blocks(blocks, peers)
         dk = k.shape[-1]  # MLA's values are narrower than its keys: one buffer of both, side by side
-        mine = torch.cat([k.to(work), v.to(work)], dim=-1)  # (B, H_kv, T / cp, d_k + d_v): what others fetch
+        # (B, H_kv, T / cp, d_k + d_v) in the inputs' dtype (bf16 travels as bf16): what the other ranks fetch
+        mine = torch.cat([k, v], dim=-1)
         qw = q.to(work)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=work, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
@@ -227,25 +228,28 @@ class MaskedRingAttention(torch.autograd.Function):
             else:  # my shard to dst if its queries see it; src's to me if mine see it
                 kv = peers.exchange(mine if table[dst][rank] else None, dst, mine if table[rank][src] else None, src)
             if table[rank][src]:
-                out_b, lse_b = block_forward(qw, kv[..., :dk], kv[..., dk:], blocks.block(src).to(q.device))
+                keys, values = kv[..., :dk].to(work), kv[..., dk:].to(work)
+                out_b, lse_b = block_forward(qw, keys, values, blocks.block(src).to(q.device))
                 out, lse = merge(out, lse, out_b, lse_b)
             del kv
         if sinks is not None:  # the sink joins each head's denominator once
             total = torch.logaddexp(lse, sinks.to(work).view(1, -1, 1))
             out, lse = out * torch.exp(lse - total)[..., None], total
-        ctx.save_for_backward(qw, mine, out, lse, sinks)
+        ctx.save_for_backward(q, mine, out, lse, sinks)
         ctx.blocks, ctx.peers, ctx.table, ctx.dk, ctx.dtypes = blocks, peers, table, dk, (q.dtype, k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        qw, mine, out, lse, sinks = ctx.saved_tensors
+        q, mine, out, lse, sinks = ctx.saved_tensors
+        qw = q.to(out.dtype)
         blocks, peers, table = ctx.blocks, ctx.peers, ctx.table
         rank, cp = peers.rank, peers.size
         grad = grad_out.to(qw.dtype).contiguous()
         dq = torch.zeros_like(qw)
         dk = ctx.dk
-        dkv = torch.zeros_like(mine)  # (B, H_kv, T / cp, d_k + d_v): my keys' and values' gradient, summed here
+        # (B, H_kv, T / cp, d_k + d_v): my keys' and values' gradient, summed here in the kernels' dtype
+        dkv = torch.zeros(mine.shape, dtype=qw.dtype, device=mine.device)
         for step in range(cp):
             src, dst = (rank - step) % cp, (rank + step) % cp
             if step == 0:
@@ -255,7 +259,8 @@ class MaskedRingAttention(torch.autograd.Function):
             partial = None
             if table[rank][src]:
                 block = blocks.block(src).to(qw.device)
-                dq_b, dk_b, dv_b = block_backward(grad, qw, kv[..., :dk], kv[..., dk:], out, lse, block)
+                keys, values = kv[..., :dk].to(qw.dtype), kv[..., dk:].to(qw.dtype)
+                dq_b, dk_b, dv_b = block_backward(grad, qw, keys, values, out, lse, block)
                 dq += dq_b
                 partial = torch.cat([dk_b, dv_b], dim=-1)
             del kv
@@ -264,7 +269,7 @@ class MaskedRingAttention(torch.autograd.Function):
                     dkv += partial
                 continue
             # the partial back to its owner src; dst's partial of my shard to me
-            got = peers.exchange(partial, src, mine if table[dst][rank] else None, dst)
+            got = peers.exchange(partial, src, dkv if table[dst][rank] else None, dst)
             if got is not None:
                 dkv += got
         dsinks = None
