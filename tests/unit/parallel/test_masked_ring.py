@@ -214,3 +214,19 @@ def test_bf16_inputs_run_in_fp32_and_travel_as_bf16():
     assert (sum(r[4].double() for r in results) - ref_leaves[3].grad).abs().max() <= 2e-2 * ref_leaves[
         3
     ].grad.abs().max()
+
+
+def test_a_block_mask_gives_the_same_blocks_as_the_dense_mask():
+    """Other devices hand the kernel a FlexAttention BlockMask: its mask_mod, evaluated on a shard's key indices,
+    gives the dense mask's block of (this rank's queries, that shard's keys)."""
+    from titanctl.models.common.document_mask import block_document_mask
+
+    starts = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    starts[:, [0, 7, 20]] = 1
+    doc_ids, order = starts.cumsum(1), torch.randperm(SEQ)
+    mine = order.view(2, -1)[1]
+    dense = masked_ring.MaskBlocks(dense_document_mask(doc_ids, mine, order), 2)
+    sparse = masked_ring.MaskBlocks(block_document_mask(doc_ids, mine, order), 2)
+    for j in range(2):
+        assert torch.equal(sparse.block(j), dense.block(j))
+    assert torch.equal(sparse.row(), dense.row())
