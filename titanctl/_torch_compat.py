@@ -307,15 +307,16 @@ TENSOR_META = _private("torch.distributed.tensor._dtensor_spec.TensorMeta", _CP)
 # The global shape and stride of a sharded tensor from its local piece.
 COMPUTE_GLOBAL_TENSOR_INFO = _private("torch.distributed.tensor._utils.compute_global_tensor_info", _CP)
 # An all-gather that autograd differentiates (backward: a reduce-scatter of the gradients): context
-# parallel under a document mask gathers every rank's keys and values with it. No public equivalent
+# parallel of Gated DeltaNet layers gathers every rank's chunk states and conv tails with it (and
+# benchmarks/cp_memory.py the keys and values of the route the masked ring replaced). No public equivalent
 # (torch.distributed.nn.functional.all_gather is deprecated in its favour).
-_CP_DOCUMENTS = "model.attn_mask_type = 'block_causal' with context parallel"
+_CP_STATE_GATHER = "context parallel of Gated DeltaNet layers (Qwen3.5)"
 # Its name since 2.13; 2.11 and 2.12 have only the older one (deprecated, with a warning, from 2.13).
 CP_ALL_GATHER_AUTOGRAD = _private(
-    "torch.distributed._functional_collectives.all_gather_single_autograd", _CP_DOCUMENTS, torch_versions=">=2.13"
+    "torch.distributed._functional_collectives.all_gather_single_autograd", _CP_STATE_GATHER, torch_versions=">=2.13"
 )
 CP_ALL_GATHER_AUTOGRAD_BEFORE_2_13 = _private(
-    "torch.distributed._functional_collectives.all_gather_tensor_autograd", _CP_DOCUMENTS, torch_versions="<2.13"
+    "torch.distributed._functional_collectives.all_gather_tensor_autograd", _CP_STATE_GATHER, torch_versions="<2.13"
 )
 
 # --- expert parallel ----------------------------------------------------------------------------

@@ -152,7 +152,7 @@ LAYOUTS = [
     ("gpt_oss_ep2_fsdp2", "gpt_oss", 4, 2, EP2),
     ("gpt_oss_pp2", "gpt_oss", 2, 8, PP2),
     ("gpt_oss_hsdp2x2", "gpt_oss", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
-    ("gpt_oss_cp2", "gpt_oss", 2, 8, CP2),  # each layer gathers keys and values under its own mask: sliding or full
+    ("gpt_oss_cp2", "gpt_oss", 2, 8, CP2),  # each layer runs the masked ring under its own mask: sliding or full
     ("gpt_oss_cp2_documents", "gpt_oss_documents", 2, 8, CP2),
 ]
 

@@ -7,7 +7,7 @@ expert's gate, each Gated DeltaNet's a_log, dt_bias, conv and gated norm include
 Context parallel is the case no other family has: the Gated DeltaNet layers carry their recurrent state and
 their conv's last inputs from rank to rank (a prefix scan over the ranks' chunk maps,
 titanctl/parallel/layouts/linear_attention_cp.py) while the full-attention layers run torch's ring (causal)
-or gather keys and values (block_causal); CP 2 and CP 4, both masks, documents crossing the ranks' chunks.
+or the masked ring (block_causal: masked_ring.py); CP 2 and CP 4, both masks, documents crossing the ranks' chunks.
 Tensor parallel splits the Gated DeltaNet layers by key-head groups (titanctl/models/qwen3_5/blocks.py).
 
 The cases run in the shared torchrun worlds (tests/distributed/worlds.py); each reference runs only with a

@@ -12,7 +12,7 @@ gpt-oss (attention sinks, sliding-window layers) attends under explicit masks on
 parallelism each sliding layer narrows the mask it gets (or the causal one) to its window itself; under
 context parallelism the step builds the masks of this rank's queries over all keys here, one per layer
 type ({"full_attention": ..., "sliding_attention": ...}, dense), causal ones too, so that every layer
-gathers the keys and values (ring attention takes neither a window nor a sink).
+runs the masked ring (``masked_ring``; torch's ring attention takes neither a window nor a sink).
 
 Under Ulysses context parallelism (``parallelism.context_parallel_method = "ulysses"``) every kernel sees
 the whole sequence in order, for a share of the heads: the masks are the one-process ones, built by
@@ -53,7 +53,7 @@ class MicrobatchMasks:
         cls, cfg: JobConfig, dims: ParallelDims, bos_id: int | None, model_parts: list[torch.nn.Module],
         by_positions: bool = False,
     ) -> MicrobatchMasks:
-        """Check the setting against the tokenizer and prepare the layout (CP gathers keys)."""
+        """Check the setting against the tokenizer and prepare the layout (ring CP: the masked ring)."""
         layered = bool(model_parts) and needs_layer_masks(model_parts[0].args)
         window = model_parts[0].args.sliding_window if dims.cp > 1 and layered else None
         causal = cfg.model.attn_mask_type == "causal"

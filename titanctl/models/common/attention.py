@@ -125,7 +125,7 @@ class AttentionKernel(nn.Module):
     alone.
 
     No parameters: it is a module so that a parallel layout can hook it (context parallelism
-    with a document mask gathers every rank's keys and values before it), never so that the
+    with a mask runs it as a ring over every rank's keys and values), never so that the
     model knows about such layouts.
     """
 

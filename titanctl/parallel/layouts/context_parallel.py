@@ -41,16 +41,16 @@ Signature differences handled (check with ``torch.ops.aten.<op>.default._schema`
       -> (dq, dk, dv)
 The CPU lse is (B, H, T) like CUDA's, so torch's merger and backward chunking apply unchanged.
 
-Under a document mask (``model.attn_mask_type = "block_causal"``) ring attention does not apply (it
-takes no mask): ``document_context_parallel_ctx`` and ``enable_document_context_parallel`` at the
-end of this file shard the sequence the same way and gather keys and values instead.
+Under a mask (``model.attn_mask_type = "block_causal"``; gpt-oss's sliding windows and sinks) torch's ring
+attention does not apply (it takes no mask): ``document_context_parallel_ctx`` and
+``enable_document_context_parallel`` at the end of this file shard the sequence the same way and route the
+masked calls through our own ring (``masked_ring``), which skips the blocks the mask leaves empty.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -60,7 +60,7 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from titanctl import _torch_compat
 from titanctl.errors import ParallelError
-from titanctl.models.common.attention import AttentionKernel
+from titanctl.parallel.layouts.masked_ring import enable_masked_ring
 
 SEQ_DIM = 2  # of q, k, v inside SDPA: (B, H, T, head_dim)
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -217,15 +217,14 @@ def context_parallel_ctx(
         yield
 
 
-# --- context parallel under a document mask (model.attn_mask_type = "block_causal") ---------------
+# --- context parallel under a mask (model.attn_mask_type = "block_causal"; sliding windows, sinks) --------------
 #
 # Ring attention, torch's CUDA handlers and the CPU one above alike, takes no mask, and torch's
 # FlexAttention route (``_create_cp_block_mask``) needs seq_len divisible by cp x 128 and has no CPU
-# backward in 2.13. So under a document mask each rank keeps its load-balanced share of the queries,
-# gathers every rank's keys and values (an all-gather whose backward reduce-scatters the gradients),
-# and attends with the mask of (its queries, all keys) that the step builds from the whole
-# microbatch. Exact: every query's softmax runs over all its keys in one kernel call. The cost: each
-# rank holds the whole K and V of the layer it runs (the ring never holds more than two shards).
+# backward in 2.13. So under a mask each rank keeps its load-balanced share of the queries and attends
+# them, with the mask of (its queries, all keys) that the step builds from the whole microbatch, to the
+# other ranks' keys and values one shard at a time (``masked_ring``): the blocks that mask leaves empty
+# are neither computed nor sent, and a rank holds at most two K/V shards, O(S / cp).
 
 
 def load_balanced_order(seq_len: int, cp: int) -> Tensor:
@@ -244,26 +243,10 @@ def document_cp_positions(seq_len: int, cp_mesh) -> tuple[Tensor, Tensor]:
     return order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()], order
 
 
-_GATHERING_KERNELS: weakref.WeakSet = weakref.WeakSet()  # the attention kernels hooked already
-
-
 def enable_document_context_parallel(model: torch.nn.Module, cp_mesh) -> None:
-    """Make every attention kernel of ``model`` gather all ranks' keys and values when it is given
-    a mask (idempotent). Causal calls (no mask) are left to torch's ring attention."""
-    gather = (_torch_compat.CP_ALL_GATHER_AUTOGRAD if _torch_compat.torch_at_least("2.13")
-              else _torch_compat.CP_ALL_GATHER_AUTOGRAD_BEFORE_2_13).get()
-
-    def gather_keys_and_values(module, args):
-        q, k, v, *mask = args
-        if not mask or mask[0] is None:
-            return None
-        # k, v: (B, H_kv, T / cp, head_dim) -> (B, H_kv, T, head_dim), ranks' shards in rank order
-        return (q, gather(k.contiguous(), SEQ_DIM, cp_mesh), gather(v.contiguous(), SEQ_DIM, cp_mesh), *mask)
-
-    for module in model.modules():
-        if isinstance(module, AttentionKernel) and module not in _GATHERING_KERNELS:
-            module.register_forward_pre_hook(gather_keys_and_values)
-            _GATHERING_KERNELS.add(module)
+    """Make every attention kernel of ``model`` run the masked ring over ``cp_mesh`` when it is given a mask
+    (idempotent). Causal calls (no mask) are left to torch's ring attention."""
+    enable_masked_ring(model, cp_mesh)
 
 
 def _check_buffers(cp_mesh, buffers: list[Tensor], seq_dims: list[int]) -> int:
