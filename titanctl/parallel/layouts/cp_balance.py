@@ -16,6 +16,8 @@ so every rank still holds seq_len / cp positions; it keeps head-tail unless it b
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import Tensor
 
@@ -42,7 +44,8 @@ def attention_work(doc_ids: Tensor | None, seq_len: int, windows: list[int | Non
         first = torch.where(starts, position, 0).cummax(dim=1).values  # (B, T) where each token's document starts
         span = position - first + 1  # (B, T) keys of the token's document up to itself
     span = span.to(torch.float64)
-    work = sum((span if w is None else span.clamp(max=w) for w in windows), torch.zeros_like(span))
+    layers = Counter(windows)  # layers of one window cost alike
+    work = sum((n * (span if w is None else span.clamp(max=w)) for w, n in layers.items()), torch.zeros_like(span))
     return work.sum(dim=0)
 
 
@@ -58,29 +61,30 @@ def imbalance(per_rank: Tensor) -> float:
     return 1.0 if mean <= 0 else float(per_rank.max() / mean)
 
 
-def _deal(chunk_work: Tensor, cp: int) -> list[list[int]]:
-    """Chunks (their work) dealt to cp ranks, len(chunk_work) / cp each: largest first to the least loaded
-    rank with room, then swaps of a chunk of the most loaded rank for a lighter one of the least loaded
-    rank, while that lowers the larger of the two."""
+def _deal(chunk_work: Tensor, cp: int) -> tuple[Tensor, float]:
+    """(cp, n / cp) the chunks (of ``chunk_work``, n of them) dealt to the ranks, and the imbalance they
+    leave: largest first to the least loaded rank with room, then swaps of a chunk of the most loaded rank for
+    a lighter one of the least loaded rank, while that lowers the larger of the two."""
     per_rank = len(chunk_work) // cp
     owned: list[list[int]] = [[] for _ in range(cp)]
     load = [0.0] * cp
-    for c in torch.argsort(chunk_work, descending=True, stable=True).tolist():
+    for c, w in sorted(enumerate(chunk_work.tolist()), key=lambda cw: -cw[1]):
         r = min((r for r in range(cp) if len(owned[r]) < per_rank), key=lambda r: (load[r], r))
         owned[r].append(c)
-        load[r] += float(chunk_work[c])
+        load[r] += w
+    dealt = torch.tensor(owned)  # (cp, per_rank)
     for _ in range(SWAP_ROUNDS):
-        hi, lo = max(range(cp), key=lambda r: load[r]), min(range(cp), key=lambda r: load[r])
-        gap = load[hi] - load[lo]
-        moved = chunk_work[owned[hi]][:, None] - chunk_work[owned[lo]][None, :]  # (per_rank, per_rank)
+        loads = chunk_work[dealt].sum(dim=1)
+        hi, lo = int(loads.argmax()), int(loads.argmin())
+        gap = loads[hi] - loads[lo]
+        moved = chunk_work[dealt[hi]][:, None] - chunk_work[dealt[lo]][None, :]  # (per_rank, per_rank)
         after = torch.where((moved > 0) & (moved < gap), (gap - 2 * moved).abs(), torch.inf)
-        if not torch.isfinite(after.min()):
+        best = int(after.argmin())
+        if not torch.isfinite(after.view(-1)[best]):
             break
-        i, j = divmod(int(after.argmin()), per_rank)
-        owned[hi][i], owned[lo][j] = owned[lo][j], owned[hi][i]
-        load[hi] -= float(moved[i, j])
-        load[lo] += float(moved[i, j])
-    return owned
+        i, j = divmod(best, per_rank)
+        dealt[hi, i], dealt[lo, j] = dealt[lo, j].clone(), dealt[hi, i].clone()
+    return dealt, imbalance(chunk_work[dealt].sum(dim=1))
 
 
 def _chunk_counts(seq_len: int, cp: int) -> list[int]:
@@ -99,15 +103,22 @@ def mask_aware_order(work: Tensor, cp: int) -> Tensor:
     the least imbalance (the coarsest on ties, and none finer once one is within GOOD_ENOUGH); head-tail
     unless one beats it."""
     seq_len = work.numel()
-    best = load_balanced_order(seq_len, cp)
-    best_imbalance = imbalance(rank_work(work, best, cp))
+    prefix = torch.cat([work.new_zeros(1), work.cumsum(dim=0)])  # (T + 1,) one pass serves every chunking
+
+    def chunk_work(n: int) -> Tensor:  # (n,) the work of each of n equal chunks
+        edges = prefix[:: seq_len // n]
+        return edges[1:] - edges[:-1]
+
+    halves = chunk_work(2 * cp)  # head-tail's chunks: rank r holds r and 2cp-1-r
+    best, best_imbalance = None, imbalance(halves[:cp] + halves[cp:].flip(0))
     for n in _chunk_counts(seq_len, cp):
-        chunks = torch.arange(seq_len).view(n, -1)  # (n, seq_len / n)
-        owned = _deal(work.view(n, -1).sum(dim=1), cp)
-        order = torch.cat([chunks[sorted(ranks)].reshape(-1) for ranks in owned])
-        got = imbalance(rank_work(work, order, cp))
+        dealt, got = _deal(chunk_work(n), cp)
         if got < best_imbalance - 1e-9:
-            best, best_imbalance = order, got
+            best, best_imbalance = (n, dealt), got
         if best_imbalance <= GOOD_ENOUGH:  # finer chunks would cost more than they could gain
             break
-    return best
+    if best is None:
+        return load_balanced_order(seq_len, cp)
+    n, dealt = best
+    chunks = torch.arange(seq_len).view(n, -1)  # (n, seq_len / n)
+    return chunks[dealt.sort(dim=1).values.reshape(-1)].reshape(-1)
