@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError
 from titanctl.models.common.document_mask import (
@@ -42,6 +43,12 @@ from titanctl.parallel.layouts.context_parallel import (
 )
 from titanctl.parallel.layouts.cp_balance import attention_work, mask_aware_order, rank_work
 from titanctl.parallel.layouts.dims import ParallelDims
+
+
+def shapes_only(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is estimate-memory's fake one (shapes, no values): no order can be read off it, and
+    every order gives the same shapes."""
+    return isinstance(tensor, _torch_compat.FAKE_TENSOR.get())
 
 
 def needs_layer_masks(args) -> bool:
@@ -99,7 +106,7 @@ class MicrobatchMasks:
         Ulysses, or causal attention, which torch's ring orders head-tail itself)."""
         if self.cp_mesh is None or (self.window is None and self.bos_id is None and not self.by_positions):
             return None
-        if self.balancer == "head_tail":
+        if self.balancer == "head_tail" or shapes_only(inputs):
             return load_balanced_order(inputs.shape[1], self.cp)
         return mask_aware_order(self.work(inputs, positions), self.cp)
 

@@ -17,7 +17,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.ulysses import ulysses_context_parallel_ctx
-from titanctl.train.attention_masks import MicrobatchMasks
+from titanctl.train.attention_masks import MicrobatchMasks, shapes_only
 from titanctl.train.loss import IGNORE_INDEX, build_loss_fn, build_mean_loss_fn
 
 
@@ -96,7 +96,7 @@ class ForwardBackward:
         # Which positions each CP rank holds, chosen from the whole microbatch's masks (None: head-tail, or no
         # order: no CP, Ulysses); the masks, the cut of tokens, labels and RoPE, and the gathered keys follow it.
         order = self.attn_masks.cp_order(inputs, positions)
-        if self.dims.cp > 1 and backward:  # training steps only: validation's windows are not the step's
+        if self.dims.cp > 1 and backward and not shapes_only(inputs):  # training steps, not validation's windows
             work = self.attn_masks.rank_work(inputs, positions, order)
             self.cp_work = work if self.cp_work is None else self.cp_work + work
         attn_mask = self.attn_masks(inputs, positions, order)  # from the whole microbatch, before any sharding
