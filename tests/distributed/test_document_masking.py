@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import TINY_RUN, losses, max_rel_diff
+from tests.distributed.harness import TINY_RUN, losses, max_rel_diff, rows
 from tests.distributed.worlds import ROOT, register
 
 WORDS = "the of and to in a is that for it as with was on be by at this had not are but from or have".split()
@@ -63,7 +63,9 @@ def test_windows_hold_several_documents(run_args):
 LAYOUTS = [
     ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
     ("pp2", 2, 8, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
-    ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
+    ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),  # the default balancer: mask_aware
+    ("cp2_head_tail", 2, 8, ["--parallelism.context_parallel_degree", "2",
+                             "--parallelism.context_parallel_load_balancer", "head_tail"]),
 ]
 
 
@@ -77,3 +79,15 @@ def test_block_causal_layout_matches_single_process(reference, worlds, world_cas
     diff = max_rel_diff(got, reference)
     print(f"\nBLOCK_CAUSAL {world_case:40s} max rel loss diff {diff:.2e}")
     assert diff <= 1e-5, f"{world_case}: max relative loss difference {diff:.2e}\n{got}\n{reference}"
+
+
+def test_mask_aware_balance_is_logged_and_beats_head_tail(worlds):
+    """Both balancers equal one process (above); the logged imbalance says what each left: the mask-aware
+    order's is lower on every step (these windows' documents differ step to step) and head-tail's is not 1."""
+    by_balancer = {name: [r["cp_imbalance"] for r in rows(worlds.folder(case))]
+                   for (name, *_), case in zip(LAYOUTS, CASES) if name.startswith("cp2")}
+    print(f"\nCP_IMBALANCE {by_balancer}")
+    mask_aware, head_tail = by_balancer["cp2"], by_balancer["cp2_head_tail"]
+    assert len(mask_aware) == len(head_tail) == 3
+    assert all(1.0 <= m < h for m, h in zip(mask_aware, head_tail)), by_balancer
+    assert "cp_imbalance" not in rows(worlds.folder(REFERENCE))[0]  # one process: no CP, no column

@@ -314,6 +314,15 @@ class Parallelism:
         "allgather", "How ring attention exchanges K/V (context_parallel_method = ring).",
         choices=("allgather", "alltoall"),
     )
+    context_parallel_load_balancer: str = opt(
+        "mask_aware",
+        "Which positions each context parallel rank holds under a mask (block_causal documents, or gpt-oss's "
+        "masks by layer type; context_parallel_method = ring): mask_aware (per microbatch, equal chunks dealt "
+        "to the ranks by the attention work the mask gives their queries; head-tail unless that beats it) or "
+        "head_tail (rank r holds chunks r and 2cp-1-r of 2 x cp). Causal attention without a mask always runs "
+        "head-tail (exactly balanced); Ulysses needs no order; Gated DeltaNet families keep head-tail.",
+        choices=("head_tail", "mask_aware"),
+    )
     expert_parallel_degree: int = opt(
         1,
         "Expert parallel degree (MoE models): the routed experts are split over this many of the "

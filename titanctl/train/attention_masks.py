@@ -26,11 +26,29 @@ from dataclasses import dataclass
 
 import torch
 
+from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError
-from titanctl.models.common.document_mask import block_document_mask, dense_document_mask, document_mask, mask_form_for
-from titanctl.parallel.layouts.context_parallel import document_cp_positions, enable_document_context_parallel
+from titanctl.models.common.document_mask import (
+    block_document_mask,
+    dense_document_mask,
+    document_ids,
+    document_mask,
+    mask_form_for,
+)
+from titanctl.parallel.layouts.context_parallel import (
+    document_cp_positions,
+    enable_document_context_parallel,
+    load_balanced_order,
+)
+from titanctl.parallel.layouts.cp_balance import attention_work, mask_aware_order, rank_work
 from titanctl.parallel.layouts.dims import ParallelDims
+
+
+def shapes_only(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is estimate-memory's fake one (shapes, no values): no order can be read off it, and
+    every order gives the same shapes."""
+    return isinstance(tensor, _torch_compat.FAKE_TENSOR.get())
 
 
 def needs_layer_masks(args) -> bool:
@@ -47,6 +65,9 @@ class MicrobatchMasks:
     window: int | None = None  # masks by layer type under CP (gpt-oss): the sliding layers' window (0: none)
     dense: bool = False  # dense masks on every device (gpt-oss's layers narrow and read dense masks only)
     ulysses: bool = False  # Ulysses CP: every kernel sees the whole sequence, so masks are over all positions
+    cp: int = 1  # the context parallel degree
+    balancer: str = "head_tail"  # parallelism.context_parallel_load_balancer (Gated DeltaNet: head_tail)
+    windows: tuple[int | None, ...] = (None,)  # per softmax-attention layer: its sliding window, None full
 
     @classmethod
     def build(
@@ -54,11 +75,16 @@ class MicrobatchMasks:
         by_positions: bool = False,
     ) -> MicrobatchMasks:
         """Check the setting against the tokenizer and prepare the layout (ring CP: the masked ring)."""
-        layered = bool(model_parts) and needs_layer_masks(model_parts[0].args)
-        window = model_parts[0].args.sliding_window if dims.cp > 1 and layered else None
+        args = model_parts[0].args if model_parts else None
+        layered = args is not None and needs_layer_masks(args)
+        window = args.sliding_window if dims.cp > 1 and layered else None
         causal = cfg.model.attn_mask_type == "causal"
+        balance = {"cp": dims.cp, "windows": _layer_windows(args)}
+        # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.
+        balance["balancer"] = ("head_tail" if args is not None and "linear_attention" in args.layer_types
+                               else cfg.parallelism.context_parallel_load_balancer)
         if causal and window is None:
-            return cls(bos_id=None)
+            return cls(bos_id=None, **balance)
         if not causal and bos_id is None and not by_positions:
             where = cfg.model.tokenizer_path or "the bundled tokenizer"
             raise ConfigError(
@@ -72,18 +98,47 @@ class MicrobatchMasks:
             for part in model_parts:
                 enable_document_context_parallel(part, cp_mesh)
         return cls(bos_id=None if causal else bos_id, cp_mesh=cp_mesh, by_positions=by_positions and not causal,
-                   window=window, dense=layered, ulysses=ulysses)
+                   window=window, dense=layered, ulysses=ulysses, **balance)
 
-    def __call__(self, inputs: torch.Tensor, positions: torch.Tensor | None = None):
+    def cp_order(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every position of the microbatch in the order the CP ranks hold them, when this rank keeps its
+        queries and gathers all keys (a mask under ring CP): chosen by ``balancer``. None otherwise (no CP,
+        Ulysses, or causal attention, which torch's ring orders head-tail itself)."""
+        if self.cp_mesh is None or (self.window is None and self.bos_id is None and not self.by_positions):
+            return None
+        if self.balancer == "head_tail" or shapes_only(inputs):
+            return load_balanced_order(inputs.shape[1], self.cp)
+        return mask_aware_order(self.work(inputs, positions), self.cp)
+
+    def work(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(T,) the keys each query position attends under the microbatch's masks, summed over its rows and
+        the softmax-attention layers (cp_balance.attention_work)."""
+        doc_ids = None
+        if positions is not None and (self.by_positions or self.window is not None):
+            doc_ids = (positions == 0).cumsum(dim=1)
+        elif positions is None and self.bos_id is not None:
+            doc_ids = document_ids(inputs, self.bos_id)
+        return attention_work(doc_ids, inputs.shape[1], list(self.windows))
+
+    def rank_work(self, inputs: torch.Tensor, positions: torch.Tensor | None, order: torch.Tensor | None):
+        """(cp,) each CP rank's attention work for the microbatch: under Ulysses every rank attends every
+        position for 1/cp of the heads; else the ranks hold ``order`` (None: head-tail)."""
+        work = self.work(inputs, positions)
+        if self.ulysses:
+            return work.sum().expand(self.cp) / self.cp
+        return rank_work(work, load_balanced_order(inputs.shape[1], self.cp) if order is None else order, self.cp)
+
+    def __call__(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None):
         """The mask for the model's ``attn_mask`` of a microbatch of whole windows (B, T); None: causal.
-        ``positions`` (B, T): each token's position in its document (chat data)."""
+        ``positions`` (B, T): each token's position in its document (chat data). ``order``: ``cp_order``'s."""
         if self.window is not None:
-            return self._by_layer_type(inputs, positions)
+            return self._by_layer_type(inputs, positions, order)
         if self.bos_id is None and not self.by_positions:
             return None
         q_positions = kv_positions = None
         if self.cp_mesh is not None:
-            q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh)
+            q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
         form = "dense" if self.dense else mask_form_for(inputs.device)
         return self._documents(inputs, positions, q_positions, kv_positions, form)
 
@@ -97,16 +152,27 @@ class MicrobatchMasks:
         build = dense_document_mask if form == "dense" else block_document_mask
         return build(doc_ids, q_positions, kv_positions)
 
-    def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None,
+                       order: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Dense masks of this CP rank's queries (Ulysses: of all queries) over all keys: the document (or
         causal) one for full layers, narrowed to the last ``window`` positions for sliding ones."""
         if self.ulysses:  # the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
             q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
         else:
-            shares = document_cp_positions(inputs.shape[1], self.cp_mesh)
+            shares = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
             q_positions, kv_positions = (p.to(inputs.device) for p in shares)
         full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
         distance = q_positions[:, None] - kv_positions[None, :]  # (T / cp, T) query minus key position
         if full is None:
             full = (distance >= 0)[None, None]  # (1, 1, T / cp, T)
         return {"full_attention": full, "sliding_attention": full & (distance < self.window)}
+
+
+def _layer_windows(args) -> tuple[int | None, ...]:
+    """Per softmax-attention layer of the model: its sliding window, None for full attention (Gated DeltaNet
+    layers cost the same per token wherever it sits: they do not count)."""
+    if args is None:
+        return (None,)
+    windows = tuple(args.sliding_window if args.is_sliding_layer(i) else None
+                    for i in range(args.n_layers) if not args.is_linear_attention_layer(i))
+    return windows or (None,)

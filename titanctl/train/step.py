@@ -17,7 +17,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.ulysses import ulysses_context_parallel_ctx
-from titanctl.train.attention_masks import MicrobatchMasks
+from titanctl.train.attention_masks import MicrobatchMasks, shapes_only
 from titanctl.train.loss import IGNORE_INDEX, build_loss_fn, build_mean_loss_fn
 
 
@@ -56,6 +56,8 @@ class ForwardBackward:
         self.predicts_ahead = self.pipeline is None and self.model_parts[0].args.mtp_layers > 0
         self.mtp_loss_weight = self.cfg.model.mtp_loss_weight
         self.mtp_loss: torch.Tensor | None = None
+        # Under CP: the step's attention work per CP rank (the keys its queries attend), for cp_imbalance.
+        self.cp_work: torch.Tensor | None = None
         compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
         # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
         self.autocast = (
@@ -91,7 +93,13 @@ class ForwardBackward:
     ) -> torch.Tensor | None:
         """The summed token losses of one microbatch / ``divisor``, after its backward; None off the last
         stage. ``backward=False``: forward and loss only, under torch.no_grad (validation)."""
-        attn_mask = self.attn_masks(inputs, positions)  # from the whole microbatch, before any sharding
+        # Which positions each CP rank holds, chosen from the whole microbatch's masks (None: head-tail, or no
+        # order: no CP, Ulysses); the masks, the cut of tokens, labels and RoPE, and the ring's key columns follow it.
+        order = self.attn_masks.cp_order(inputs, positions)
+        if self.dims.cp > 1 and backward and not shapes_only(inputs):  # training steps, not validation's windows
+            work = self.attn_masks.rank_work(inputs, positions, order)
+            self.cp_work = work if self.cp_work is None else self.cp_work + work
+        attn_mask = self.attn_masks(inputs, positions, order)  # from the whole microbatch, before any sharding
         model_kwargs = {} if attn_mask is None else {"attn_mask": attn_mask}
         if positions is not None:
             model_kwargs["positions"] = positions
@@ -115,6 +123,7 @@ class ForwardBackward:
                     buffers=sharded if positions is not None else [*sharded, self.model_parts[0].rope_cache],
                     seq_dims=[1, 1, 1] if positions is not None else [1, 1, 0],
                     no_restore=set(sharded),
+                    order=order,
                 )
             elif self.dims.cp > 1:
                 model = self.model_parts[0]
@@ -177,6 +186,7 @@ class ForwardBackward:
         self._mtp_scale = 1.0 / len(microbatches)
         loss_sum = None
         self.mtp_loss = None
+        self.cp_work = None
         for inputs, labels, *positions in microbatches:
             loss = self.microbatch(inputs, labels, divisor, positions=positions[0] if positions else None)
             if loss is not None:

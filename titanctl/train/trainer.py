@@ -26,6 +26,7 @@ from titanctl.models.registry import model_args_from_config
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.layouts.build import build_model_parts, check_layout
+from titanctl.parallel.layouts.cp_balance import imbalance
 from titanctl.parallel.layouts.dims import ParallelDims
 from titanctl.parallel.layouts.reductions import StepLosses, clip_grad_norm, global_mean_loss
 from titanctl.parallel.layouts.tensor_parallel import check_async_tp
@@ -565,6 +566,10 @@ class Trainer:
         mtp_loss = None
         if self.model_args.mtp_layers:
             mtp_loss = global_mean_loss(self.forward_backward.mtp_loss, self.dims).item()
+        # The last step's, on this rank's CP group (its peers hold the same microbatches, so every rank of it
+        # computes the same numbers, with no collective).
+        cp_work = self.forward_backward.cp_work
+        cp = {} if cp_work is None else {"cp_imbalance": round(imbalance(cp_work), 4)}
         row = {
             "step": self.step,
             "loss": loss,
@@ -581,6 +586,7 @@ class Trainer:
             "tokens_by_source": self.loader.tokens_by_source(),
             **(validation or {}),
             **moe,
+            **cp,
             **self._first_row,  # where this attempt started, on its first row only
             **(self.ft.metrics() if self.ft is not None else {}),
         }
@@ -611,6 +617,7 @@ class Trainer:
             f"step {self.step:>6}  loss {loss:8.4f}  " + ("" if mtp_loss is None else f"mtp_loss {mtp_loss:8.4f}  ")
             + f"grad_norm {grad_norm:7.3f}  lr {lr:.2e}  "
             f"{rate_text}  {memory_text}" + (f"  experts max/mean {moe['expert_imbalance_max']:.2f}" if moe else "")
+            + (f"  cp max/mean {cp['cp_imbalance']:.3f}" if cp else "")
             + (_replica_text(row, self.groups) if self.ft is not None else ""),
             soft_wrap=True,
         )

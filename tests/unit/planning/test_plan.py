@@ -442,3 +442,17 @@ def test_muons_single_momentum_buffer_is_counted_by_the_fast_path():
     matrices = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
     saved = adamw.fast_memory(candidate) - muon.fast_memory(candidate)
     assert saved == pytest.approx(4 * matrices / 8, rel=1e-3)  # the blocks' norms are not matrices
+
+
+def test_plan_proposes_context_parallel_for_long_sequences():
+    """Llama 3 8B on 8 H100s: at 2k tokens a data-parallel layout is fastest; at 128k no layout without CP fits
+    (one sequence's activations) or wins, so every proposal shards the sequence."""
+    recipe = REPO / "recipes" / "llama3_8b.toml"
+    best = {}
+    for seq_len, global_batch in ((2048, 32), (131072, 8)):
+        cfg = load_config(recipe, ["--training.seq_len", str(seq_len)])
+        found = plan(str(recipe), cfg, 8, H100, top=3, exact=0, global_batch=global_batch,
+                     compile_options=(False,), float8=False, schedules=("1F1B",), ac_modes=("full",))
+        best[seq_len] = [layout.candidate for layout in found.layouts]
+    assert best[2048][0].cp == 1, [c.describe() for c in best[2048]]
+    assert all(c.cp > 1 for c in best[131072]), [c.describe() for c in best[131072]]

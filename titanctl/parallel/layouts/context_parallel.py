@@ -236,10 +236,13 @@ def load_balanced_order(seq_len: int, cp: int) -> Tensor:
     return torch.cat([torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
 
 
-def document_cp_positions(seq_len: int, cp_mesh) -> tuple[Tensor, Tensor]:
+def document_cp_positions(seq_len: int, cp_mesh, order: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(this rank's query positions (seq_len / cp,), the gathered keys' positions (seq_len,)) in the
-    window, for a document mask under ``document_context_parallel_ctx``."""
-    order = load_balanced_order(seq_len, cp_mesh.size())
+    window, for a document mask under ``document_context_parallel_ctx``. ``order``: every position in the
+    order the ranks hold them (rank r the r-th slice of seq_len / cp; titanctl/parallel/layouts/cp_balance.py
+    chooses it per microbatch); default head-tail (``load_balanced_order``)."""
+    if order is None:
+        order = load_balanced_order(seq_len, cp_mesh.size())
     return order.view(cp_mesh.size(), -1)[cp_mesh.get_local_rank()], order
 
 
@@ -270,13 +273,13 @@ def _check_buffers(cp_mesh, buffers: list[Tensor], seq_dims: list[int]) -> int:
 
 @contextlib.contextmanager
 def document_context_parallel_ctx(
-    cp_mesh, *, buffers: list[Tensor], seq_dims: list[int], no_restore: set[Tensor]
+    cp_mesh, *, buffers: list[Tensor], seq_dims: list[int], no_restore: set[Tensor], order: Tensor | None = None
 ) -> Iterator[None]:
     """``context_parallel_ctx`` for a model given a document mask: the buffers are cut in place to
-    this rank's positions (``document_cp_positions``) and restored on exit (except ``no_restore``);
-    attention needs ``enable_document_context_parallel`` and the mask of those positions."""
+    this rank's positions (``document_cp_positions``, of ``order``) and restored on exit (except
+    ``no_restore``); attention needs ``enable_document_context_parallel`` and the mask of those positions."""
     seq_len = _check_buffers(cp_mesh, buffers, seq_dims)
-    mine, _ = document_cp_positions(seq_len, cp_mesh)
+    mine, _ = document_cp_positions(seq_len, cp_mesh, order)
     with buffers_cut_in_place(buffers, seq_dims, no_restore, mine):
         yield
 
