@@ -164,3 +164,53 @@ def test_a_wrapper_tensor_of_an_unknown_part_is_refused(tmp_path):
     save_file(state, str(tmp_path / "hub" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"unknown Hugging Face tensor 'model\.audio_tower\.proj\.weight'"):
         convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp")
+
+
+def test_a_run_from_the_hubs_folder_carries_its_other_parts(repo, tmp_path):
+    """`train` from the Hub's folder trains its text model; its DCP steps (a resumed run's too) and its Hugging
+    Face saves carry the vision encoder and MTP head unchanged, the save in the folder's names and wrapper
+    config.json, with the trained text weights; `convert` of the step writes that same folder."""
+    from tests.conftest import TRUSTED_RUN
+    from titanctl.checkpoint.convert import save_state_dict
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.train.trainer import Trainer
+
+    run = [*TRUSTED_RUN, "--training.steps", "1", "--checkpoint.last_save_in_hf", "--metrics.enable_tensorboard",
+           "false", "--checkpoint.initial_load_model_weights_only", "--job.dump_folder", str(tmp_path / "run")]
+    cfg = load_config(repo / "recipes" / "qwen3_5_debug.toml", run)
+    args = model_args_from_config(cfg.model, 4352, cfg.training.seq_len)
+    with torch.device("meta"):
+        shapes = build_model(args).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    save_state_dict({k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in shapes.items()}, args,
+                    tmp_path / "text", fmt="hf")
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    state = {k.replace("model.", "model.language_model.", 1): v for k, v in safetensors_of(tmp_path / "text").items()}
+    state.update({k: torch.randn(shape, generator=gen).to(dtype) for k, (shape, dtype) in MTP.items()})
+    state["model.visual.merger.linear_fc1.weight"] = torch.randn(8, 16, generator=gen)
+    (tmp_path / "hub").mkdir()
+    save_file(state, str(tmp_path / "hub" / "model.safetensors"), metadata={"format": "pt"})
+    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": text["tie_word_embeddings"], "vision_config": VISION,
+               "text_config": {k: v for k, v in text.items() if k != "architectures"}}
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(wrapper))
+    carried = {k: v for k, v in state.items() if k.startswith(("model.visual.", "mtp."))}
+
+    def assert_carries(folder):
+        saved = safetensors_of(folder)
+        assert saved.keys() == state.keys()
+        assert all(saved[k].dtype == v.dtype and torch.equal(saved[k], v) for k, v in carried.items())
+        assert not torch.equal(saved["model.language_model.norm.weight"], state["model.language_model.norm.weight"])
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == wrapper["architectures"] and config["vision_config"] == VISION
+        return saved
+
+    Trainer(load_config(repo / "recipes" / "qwen3_5_debug.toml",
+                        [*run, "--checkpoint.initial_load_path", str(tmp_path / "hub")])).train()
+    root = tmp_path / "run" / "checkpoint"
+    assert_carries(root / "step-1-hf")
+    Trainer(load_config(repo / "recipes" / "qwen3_5_debug.toml", [*run, "--training.steps", "2"])).train()  # resumes
+    convert_checkpoint(root / "step-2", tmp_path / "exported", dst_format="hf")
+    saved, exported = assert_carries(root / "step-2-hf"), safetensors_of(tmp_path / "exported")
+    assert all(torch.equal(exported[k], v) for k, v in saved.items())
