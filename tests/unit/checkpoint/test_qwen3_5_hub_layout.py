@@ -83,7 +83,7 @@ CASES = pytest.mark.parametrize("case, tied, shards", [("qwen3_5_moe", False, 2)
 
 
 @CASES
-def test_the_hubs_folder_round_trips_whole_and_bitwise(case, tied, shards, tmp_path):
+def test_the_hubs_folder_round_trips_whole_and_bitwise_or_text_only(case, tied, shards, tmp_path):
     whole, causal = hub_folder(case, tmp_path / "hub", tied, shards)
     wrapper, text = whole.__class__.__name__, causal.__class__.__name__
     report = convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp")
@@ -109,45 +109,36 @@ def test_the_hubs_folder_round_trips_whole_and_bitwise(case, tied, shards, tmp_p
     assert not info["missing_keys"] and set(info["unexpected_keys"]) <= set(MTP)  # transformers ignores ^mtp.*
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, whole(IDS).logits)
-    # The export is the folder: it converts back to itself, and new shards keep its names.
-    convert_checkpoint(tmp_path / "back", tmp_path / "dcp2", dst_format="dcp")
-    convert_checkpoint(tmp_path / "dcp2", tmp_path / "again", dst_format="hf")
-    assert_round_trip_keeps_the_folder(tmp_path / "back", tmp_path / "again")
-    convert_checkpoint(tmp_path / "dcp2", tmp_path / "resharded", dst_format="hf", max_shard_size="100KB")
-    assert safetensors_of(tmp_path / "resharded").keys() == safetensors_of(tmp_path / "back").keys()
-
-
-@CASES
-def test_a_text_only_export_is_the_text_models_folder(case, tied, shards, tmp_path):
-    whole, theirs = hub_folder(case, tmp_path / "hub", tied, shards)
-    convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp")
-    report = convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf", text_only=True)
+    # --text-only: the text model's *ForCausalLM folder under the wrapper's names, as transformers loads it.
+    report = convert_checkpoint(tmp_path / "dcp", tmp_path / "text", dst_format="hf", text_only=True)
     source = {k: v for k, v in safetensors_of(tmp_path / "hub").items() if not k.startswith(("model.visual.", "mtp."))}
     left = len(safetensors_of(tmp_path / "hub")) - len(source)
     visual = left - len(MTP)
     assert [n for n in report.notes if n.startswith("--text-only")] == [
         f"--text-only: {left} tensors of the vision-language folder left out: model.visual.* ({visual}, the vision "
         "encoder), mtp.* (2, the multi-token-prediction head); the export is the text model "
-        f"({theirs.__class__.__name__}, under the folder's model.language_model. names)"]
-    back = safetensors_of(tmp_path / "back")
+        f"({causal.__class__.__name__}, under the folder's model.language_model. names)"]
+    back = safetensors_of(tmp_path / "text")
     assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
     assert ("model.language_model.layers.0.mlp.experts.gate_up_proj" in back) == (case == "qwen3_5_moe")
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert config["architectures"] == [theirs.__class__.__name__] and config["tie_word_embeddings"] == tied
+    config = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert config["architectures"] == [causal.__class__.__name__] and config["tie_word_embeddings"] == tied
     assert "text_config" not in config and "vision_config" not in config
-    loaded, info = theirs.__class__.from_pretrained(tmp_path / "back", dtype=torch.float32, output_loading_info=True)
+    loaded, info = causal.__class__.from_pretrained(tmp_path / "text", dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
-        assert torch.equal(loaded(IDS).logits, theirs(IDS).logits)
+        assert torch.equal(loaded(IDS).logits, causal(IDS).logits)
         state, args = load_checkpoint(tmp_path / "hub")  # what `train` reads from the folder
         ours = build_model(args)
         assert ours.load_state_dict(state, strict=False).missing_keys == (["output.weight"] if tied else [])
         # Tied, the parity suite's tolerance for the tied reference (families.py: 2.4e-4 measured).
-        assert (ours.eval()(IDS) - theirs(IDS).logits).abs().max().item() <= (3e-4 if tied else 1e-4)
-    # The text-only export is a folder of its own: it converts back to itself.
+        assert (ours.eval()(IDS) - causal(IDS).logits).abs().max().item() <= (3e-4 if tied else 1e-4)
+    # The export is the folder: it converts back to itself, and new shards keep its names.
     convert_checkpoint(tmp_path / "back", tmp_path / "dcp2", dst_format="dcp")
     convert_checkpoint(tmp_path / "dcp2", tmp_path / "again", dst_format="hf")
     assert_round_trip_keeps_the_folder(tmp_path / "back", tmp_path / "again")
+    convert_checkpoint(tmp_path / "dcp2", tmp_path / "resharded", dst_format="hf", max_shard_size="100KB")
+    assert safetensors_of(tmp_path / "resharded").keys() == safetensors_of(tmp_path / "back").keys()
 
 
 def test_text_only_applies_to_hf_outputs(tmp_path):
@@ -167,9 +158,9 @@ def test_a_wrapper_tensor_of_an_unknown_part_is_refused(tmp_path):
 
 
 def test_a_run_from_the_hubs_folder_carries_its_other_parts(repo, tmp_path):
-    """`train` from the Hub's folder trains its text model; its DCP steps (a resumed run's too) and its Hugging
-    Face saves carry the vision encoder and MTP head unchanged, the save in the folder's names and wrapper
-    config.json, with the trained text weights; `convert` of the step writes that same folder."""
+    """A run from the Hub's folder trains its text model; its DCP steps and its Hugging Face saves carry the
+    vision encoder and MTP head unchanged, the save in the folder's names and wrapper config.json, with the
+    trained text weights; `convert` of the step writes that same folder."""
     from tests.conftest import TRUSTED_RUN
     from titanctl.checkpoint.convert import save_state_dict
     from titanctl.config.recipe import load_config
@@ -209,8 +200,6 @@ def test_a_run_from_the_hubs_folder_carries_its_other_parts(repo, tmp_path):
     Trainer(load_config(repo / "recipes" / "qwen3_5_debug.toml",
                         [*run, "--checkpoint.initial_load_path", str(tmp_path / "hub")])).train()
     root = tmp_path / "run" / "checkpoint"
-    assert_carries(root / "step-1-hf")
-    Trainer(load_config(repo / "recipes" / "qwen3_5_debug.toml", [*run, "--training.steps", "2"])).train()  # resumes
-    convert_checkpoint(root / "step-2", tmp_path / "exported", dst_format="hf")
-    saved, exported = assert_carries(root / "step-2-hf"), safetensors_of(tmp_path / "exported")
+    convert_checkpoint(root / "step-1", tmp_path / "exported", dst_format="hf")
+    saved, exported = assert_carries(root / "step-1-hf"), safetensors_of(tmp_path / "exported")
     assert all(torch.equal(exported[k], v) for k, v in saved.items())
