@@ -159,12 +159,49 @@ def test_a_wrapper_tensor_of_an_unknown_part_is_refused(tmp_path):
         convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp")
 
 
+def hub_folder_of(args, folder) -> dict[str, torch.Tensor]:
+    """A Hub-style dense Qwen3.5 folder of titanctl's model ``args`` (random weights): the text model under the
+    wrapper's names, a vision encoder's and an MTP head's tensors, the wrapper's config.json. Returns its tensors."""
+    from titanctl.checkpoint.convert import save_state_dict
+
+    with torch.device("meta"):
+        shapes = build_model(args).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    text_folder = folder.parent / f"{folder.name}-text"
+    save_state_dict({k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in shapes.items()}, args, text_folder,
+                    fmt="hf")
+    text = json.loads((text_folder / "config.json").read_text())
+    state = {k.replace("model.", "model.language_model.", 1): v for k, v in safetensors_of(text_folder).items()}
+    state.update({k: torch.randn(shape, generator=gen).to(dtype) for k, (shape, dtype) in MTP.items()})
+    state["model.visual.merger.linear_fc1.weight"] = torch.randn(8, 16, generator=gen)
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "tie_word_embeddings": text["tie_word_embeddings"], "vision_config": VISION,
+               "text_config": {k: v for k, v in text.items() if k != "architectures"}}
+    (folder / "config.json").write_text(json.dumps(wrapper))
+    return state
+
+
+def assert_carries(folder, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A run's Hugging Face save of the folder ``state`` came from: the same names, the carried tensors bit for
+    bit in their dtype, the text model trained, the wrapper's config.json."""
+    saved = safetensors_of(folder)
+    assert saved.keys() == state.keys()
+    carried = {k: v for k, v in state.items() if k.startswith(("model.visual.", "mtp."))}
+    assert len(carried) == 3 and all(saved[k].dtype == v.dtype and torch.equal(saved[k], v) for k, v in carried.items())
+    assert not torch.equal(saved["model.language_model.norm.weight"], state["model.language_model.norm.weight"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and config["vision_config"] == VISION
+    return saved
+
+
 def test_a_run_from_the_hubs_folder_carries_its_other_parts(repo, tmp_path):
     """A run from the Hub's folder trains its text model; its DCP steps (read back by a resumed run) and its
     Hugging Face saves carry the vision encoder and MTP head unchanged, the save in the folder's names and
-    wrapper config.json, with the trained text weights; `convert` of the step writes that same folder."""
+    wrapper config.json, with the trained text weights; `convert` of the step writes that same folder.
+    (Sharded over ranks: tests/distributed/test_hub_folder_run.py.)"""
     from tests.conftest import TRUSTED_RUN
-    from titanctl.checkpoint.convert import save_state_dict
     from titanctl.config.recipe import load_config
     from titanctl.models.registry import model_args_from_config
     from titanctl.train.trainer import Trainer
@@ -172,38 +209,12 @@ def test_a_run_from_the_hubs_folder_carries_its_other_parts(repo, tmp_path):
     run = [*TRUSTED_RUN, "--training.steps", "1", "--checkpoint.last_save_in_hf", "--metrics.enable_tensorboard",
            "false", "--checkpoint.initial_load_model_weights_only", "--job.dump_folder", str(tmp_path / "run")]
     cfg = load_config(repo / "recipes" / "qwen3_5_debug.toml", run)
-    args = model_args_from_config(cfg.model, 4352, cfg.training.seq_len)
-    with torch.device("meta"):
-        shapes = build_model(args).state_dict()
-    gen = torch.Generator().manual_seed(0)
-    save_state_dict({k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in shapes.items()}, args,
-                    tmp_path / "text", fmt="hf")
-    text = json.loads((tmp_path / "text" / "config.json").read_text())
-    state = {k.replace("model.", "model.language_model.", 1): v for k, v in safetensors_of(tmp_path / "text").items()}
-    state.update({k: torch.randn(shape, generator=gen).to(dtype) for k, (shape, dtype) in MTP.items()})
-    state["model.visual.merger.linear_fc1.weight"] = torch.randn(8, 16, generator=gen)
-    (tmp_path / "hub").mkdir()
-    save_file(state, str(tmp_path / "hub" / "model.safetensors"), metadata={"format": "pt"})
-    wrapper = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-               "tie_word_embeddings": text["tie_word_embeddings"], "vision_config": VISION,
-               "text_config": {k: v for k, v in text.items() if k != "architectures"}}
-    (tmp_path / "hub" / "config.json").write_text(json.dumps(wrapper))
-    carried = {k: v for k, v in state.items() if k.startswith(("model.visual.", "mtp."))}
-
-    def assert_carries(folder):
-        saved = safetensors_of(folder)
-        assert saved.keys() == state.keys()
-        assert all(saved[k].dtype == v.dtype and torch.equal(saved[k], v) for k, v in carried.items())
-        assert not torch.equal(saved["model.language_model.norm.weight"], state["model.language_model.norm.weight"])
-        config = json.loads((folder / "config.json").read_text())
-        assert config["architectures"] == wrapper["architectures"] and config["vision_config"] == VISION
-        return saved
-
+    state = hub_folder_of(model_args_from_config(cfg.model, 4352, cfg.training.seq_len), tmp_path / "hub")
     Trainer(load_config(repo / "recipes" / "qwen3_5_debug.toml",
                         [*run, "--checkpoint.initial_load_path", str(tmp_path / "hub")])).train()
     root = tmp_path / "run" / "checkpoint"
     convert_checkpoint(root / "step-1", tmp_path / "exported", dst_format="hf")
-    saved, exported = assert_carries(root / "step-1-hf"), safetensors_of(tmp_path / "exported")
+    saved, exported = assert_carries(root / "step-1-hf", state), safetensors_of(tmp_path / "exported")
     assert all(torch.equal(exported[k], v) for k, v in saved.items())
     Trainer(load_config(repo / "recipes" / "qwen3_5_debug.toml", [*run, "--training.steps", "2"])).train()  # resumes
-    assert_carries(root / "step-2-hf")
+    assert_carries(root / "step-2-hf", state)
