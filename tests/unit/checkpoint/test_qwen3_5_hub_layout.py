@@ -143,12 +143,6 @@ def test_the_hubs_folder_round_trips_whole_and_bitwise_or_text_only(case, tied, 
     assert safetensors_of(tmp_path / "resharded").keys() == safetensors_of(tmp_path / "back").keys()
 
 
-def test_text_only_applies_to_hf_outputs(tmp_path):
-    hub_folder("qwen3_5", tmp_path / "hub")
-    with pytest.raises(CheckpointError, match=r"^--text-only applies to --to hf only$"):
-        convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp", text_only=True)
-
-
 def test_a_wrapper_tensor_of_an_unknown_part_is_refused(tmp_path):
     """Only the parts the Hub's wrappers hold are left unread: anything else is named, not skipped."""
     hub_folder("qwen3_5", tmp_path / "hub")
