@@ -57,6 +57,7 @@ def test_convert_checkpoint_and_its_alias_infer_formats(meta_ckpt, tmp_path):
         ("flavor", "has shape (300, 64), expected (300, 4096) for the model from --flavor 8B"),
         ("torchtitan-shapes", "n_heads cannot be inferred from shapes: give --flavor or --config"),
         ("tokenizer-vocab", "has 4352 tokens but the model's vocabulary is 300"),
+        ("text-only-to-dcp", "--text-only applies to --to hf only"),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message):
@@ -82,6 +83,8 @@ def test_bad_input_is_one_red_line_and_exit_2(meta_ckpt, tmp_path, case, message
         args = [tmp_path / "tt", dst]
     elif case == "tokenizer-vocab":
         args += ["--to", "hf", "--tokenizer-path", REPO / "titanctl" / "assets" / "tokenizer" / "tokenizer.model"]
+    elif case == "text-only-to-dcp":
+        args += ["--to", "dcp", "--text-only"]
     proc = run("convert", *args, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr, proc.stderr

@@ -91,8 +91,8 @@ def per_expert_layout(packed: dict[str, torch.Tensor], hidden: int) -> dict[str,
 def assert_round_trip_keeps_the_folder(source: Path, exported: Path) -> dict:
     """``exported`` (HF -> ... -> HF of ``source``, a folder transformers saved) holds the same tensors,
     bit for bit under the same names, the same index (weight_map's names, metadata) when the source has
-    one, and the same config.json but for the keys titanctl documents (``CHANGED_KEYS``). Returns the
-    exported config."""
+    one, and the same config.json but for the keys titanctl documents (``CHANGED_KEYS``; a wrapper's
+    text_config likewise). Returns the exported config."""
     from safetensors.torch import load_file
 
     def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -106,7 +106,15 @@ def assert_round_trip_keeps_the_folder(source: Path, exported: Path) -> dict:
         theirs, ours = (json.loads((f / "model.safetensors.index.json").read_text()) for f in (source, exported))
         assert ours["weight_map"].keys() == theirs["weight_map"].keys() and ours["metadata"] == theirs["metadata"]
     theirs, ours = (json.loads((f / "config.json").read_text()) for f in (source, exported))
+    _assert_same_config(theirs, ours)
+    return ours
+
+
+def _assert_same_config(theirs: dict, ours: dict) -> None:
+    """The same keys and values but for ``CHANGED_KEYS``; a vision-language wrapper's text_config by the same rule."""
     absent = object()
     changed = {key for key in theirs.keys() | ours.keys() if theirs.get(key, absent) != ours.get(key, absent)}
+    if "text_config" in changed and isinstance(theirs.get("text_config"), dict):
+        _assert_same_config(theirs["text_config"], ours["text_config"])
+        changed.remove("text_config")
     assert changed <= CHANGED_KEYS.keys(), {k: (theirs.get(k), ours.get(k)) for k in changed - CHANGED_KEYS.keys()}
-    return ours

@@ -28,7 +28,7 @@ import torch
 from titanctl.checkpoint.formats import FORMATS, WRITERS, DictSource, Source, open_source
 from titanctl.checkpoint.formats.base import UntiedView
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
-from titanctl.checkpoint.hf.hub_layout import naming_only
+from titanctl.checkpoint.hf.hub_layout import TEXT_ONLY_FLAG, naming_only
 from titanctl.checkpoint.hf.names import HF_FILES_KEY
 from titanctl.checkpoint.hf.serving_kernels import serving_warning
 from titanctl.checkpoint.hf.tokenizer_export import resolve_tokenizer, write_companion_files
@@ -204,11 +204,14 @@ def _check_destination(dst: Path, src: Path | None) -> None:
 
 def _check_options(
     fmt: str, shards: int | None, max_shard_size: int | str | None, tokenizer_path: str | os.PathLike | None = None,
+    text_only: bool = False,
 ) -> None:
     if shards is not None and fmt != "meta":
         raise CheckpointError("--shards applies to --to meta only")
     if max_shard_size is not None and fmt != "hf":
         raise CheckpointError("--max-shard-size applies to --to hf only")
+    if text_only and fmt != "hf":
+        raise CheckpointError(f"{TEXT_ONLY_FLAG} applies to --to hf only")
     if tokenizer_path and fmt not in TOKENIZER_FORMATS:
         raise CheckpointError(f"--tokenizer-path applies to --to {', '.join(TOKENIZER_FORMATS)} only, not {fmt}")
 
@@ -261,6 +264,7 @@ def write_checkpoint(
     tokenizer_path: str | os.PathLike | None = None,
     notes: list[str] | None = None,
     drop_expert_bias: bool = False,
+    text_only: bool = False,
 ) -> list[str]:
     """Write a bound source as `fmt` into `dst` (new or empty), atomically. Returns the files written.
 
@@ -268,10 +272,12 @@ def write_checkpoint(
     output records the tokenizer path. A Hugging Face source's config.json travels with the weights:
     a dcp output stores it, an hf output writes it back (``hf.carried_config``). What is worth telling
     the user is appended to `notes`. Trained state the format has no slot for is refused unless
-    ``drop_expert_bias`` (``titanctl.checkpoint.hf.uncarried``).
+    ``drop_expert_bias`` (``titanctl.checkpoint.hf.uncarried``). The source's carried tensors (a
+    vision-language folder's vision encoder and prediction head: ``hf.hub_layout``) go into dcp and hf
+    outputs as they are, unless ``text_only`` (hf: the text model's ``*ForCausalLM`` folder).
     """
     _check_format(fmt, "--to")
-    _check_options(fmt, shards, max_shard_size, tokenizer_path)
+    _check_options(fmt, shards, max_shard_size, tokenizer_path, text_only)
     spec = spec_of(source.args)
     if fmt not in ("dcp", "hf", *spec.formats):
         raise CheckpointError(
@@ -282,6 +288,9 @@ def write_checkpoint(
     notes = [] if notes is None else notes
     if (dropped := check_carried(source, fmt, drop_expert_bias)) is not None:
         notes.append(dropped)
+    if source.carried and fmt not in ("dcp", "hf"):
+        notes.append(f"{len(source.carried)} carried tensors of a vision-language folder ({source.carried[0].name}, "
+                     f"...) left out: the {fmt} format holds the text model only (dcp and hf carry them)")
     if fmt == "hf" and (unservable := serving_warning(source.args)):
         notes.append(f"{WARNING}{unservable}")
     tokenizer, recorded_path = None, None
@@ -307,6 +316,7 @@ def write_checkpoint(
         options["notes"] = notes
         # A size asked for: new shards, in the source's names.
         options["layout"] = source_files if max_shard_size is None else naming_only(source_files)
+        options["text_only"] = text_only
     elif fmt == "dcp":
         carried = source.extra_metadata()
         options["step"] = int(carried.get("step", 0))
@@ -361,6 +371,7 @@ def convert_checkpoint(
     merge_lora: bool = False,
     lora_base: str | os.PathLike | None = None,
     drop_expert_bias: bool = False,
+    text_only: bool = False,
 ) -> ConversionReport:
     """Convert the checkpoint folder `src` into `dst` (which must not exist or be empty).
 
@@ -375,6 +386,8 @@ def convert_checkpoint(
     adapters alone): ``titanctl.checkpoint.lora.export``. A peft adapter (``src_format`` peft, or a
     folder holding adapter_config.json) becomes such a step on the base ``lora_base``
     (``titanctl.checkpoint.lora.peft_import``).
+
+    ``text_only``: of a vision-language folder (``hf.hub_layout``), an hf output of the text model alone.
     """
     _check_format(src_format, "--from")
     _check_format(dst_format, "--to")
@@ -383,7 +396,7 @@ def convert_checkpoint(
         given = {"--merge-lora": merge_lora, f"--to {dst_format}": dst_format not in (None, "dcp"), "--flavor": flavor,
                  "--config": config, " ".join(overrides or ()): overrides, "--shards": shards,
                  "--max-shard-size": max_shard_size, "--tokenizer-path": tokenizer_path,
-                 "--drop-expert-bias": drop_expert_bias}
+                 "--drop-expert-bias": drop_expert_bias, TEXT_ONLY_FLAG: text_only}
         if (misused := next((flag for flag, value in given.items() if value), None)) is not None:
             raise CheckpointError(
                 f"{misused} does not apply to --from peft, which writes a titanctl LoRA checkpoint (dcp) of the "
@@ -393,13 +406,13 @@ def convert_checkpoint(
     located = _locate_source(src, src_format)
     _check_destination(Path(dst), Path(src))  # before reading any tensor
     if dst_format is not None and dst_format not in ADAPTER_FORMATS:
-        _check_options(dst_format, shards, max_shard_size, tokenizer_path)
+        _check_options(dst_format, shards, max_shard_size, tokenizer_path, text_only)
     dst = Path(dst)
     lora = _lora_record(located)
     if lora is not None or merge_lora or dst_format in ADAPTER_FORMATS or lora_base is not None:
         return _convert_lora(located, Path(src), dst, lora, dst_format=dst_format, merge=merge_lora, base=lora_base,
                              dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-                             tokenizer_path=tokenizer_path, drop_expert_bias=drop_expert_bias)
+                             tokenizer_path=tokenizer_path, drop_expert_bias=drop_expert_bias, text_only=text_only)
 
     start = time.perf_counter()
     dequantize_to = torch_dtype or FP8_DEFAULT_DTYPE
@@ -412,7 +425,7 @@ def convert_checkpoint(
             notes.insert(0, f"read {located.folder.name}, the newest complete checkpoint in {src}")
         files = write_checkpoint(
             source, dst, fmt, dtype=torch_dtype, shards=shards, max_shard_size=max_shard_size, progress=progress,
-            tokenizer_path=tokenizer_path, notes=notes, drop_expert_bias=drop_expert_bias,
+            tokenizer_path=tokenizer_path, notes=notes, drop_expert_bias=drop_expert_bias, text_only=text_only,
         )
         return ConversionReport(
             src=Path(src),
@@ -474,7 +487,7 @@ def _convert_lora(
     located: Located, src: Path, dst: Path, lora: dict | None, *, dst_format: str | None, merge: bool,
     base: str | os.PathLike | None, dtype: torch.dtype | None, shards: int | None,
     max_shard_size: int | str | None, progress: ProgressSink | None, tokenizer_path: str | os.PathLike | None,
-    drop_expert_bias: bool = False,
+    drop_expert_bias: bool = False, text_only: bool = False,
 ) -> ConversionReport:
     """A LoRA step: ``--to peft`` (its adapters), or ``--merge-lora`` (its base with them folded in)."""
     from titanctl.checkpoint.hf.uncarried import check_adapter_export
@@ -526,7 +539,7 @@ def _convert_lora(
         notes += [f"merged {len(record['targets'])} LoRA adapters into the base {base_located.folder}", *source.notes]
         files = write_checkpoint(merged, dst, fmt, dtype=dtype, shards=shards, max_shard_size=max_shard_size,
                                  progress=progress, tokenizer_path=tokenizer_path, notes=notes,
-                                 drop_expert_bias=drop_expert_bias)
+                                 drop_expert_bias=drop_expert_bias, text_only=text_only)
         return ConversionReport(src, dst, "dcp", fmt, args, "titanctl.json", len(merged.infos),
                                 merged.total_bytes(dtype), time.perf_counter() - start, files, notes)
 

@@ -68,6 +68,12 @@ def convert(
         "(Hugging Face's Qwen3-MoE and gpt-oss; peft, for a LoRA step whose bias moved) without it: the export then "
         "routes tokens as with a zero bias (peft: the base's). Without the flag such an export is refused.",
     ),
+    text_only: bool = typer.Option(
+        False, "--text-only",
+        help="Of a vision-language folder (the Hub's Qwen3.5: its vision encoder and multi-token-prediction head "
+        "carried unchanged through titanctl), write an hf output of the text model alone: its *ForCausalLM "
+        "config.json under the folder's names, which transformers' *ForCausalLM loads. Default: the whole folder.",
+    ),
     tokenizer_path: Path | None = typer.Option(
         None,
         "--tokenizer-path",
@@ -107,6 +113,7 @@ def convert(
             merge_lora=merge_lora,
             lora_base=lora_base,
             drop_expert_bias=drop_expert_bias,
+            text_only=text_only,
         )
     except KeyboardInterrupt:
         bar.stop()

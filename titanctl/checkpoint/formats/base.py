@@ -78,6 +78,9 @@ class Source(abc.ABC):
         # What block-quantized FP8 weights (a Hugging Face source's) are dequantized to; set before
         # ``bind``. float32 keeps ``fp8 * scale`` exactly as computed; ``convert`` asks for --dtype or bf16.
         self.dequantize_to: torch.dtype = torch.float32
+        # Tensors of the folder that are no part of the model, carried as stored (``hf.hub_layout``: a
+        # vision-language folder's vision encoder and prediction head): name, shape and dtype as stored.
+        self.carried: list[TensorInfo] = []
 
     # -- configuration
     @abc.abstractmethod
@@ -107,6 +110,10 @@ class Source(abc.ABC):
     def load_slice(self, name: str, index: int, count: int) -> torch.Tensor | None:
         """Model-parallel slice `index` of `count` if the source has it stored as such, else None."""
         return None
+
+    def load_carried(self, name: str) -> torch.Tensor:
+        """The carried tensor `name` (one of ``carried``), as stored, as a fresh tensor the caller owns."""
+        raise KeyError(name)
 
     def extra_metadata(self) -> dict[str, Any]:
         """Facts worth carrying into the output's own metadata (e.g. the training step)."""

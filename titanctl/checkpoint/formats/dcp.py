@@ -3,7 +3,10 @@
 The contract is ``titanctl.checkpoint.trust.metadata``: model weights under their canonical
 names at the top level; a training step folder also holds ``optimizer``,
 ``lr_scheduler``, ``dataloader``, ``train_state`` and ``rng``, which conversion skips
-without reading. No process group is needed on either side.
+without reading. Tensors of a Hugging Face folder that are no part of the model (``hf.hub_layout``: a
+vision-language folder's vision encoder and prediction head) lie apart from it, under
+``hf_carried.<their stored name>``, in their own dtype: conversion carries them on as they are
+(``Source.carried``). No process group is needed on either side.
 
 Reading goes through ``titanctl.checkpoint.trust.reader`` (the allow-listed ``.metadata``, paths
 and sizes checked, checksums verified before the first tensor is read) and loads a few
@@ -37,6 +40,7 @@ from titanctl.checkpoint.formats.base import (
     written_dtype,
 )
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY
+from titanctl.checkpoint.hf.hub_layout import CARRIED_PART
 from titanctl.checkpoint.hf.names import HF_FILES_KEY
 from titanctl.checkpoint.trust.checksums import ChecksumWriter, digest_files, record
 from titanctl.checkpoint.trust.metadata import METADATA_FILE, model_args_from_metadata, write_metadata
@@ -70,6 +74,7 @@ class DCPSource(Source):
                 f"them into it first (titanctl convert {self.folder} OUT --merge-lora), or export them with --to peft"
             )
         self.group_bytes = group_bytes
+        self.carried = carried_infos(self.entries, str(self.folder))
         self._cache: dict[str, torch.Tensor] = {}
         self.reads = 0  # DCP load calls made (tests check that reads are grouped)
 
@@ -78,7 +83,8 @@ class DCPSource(Source):
             return None, METADATA_FILE
         where = str(self.folder / METADATA_FILE)
         args = model_args_from_metadata(self.meta, where)
-        check_declared(args, self.reader.tensors(), self.embedding_rows(args.dim), where)
+        model = ((name, shape) for name, shape in self.reader.tensors() if not is_carried(name))
+        check_declared(args, model, self.embedding_rows(args.dim), where)
         return args, METADATA_FILE
 
     def vocab_size(self, dim: int) -> int:
@@ -91,7 +97,7 @@ class DCPSource(Source):
         self.args = args
         infos = []
         for key, entry in self.entries.items():
-            if key.split(".", 1)[0] in TRAINING_STATE or key in DERIVED_BUFFERS:
+            if key.split(".", 1)[0] in TRAINING_STATE or key in DERIVED_BUFFERS or is_carried(key):
                 continue
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointError(f"{self.folder}: entry {key!r} is not a tensor (not a weight of this model)")
@@ -130,8 +136,30 @@ class DCPSource(Source):
             self._read_group(name)
         return self._cache.pop(name)
 
+    def load_carried(self, name: str) -> torch.Tensor:
+        info = next(info for info in self.carried if info.name == name)
+        tensor = {info.shown: torch.empty(info.shape, dtype=info.dtype)}
+        self.reader.load(tensor)
+        self.reads += 1
+        return tensor[info.shown]
+
     def close(self) -> None:
         self._cache.clear()
+
+
+def carried_key(name: str) -> str:
+    """The DCP entry of a carried tensor (``Source.carried``) stored as ``name`` in its Hugging Face folder."""
+    return f"{CARRIED_PART}.{name}"
+
+
+def is_carried(key: str) -> bool:
+    return key.startswith(CARRIED_PART + ".")
+
+
+def carried_infos(entries: dict[str, Any], where: str) -> list[TensorInfo]:
+    """The carried tensors among a DCP folder's entries, under their Hugging Face names."""
+    return [TensorInfo(key[len(CARRIED_PART) + 1:], tuple(entry.size), entry.properties.dtype, key, where)
+            for key, entry in entries.items() if is_carried(key) and isinstance(entry, TensorStorageMetadata)]
 
 
 class _StreamingSavePlanner(DefaultSavePlanner):
@@ -152,19 +180,28 @@ def save_streaming(
     dtype: torch.dtype | None,
     progress: Progress,
     stored_name: Callable[[str], str] | None = None,
+    carry: bool = False,
 ) -> tuple[list[torch.dtype], dict[str, str]]:
     """Write every tensor of `source` into a DCP folder, under ``stored_name(canonical name)``
-    (default: the canonical name), producing each tensor only when DCP writes it.
-    Returns the dtypes written and the checksums of the data files."""
+    (default: the canonical name), producing each tensor only when DCP writes it; and with ``carry``,
+    its carried tensors (``Source.carried``) as they are, under ``carried_key``.
+    Returns the dtypes of the model's tensors written and the checksums of the data files."""
     rename = stored_name or (lambda name: name)
     canonical = {rename(info.name): info.name for info in source.infos}
     placeholders = {
         rename(info.name): torch.empty(info.shape, dtype=written_dtype(info.dtype, dtype), device="meta")
         for info in source.infos
     }
+    model_dtypes = [p.dtype for p in placeholders.values()]
+    carried = {carried_key(info.name): info for info in (source.carried if carry else ())}
+    placeholders.update((key, torch.empty(info.shape, dtype=info.dtype, device="meta"))
+                        for key, info in carried.items())
 
     def fetch(key: str) -> torch.Tensor:
-        tensor = cast(source.load(canonical[key]), dtype).contiguous()
+        if key in carried:
+            tensor = source.load_carried(carried[key].name).contiguous()
+        else:
+            tensor = cast(source.load(canonical[key]), dtype).contiguous()
         progress(key, tensor.nbytes)
         return tensor
 
@@ -178,7 +215,7 @@ def save_streaming(
         if isinstance(cause, Exception):
             raise cause from None
         raise RuntimeError(f"DCP save to {folder} failed: {one_line(cause)}") from e
-    return [p.dtype for p in placeholders.values()], writer.checksums
+    return model_dtypes, writer.checksums
 
 
 def write(
@@ -191,7 +228,7 @@ def write(
     step: int = 0,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    written, checksums = save_streaming(folder, source, dtype=dtype, progress=progress)
+    written, checksums = save_streaming(folder, source, dtype=dtype, progress=progress, carry=True)
     dtypes = sorted({dtype_name(d) for d in written if d.is_floating_point})  # the weights' (not a hash table's)
     write_metadata(
         folder,

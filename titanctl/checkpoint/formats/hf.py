@@ -18,7 +18,9 @@ each tensor, carried as its config.json is), as long as they hold exactly the te
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -163,9 +165,11 @@ class HFSource(Source):
 
     def _unwrap(self) -> None:
         """A vision-language folder (``hub_layout``): its text model's tensors renamed as the ``*ForCausalLM``
-        spells them (``_stored`` maps back), the parts titanctl does not build set aside (``left_out``)."""
+        spells them (``_stored`` maps back), the parts titanctl does not build set aside: a wrapper's carried as stored
+        (``carried``, ``load_carried``), a published folder's left unread (``left_out``)."""
         self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
-        self.left_out: list[str] = []
+        self._carried_files: dict[str, Path] = {}
+        self.left_out: list[str] = []  # a published folder's parts titanctl does not build: not read
         self.naming = HubNaming()
         keys = [key for key, *_ in self.raw]
         if hub_layout.is_wrapped(keys):
@@ -178,8 +182,12 @@ class HFSource(Source):
             self.naming = naming
         kept = []
         for key, path, shape, dtype in self.raw:
-            if hub_layout.not_built(key):
+            if hub_layout.not_built(key) and not self.naming.wrapped:
                 self.left_out.append(key)
+                continue
+            if hub_layout.not_built(key):
+                self.carried.append(TensorInfo(key, shape, dtype, key, str(path.relative_to(self.folder))))
+                self._carried_files[key] = path
                 continue
             name = self.naming.text_name(key)
             if name != key:
@@ -223,9 +231,11 @@ class HFSource(Source):
         where = str(self.folder / CONFIG_FILE)
         config = read_json(self.folder / CONFIG_FILE)
         args = args_from_hf_config(config, where=where)
+        if self.carried:
+            self.notes.append(hub_layout.carried_note([info.name for info in self.carried], config))
         if self.left_out:
-            self.notes.append(hub_layout.left_out_note(self.left_out, hub_layout.unwrapped_config(config).get(
-                "architectures", ["the *ForCausalLM"])[0], self.naming))
+            self.notes.append(hub_layout.unread_note(self.left_out, hub_layout.unwrapped_config(config).get(
+                "architectures", ["the *ForCausalLM"])[0]))
         if args.mtp_layers and not any(_layer_of(key) >= args.n_layers for key, *_ in self.raw):
             # transformers writes DeepSeek-V3's num_nextn_predict_layers (default 1) without the weights.
             args = args.replace(mtp_layers=0)
@@ -305,16 +315,27 @@ class HFSource(Source):
         if regular_file_size(config, what="config.json", error=CheckpointError) > MAX_CARRIED_CONFIG_BYTES:
             # titanctl.json, which carries it, is read back with a size limit: no model's config is this big.
             raise CheckpointError(f"{config} is larger than {MAX_CARRIED_CONFIG_BYTES >> 20} MiB: not a model's config")
-        return {HF_CONFIG_KEY: carried(hub_layout.unwrapped_config(read_json(config))), HF_FILES_KEY: self._layout()}
+        found = read_json(config)
+        return {HF_CONFIG_KEY: carried(hub_layout.unwrapped_config(found)), HF_FILES_KEY: self._layout(found)}
 
-    def _layout(self) -> dict[str, Any]:
-        """The folder's layout: which file holds each stored tensor of the model (``file_layout``), and how
-        the folder names them (``hub_layout.HubNaming``, for a vision-language folder)."""
+    def _layout(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The folder's layout: which file holds each stored tensor (``file_layout``: the model's and the
+        carried ones), and how the folder names and wraps them (``hub_layout.HubNaming``, for a
+        vision-language folder: its wrapper's config.json, less what it does not carry)."""
         files = {self._stored.get(key, key): str(path.relative_to(self.folder)) for key, path, *_ in self.raw}
+        files.update((info.name, info.where) for info in self.carried)
         layout = file_layout(files, (self.folder / INDEX_FILE).is_file())
-        if not self.naming.plain:
+        if self.naming.wrapped:
+            wrapper = hub_layout.wrapper_of(config)
+            if wrapper is not None:
+                wrapper = {"config": carried(wrapper["config"]), "text_keys": wrapper["text_keys"]}
+            layout[hub_layout.NAMING_KEY] = dataclasses.replace(self.naming, wrapper=wrapper).to_json()
+        elif not self.naming.plain:
             layout[hub_layout.NAMING_KEY] = self.naming.to_json()
         return layout
+
+    def load_carried(self, name: str) -> torch.Tensor:
+        return self.pages.copy_out(self._file(self._carried_files[name]).get_tensor(name))
 
     def _structured_info(self, name: str, found: list, shapes: dict) -> TensorInfo:
         """A packed tensor's slice, or per-expert tensors stacked: shape as titanctl holds it."""
@@ -463,24 +484,33 @@ def _names_digest(names: list[str]) -> str:
     return hashlib.sha256("\n".join(names).encode()).hexdigest()
 
 
-def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None = None) -> list[str]:
+def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None = None,
+                carried: list[str] = ()) -> list[str]:
     """The order in which ``write`` (given ``layout``) loads the tensors of a source whose infos name
-    ``names`` (the ranks of a training run walk it together: ``titanctl.checkpoint.run.hf_save``): theirs,
-    less the state the format does not store, file by file when the source's files are kept."""
-    return _plan(names, lambda name: 0, args, layout, DEFAULT_MAX_SHARD_SIZE)[2]
+    ``names`` and that carries the tensors ``carried`` (the ranks of a training run walk it together:
+    ``titanctl.checkpoint.run.hf_save``): theirs, less the state the format does not store, file by file
+    when the source's files are kept."""
+    return _plan(names, lambda name: 0, args, layout, DEFAULT_MAX_SHARD_SIZE, {name: 0 for name in carried})[2]
+
+
+def carried_written(source: Source, layout: dict[str, Any] | None, text_only: bool) -> list[TensorInfo]:
+    """The carried tensors (``Source.carried``) an export writes: all of them, unless ``text_only`` or the
+    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``)."""
+    return [] if text_only or HubNaming.of_layout(layout).wrapper is None else source.carried
 
 
 # One Hugging Face tensor of a write: its name, the titanctl weights it is made of with each one's slice
-# (dim, index, parts) or None (the whole tensor), and its bytes.
+# (dim, index, parts) or None (the whole tensor), and its bytes. A carried tensor is made of none.
 Entry = tuple[str, list[tuple[str, "tuple[int, int, int] | None"]], int]
 
 
 def _plan(names: list[str], nbytes_of: Callable[[str], int], args: ModelArgs, layout: dict[str, Any] | None,
-          max_shard_size: int) -> tuple[list[str], list[list[Entry]], list[str], bool]:
+          max_shard_size: int, carried: dict[str, int] | None = None,
+          ) -> tuple[list[str], list[list[Entry]], list[str], bool]:
     """(file names, the entries each holds in order, the order in which to load titanctl's weights, whether
-    an index is written): the source's files when ``layout`` records exactly these Hugging Face tensors,
-    else greedy shards of at most ``max_shard_size`` in the order of ``names``. Names follow the layout's
-    ``hub_layout.HubNaming``."""
+    an index is written): the source's files when ``layout`` records exactly these Hugging Face tensors
+    (``carried``'s among them: {stored name: bytes}), else greedy shards of at most ``max_shard_size`` in
+    the order of ``names``, then ``carried``. Names follow the layout's ``hub_layout.HubNaming``."""
     naming = HubNaming.of_layout(layout)
     entries: dict[str, Entry] = {}
     for name in names:
@@ -489,6 +519,10 @@ def _plan(names: list[str], nbytes_of: Callable[[str], int], args: ModelArgs, la
             nbytes = nbytes_of(name) // len(stored)
             _, parts, total = entries.get(hf_name, (hf_name, [], 0))
             entries[hf_name] = (hf_name, [*parts, (name, piece)], total + nbytes)
+    for hf_name, nbytes in (carried or {}).items():
+        if hf_name in entries:
+            raise CheckpointError(f"the carried tensor {hf_name!r} is also a tensor of the model")
+        entries[hf_name] = (hf_name, [], nbytes)
     kept = files_of(layout, list(entries)) if layout else None
     if kept is not None:  # the source's files: each holds what it held, in the source's order of files
         files = list(dict.fromkeys(kept.values()))
@@ -520,6 +554,7 @@ def write(
     source_config: dict[str, Any] | None = None,
     notes: list[str] | None = None,
     layout: dict[str, Any] | None = None,
+    text_only: bool = False,
 ) -> None:
     """``token_ids``: (bos, eos) of the tokenizer exported beside the weights, for config.json.
     ``source_config``: the config.json the model came from (``hf.carried_config``), written back
@@ -528,18 +563,26 @@ def write(
     experts) fill the shards in order, so no shard exceeds ``max_shard_size`` unless one tensor does.
     ``layout``: the source folder's files (``file_layout``), used when they hold exactly these tensors
     (and no --max-shard-size was asked for), and its names (``hub_layout.HubNaming``: a vision-language
-    folder's prefix and packed experts, whose slices are joined here)."""
+    folder's prefix and packed experts, whose slices are joined here). The source's carried tensors
+    (``Source.carried``: a vision-language folder's vision encoder and prediction head) are written as
+    they are, under the wrapper's config.json (``carried_written``); ``text_only`` leaves them out."""
     if max_shard_size <= 0:
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
     naming = HubNaming.of_layout(layout)
     infos = {info.name: info for info in source.infos}
+    carried = {info.name: info.nbytes() for info in carried_written(source, layout, text_only)}
     names, plan, _order, index_file = _plan(list(infos), lambda name: infos[name].nbytes(dtype), args, layout,
-                                            max_shard_size)
+                                            max_shard_size, carried)
     weight_map: dict[str, str] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # titanctl weight -> its HF tensors not yet written
     for file, shard in zip(names, plan, strict=True):
         tensors = {}
         for hf_name, parts, nbytes in shard:
+            if not parts:  # carried: as it is stored
+                tensors[hf_name] = source.load_carried(hf_name)
+                weight_map[hf_name] = file
+                progress(hf_name, nbytes)
+                continue
             pieces = []
             for name, piece in parts:
                 if name not in pending:
@@ -564,10 +607,18 @@ def write(
         args, source_config, dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", token_ids=token_ids,
         default_token_ids=special_token_ids(args), notes=notes,
     )
+    if carried:  # the folder again: the wrapper around the text model
+        config = naming.wrapped_config(config)
+    elif source.carried and notes is not None:
+        text = config.get("architectures", ["the *ForCausalLM"])[0]
+        notes.append(hub_layout.left_out_note([info.name for info in source.carried], text) if text_only else
+                     f"{len(source.carried)} carried tensors of a vision-language folder left out: the checkpoint "
+                     f"records no wrapper config.json to write them under; the export is the text model ({text})")
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     total = sum(n for shard in plan for *_, n in shard)
     # As save_pretrained writes it: the parameters (saved buffers such as an expert bias are not) and bytes.
-    metadata = {"total_parameters": num_params(args), "total_size": total}
+    carried_values = sum(math.prod(info.shape) for info in source.carried if info.name in carried)
+    metadata = {"total_parameters": num_params(args) + carried_values, "total_size": total}
     if index_file:
         index_data = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
         (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")

@@ -231,6 +231,7 @@ class MergedSource(Source):
         self.meta = meta
         self.base, self.origin, self.notes = base, base.origin, base.notes
         self.args, self.infos = base.args, base.infos
+        self.carried = base.carried  # a vision-language base's other parts: LoRA adapts the text model only
         self.scale = float(record["alpha"]) / int(record["rank"])
         self.merges = {f"{target}.weight" if kind == "linear" else target: adapter_names(target, kind)
                        for target, kind in record["targets"].items()}
@@ -259,6 +260,9 @@ class MergedSource(Source):
         a, b = (self.adapters[n].float() for n in pair)
         merged = weight.float() + (b @ a) * self.scale  # (out, r) @ (r, in), or batched over experts
         return merged.to(weight.dtype)
+
+    def load_carried(self, name: str) -> torch.Tensor:
+        return self.base.load_carried(name)
 
     def extra_metadata(self) -> dict[str, Any]:
         from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from titanctl.checkpoint.formats import hf
 from titanctl.checkpoint.formats.base import Source, TensorInfo, no_progress, written_dtype
 from titanctl.checkpoint.hf.tokenizer_export import resolve_tokenizer, write_companion_files
+from titanctl.checkpoint.run.carried import CarriedTensors
 from titanctl.checkpoint.run.state import ModelState
 from titanctl.checkpoint.trust.reader import one_line
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -145,10 +146,13 @@ class _LiveModel(Source):
 
     format = "training run"
 
-    def __init__(self, folder: Path, args: ModelArgs, infos: list[TensorInfo], gatherer: _Gatherer) -> None:
+    def __init__(self, folder: Path, args: ModelArgs, infos: list[TensorInfo], gatherer: _Gatherer,
+                 carried: CarriedTensors | None = None) -> None:
         super().__init__(folder)
         self.args, self.origin, self.infos = args, "the run's model", infos
         self.gatherer = gatherer
+        self.carried = carried.infos if carried else []
+        self.carried_values = carried.values if carried else {}
 
     def own_args(self) -> tuple[ModelArgs | None, str]:
         return self.args, self.origin
@@ -162,16 +166,20 @@ class _LiveModel(Source):
     def load(self, name: str) -> torch.Tensor:
         return self.gatherer.next(name)
 
+    def load_carried(self, name: str) -> torch.Tensor:
+        return self.carried_values[name]
+
 
 def write_hf_folder(
     tmp: Path, model: ModelState, args: ModelArgs, *, tokenizer: Tokenizer | None, dtype: torch.dtype | None,
     rank: int, world_size: int, group: dist.ProcessGroup | None, source_config: dict | None = None,
-    layout: dict | None = None,
+    layout: dict | None = None, carried: CarriedTensors | None = None,
 ) -> str | None:
     """Every rank, at the same point: rank 0 writes the HF model folder into ``tmp`` (made already).
     ``source_config``: the Hugging Face config.json the run's weights came from, if they did (written
     back while it describes the model: ``hf.carried_config``); ``layout``: that folder's files
-    (``formats.hf.file_layout``), written again. Returns, on rank 0, why the write failed (None: it did not);
+    (``formats.hf.file_layout``), written again, with the tensors the run ``carried`` from it as they are
+    (``run.carried``: rank 0 holds them). Returns, on rank 0, why the write failed (None: it did not);
     None on the other ranks."""
     local = model.state_dict()  # this rank's (sharded) tensors under canonical names: no copies
     mine = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in local.items()}
@@ -189,13 +197,14 @@ def write_hf_folder(
     dtypes = {name: written_dtype(getattr(torch, held[0]), dtype) for name, held in first.items()}
     shapes = {name: held[1] for name, held in first.items()}
     infos = [TensorInfo(name, shapes[name], getattr(torch, first[name][0]), name, "the run's model") for name in names]
-    order = hf.write_order(names, args, layout)
-    gatherer = _Gatherer(local, order, holders, dtypes, shapes, rank, group)
+    gatherer = _Gatherer(local, [], holders, dtypes, shapes, rank, group)
+    source = _LiveModel(tmp, args, infos, gatherer, carried)
+    gatherer.order = order = hf.write_order(names, args, layout,
+                                            [info.name for info in hf.carried_written(source, layout, False)])
     if rank != WRITER:
         gatherer.finish()
         return None
     try:
-        source = _LiveModel(tmp, args, infos, gatherer)
         token_ids = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer is not None else None
         hf.write(tmp, args, source, dtype=dtype, progress=no_progress, token_ids=token_ids,
                  source_config=source_config, layout=layout)

@@ -34,6 +34,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanctl.checkpoint.formats import detect, open_source
+from titanctl.checkpoint.formats.dcp import is_carried
 from titanctl.checkpoint.locate import STEP_FOLDER as STEP_FOLDER  # re-exported (manager)
 from titanctl.checkpoint.locate import complete_checkpoints, locate
 from titanctl.checkpoint.lora.base import LoRAPlan, base_folder, check_lora_run, no_base, read_record
@@ -322,8 +323,8 @@ def check_model(
                 f"{folder}: tensor {key} has shape {_shape(entry.size)} in the checkpoint but {_shape(shape)} "
                 f"in the model{hint}"
             )
-    for key in entries:
-        if key.split(".", 1)[0] not in STATE_PARTS and key not in expected:
+    for key in entries:  # a Hugging Face folder's carried tensors (``hf.hub_layout``) are no part of the model
+        if key.split(".", 1)[0] not in STATE_PARTS and key not in expected and not is_carried(key):
             raise CheckpointError(f"{folder}: the checkpoint has tensor {key}, which the model does not{hint}")
 
 

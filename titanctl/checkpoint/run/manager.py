@@ -68,6 +68,7 @@ from titanctl.checkpoint.hf.names import HF_FILES_KEY
 from titanctl.checkpoint.hf.serving_kernels import serving_warning
 from titanctl.checkpoint.hf.uncarried import check_hf_saves
 from titanctl.checkpoint.lora.base import LORA_KEY, LoRAPlan, base_record, check_same_base
+from titanctl.checkpoint.run.carried import CarriedTensors
 from titanctl.checkpoint.run.hf_save import hf_folder_name, hf_saves, run_tokenizer, write_hf_folder
 from titanctl.checkpoint.run.load_into_model import load_source_into
 from titanctl.checkpoint.run.load_plan import (
@@ -180,6 +181,9 @@ class CheckpointManager:
         # folder's files, which Hugging Face saves and exports of the steps write again (formats.hf).
         self.hf_config: dict[str, Any] | None = None
         self.hf_files: dict[str, Any] | None = None
+        # That folder's tensors that are no part of the model (a vision-language folder's vision encoder and
+        # prediction head): carried unchanged into the DCP steps and Hugging Face saves (run.carried).
+        self.carried = CarriedTensors(rank)
 
         check_config(cfg)
         if ck.async_mode == "async_with_pinned_mem" and device.type != "cuda":
@@ -288,7 +292,7 @@ class CheckpointManager:
         failure = write_hf_folder(
             tmp, self.model, self.model_args, tokenizer=self._hf_tokenizer, dtype=getattr(torch, self.ck.export_dtype),
             rank=self.rank, world_size=self.world_size, group=self._pg, source_config=self.hf_config,
-            layout=self.hf_files,
+            layout=self.hf_files, carried=self.carried,
         )
         if self.rank == 0:
             try:
@@ -326,6 +330,8 @@ class CheckpointManager:
         parts = ["model"] if weights_only else [p for p in STATE_PARTS if p in self.states]
         self.train_state.step, self.train_state.tokens_seen = step, tokens_seen
         state = self._dcp_state(parts, dtype)
+        if self.lora is None:  # a LoRA run's steps hold its adapters: its base carries these
+            state.update(self.carried.save_state())  # as they are: no export dtype
         tmp = self.root / f"{TMP_PREFIX}{step}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -505,12 +511,14 @@ class CheckpointManager:
         resumed = self._load(plan.base)
         if adapters is None:
             return resumed
-        base_config, base_files = self.hf_config, self.hf_files
+        base_config, base_files, base_carried = self.hf_config, self.hf_files, self.carried
         resumed = self._load(adapters)
         self.hf_config, self.hf_files = self.hf_config or base_config, self.hf_files or base_files
+        self.carried.keep_unless_replaced(base_carried)
         return resumed
 
     def _load(self, plan: LoadPlan | ForeignPlan) -> Resumed:
+        self.carried = CarriedTensors(self.rank)
         if isinstance(plan, ForeignPlan):
             carried = plan.source.extra_metadata()
             self.hf_config, self.hf_files = carried.get(HF_CONFIG_KEY), carried.get(HF_FILES_KEY)
@@ -538,6 +546,7 @@ class CheckpointManager:
         """Another tool's weights, each full tensor read once per rank and sliced locally."""
         with plan.source as source:
             load_source_into(self.weights.module, source, keep=self.weights.keep)
+            self.carried.take_from(source)
         self.log(
             f"loaded initial checkpoint {plan.folder} ({plan.format}, converted on the fly, model from "
             f"{plan.source.origin or 'its files'}): model; training starts at step 0"
@@ -583,8 +592,11 @@ class CheckpointManager:
         # A LoRA step's model tensors are adapters and buffers, also when a new run starts from them.
         model = self.weights if plan.initial and LORA_KEY not in plan.meta else self.model
         state = self._dcp_state(parts, model=model)
+        carried = self.carried.placeholders(plan.source.entries, str(folder)) if "model" in parts else {}
+        state.update(carried)
         try:
             plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing)
+            self.carried.absorb(state, carried)
             if "model" in parts:
                 model.load_state_dict({k: v for k, v in state.items() if k not in self.states})
         except TitanError as e:  # a Stateful's own check does not know the folder
