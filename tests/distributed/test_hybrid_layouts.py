@@ -8,7 +8,8 @@ Context parallel is the case no other family has: the Gated DeltaNet layers carr
 their conv's last inputs from rank to rank (a prefix scan over the ranks' chunk maps,
 titanctl/parallel/layouts/linear_attention_cp.py) while the full-attention layers run torch's ring (causal)
 or the masked ring (block_causal: masked_ring.py); CP 2 and CP 4, both masks, documents crossing the ranks' chunks.
-Tensor parallel splits the Gated DeltaNet layers by key-head groups (titanctl/models/qwen3_5/blocks.py).
+Tensor parallel splits the Gated DeltaNet layers by key-head groups (titanctl/models/qwen3_5/blocks.py);
+Qwen3-Next's fused projections too (``next_tp2``).
 
 The cases run in the shared torchrun worlds (tests/distributed/worlds.py); each reference runs only with a
 test that compares with it (its ``reference_case``).
@@ -35,7 +36,10 @@ DENSE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
 DENSE_UNTIED = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_untied"]
 MOE = ["--model.name", "qwen3_5_moe", "--model.flavor", "debugmodel",
        "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
-FLAVORS = {"dense": DENSE, "untied": DENSE_UNTIED, "moe": MOE, "dense_documents": [*DENSE, *DOCUMENTS]}
+# Qwen3-Next: the MoE's blocks with the fused Gated DeltaNet projections (wqkvz, wba), split by key-head groups.
+NEXT = ["--model.name", "qwen3_next", "--model.flavor", "debugmodel",
+        "--moe.load_balance_coeff", "0.01", "--moe.router_aux_loss_coef", "0.01"]
+FLAVORS = {"dense": DENSE, "untied": DENSE_UNTIED, "moe": MOE, "dense_documents": [*DENSE, *DOCUMENTS], "next": NEXT}
 MOE_LAYERS = 4  # every block of the MoE debug model routes
 # Of each tensor's largest first-step gradient. Under CP the delta rule's state sums run in another order
 # (chunk maps composed across ranks): the smallest gradients, dt_bias and a_log (largest |g| 1.9e-4, their
@@ -77,6 +81,8 @@ LAYOUTS = [
     # channels, dt_bias and a_log) and half the full-attention heads; the gated norm's weight is whole.
     ("tp2", "dense", 2, 8, [*TP2, *TWO_STEPS]),
     ("moe_tp2", "moe", 2, 8, [*TP2, *TWO_STEPS]),
+    # Qwen3-Next: each rank holds whole key-head groups of wqkvz (q, k, v and z) and wba (b and a).
+    ("next_tp2", "next", 2, 8, [*TP2, *TWO_STEPS]),
     # TP x CP: the scan runs on each rank's heads (local to it), documents crossing the chunks.
     ("tp2_cp2_documents", "dense_documents", 4, 8, [*TP2, *CP2, *TWO_STEPS]),
 ]
@@ -110,5 +116,5 @@ def test_hybrid_layout_matches_single_process(worlds, world_case, reference_case
     assert diff <= 1e-5, f"{name}: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
     loads = expert_loads(reference)[:len(got)]
     assert expert_loads(folder) == loads, f"{name}: tokens per expert differ from one process"
-    if ref.startswith("moe"):
+    if ref.startswith("moe") or ref == "next":
         assert all(load and len(load) == MOE_LAYERS for load in loads)  # every MoE layer, every step

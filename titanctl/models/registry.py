@@ -24,6 +24,7 @@ FAMILIES = {
     "gpt_oss": "titanctl.models.gpt_oss.spec",
     "qwen3_5": "titanctl.models.qwen3_5.spec",
     "qwen3_5_moe": "titanctl.models.qwen3_5_moe.spec",
+    "qwen3_next": "titanctl.models.qwen3_next.spec",
     "deepseek_v4": "titanctl.models.deepseek_v4.spec",
 }
 

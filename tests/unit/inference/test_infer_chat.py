@@ -156,3 +156,44 @@ def test_a_template_that_refuses_the_conversation_is_refused_before_loading(chec
     with pytest.raises(ConfigError, match="rendered the conversation as no text"):
         generation.run(checkpoint, '[{"role": "system", "content": ""}]', chat=True,
                        overrides=["--sft.chat_template_path", str(template)])
+
+
+def test_infer_tp_chat_with_qwen3_5s_template_on_a_hybrid_model(tmp_path):
+    """Qwen3.5's own template (tests/data/chat_templates/SOURCE.md) on a tiny Qwen3.5 (Gated DeltaNet layers
+    decoding through their state cache): the prompt is apply_chat_template's, ending in the thinking turn's
+    opening, <|im_end|> stops, and the answer is the model's own greedy continuation (a full forward per token)."""
+    import torch.distributed.checkpoint as dcp
+
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.chat_tokenizers import qwen_folder
+    from tests.unit.hf_reference import unit_scale_
+    from titanctl.models.common.args import LinearAttentionArgs
+    from titanctl.models.qwen3_5.args import qwen3_5_args
+    from titanctl.models.registry import build_model
+
+    folder = qwen_folder(tmp_path / "qwen3_5", "qwen3_5_think.jinja")
+    tokenizer = Tokenizer(folder)
+    args = qwen3_5_args(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn=96, tied=False, head_dim=16,
+                        linear=LinearAttentionArgs(2, 4, 16, 16), vocab_size=tokenizer.vocab_size).replace(max_seq_len=128)
+    torch.manual_seed(0)
+    model = build_model(args)
+    unit_scale_(model)  # logits far from ties: greedy tokens cannot flip on rounding
+    ckpt = tmp_path / "ckpt"
+    dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint_id=str(ckpt), no_dist=True)
+    write_metadata(ckpt, args, step=1, weights_only=True, dtype="float32")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the king said"}]
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["infer-tp", "--checkpoint", str(ckpt), "--chat", "--prompt", json.dumps(messages),
+              "--model.tokenizer_path", str(folder), "--temperature", "0", "--max-new-tokens", "4", "--out", str(out)])
+    assert exc.value.code == 0
+    data = json.loads(out.read_text())
+    want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert data["prompt_tokens"] == list(want) and data["prompt"].endswith("<|im_start|>assistant\n<think>\n")
+    assert tokenizer.special_tokens["<|im_end|>"] in data["chat"]["stop_tokens"]
+    ids = list(want)
+    with torch.no_grad():
+        for _ in data["tokens"]:
+            ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
+    assert data["tokens"] == ids[len(want):]

@@ -108,6 +108,16 @@ def qwen3_5_moe_config(**changes):
                                                 "num_experts_per_tok": 2, **changes})
 
 
+def qwen3_next_config(**changes):
+    """Qwen3.5's shape with Qwen3-Next's MoE, its first layer dense (``mlp_only_layers``), so that the fused
+    Gated DeltaNet projections, the dense prefix and the gated shared expert are all compared."""
+    import transformers
+
+    return transformers.Qwen3NextConfig(**{**QWEN3_5_SHAPE, "intermediate_size": 96, "moe_intermediate_size": 32,
+                                           "shared_expert_intermediate_size": 32, "num_experts": 8,
+                                           "num_experts_per_tok": 2, "mlp_only_layers": [0], **changes})
+
+
 # DeepSeek-V3 with every mechanism on: a dense first layer, 8 routed experts in 4 groups (top-2 from the 2
 # best), a shared expert; with and without q LoRA, YaRN, and DeepSeek's interleaved RoPE pairs.
 DEEPSEEK_V3_VARIANTS = {
@@ -257,6 +267,11 @@ def _deepseek_v4_export(config: dict, theirs) -> None:
         assert config[key] == getattr(theirs.config, key), key
 
 
+def _qwen3_next_export(config: dict, theirs) -> None:
+    _qwen3_5_export(config, theirs)
+    assert (config["mlp_only_layers"], config["decoder_sparse_step"], config["intermediate_size"]) == ([0], 1, 96)
+
+
 def _qwen3_moe_export(config: dict, theirs) -> None:
     # What the model does not use or titanctl's args do not hold comes back as the source had it.
     assert (config["intermediate_size"], config["max_position_embeddings"], config["num_local_experts"]) == (96, 64, 8)
@@ -284,6 +299,7 @@ REFERENCES = [
     Reference("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", qwen3_5_moe_config, exported=_qwen3_5_export),
     Reference("deepseek_v4", "deepseek_v4", "DeepseekV4ForCausalLM", deepseek_v4_config, after_init=deepseek_v4_state,
               exported=_deepseek_v4_export, saved_names_only=True),
+    Reference("qwen3_next", "qwen3_next", "Qwen3NextForCausalLM", qwen3_next_config, exported=_qwen3_next_export),
 ]
 
 # Published sizes: (family, flavor) -> (total parameters, relative tolerance; 0: exact). Llama with its
@@ -309,6 +325,8 @@ PUBLISHED_SIZES = {
     # The name's 35B, text only: the Hub's checkpoint adds a vision tower (~0.4B) titanctl does not build.
     ("qwen3_5_moe", "35B-A3B"): (35e9, 0.02),
     ("qwen3_5_moe", "397B-A17B"): (397e9, 0.01),  # text only: 396.35B (the name counts the vision tower and MTP)
+    # The name's 80B, text only: 79.67B measured; the Hub's checkpoint adds a multi-token-prediction block.
+    ("qwen3_next", "80B-A3B"): (80e9, 0.01),
     ("deepseek_v4", "Flash"): (284e9, 2e-3),  # the name's 284B-A13B (measured: 284.33B, 13.26B active)
 }
 # Families with no published flavor yet, and why: their sizes join PUBLISHED_SIZES with the flavors.

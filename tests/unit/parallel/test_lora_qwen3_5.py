@@ -1,7 +1,8 @@
-"""LoRA on the hybrid families (Qwen3.5 dense and MoE) as on Qwen3: the adapted forward equals peft's LoRA on
-transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` with the same adapters, exported by titanctl's
-peft writer; the targets reach the Gated DeltaNet's projections (``wqkv``, ``wz``, ``wb``, ``wa``, ``out_proj``),
-the gated full attention's and the routed experts."""
+"""LoRA on the hybrid families (Qwen3.5 dense and MoE, Qwen3-Next) as on Qwen3: the adapted forward equals peft's
+LoRA on transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` / ``Qwen3NextForCausalLM`` with the same
+adapters, exported by titanctl's peft writer; the targets reach the Gated DeltaNet's projections (``wqkv``, ``wz``,
+``wb``, ``wa``, ``out_proj``; Qwen3-Next's fused ``wqkvz``, ``wba``), the gated full attention's and the routed
+experts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tests.unit.hf_reference import args_of, titanctl_model_of, unit_scale_
-from tests.unit.models.families import qwen3_5_config, qwen3_5_moe_config
+from tests.unit.models.families import qwen3_5_config, qwen3_5_moe_config, qwen3_next_config
 from tests.unit.parallel.test_lora import TOL, peft_model, random_adapters
 from titanctl.config.job_config import LoRA as LoRAConfig
 from titanctl.parallel.converters.lora import apply_lora
@@ -21,6 +22,8 @@ CASES = {
                             LoRAConfig(rank=8, alpha=6.0, target_modules=[  # wb, wa: 4 heads wide, below rank 8
                                 "attention.wqkv", "attention.wz", "attention.out_proj", "attention.wq",
                                 "attention.wo", "moe.experts"])),
+    "qwen3_next_fused": ("Qwen3NextForCausalLM", qwen3_next_config,  # wba: 8 rows (b and a of 4 heads), rank 8
+                         LoRAConfig(rank=8, alpha=8.0, target_modules=["attention", "moe.experts"])),
 }
 
 
@@ -37,8 +40,11 @@ def test_forward_equals_peft(case):
     record = apply_lora(ours, cfg).record()
     adapters = random_adapters(ours)
     ours.eval()
-    assert any(".attention.wqkv." in name for name in adapters) and any(".attention.wq." in name for name in adapters)
-    assert any(".experts." in name for name in adapters) == (case == "qwen3_5_moe_experts")
+    fused = case == "qwen3_next_fused"
+    gated_deltanet = (".attention.wqkvz.", ".attention.wba.") if fused else (".attention.wqkv.",)
+    assert all(any(p in name for name in adapters) for p in gated_deltanet)
+    assert any(".attention.wq." in name for name in adapters)
+    assert any(".experts." in name for name in adapters) == (case != "qwen3_5_attention_ffn")
     ids = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = theirs(ids).logits
@@ -50,5 +56,5 @@ def test_forward_equals_peft(case):
     assert moved > 0.1 * scale, "the adapters hardly changed anything: the comparison has no teeth"
     # fp32 (grouped matmuls take no fp64): MoE measured 1.3e-5 of the largest logit, as its parity test's 4.5e-5
     # without adapters; dense 4e-7.
-    tol = 3 * TOL if case == "qwen3_5_moe_experts" else TOL
+    tol = TOL if case == "qwen3_5_attention_ffn" else 3 * TOL
     assert delta <= tol * scale, f"{case}: ours differs from peft's LoRA by {delta:.3g}"

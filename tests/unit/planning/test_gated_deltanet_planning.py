@@ -100,7 +100,8 @@ def test_the_depth_shortcut_keeps_the_layer_schedule():
     assert schedule_period(("full_attention",) + ("linear_attention",) * 7, 8) == 8
 
 
-@pytest.mark.parametrize("recipe, world_size", [("qwen3_5_moe_35b_a3b", 16), ("qwen3_5_moe_397b_a17b", 512)])
+@pytest.mark.parametrize("recipe, world_size", [("qwen3_5_moe_35b_a3b", 16), ("qwen3_5_moe_397b_a17b", 512),
+                                              ("qwen3_next_80b_a3b", 32)])
 def test_the_gpu_recipes_fit_by_the_fast_estimate(recipe, world_size):
     """The plan's fast path for each recipe's own layout: under an H100's 80 GB (74.5 GiB) with 8 GiB to
     spare for the CUDA context and workspaces. (estimate-memory's exact figures: docs/models.md.)"""

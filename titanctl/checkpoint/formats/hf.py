@@ -174,12 +174,11 @@ class HFSource(Source):
         keys = [key for key, *_ in self.raw]
         if hub_layout.is_wrapped(keys):
             self.naming = HubNaming(hub_layout.WRAPPED_PREFIX)
-        else:  # perhaps a family's published folder without the model. prefix
+        else:  # perhaps a family's published folder without the model. prefix; else save_pretrained's names
             config = self.folder / CONFIG_FILE
             naming = hub_layout.published_naming(keys, read_json(config) if config.is_file() else {})
-            if naming is None:
-                return
-            self.naming = naming
+            if naming is not None:
+                self.naming = naming
         kept = []
         for key, path, shape, dtype in self.raw:
             if hub_layout.not_built(key) and not self.naming.wrapped:

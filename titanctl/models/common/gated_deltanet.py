@@ -21,7 +21,8 @@ last ``conv_kernel - 1`` inputs and the state, not keys and values; both restart
 Context parallel: each call then holds pieces of the sequence, and ``sequence_scan`` (set from outside,
 titanctl/parallel/layouts/linear_attention_cp.py) runs the conv and the rule with what the other pieces pass.
 Parameter names differ from softmax attention's (``out_proj``, not ``wo``), so one Hugging Face name
-map covers both kinds of layer.
+map covers both kinds of layer. A variant whose input projections are fused otherwise (q, k, v and z
+in one matrix per key-head group) overrides ``init_projections`` and ``project``; the rest is shared.
 """
 
 from __future__ import annotations
@@ -101,10 +102,7 @@ class GatedDeltaNet(nn.Module):
         la: LinearAttentionArgs = args.linear_attention
         self.la = la
         self.layer_type = "linear_attention"
-        self.wqkv = nn.Linear(args.dim, la.conv_dim, bias=False)
-        self.wz = nn.Linear(args.dim, la.value_dim, bias=False)
-        self.wb = nn.Linear(args.dim, la.num_value_heads, bias=False)
-        self.wa = nn.Linear(args.dim, la.num_value_heads, bias=False)
+        self.init_projections(args.dim, la)
         self.conv = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.num_value_heads))
         self.a_log = nn.Parameter(torch.zeros(la.num_value_heads))
@@ -116,6 +114,20 @@ class GatedDeltaNet(nn.Module):
         # Set from outside when each call holds pieces of a longer sequence (context parallel): an object
         # with conv(mixed, weight, attn_mask) and rule(q, k, v, g, beta, attn_mask), as this layer uses them.
         self.sequence_scan = None
+
+    # The input projections' names (``init_projections``, ``project``): initialized alike, split by heads.
+    projections = ("wqkv", "wz", "wb", "wa")
+
+    def init_projections(self, dim: int, la: LinearAttentionArgs) -> None:
+        self.wqkv = nn.Linear(dim, la.conv_dim, bias=False)
+        self.wz = nn.Linear(dim, la.value_dim, bias=False)
+        self.wb = nn.Linear(dim, la.num_value_heads, bias=False)
+        self.wa = nn.Linear(dim, la.num_value_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) -> the conv's input (B, T, 2 key_dim + value_dim), per key-head group; the gate z
+        (B, T, value_dim); b and a (B, T, H_v), beta's and the decay's logits."""
+        return self.wqkv(x), self.wz(x), self.wb(x), self.wa(x)
 
     def forward(
         self,
@@ -129,7 +141,7 @@ class GatedDeltaNet(nn.Module):
         bsz, seqlen, _ = x.shape
         scan = self.sequence_scan if input_pos is None else None
         starts = document_starts(attn_mask, bsz, seqlen, x.device) if input_pos is None and scan is None else None
-        mixed = self.wqkv(x)  # (B, T, 2 key_dim + value_dim), per key-head group
+        mixed, z, b, a = self.project(x)
         conv_weight = local(self.conv.weight)
         state = None
         if input_pos is not None:  # decoding: continue from the cache (fresh when the sequence restarts)
@@ -152,8 +164,8 @@ class GatedDeltaNet(nn.Module):
         fp = compute_dtype(x.dtype)
         q = _l2_normalize(q.to(fp)) / math.sqrt(la.key_head_dim)
         k = _l2_normalize(k.to(fp))
-        beta = torch.sigmoid(self.wb(x).to(fp))  # (B, T, H_v)
-        g = -local(self.a_log).to(fp).exp() * F.softplus(self.wa(x).to(fp) + local(self.dt_bias).to(fp))
+        beta = torch.sigmoid(b.to(fp))  # (B, T, H_v)
+        g = -local(self.a_log).to(fp).exp() * F.softplus(a.to(fp) + local(self.dt_bias).to(fp))
         if scan is not None:
             out = scan.rule(q, k, v.to(fp), g, beta, attn_mask)
         else:
@@ -161,23 +173,23 @@ class GatedDeltaNet(nn.Module):
             out, state = rule(q, k, v.to(fp), g, beta, resets=starts, initial_state=state)
         if input_pos is not None:
             self.cache.state.copy_(state)
-        z = self.wz(x).reshape(bsz, seqlen, -1, la.value_head_dim)
+        z = z.reshape(bsz, seqlen, -1, la.value_head_dim)
         # The references' order: normalize (fp32) what the rule returns in the activations' dtype, cast, scale,
         # then gate in fp32.
         out = (self.norm(out.to(z.dtype)) * F.silu(z.to(fp))).to(x.dtype)  # (B, T, H_v, dv)
         return self.out_proj(out.reshape(bsz, seqlen, -1))  # (B, T, dim)
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> GatedDeltaNetCache:
-        """A zeroed decoding state of the heads ``wb`` produces (a sharded layer: this rank's)."""
-        weight = self.wqkv.weight
+        """A zeroed decoding state of this layer's conv channels and value heads (a sharded layer: this rank's)."""
+        weight = local(self.conv.weight)
         la = self.la
-        return GatedDeltaNetCache(batch_size, la.conv_kernel, weight.shape[0], self.wb.weight.shape[0],
+        return GatedDeltaNetCache(batch_size, la.conv_kernel, weight.shape[0], local(self.dt_bias).shape[0],
                                   la.key_head_dim, la.value_head_dim, weight.dtype, weight.device)
 
     def param_inits(self, depth: int) -> dict[str, ParamInit]:
         bound = 1 / math.sqrt(self.la.conv_kernel)  # torch's Conv1d default (fan-in: K taps of one channel)
         return {
-            **{f"{name}.weight": INPUT for name in ("wqkv", "wz", "wb", "wa")},
+            **{f"{name}.weight": INPUT for name in self.projections},
             "conv.weight": ParamInit("uniform", bound=bound),
             "dt_bias": ONES,
             # log A uniform in [0, ln 16] (A from 1 to 16): per-head decay rates from slow to fast, as the

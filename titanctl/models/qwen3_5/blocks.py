@@ -4,6 +4,7 @@ from a plain decoder (the tensor-parallel plan; FLOPs: ``flops``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 
 from torch import nn
@@ -45,7 +46,8 @@ BLOCKS = Blocks(attention=mixer)
 GATED_DELTANET_LINEARS = ("attention.wqkv", "attention.wz", "attention.wb", "attention.wa")
 
 
-def hybrid_attention_plan(styles: Callable[..., LinearStyles]) -> dict[str, ParallelStyle]:
+def hybrid_attention_plan(styles: Callable[..., LinearStyles],
+                          linears: tuple[str, ...] = GATED_DELTANET_LINEARS) -> dict[str, ParallelStyle]:
     """Both token mixers split by heads; a block has one of them, and the plan's entries for the other's
     modules find nothing in it.
 
@@ -55,12 +57,13 @@ def hybrid_attention_plan(styles: Callable[..., LinearStyles]) -> dict[str, Para
     column-wise, so each rank holds whole key-head groups and their value heads; ``out_proj`` row-wise.
     The conv's channels, ``dt_bias`` and ``a_log`` split with them (``HYBRID_TP_PLAN.head_params``). The
     gated norm's weight (one value head's width, shared by every head) stays whole on every rank, its
-    gradient summed over the ranks' heads, as QK norm's is (``block_plan``)."""
+    gradient summed over the ranks' heads, as QK norm's is (``block_plan``). ``linears``: the Gated
+    DeltaNet's input projections, each stored per key-head group or per value head (a fused variant's)."""
     plan = gqa_attention_plan(styles)
     # The block passes (hidden, rope) to either mixer: gather the hidden states, leave the rope table alone.
-    plan["attention"] = styles("attention.wq", "attention.wk", "attention.wv", *GATED_DELTANET_LINEARS).prepare_input(
+    plan["attention"] = styles("attention.wq", "attention.wk", "attention.wv", *linears).prepare_input(
         input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-    for name in GATED_DELTANET_LINEARS:
+    for name in linears:
         plan[name] = styles(name).colwise()
     plan["attention.out_proj"] = styles("attention.out_proj").rowwise(output_layouts=Shard(1))
     plan["attention.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -68,10 +71,16 @@ def hybrid_attention_plan(styles: Callable[..., LinearStyles]) -> dict[str, Para
 
 
 def hybrid_block_plan(args: ModelArgs, float8: LinearStyles | None = None,
-                      float8_linears: Collection[str] = ()) -> dict[str, ParallelStyle]:
+                      float8_linears: Collection[str] = (),
+                      linears: tuple[str, ...] = GATED_DELTANET_LINEARS) -> dict[str, ParallelStyle]:
     return block_plan(float8, float8_linears, qk_norm=True, moe=args.moe is not None,
-                      attention=hybrid_attention_plan)
+                      attention=functools.partial(hybrid_attention_plan, linears=linears))
 
 
-HYBRID_TP_PLAN = TPPlan(root=root_plan, block=hybrid_block_plan,
-                        head_params=("attention.conv.weight", "attention.dt_bias", "attention.a_log"))
+def hybrid_tp_plan(linears: tuple[str, ...] = GATED_DELTANET_LINEARS) -> TPPlan:
+    """The hybrid decoder's plan, its Gated DeltaNet's input projections named by ``linears``."""
+    return TPPlan(root=root_plan, block=functools.partial(hybrid_block_plan, linears=linears),
+                  head_params=("attention.conv.weight", "attention.dt_bias", "attention.a_log"))
+
+
+HYBRID_TP_PLAN = hybrid_tp_plan()

@@ -40,21 +40,27 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
     }
 
 
-def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
-    cfg = ConfigJson(config, where)
+def moe_hybrid_args(cfg: ConfigJson, family: str, max_seq_len: int | None, what: str) -> ModelArgs:
+    """ModelArgs of a hybrid MoE decoder's config.json (the keys ``config_from_args`` writes), each refusal
+    one line; every block MoE, the dense width the experts'."""
+    config, where = cfg.cfg, cfg.where
     expert_ffn = cfg.integer("moe_intermediate_size", minimum=1)
     shared = cfg.integer("shared_expert_intermediate_size", expert_ffn, minimum=1)
     if shared != expert_ffn:
         raise CheckpointError(f"{where}: shared_expert_intermediate_size {shared} differs from moe_intermediate_size "
                               f"{expert_ffn}: titanctl's shared expert is one routed expert's width")
-    dense = qwen3_5_hf.hybrid_args(ConfigJson({**config, "intermediate_size": expert_ffn}, where), "qwen3_5_moe",
-                                   max_seq_len, "Qwen3.5-MoE")
+    dense = qwen3_5_hf.hybrid_args(ConfigJson({**config, "intermediate_size": expert_ffn}, where), family,
+                                   max_seq_len, what)
     moe = MoEArgs(num_experts=cfg.integer("num_experts", minimum=1),
                   top_k=cfg.integer("num_experts_per_tok", minimum=1), hidden_dim=expert_ffn, num_shared_experts=1,
                   shared_expert_gate=True)
     if not 1 <= moe.top_k <= moe.num_experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {moe.top_k} must be 1 to num_experts {moe.num_experts}")
     return dense.replace(moe=moe)
+
+
+def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str) -> ModelArgs:
+    return moe_hybrid_args(ConfigJson(config, where), "qwen3_5_moe", max_seq_len, "Qwen3.5-MoE")
 
 
 HF = HFFormat(
