@@ -1,7 +1,7 @@
 """DeepSeek-V4 in titanctl: the debug recipe's model trains (the loss falls in a few steps, drawn by titanctl's
 own init), and what a recipe cannot run is refused in one line: the indexer's top-k beyond the compressed
-length of the run's sequences, a schedule of the wrong length, tensor and pipeline parallelism, the Hugging
-Face format."""
+length of the run's sequences, a schedule of the wrong length, tensor and context parallelism, DDP, the
+Hugging Face format."""
 
 from __future__ import annotations
 
@@ -61,8 +61,6 @@ def test_layouts_and_formats_not_built_refuse_in_one_line():
     args = recipe_args()
     with pytest.raises(ConfigError, match="^tensor parallelism is not built for deepseek_v4 yet; set parallelism"):
         spec.tp_plan.block(args)
-    with pytest.raises(ConfigError, match="^pipeline parallelism is not built for deepseek_v4 yet"):
-        spec.split_stage(None, [0], True, False)
     with pytest.raises(CheckpointError, match="^the Hugging Face format is not built for deepseek_v4 yet"):
         spec.hf.args_from_config({}, None, "config.json")
 
@@ -75,7 +73,7 @@ def test_packed_documents_are_refused_in_one_line():
 
 
 @pytest.mark.parametrize("key, dim", [("tensor_parallel_degree", "tp"), ("context_parallel_degree", "cp"),
-                                      ("data_parallel_shard_degree", "dp_shard")])
+                                      ("data_parallel_replicate_degree", "dp_replicate")])
 def test_a_layout_not_built_is_refused_in_one_line(key, dim):
     from titanctl.errors import ParallelError
     from titanctl.parallel.layouts.build import check_layout

@@ -1,7 +1,15 @@
 """The DeepSeek-V4 decoder: token embedding spread over the hyper-connection streams, blocks of
-(attention, MoE) each entered and left through a hyper-connection, a final collapse, norm and output."""
+(attention, MoE) each entered and left through a hyper-connection, a final collapse, norm and output.
+
+A pipeline stage (``split_into_stage``) is the same module holding some of the blocks: the boundary between
+stages carries the streams (B, S, hc_mult, dim) whole (the next block mixes all of them) and the token ids
+(B, S), which the hash-routed layers route by; a stage passes both on, so a hash-routed layer may sit in any
+stage. The ids need no gradient, and torch's pipelining sends no gradient for an integer tensor."""
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,6 +36,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args, layer_id)
 
+    @property
+    def moe(self) -> MoE:
+        """The MoE under the name the layouts look for (expert parallel's token exchange, FSDP's expert
+        units): ``mlp`` is transformers' name, which the checkpoint formats keep."""
+        return self.mlp
+
     def forward(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         post, comb, h = self.attn_hc(streams)
         streams = write_back(streams, self.self_attn(self.input_layernorm(h)), post, comb)
@@ -48,13 +62,17 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, attn_mask=None,
-                mtp: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, token_ids: torch.Tensor | None = None,
+                input_pos: torch.Tensor | None = None, attn_mask=None, mtp: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, S) token ids from position 0 -> (B, S, vocab) logits. Whole sequences only: packed documents,
-        decoding and prediction depths are not built for this family."""
+        decoding and prediction depths are not built for this family.
+
+        A pipeline stage without the embedding takes the previous stage's (streams (B, S, n, D), token ids
+        (B, S)); one without the output layer returns them."""
         if attn_mask is not None or positions is not None:
             raise ValueError("deepseek_v4 trains on whole windows only: set model.attn_mask_type = 'causal' "
                              "(its compressed entries span document boundaries; chat data packs documents too)")
@@ -62,10 +80,15 @@ class DeepseekV4(nn.Module):
             raise ValueError("deepseek_v4 has no decoding cache in titanctl yet")
         if mtp:
             raise ValueError("deepseek_v4 has no multi-token prediction depths in titanctl; set model.mtp_layers = 0")
-        h = self.tok_embeddings(tokens)
-        streams = h.unsqueeze(2).expand(-1, -1, self.v4.hc_mult, -1).contiguous()
+        if self.tok_embeddings is not None:
+            token_ids, h = tokens, self.tok_embeddings(tokens)
+            streams = h.unsqueeze(2).expand(-1, -1, self.v4.hc_mult, -1).contiguous()  # (B, S, n, D)
+        else:
+            streams = tokens
         for block in self.layers.values():
-            streams = block(streams, tokens)
+            streams = block(streams, token_ids)
+        if self.output is None:
+            return streams, token_ids
         return self.output(self.norm(self.hc_head(streams)))
 
     def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
@@ -92,7 +115,7 @@ class DeepseekV4(nn.Module):
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE frequencies and the hash tables (``to_empty`` leaves buffers uninitialized),
         zero the routing biases."""
-        device = device if device is not None else self.tok_embeddings.weight.device
+        device = device if device is not None else next(self.parameters()).device
         args = self.v4
         for layer_id, block in self.layers.items():
             attn = block.self_attn
@@ -101,5 +124,23 @@ class DeepseekV4(nn.Module):
                 block.mlp.tid2eid = hash_table(args.vocab_size, args.num_experts, args.top_k, int(layer_id), device)
             else:
                 block.mlp.expert_bias = torch.zeros(args.num_experts, device=device)
-        if args.tie_embeddings:
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
+
+
+def split_into_stage(model: DeepseekV4, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> DeepseekV4:
+    """A copy of ``model`` (on the meta device: the copy costs no memory) holding only ``layer_ids``, plus the
+    embedding if first, and the streams' collapse, the norm and the output layer if last."""
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    missing = keep - set(stage.layers.keys())
+    if missing:
+        raise ValueError(f"the model has no layers {sorted(int(i) for i in missing)}")
+    for key in list(stage.layers.keys()):
+        if key not in keep:
+            del stage.layers[key]
+    if not is_first:
+        stage.tok_embeddings = None
+    if not is_last:
+        stage.hc_head = stage.norm = stage.output = None
+    return stage

@@ -1,5 +1,6 @@
 """DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
-one process only so far: tensor and pipeline parallelism and the Hugging Face format refuse in one line."""
+under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too) and pipeline stages;
+tensor and context parallelism, DDP/HSDP and the Hugging Face format refuse in one line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.tp_plan import root_plan
 from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, v4_args
-from titanctl.models.deepseek_v4.model import DeepseekV4
+from titanctl.models.deepseek_v4.model import DeepseekV4, split_into_stage
 from titanctl.models.spec import HFFormat, ModelSpec, TPPlan
 
 
@@ -31,11 +32,6 @@ def check_run(args: ModelArgs) -> None:
 
 def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
     raise ConfigError("tensor parallelism is not built for deepseek_v4 yet; set parallelism.tensor_parallel_degree = 1")
-
-
-def _no_pipeline(model, layer_ids, is_first, is_last) -> nn.Module:
-    raise ConfigError("pipeline parallelism is not built for deepseek_v4 yet (its blocks pass hyper-connection "
-                      "streams and token ids); set parallelism.pipeline_parallel_degree = 1")
 
 
 @functools.cache
@@ -83,17 +79,14 @@ SPEC = ModelSpec(
     flavors=DEEPSEEK_V4_FLAVORS,
     build=build,
     tp_plan=TPPlan(root=root_plan, block=_no_tensor_parallel),
-    split_stage=_no_pipeline,
+    split_stage=split_into_stage,
     flops_per_token=flops_per_token,
     hf=HF,
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
     layouts_not_built={
         "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
-        "pp": "its blocks pass hyper-connection streams and token ids between stages",
         "cp": "its compressed entries and indexer span the whole sequence",
-        "ep": "its experts are its own, not the shared MoE that expert parallelism shards",
-        "dp_shard": "FSDP is not checked against one process for it yet",
         "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
     },
 )
