@@ -59,7 +59,7 @@ MODEL_FLAVORS = {
     "gpt_oss": ("debugmodel", "20b", "120b"),
     "qwen3_5": ("debugmodel", "debugmodel_untied"),
     "qwen3_5_moe": ("debugmodel", "35B-A3B", "397B-A17B"),
-    "deepseek_v4": ("debugmodel", "Flash"),
+    "deepseek_v4": ("debugmodel", "Flash", "Pro"),
 }
 
 

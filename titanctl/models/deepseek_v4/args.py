@@ -127,9 +127,9 @@ def deepseek_v4_args(dim: int, n_layers: int, n_heads: int, head_dim: int, rope_
         layer_types=layer_types or default_layer_types(n_layers), compressed_attention=attention, moe=moe)
 
 
-def v4_moe(num_experts: int, top_k: int, hidden_dim: int) -> MoEArgs:
+def v4_moe(num_experts: int, top_k: int, hidden_dim: int, route_scale: float = 1.5) -> MoEArgs:
     return MoEArgs(num_experts=num_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="sqrtsoftplus",
-                   route_scale=1.5, num_shared_experts=1, expert_kind="clamped_silu", swiglu_limit=10.0)
+                   route_scale=route_scale, num_shared_experts=1, expert_kind="clamped_silu", swiglu_limit=10.0)
 
 
 DEEPSEEK_V4_FLAVORS: dict[str, ModelArgs] = {
@@ -149,4 +149,15 @@ DEEPSEEK_V4_FLAVORS: dict[str, ModelArgs] = {
         dim=4096, n_layers=43, n_heads=64, head_dim=512, rope_dim=64, window=128, vocab_size=129280,
         attention=CompressedAttentionArgs(q_lora_rank=1024, o_groups=8, o_lora_rank=1024),
         moe=v4_moe(num_experts=256, top_k=6, hidden_dim=2048)),
+    # DeepSeek-V4-Pro (1.6T-A49B): no transformers default or docstring gives its whole shape; torchtitan's
+    # deepseek_v4 flavors do (pytorch/torchtitan torchtitan/models/deepseek_v4/flavors.py, _deepseek_v4_pro,
+    # in the code corpus): its schedule (compress ratios 128, then 128 and 4 alternating: HCA, then HCA and
+    # CSA), top-1024 of the indexer, 384 experts of 3072, route scale 2.5 and YaRN factor 16 over 65536
+    # positions on the compressed RoPE.
+    "Pro": deepseek_v4_args(
+        dim=7168, n_layers=61, n_heads=128, head_dim=512, rope_dim=64, window=128, vocab_size=129280,
+        layer_types=(HCA,) + (HCA, CSA) * 30,
+        attention=CompressedAttentionArgs(q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024,
+                                          compress_yarn=(16.0, 65536, 32.0, 1.0)),
+        moe=v4_moe(num_experts=384, top_k=6, hidden_dim=3072, route_scale=2.5)),
 }

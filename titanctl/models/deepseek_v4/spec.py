@@ -13,7 +13,7 @@ from torch import nn
 from titanctl.errors import CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.tp_plan import root_plan
-from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, v4_args
+from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, v4_args
 from titanctl.models.deepseek_v4.model import DeepseekV4, split_into_stage
 from titanctl.models.spec import HFFormat, ModelSpec, TPPlan
 
@@ -31,7 +31,9 @@ def check_run(args: ModelArgs) -> None:
 
 
 def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
-    raise ConfigError("tensor parallelism is not built for deepseek_v4 yet; set parallelism.tensor_parallel_degree = 1")
+    """No linear is split: tensor parallelism is refused before any plan applies (``layouts_not_built``); the
+    planner reads this as every weight whole on each rank."""
+    return {}
 
 
 @functools.cache
@@ -67,6 +69,14 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
 
 
+def attention_scores(args: ModelArgs, layer: int) -> int:
+    """Per query token, the scores a layer's attention materializes: every head over the whole sequence's
+    keys (the window is a mask, not a slice) and, in CSA/HCA layers, every compressed entry."""
+    seq, ca, kind = args.max_seq_len, args.compressed_attention, args.layer_types[layer]
+    entries = {CSA: seq // ca.csa_rate, HCA: seq // ca.hca_rate}.get(kind, 0)
+    return args.n_heads * (seq + entries)
+
+
 def _no_hf(*_: Any) -> Any:
     raise CheckpointError("the Hugging Face format is not built for deepseek_v4 yet; save and load dcp checkpoints")
 
@@ -84,6 +94,7 @@ SPEC = ModelSpec(
     hf=HF,
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
+    attention_scores=attention_scores,
     layouts_not_built={
         "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
         "cp": "its compressed entries and indexer span the whole sequence",
