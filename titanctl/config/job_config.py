@@ -114,6 +114,21 @@ class Model:
         "No effect without model.mtp_layers.",
         min=0, max=10,
     )
+    indexer_loss_coeff: float = opt(
+        0.0,
+        "Weight of the lightning indexer's KL loss (deepseek_v4's compressed sparse attention layers): KL from "
+        "the attention's distribution over the compressed entries (summed over heads) to the indexer's softmax, "
+        "summed over CSA layers; it trains the indexer alone (its inputs are detached) and the logged loss "
+        "stays the language model's. 0: off (the indexer does not learn). Models with an indexer only.",
+        min=0, max=100,
+    )
+    indexer_warmup_steps: int = opt(
+        0,
+        "The indexer's dense warm-up: the first N steps attend to every visible compressed entry (no top-k) "
+        "and train the indexer alone, every other weight frozen (DeepSeek-V3.2's first stage); then sparse "
+        "training of everything. Needs model.indexer_loss_coeff > 0.",
+        min=0,
+    )
 
 
 @dataclass

@@ -53,6 +53,8 @@ class DeepseekV4Args:
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    indexer_loss_coeff: float = 0.0  # the indexer's KL loss weight (indexer_loss.py); 0: off
+    indexer_warmup_steps: int = 0  # the first steps attend densely and train the indexer alone
     num_experts: int = 256
     top_k: int = 6
     moe_hidden_dim: int = 2048
@@ -111,7 +113,8 @@ def v4_args(args: ModelArgs) -> DeepseekV4Args:
         compress_rates={CSA: ca.csa_rate, HCA: ca.hca_rate}, index_n_heads=ca.index_n_heads,
         index_head_dim=ca.index_head_dim, index_topk=ca.index_topk, rope_theta=args.rope_theta,
         compress_rope_theta=ca.compress_rope_theta, compress_yarn=yarn, hc_mult=ca.hc_mult,
-        hc_sinkhorn_iters=ca.hc_sinkhorn_iters, hc_eps=ca.hc_eps, num_experts=moe.num_experts, top_k=moe.top_k,
+        hc_sinkhorn_iters=ca.hc_sinkhorn_iters, hc_eps=ca.hc_eps, indexer_loss_coeff=ca.indexer_loss_coeff,
+        indexer_warmup_steps=ca.indexer_warmup_steps, num_experts=moe.num_experts, top_k=moe.top_k,
         moe_hidden_dim=moe.hidden_dim, route_scale=moe.route_scale, swiglu_limit=moe.swiglu_limit,
         mlp_layer_types=tuple("hash_moe" if i < ca.hash_layers else "moe" for i in range(args.n_layers)),
         norm_eps=args.norm_eps, tie_embeddings=args.tie_embeddings)

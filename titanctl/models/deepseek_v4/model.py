@@ -18,6 +18,7 @@ from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projectio
 from titanctl.models.deepseek_v4.args import DeepseekV4Args
 from titanctl.models.deepseek_v4.attention import Attention, RMSNorm, rope_frequencies
 from titanctl.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, write_back
+from titanctl.models.deepseek_v4.indexer_loss import AddLossGradient
 from titanctl.models.deepseek_v4.moe import MoE, hash_table
 
 # Parameters drawn as the reference initializes them: its mixing weights std 0.02 (INPUT), these at zero.
@@ -62,8 +63,29 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+        if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.indexer_warmup = False
+        self.microbatches = 1
+
+    def set_training_step(self, step: int, microbatches: int) -> None:
+        """Called by the trainer before each step (``step`` steps done, ``microbatches`` forwards in it): the
+        first ``indexer_warmup_steps`` attend densely in the CSA layers and train the indexer alone."""
+        self.indexer_warmup = step < self.v4.indexer_warmup_steps
+        self.microbatches = microbatches
+        for block in self.layers.values():
+            block.self_attn.dense = self.indexer_warmup
+
+    def _with_indexer_loss(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` carrying the gradient of this forward's indexer losses (summed over the CSA layers, per
+        microbatch / the step's microbatches, as the language-model loss); in the warm-up nothing else's."""
+        losses = [block.self_attn.indexer_loss for block in self.layers.values()
+                  if block.self_attn.indexer_loss is not None]
+        if not losses:
+            return out
+        loss = self.v4.indexer_loss_coeff * torch.stack(losses).sum() / self.microbatches
+        self.last_indexer_loss = loss.detach()
+        return AddLossGradient.apply(out.detach() if self.indexer_warmup else out, loss)
 
     def forward(self, tokens: torch.Tensor, token_ids: torch.Tensor | None = None,
                 input_pos: torch.Tensor | None = None, attn_mask=None, mtp: bool = False,
@@ -88,8 +110,8 @@ class DeepseekV4(nn.Module):
         for block in self.layers.values():
             streams = block(streams, token_ids)
         if self.output is None:
-            return streams, token_ids
-        return self.output(self.norm(self.hc_head(streams)))
+            return self._with_indexer_loss(streams), token_ids
+        return self._with_indexer_loss(self.output(self.norm(self.hc_head(streams))))
 
     def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
         """Every parameter's init, by its name in this model."""
