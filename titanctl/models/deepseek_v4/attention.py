@@ -5,6 +5,8 @@ position 0, no cache."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -203,7 +205,11 @@ class Attention(nn.Module):
             entries = self.compressor.entries(x, self.freqs)
             visible = visible_entries(entries.shape[1], s, self.compressor.rate, x.device).expand(b, -1, -1)
             if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
-                keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs)
+                train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
+                # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
+                with contextlib.nullcontext() if train_indexer else torch.no_grad():
+                    keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs)
+                scores_of_indexer = scores_of_indexer if train_indexer else None
                 visible = visible if self.dense else keep
             kv = torch.cat([kv, entries], dim=1)
             allowed = torch.cat([allowed, visible], dim=-1)
@@ -213,7 +219,7 @@ class Attention(nn.Module):
         sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
         self.indexer_loss = None
-        if scores_of_indexer is not None and self.indexer_loss_coeff and torch.is_grad_enabled():
+        if scores_of_indexer is not None:
             self.indexer_loss = indexer_kl(probs[..., s:].detach(), scores_of_indexer, visible)
         out = torch.einsum("bhst,btd->bshd", probs, kv)
         # Values carry the keys' rotation: undo it at the query's position (rotate by -angle).
