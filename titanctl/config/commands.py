@@ -134,6 +134,8 @@ NOT_READ: dict[str, dict[str, str]] = {
         "checkpoint.*": "its weights come from --checkpoint",
         "model.attn_mask_type": "a prompt is one document: generation is always causal",
         "model.mtp_loss_weight": "it predicts one token at a time: the prediction depths are for training",
+        "model.indexer_loss_coeff": "it generates: the indexer's loss is for training",
+        "model.indexer_warmup_steps": "it generates: the indexer's warm-up is for training",
     },
 }
 

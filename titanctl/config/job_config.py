@@ -60,7 +60,7 @@ MODEL_FLAVORS = {
     "qwen3_5": ("debugmodel", "debugmodel_untied"),
     "qwen3_5_moe": ("debugmodel", "35B-A3B", "397B-A17B"),
     "qwen3_next": ("debugmodel", "80B-A3B"),
-    "deepseek_v4": ("debugmodel", "Flash"),
+    "deepseek_v4": ("debugmodel", "Flash", "Pro"),
 }
 
 
@@ -114,6 +114,21 @@ class Model:
         "Weight of the multi-token prediction loss in the objective (DeepSeek-V3 used 0.3, then 0.1). "
         "No effect without model.mtp_layers.",
         min=0, max=10,
+    )
+    indexer_loss_coeff: float = opt(
+        0.0,
+        "Weight of the lightning indexer's KL loss (deepseek_v4's compressed sparse attention layers): KL from "
+        "the attention's distribution over the compressed entries (summed over heads) to the indexer's softmax, "
+        "summed over CSA layers; it trains the indexer alone (its inputs are detached) and the logged loss "
+        "stays the language model's. 0: off (the indexer does not learn). Models with an indexer only.",
+        min=0, max=100,
+    )
+    indexer_warmup_steps: int = opt(
+        0,
+        "The indexer's dense warm-up: the first N steps attend to every visible compressed entry (no top-k) "
+        "and train the indexer alone, every other weight frozen (DeepSeek-V3.2's first stage); then sparse "
+        "training of everything. Needs model.indexer_loss_coeff > 0.",
+        min=0,
     )
 
 
@@ -457,7 +472,8 @@ class MoEBalancing:
         "Auxiliary-loss-free load balancing (DeepSeek-V3): after every optimizer step, each MoE layer's "
         "expert bias moves by this much toward the experts that received fewer tokens than the mean over "
         "the global batch (b_e += coeff x sign(mean - tokens_e)); the bias changes which experts are chosen, "
-        "not their weights. 0 turns it off. Needs a Mixture-of-Experts model.",
+        "not their weights. 0 turns it off. "
+        "Needs a Mixture-of-Experts model whose family trains the bias (docs/models.md says which do not).",
         min=0, max=1,
     )
     router_aux_loss_coef: float = opt(

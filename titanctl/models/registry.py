@@ -5,6 +5,7 @@ Families are imported on first use, so `titanctl --help` loads none of them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -101,3 +102,20 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
         args = args.replace(n_kv_heads=cfg.n_kv_heads)
     spec.check_run(args)
     return args
+
+
+def with_training_keys(args: ModelArgs, cfg: ModelConfig) -> ModelArgs:
+    """The model keys only training reads (model.indexer_loss_coeff, indexer_warmup_steps) into the args of a
+    model with a lightning indexer; refused in one line for a model without one."""
+    if not (cfg.indexer_loss_coeff or cfg.indexer_warmup_steps):
+        return args
+    if args.compressed_attention is None or "compressed_sparse_attention" not in args.layer_types:
+        key = "indexer_loss_coeff" if cfg.indexer_loss_coeff else "indexer_warmup_steps"
+        raise ConfigError(f"config key 'model.{key}' = {getattr(cfg, key)} needs a model with a lightning indexer "
+                          f"(compressed sparse attention layers), not {cfg.name!r} flavor {cfg.flavor}; set it to 0")
+    if cfg.indexer_warmup_steps and not cfg.indexer_loss_coeff:
+        raise ConfigError(f"config key 'model.indexer_warmup_steps' = {cfg.indexer_warmup_steps} needs "
+                          "model.indexer_loss_coeff > 0: the warm-up trains the indexer alone, by that loss")
+    ca = dataclasses.replace(args.compressed_attention, indexer_loss_coeff=cfg.indexer_loss_coeff,
+                             indexer_warmup_steps=cfg.indexer_warmup_steps)
+    return args.replace(compressed_attention=ca)

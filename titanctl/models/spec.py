@@ -144,3 +144,10 @@ class ModelSpec:
     # Parallel dimensions (``ParallelDims`` fields: "tp", "pp", "cp", "ep", "dp_shard", "dp_replicate") the
     # family does not run under yet, each with why: a layout with one of them > 1 is refused in one line.
     layouts_not_built: Mapping[str, str] = field(default_factory=dict)
+    # The MoE balancing keys (``moe.load_balance_coeff``, ``moe.router_aux_loss_coef``) the family's MoE
+    # layers do not train by, each with why: set above 0, they are refused in one line.
+    moe_keys_not_built: Mapping[str, str] = field(default_factory=dict)
+    # Elements per query token of the attention scores layer ``layer`` materializes at ``args.max_seq_len``
+    # (heads x keys it scores), for a family whose attention is no fused kernel: (args, layer) -> count. The
+    # planner's memory model counts them (titanctl/planning/plan/memory_model.py); 0: a fused kernel.
+    attention_scores: Callable[[ModelArgs, int], int] = lambda args, layer: 0

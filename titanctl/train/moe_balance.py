@@ -22,18 +22,22 @@ from titanctl.config.job_config import MoEBalancing
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.moe import MoE
+from titanctl.models.registry import get_spec
 from titanctl.parallel.layouts.dims import ParallelDims
 
 _LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def check_moe_keys(cfg: MoEBalancing, args: ModelArgs, family: str) -> None:
-    """The balancing keys need a model with MoE layers (a key that does nothing is refused)."""
-    if args.moe is None:
-        for key in ("load_balance_coeff", "router_aux_loss_coef"):
-            if getattr(cfg, key):
-                raise ConfigError(f"moe.{key} = {getattr(cfg, key)} needs a Mixture-of-Experts model; "
-                                  f"{family} has no MoE layers: set it to 0 or use e.g. model.name = qwen3_moe")
+    """The balancing keys need MoE layers that train by them (a key that does nothing is refused)."""
+    not_built = get_spec(family).moe_keys_not_built
+    for key in ("load_balance_coeff", "router_aux_loss_coef"):
+        value = getattr(cfg, key)
+        if value and args.moe is None:
+            raise ConfigError(f"moe.{key} = {value} needs a Mixture-of-Experts model; "
+                              f"{family} has no MoE layers: set it to 0 or use e.g. model.name = qwen3_moe")
+        if value and key in not_built:
+            raise ConfigError(f"moe.{key} = {value}: {not_built[key]}; set it to 0")
 
 
 class MoEBalance:

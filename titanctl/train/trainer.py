@@ -22,7 +22,7 @@ from titanctl.data.mixture import sources_from_config
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, TitanError, TrainingDiverged
 from titanctl.gc_pauses import automatic_gc_paused
-from titanctl.models.registry import model_args_from_config
+from titanctl.models.registry import model_args_from_config, with_training_keys
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.float8 import emulation_note, precompute_float8_scales
 from titanctl.parallel.layouts.build import build_model_parts, check_layout
@@ -67,7 +67,8 @@ class Trainer:
         self.rank, _, world_size, _ = read_layout()
         self.dims = ParallelDims.from_config(cfg.parallelism, world_size)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-        self.model_args = model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len)
+        self.model_args = with_training_keys(
+            model_args_from_config(cfg.model, self.tokenizer.vocab_size, cfg.training.seq_len), cfg.model)
         self._check_config()
 
     def _check_config(self) -> None:
@@ -202,6 +203,7 @@ class Trainer:
         # A pipeline splits each of the loader's microbatches again.
         microbatches = self.loader.grad_accum_steps * (self.pipeline.n_microbatches if self.pipeline else 1)
         self.moe_balance = MoEBalance(self.model_parts, cfg.moe, self.model_args, self.dims, microbatches)
+        self.microbatches = microbatches
         self.expert_load: dict[int, torch.Tensor] = {}
         self.optimizer = build_optimizer(self.model_parts, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -304,6 +306,10 @@ class Trainer:
             ft.begin_step()  # may heal this group: a live peer's weights, optimizer state and step
             position = self.loader.state_dict()
         self.step_lr = self.lr_scheduler.get_last_lr()[0]  # after a heal: the peer's schedule
+        for part in self.model_parts:  # a model whose training changes by step (an indexer's dense warm-up)
+            set_step = getattr(part, "set_training_step", None)
+            if set_step is not None:
+                set_step(self.step, self.microbatches)
         loss_sum = self.forward_backward(self.loader.next_step())
         if ft is not None:
             loss_sum = ft.average_gradients(self.parameters(), loss_sum)

@@ -82,7 +82,8 @@ def _dump_after(cls, parts_of) -> None:
             torch.save(grads, folder / f"grads_rank{rank}.pt")
             experts = {canonical_name(name): dict(zip(param.device_mesh.mesh_dim_names, param.device_mesh.shape))
                        for part in model_parts for name, param in part.named_parameters()
-                       if name.endswith(("experts.w1", "experts.w13")) and isinstance(param, DTensor)}
+                       if name.endswith(("experts.w1", "experts.w13", "experts.gate_up_proj"))
+                       and isinstance(param, DTensor)}
             (folder / f"experts_rank{rank}.json").write_text(json.dumps(experts))
             if isinstance(self, PolicyUpdate):  # the first rollout as this rank sampled it
                 batch = args[0]

@@ -1,7 +1,7 @@
 """DeepSeek-V4 in titanctl: the debug recipe's model trains (the loss falls in a few steps, drawn by titanctl's
 own init), and what a recipe cannot run is refused in one line: the indexer's top-k beyond the compressed
-length of the run's sequences, a schedule of the wrong length, tensor and pipeline parallelism, the Hugging
-Face format."""
+length of the run's sequences, a schedule of the wrong length, tensor and context parallelism, DDP, the
+Hugging Face format."""
 
 from __future__ import annotations
 
@@ -56,13 +56,8 @@ def test_a_recipe_the_model_cannot_run_is_refused_in_one_line(overrides, seq_len
     assert str(err.value) == message
 
 
-def test_layouts_not_built_refuse_in_one_line():
-    spec = get_spec("deepseek_v4")
-    args = recipe_args()
-    with pytest.raises(ConfigError, match="^tensor parallelism is not built for deepseek_v4 yet; set parallelism"):
-        spec.tp_plan.block(args)
-    with pytest.raises(ConfigError, match="^pipeline parallelism is not built for deepseek_v4 yet"):
-        spec.split_stage(None, [0], True, False)
+def test_tensor_parallel_is_refused_before_any_rank_connects():
+    assert get_spec("deepseek_v4").tp_plan.block(recipe_args()) == {}  # no linear split: check_layout refuses TP
 
 
 def test_packed_documents_are_refused_in_one_line():
@@ -73,7 +68,7 @@ def test_packed_documents_are_refused_in_one_line():
 
 
 @pytest.mark.parametrize("key, dim", [("tensor_parallel_degree", "tp"), ("context_parallel_degree", "cp"),
-                                      ("data_parallel_shard_degree", "dp_shard")])
+                                      ("data_parallel_replicate_degree", "dp_replicate")])
 def test_a_layout_not_built_is_refused_in_one_line(key, dim):
     from titanctl.errors import ParallelError
     from titanctl.parallel.layouts.build import check_layout
@@ -84,3 +79,12 @@ def test_a_layout_not_built_is_refused_in_one_line(key, dim):
     with pytest.raises(ParallelError) as err:
         check_layout(cfg, dims, recipe_args())
     assert str(err.value).startswith(f"deepseek_v4 does not run with {dim} = 2 yet (") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["load_balance_coeff", "router_aux_loss_coef"])
+def test_a_balancing_key_its_moe_layers_do_not_train_by_is_refused_in_one_line(key):
+    from titanctl.train.moe_balance import check_moe_keys
+
+    cfg = load_config(RECIPE, [f"--moe.{key}", "0.001"])
+    with pytest.raises(ConfigError, match=rf"^moe.{key} = 0.001: deepseek_v4's .*; set it to 0$"):
+        check_moe_keys(cfg.moe, recipe_args(), cfg.model.name)

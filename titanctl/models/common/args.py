@@ -134,6 +134,10 @@ class CompressedAttentionArgs:
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     hash_layers: int = 3
+    # The indexer's training (model.indexer_loss_coeff, model.indexer_warmup_steps): the weight of its KL loss
+    # (0: off), and the first steps, which attend densely and train the indexer alone.
+    indexer_loss_coeff: float = 0.0
+    indexer_warmup_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ class DeepseekV4Args:
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    indexer_loss_coeff: float = 0.0  # the indexer's KL loss weight (indexer_loss.py); 0: off
+    indexer_warmup_steps: int = 0  # the first steps attend densely and train the indexer alone
     num_experts: int = 256
     top_k: int = 6
     moe_hidden_dim: int = 2048
@@ -111,7 +113,8 @@ def v4_args(args: ModelArgs) -> DeepseekV4Args:
         compress_rates={CSA: ca.csa_rate, HCA: ca.hca_rate}, index_n_heads=ca.index_n_heads,
         index_head_dim=ca.index_head_dim, index_topk=ca.index_topk, rope_theta=args.rope_theta,
         compress_rope_theta=ca.compress_rope_theta, compress_yarn=yarn, hc_mult=ca.hc_mult,
-        hc_sinkhorn_iters=ca.hc_sinkhorn_iters, hc_eps=ca.hc_eps, num_experts=moe.num_experts, top_k=moe.top_k,
+        hc_sinkhorn_iters=ca.hc_sinkhorn_iters, hc_eps=ca.hc_eps, indexer_loss_coeff=ca.indexer_loss_coeff,
+        indexer_warmup_steps=ca.indexer_warmup_steps, num_experts=moe.num_experts, top_k=moe.top_k,
         moe_hidden_dim=moe.hidden_dim, route_scale=moe.route_scale, swiglu_limit=moe.swiglu_limit,
         mlp_layer_types=tuple("hash_moe" if i < ca.hash_layers else "moe" for i in range(args.n_layers)),
         norm_eps=args.norm_eps, tie_embeddings=args.tie_embeddings)
@@ -127,9 +130,9 @@ def deepseek_v4_args(dim: int, n_layers: int, n_heads: int, head_dim: int, rope_
         layer_types=layer_types or default_layer_types(n_layers), compressed_attention=attention, moe=moe)
 
 
-def v4_moe(num_experts: int, top_k: int, hidden_dim: int) -> MoEArgs:
+def v4_moe(num_experts: int, top_k: int, hidden_dim: int, route_scale: float = 1.5) -> MoEArgs:
     return MoEArgs(num_experts=num_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="sqrtsoftplus",
-                   route_scale=1.5, num_shared_experts=1, expert_kind="clamped_silu", swiglu_limit=10.0)
+                   route_scale=route_scale, num_shared_experts=1, expert_kind="clamped_silu", swiglu_limit=10.0)
 
 
 DEEPSEEK_V4_FLAVORS: dict[str, ModelArgs] = {
@@ -149,4 +152,15 @@ DEEPSEEK_V4_FLAVORS: dict[str, ModelArgs] = {
         dim=4096, n_layers=43, n_heads=64, head_dim=512, rope_dim=64, window=128, vocab_size=129280,
         attention=CompressedAttentionArgs(q_lora_rank=1024, o_groups=8, o_lora_rank=1024),
         moe=v4_moe(num_experts=256, top_k=6, hidden_dim=2048)),
+    # DeepSeek-V4-Pro (1.6T-A49B): no transformers default or docstring gives its whole shape; torchtitan's
+    # deepseek_v4 flavors do (pytorch/torchtitan torchtitan/models/deepseek_v4/flavors.py, _deepseek_v4_pro,
+    # in the code corpus): its schedule (compress ratios 128, then 128 and 4 alternating: HCA, then HCA and
+    # CSA), top-1024 of the indexer, 384 experts of 3072, route scale 2.5 and YaRN factor 16 over 65536
+    # positions on the compressed RoPE.
+    "Pro": deepseek_v4_args(
+        dim=7168, n_layers=61, n_heads=128, head_dim=512, rope_dim=64, window=128, vocab_size=129280,
+        layer_types=(HCA,) + (HCA, CSA) * 30,
+        attention=CompressedAttentionArgs(q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024,
+                                          compress_yarn=(16.0, 65536, 32.0, 1.0)),
+        moe=v4_moe(num_experts=384, top_k=6, hidden_dim=3072, route_scale=2.5)),
 }

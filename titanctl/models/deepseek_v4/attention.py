@@ -5,6 +5,8 @@ position 0, no cache."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 from titanctl.models.common.args import YarnScaling
 from titanctl.models.common.rope import yarn_frequencies
 from titanctl.models.deepseek_v4.args import CSA, SLIDING, DeepseekV4Args
+from titanctl.models.deepseek_v4.indexer_loss import indexer_kl
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -129,8 +132,9 @@ class Indexer(nn.Module):
         self.q_b_proj = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
         self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """(B, S, n) bool: the entries each query keeps."""
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the entries each query keeps, the entries it sees, the scores (B, S, n) with -inf where unseen)."""
         b, s, _ = x.shape
         keys = self.compressor.entries(x, freqs)  # (B, n, d)
         n = keys.shape[1]
@@ -144,7 +148,7 @@ class Indexer(nn.Module):
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, n), dim=-1).indices
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
-        return keep & visible
+        return keep & visible, visible.expand(b, -1, -1), scores
 
 
 class GroupedLinear(nn.Module):
@@ -181,6 +185,9 @@ class Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(args)
         self.register_buffer("freqs", rope_frequencies(args, compressed=self.kind != SLIDING), persistent=False)
+        self.indexer_loss_coeff = args.indexer_loss_coeff
+        self.dense = False  # the indexer's warm-up: every visible entry, not the indexer's top-k
+        self.indexer_loss: torch.Tensor | None = None  # this forward's, for the model to collect
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -193,11 +200,17 @@ class Attention(nn.Module):
 
         rel = positions[:, None] - positions[None, :]
         allowed = ((rel >= 0) & (rel < self.window)).expand(b, s, s)
+        scores_of_indexer = None
         if self.compressor is not None:
             entries = self.compressor.entries(x, self.freqs)
             visible = visible_entries(entries.shape[1], s, self.compressor.rate, x.device).expand(b, -1, -1)
-            if self.kind == CSA:
-                visible = self.indexer(x, q_latent, self.freqs)
+            if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
+                train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
+                # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
+                with contextlib.nullcontext() if train_indexer else torch.no_grad():
+                    keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs)
+                scores_of_indexer = scores_of_indexer if train_indexer else None
+                visible = visible if self.dense else keep
             kv = torch.cat([kv, entries], dim=1)
             allowed = torch.cat([allowed, visible], dim=-1)
 
@@ -205,6 +218,9 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        self.indexer_loss = None
+        if scores_of_indexer is not None:
+            self.indexer_loss = indexer_kl(probs[..., s:].detach(), scores_of_indexer, visible)
         out = torch.einsum("bhst,btd->bshd", probs, kv)
         # Values carry the keys' rotation: undo it at the query's position (rotate by -angle).
         out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)

@@ -1,7 +1,15 @@
 """The DeepSeek-V4 decoder: token embedding spread over the hyper-connection streams, blocks of
-(attention, MoE) each entered and left through a hyper-connection, a final collapse, norm and output."""
+(attention, MoE) each entered and left through a hyper-connection, a final collapse, norm and output.
+
+A pipeline stage (``split_into_stage``) is the same module holding some of the blocks: the boundary between
+stages carries the streams (B, S, hc_mult, dim) whole (the next block mixes all of them) and the token ids
+(B, S), which the hash-routed layers route by; a stage passes both on, so a hash-routed layer may sit in any
+stage. The ids need no gradient, and torch's pipelining sends no gradient for an integer tensor."""
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -10,6 +18,7 @@ from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projectio
 from titanctl.models.deepseek_v4.args import DeepseekV4Args
 from titanctl.models.deepseek_v4.attention import Attention, RMSNorm, rope_frequencies
 from titanctl.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, write_back
+from titanctl.models.deepseek_v4.indexer_loss import AddLossGradient
 from titanctl.models.deepseek_v4.moe import MoE, hash_table
 
 # Parameters drawn as the reference initializes them: its mixing weights std 0.02 (INPUT), these at zero.
@@ -27,6 +36,12 @@ class Block(nn.Module):
         self.ffn_hc = HyperConnection(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args, layer_id)
+
+    @property
+    def moe(self) -> MoE:
+        """The MoE under the name the layouts look for (expert parallel's token exchange, FSDP's expert
+        units): ``mlp`` is transformers' name, which the checkpoint formats keep."""
+        return self.mlp
 
     def forward(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         post, comb, h = self.attn_hc(streams)
@@ -50,11 +65,36 @@ class DeepseekV4(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.indexer_warmup = False
+        self.microbatches = 1
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, attn_mask=None,
-                mtp: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def set_training_step(self, step: int, microbatches: int) -> None:
+        """Called by the trainer before each step (``step`` steps done, ``microbatches`` forwards in it): the
+        first ``indexer_warmup_steps`` attend densely in the CSA layers and train the indexer alone."""
+        self.indexer_warmup = step < self.v4.indexer_warmup_steps
+        self.microbatches = microbatches
+        for block in self.layers.values():
+            block.self_attn.dense = self.indexer_warmup
+
+    def _with_indexer_loss(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` carrying the gradient of this forward's indexer losses (summed over the CSA layers, per
+        microbatch / the step's microbatches, as the language-model loss); in the warm-up nothing else's."""
+        losses = [block.self_attn.indexer_loss for block in self.layers.values()
+                  if block.self_attn.indexer_loss is not None]
+        if not losses:
+            return out
+        loss = self.v4.indexer_loss_coeff * torch.stack(losses).sum() / self.microbatches
+        self.last_indexer_loss = loss.detach()
+        return AddLossGradient.apply(out.detach() if self.indexer_warmup else out, loss)
+
+    def forward(self, tokens: torch.Tensor, token_ids: torch.Tensor | None = None,
+                input_pos: torch.Tensor | None = None, attn_mask=None, mtp: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, S) token ids from position 0 -> (B, S, vocab) logits. Whole sequences only: packed documents,
-        decoding and prediction depths are not built for this family."""
+        decoding and prediction depths are not built for this family.
+
+        A pipeline stage without the embedding takes the previous stage's (streams (B, S, n, D), token ids
+        (B, S)); one without the output layer returns them."""
         if attn_mask is not None or positions is not None:
             raise ValueError("deepseek_v4 trains on whole windows only: set model.attn_mask_type = 'causal' "
                              "(its compressed entries span document boundaries; chat data packs documents too)")
@@ -62,11 +102,16 @@ class DeepseekV4(nn.Module):
             raise ValueError("deepseek_v4 has no decoding cache in titanctl yet")
         if mtp:
             raise ValueError("deepseek_v4 has no multi-token prediction depths in titanctl; set model.mtp_layers = 0")
-        h = self.tok_embeddings(tokens)
-        streams = h.unsqueeze(2).expand(-1, -1, self.v4.hc_mult, -1).contiguous()
+        if self.tok_embeddings is not None:
+            token_ids, h = tokens, self.tok_embeddings(tokens)
+            streams = h.unsqueeze(2).expand(-1, -1, self.v4.hc_mult, -1).contiguous()  # (B, S, n, D)
+        else:
+            streams = tokens
         for block in self.layers.values():
-            streams = block(streams, tokens)
-        return self.output(self.norm(self.hc_head(streams)))
+            streams = block(streams, token_ids)
+        if self.output is None:
+            return self._with_indexer_loss(streams), token_ids
+        return self._with_indexer_loss(self.output(self.norm(self.hc_head(streams))))
 
     def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
         """Every parameter's init, by its name in this model."""
@@ -92,7 +137,7 @@ class DeepseekV4(nn.Module):
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE frequencies and the hash tables (``to_empty`` leaves buffers uninitialized),
         zero the routing biases."""
-        device = device if device is not None else self.tok_embeddings.weight.device
+        device = device if device is not None else next(self.parameters()).device
         args = self.v4
         for layer_id, block in self.layers.items():
             attn = block.self_attn
@@ -101,5 +146,23 @@ class DeepseekV4(nn.Module):
                 block.mlp.tid2eid = hash_table(args.vocab_size, args.num_experts, args.top_k, int(layer_id), device)
             else:
                 block.mlp.expert_bias = torch.zeros(args.num_experts, device=device)
-        if args.tie_embeddings:
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
+
+
+def split_into_stage(model: DeepseekV4, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> DeepseekV4:
+    """A copy of ``model`` (on the meta device: the copy costs no memory) holding only ``layer_ids``, plus the
+    embedding if first, and the streams' collapse, the norm and the output layer if last."""
+    stage = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    missing = keep - set(stage.layers.keys())
+    if missing:
+        raise ValueError(f"the model has no layers {sorted(int(i) for i in missing)}")
+    for key in list(stage.layers.keys()):
+        if key not in keep:
+            del stage.layers[key]
+    if not is_first:
+        stage.tok_embeddings = None
+    if not is_last:
+        stage.hc_head = stage.norm = stage.output = None
+    return stage

@@ -1,6 +1,11 @@
 """DeepSeek-V4's MoE: sqrt(softplus) scores, experts chosen by top-k of the biased scores or, in the
 first layers, by a fixed token-id -> experts table (hash routing); clamped SwiGLU experts and one shared
-expert (clamped too)."""
+expert (clamped too).
+
+The routed experts sit behind the shared seam (``RoutedExperts.forward(tokens sorted by expert, counts)``,
+titanctl.models.common.moe), where expert parallelism exchanges tokens: hash-routed layers and learned ones
+alike, since both only choose which experts a token goes to. A token's k outputs are summed in routing
+order (no ``index_add``), so a layout that moves tokens gives the same sums."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanctl.models.common.moe import RoutedExperts, autocast_operands
 from titanctl.models.deepseek_v4.args import DeepseekV4Args
 
 
@@ -27,7 +33,7 @@ class SharedExpert(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class Experts(nn.Module):
+class Experts(RoutedExperts):
     """Routed experts packed as transformers holds them: gate_up_proj (E, 2F, D) gate rows then up rows,
     down_proj (E, D, F)."""
 
@@ -37,14 +43,22 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(args.num_experts, 2 * args.moe_hidden_dim, args.dim))
         self.down_proj = nn.Parameter(torch.empty(args.num_experts, args.dim, args.moe_hidden_dim))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            token, slot = torch.where(experts == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
-            out = out.index_add(0, token, y * weights[token, slot, None])
-        return out
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, dim): tokens sorted by expert, counts[e] of them for (local) expert e. Returns (M, dim)."""
+        # Under expert parallelism the stacks are DTensors split over experts: the local part is this rank's.
+        gate_up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (self.gate_up_proj, self.down_proj))
+        x, gate_up, down = autocast_operands(x, gate_up, down)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = self._per_expert(x, gate_up, counts, offsets).chunk(2, dim=-1)  # (M, F) each
+        return self._per_expert(clamped_swiglu(gate, up, self.limit), down, counts, offsets)
+
+    def _per_expert(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                    offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of expert e through w[e] (out, in): one grouped GEMM, or in fp64 (the parity tests'
+        precision, which torch._grouped_mm has no kernel for) one matmul per expert."""
+        if x.dtype == torch.float64:
+            return torch.cat([F.linear(rows, w_e) for rows, w_e in zip(x.split(counts.tolist()), w)])
+        return self.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 
 def hash_table(vocab_size: int, num_experts: int, top_k: int, layer_id: int, device=None) -> torch.Tensor:
@@ -69,6 +83,8 @@ class MoE(nn.Module):
         self.experts = Experts(args)
         self.shared_experts = SharedExpert(args)
 
+    # Runs eagerly inside a compiled block, as the shared MoE does: the routing's sizes depend on the data.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(-1, d)
@@ -79,5 +95,10 @@ class MoE(nn.Module):
             chosen = torch.topk(scores + self.expert_bias.to(scores.dtype), self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, chosen)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
-        routed = self.experts(flat, chosen, weights).view(b, s, d)
-        return routed + self.shared_experts(x)
+        experts = chosen.reshape(-1)  # (N * k,) token n's j-th choice at n * k + j
+        order = torch.argsort(experts, stable=True)  # by expert, then by token: a fixed order
+        counts = experts.new_zeros(self.num_experts).scatter_add_(0, experts, torch.ones_like(experts))
+        routed = self.experts(flat[order // self.top_k], counts)  # (N * k, dim)
+        unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation
+        out = (unsorted.view(-1, self.top_k, d) * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)
+        return out.view(b, s, d) + self.shared_experts(x)

@@ -1,5 +1,6 @@
 """DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
-one process only so far: tensor and pipeline parallelism and the Hugging Face format refuse in one line."""
+under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too) and pipeline stages;
+tensor and context parallelism and DDP/HSDP refuse in one line; the Hugging Face format is hf.py's."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from torch import nn
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.tp_plan import root_plan
-from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, v4_args
+from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, v4_args
 from titanctl.models.deepseek_v4.hf import HF
-from titanctl.models.deepseek_v4.model import DeepseekV4
+from titanctl.models.deepseek_v4.model import DeepseekV4, split_into_stage
 from titanctl.models.spec import ModelSpec, TPPlan
 
 
@@ -30,12 +31,9 @@ def check_run(args: ModelArgs) -> None:
 
 
 def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
-    raise ConfigError("tensor parallelism is not built for deepseek_v4 yet; set parallelism.tensor_parallel_degree = 1")
-
-
-def _no_pipeline(model, layer_ids, is_first, is_last) -> nn.Module:
-    raise ConfigError("pipeline parallelism is not built for deepseek_v4 yet (its blocks pass hyper-connection "
-                      "streams and token ids); set parallelism.pipeline_parallel_degree = 1")
+    """No linear is split: tensor parallelism is refused before any plan applies (``layouts_not_built``); the
+    planner reads this as every weight whole on each rank."""
+    return {}
 
 
 @functools.cache
@@ -71,22 +69,32 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
 
 
+def attention_scores(args: ModelArgs, layer: int) -> int:
+    """Per query token, the scores a layer's attention materializes: every head over the whole sequence's
+    keys (the window is a mask, not a slice) and, in CSA/HCA layers, every compressed entry."""
+    seq, ca, kind = args.max_seq_len, args.compressed_attention, args.layer_types[layer]
+    entries = {CSA: seq // ca.csa_rate, HCA: seq // ca.hca_rate}.get(kind, 0)
+    return args.n_heads * (seq + entries)
+
+
 SPEC = ModelSpec(
     name="deepseek_v4",
     flavors=DEEPSEEK_V4_FLAVORS,
     build=build,
     tp_plan=TPPlan(root=root_plan, block=_no_tensor_parallel),
-    split_stage=_no_pipeline,
+    split_stage=split_into_stage,
     flops_per_token=flops_per_token,
     hf=HF,
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
+    attention_scores=attention_scores,
     layouts_not_built={
         "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
-        "pp": "its blocks pass hyper-connection streams and token ids between stages",
         "cp": "its compressed entries and indexer span the whole sequence",
-        "ep": "its experts are its own, not the shared MoE that expert parallelism shards",
-        "dp_shard": "FSDP is not checked against one process for it yet",
         "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
+    },
+    moe_keys_not_built={
+        "load_balance_coeff": "deepseek_v4's routing bias update is not built (the bias stays as loaded)",
+        "router_aux_loss_coef": "deepseek_v4's MoE layers have no auxiliary balancing loss",
     },
 )

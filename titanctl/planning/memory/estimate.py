@@ -64,7 +64,7 @@ from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from titanctl.errors import ConfigError, ParallelError
 from titanctl.gc_pauses import automatic_gc_paused
 from titanctl.models.common.moe import RoutedExperts
-from titanctl.models.registry import get_spec, model_args_from_config
+from titanctl.models.registry import get_spec, model_args_from_config, with_training_keys
 from titanctl.models.shapes import num_params
 from titanctl.parallel.converters.lora import is_adapter, saved_shapes
 from titanctl.parallel.layouts.build import build_model_parts, check_layout
@@ -544,7 +544,7 @@ def plan_estimate(
     vocab, vocab_note = resolve_vocab_size(cfg)
     if vocab_note:
         notes.insert(0, vocab_note)
-    args = model_args_from_config(cfg.model, vocab, cfg.training.seq_len)
+    args = with_training_keys(model_args_from_config(cfg.model, vocab, cfg.training.seq_len), cfg.model)
     check_layout(cfg, dims, args)
     if args.moe is not None:
         notes.append(

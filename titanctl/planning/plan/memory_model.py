@@ -19,7 +19,11 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   DeltaNet's chunked delta rule's own tensors), the norms' inputs and outputs and their fp32 copies, and under
   TP with sequence parallel the gathered inputs of the column-wise linears; activation checkpointing keeps
   only block inputs (full), every second block's (selective 2), or the attention output and every odd-numbered
-  matmul's output (selective op, as its policy saves them), and recomputes one block in backward;
+  matmul's output (selective op, as its policy saves them), and recomputes one block in backward; an attention
+  that materializes its scores (DeepSeek-V4's, ``Block.attention_scores``) keeps its probabilities (unless
+  activation checkpointing recomputes them) and holds about three more copies of them in its backward (the
+  probabilities' gradient, the softmax's, the masked scores'): measured 3.6-3.8 copies in all for one V4-Flash
+  attention layer of 4096 tokens in bf16 (fake tensors, torch's MemTracker), counted as 4;
 - blocks in flight: without pipelining one microbatch of every block; under a pipeline the
   microbatches each schedule keeps alive on a rank (1F1B: up to pp; GPipe and LoopedBFS: all of
   them; interleaved: the warm-up's (v - 1) x pp + 2 x (pp - 1) chunks), each with its stage's input
@@ -232,7 +236,13 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
     # them (its policy saves mm and attention), so they exist only while the block's backward recomputes them.
     rule = delta_rule_bytes_per_token(block, tp, act)
     rule_kept = {"none": rule, "selective_op": 0.0, "selective_2": rule / 2, "full": 0.0}[ac]
-    return kept * act + rule_kept, recompute * act + (0.0 if ac == "none" else rule)
+    # Materialized attention scores: the probabilities stay for backward (op-level AC saves the score matmul's
+    # output as it saves every mm's), about three more copies exist while its backward runs.
+    scores = block.attention_scores / tp
+    scores_kept = {"none": scores, "selective_op": scores, "selective_2": scores / 2, "full": 0.0}[ac]
+    scores_backward = 4 * scores - scores_kept
+    return ((kept + scores_kept) * act + rule_kept,
+            (recompute + scores_backward) * act + (0.0 if ac == "none" else rule))
 
 
 def _op_level_saved(block: Block, tp: int, dim: int, adapters: Adapters | None = None) -> float:

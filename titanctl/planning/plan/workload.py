@@ -7,7 +7,8 @@ plan marks column-wise has its output features split tp ways, row-wise its input
 else (norms, MoE routers, latent-attention down-projections, every MoE layer's experts: tensor
 parallel runs MoE layers whole on each TP rank) is whole on every TP rank. Routed experts are split
 over the expert-parallel ranks. A Gated DeltaNet block also names its delta rule's widths
-(``delta_rule``), whose saved tensors are no linear's.
+(``delta_rule``), whose saved tensors are no linear's; a block whose attention materializes its scores
+(``spec.attention_scores``: DeepSeek-V4's) names their count per token (``attention_scores``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Block:
     moe_linears: tuple[Linear, ...]  # the linears of the MoE layer (router, shared experts): whole under TP
     # A Gated DeltaNet block's heads and widths: (key heads, value heads, key width, value width), else None.
     delta_rule: tuple[int, int, int, int] | None = None
+    # Elements per query token of the attention scores the block materializes (heads x keys); 0: a fused kernel.
+    attention_scores: int = 0
 
     def params(self, tp: int, ep: int) -> int:
         """Parameters of this block on one rank of a tp x ep layout (before FSDP sharding)."""
@@ -92,7 +95,8 @@ def model_shape(args: ModelArgs) -> ModelShape:
     shapes = weight_shapes(args)
     integers = integer_state(args)  # token -> experts tables
     buffers_or_tied = set(tied_weights(args))
-    plan = spec_of(args).tp_plan.block(args, None, ())
+    spec = spec_of(args)
+    plan = spec.tp_plan.block(args, None, ())
     split = {name: "col" if isinstance(style, ColwiseParallel) else "row" if isinstance(style, RowwiseParallel) else ""
              for name, style in plan.items()}
     per_layer: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -123,7 +127,8 @@ def model_shape(args: ModelArgs) -> ModelShape:
         la = args.linear_attention
         rule = ((la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
                 if la is not None and args.is_linear_attention_layer(layer) else None)
-        blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears), rule))
+        blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears), rule,
+                            spec.attention_scores(args, layer)))
     vocab, dim = shapes["tok_embeddings.weight"]
     tied = "output.weight" in buffers_or_tied
     return ModelShape(
