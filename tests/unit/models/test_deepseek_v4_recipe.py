@@ -88,3 +88,23 @@ def test_a_balancing_key_its_moe_layers_do_not_train_by_is_refused_in_one_line(k
     cfg = load_config(RECIPE, [f"--moe.{key}", "0.001"])
     with pytest.raises(ConfigError, match=rf"^moe.{key} = 0.001: deepseek_v4's .*; set it to 0$"):
         check_moe_keys(cfg.moe, recipe_args(), cfg.model.name)
+
+
+def test_a_run_resumes_bit_for_bit_though_no_gradient_reached_its_indexer(tmp_path):
+    """Without its loss the indexer never gets a gradient, so the optimizer holds no state for it and a
+    checkpoint none: the resumed run leaves it without state too, and its step equals the run's."""
+    import json
+    import shutil
+
+    from titanctl.train.trainer import Trainer
+
+    def run(out):
+        Trainer(load_config(RECIPE, ["--training.steps", "2", "--checkpoint.enable_checkpoint", "true",
+                                     "--checkpoint.interval", "1", "--metrics.enable_tensorboard", "false",
+                                     "--job.dump_folder", str(out)])).train()
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+    whole = run(tmp_path / "whole")
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-1", tmp_path / "resumed" / "checkpoint" / "step-1")
+    assert run(tmp_path / "resumed") == {2: whole[2]}

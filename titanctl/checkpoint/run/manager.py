@@ -595,7 +595,11 @@ class CheckpointManager:
         carried = self.carried.placeholders(plan.source.entries, str(folder)) if "model" in parts else {}
         state.update(carried)
         try:
-            plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing)
+            # A parameter no gradient had reached when the checkpoint was saved has no optimizer state there.
+            unread = (self.states["optimizer"].stateless_in(plan.source.entries, "optimizer.")
+                      if "optimizer" in parts else set())
+            plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing,
+                             unread=frozenset(unread))
             self.carried.absorb(state, carried)
             if "model" in parts:
                 model.load_state_dict({k: v for k, v in state.items() if k not in self.states})

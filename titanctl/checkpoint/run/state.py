@@ -9,7 +9,7 @@ the order of the part names, so no part depends on another having been loaded fi
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titanctl import _torch_compat
 from titanctl.errors import CheckpointError
+from titanctl.parallel.layouts.weight_init import canonical_name
 
 # Optimizer param-group entries this run chooses itself: the kernel that suits its layout, and
 # the lr, which the LR schedule sets (restored or fresh), not the optimizer's saved value.
@@ -83,6 +84,19 @@ class OptimizerState(Stateful):
     def __init__(self, model: ModelState, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self._options = StateDictOptions(flatten_optimizer_state_dict=True)
+        # Parameters the loading checkpoint holds no state for (no gradient had reached them when it was
+        # saved: DeepSeek-V4's indexer without its loss): ``stateless_in``, before a load.
+        self.stateless: set[str] = set()
+
+    def stateless_in(self, entries: Iterable[str], prefix: str) -> set[str]:
+        """Of this optimizer's flattened keys (``prefix`` + ``state.<param>.<name>``), those of parameters of which
+        ``entries`` (a checkpoint's) holds no state at all: a load leaves them without state, as they were."""
+        held = {key[len(prefix):] for key in entries if key.startswith(prefix + "state.")}
+        params = {key.rsplit(".", 1)[0] for key in held}
+        mine = [key for key in self.state_dict() if key.startswith("state.")]
+        self.stateless = {key.rsplit(".", 1)[0][len("state."):] for key in mine
+                          if key.rsplit(".", 1)[0] not in params}
+        return {prefix + key for key in mine if key.rsplit(".", 1)[0][len("state."):] in self.stateless}
 
     def state_dict(self) -> dict[str, Any]:
         # On a fresh optimizer this first creates its state tensors, for a load to fill.
@@ -93,6 +107,10 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model.module, self.optimizer, state_dict, options=self._options)
         for group, kept in zip(self.optimizer.param_groups, own):
             group.update(kept)
+        for name, param in self.model.module.named_parameters():
+            if canonical_name(name) in self.stateless:
+                self.optimizer.state.pop(param, None)  # the state a fresh optimizer made up for the load
+        self.stateless = set()
 
 
 class SchedulerState(Stateful):

@@ -130,17 +130,19 @@ class DCPFolder:
         process_group=None,
         no_dist: bool = True,
         on_missing: Callable[[str], TitanError] | None = None,
+        unread: frozenset[str] = frozenset(),
     ) -> None:
         """DCP-load `state` in place (Stateful values included) through titanctl's reader and planner.
 
-        `on_missing(key)` makes the error for an item of `state` that the checkpoint lacks.
+        `on_missing(key)` makes the error for an item of `state` that the checkpoint lacks; the items of
+        `unread` (flattened keys) are not read and keep their values.
         """
         try:
             with quiet_dcp():
                 dcp.load(
                     state,
                     storage_reader=_IndexedReader(self),
-                    planner=_PlainDataPlanner(self, on_missing),
+                    planner=_PlainDataPlanner(self, on_missing, unread),
                     process_group=process_group,
                     no_dist=no_dist,
                 )
@@ -175,13 +177,17 @@ class _PlainDataPlanner(DefaultLoadPlanner):
     """DCP's default planner, with two changes: a missing item is a one-line error, and non-tensor
     items are unpickled as plain data only (``titanctl.checkpoint.trust.unpickle.load_plain_item``)."""
 
-    def __init__(self, source: DCPFolder, on_missing: Callable[[str], TitanError] | None) -> None:
+    def __init__(self, source: DCPFolder, on_missing: Callable[[str], TitanError] | None,
+                 unread: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self._source = source
         self._on_missing = on_missing
+        self._unread = unread
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        for key in self._unread:
+            self.state_dict.pop(key, None)
         for key in self.state_dict:  # flattened, as DCP stores them
             if key not in self._source.entries:
                 if self._on_missing is not None:
