@@ -323,6 +323,22 @@ def test_initial_load_path(trained, tmp_path):
     assert own.step == 2
 
 
+def test_a_tied_model_converted_to_dcp_is_an_initial_load(tmp_path):
+    """A conversion stores a tied output layer once, as the embedding (Hugging Face's way); a run's DCP
+    step holds both keys. Both load into a tied model as the same weights."""
+    from titanctl.checkpoint.convert import convert_checkpoint
+
+    tied = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.steps", "1"]
+    train(tmp_path / "run", *tied, "--checkpoint.interval", "1")
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    convert_checkpoint(step, tmp_path / "hf", dst_format="hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "dcp", dst_format="dcp")
+    from_step, from_conversion = (params(make(tmp_path / name, *tied, "--checkpoint.initial_load_path", str(source)))
+                                  for name, source in (("a", step), ("b", tmp_path / "dcp")))
+    for key, value in from_step.items():
+        assert torch.equal(from_conversion[key], value), key
+
+
 @pytest.mark.slow
 def test_keep_latest_k(tmp_path):
     train(tmp_path, "--checkpoint.interval", "1", "--training.steps", "3", "--checkpoint.keep_latest_k", "2",

@@ -44,7 +44,7 @@ from titanctl.checkpoint.trust.reader import DCPFolder
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.shapes import weight_shapes
+from titanctl.models.shapes import tied_weights, weight_shapes
 from titanctl.parallel.converters.lora import saved_shapes
 
 # What a full checkpoint holds: the model's tensors at the top level, the other parts nested under their names.
@@ -312,8 +312,11 @@ def check_model(
     ``expected``: the tensors the checkpoint holds when not the whole model's (a LoRA step's)."""
     expected = weight_shapes(args) if expected is None else expected
     hint = _args_hint(meta, args)
+    aliases = tied_weights(args)
     for key, shape in expected.items():
         entry = entries.get(key)
+        if entry is None and aliases.get(key) in entries:  # a tied output layer stored once, as the embedding
+            continue
         if entry is None:
             raise CheckpointError(f"{folder}: tensor {key} is missing from the checkpoint{hint}")
         if not isinstance(entry, TensorStorageMetadata):

@@ -99,6 +99,7 @@ from titanctl.config.recipe import to_toml
 from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH
 from titanctl.errors import CheckpointCorrupt, CheckpointError, ConfigError, TitanError
 from titanctl.models.common.args import ModelArgs
+from titanctl.models.shapes import tied_weights
 from titanctl.parallel.converters.lora import LoRAConversion, is_adapter
 from titanctl.parallel.layouts.weight_init import canonical_name
 from titanctl.parallel.runtime import peers
@@ -598,8 +599,13 @@ class CheckpointManager:
             # A parameter no gradient had reached when the checkpoint was saved has no optimizer state there.
             unread = (self.states["optimizer"].stateless_in(plan.source.entries, "optimizer.")
                       if "optimizer" in parts else set())
+            # A converted checkpoint stores a tied output layer once, as the embedding (a run's stores both keys).
+            aliases = {alias: table for alias, table in tied_weights(self.model_args).items()
+                       if alias in state and alias not in plan.source.entries and table in plan.source.entries}
             plan.source.load(state, process_group=self._pg, no_dist=self._pg is None, on_missing=missing,
-                             unread=frozenset(unread))
+                             unread=frozenset(unread | set(aliases)))
+            for alias, table in aliases.items():
+                state[alias] = state[table]
             self.carried.absorb(state, carried)
             if "model" in parts:
                 model.load_state_dict({k: v for k, v in state.items() if k not in self.states})
