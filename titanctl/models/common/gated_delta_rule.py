@@ -124,12 +124,10 @@ def chunk_gated_delta_rule(
 
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # I + L once its diagonal reads as ones
-    # u = (I + L)^-1 beta v, w = (I + L)^-1 beta A k through the inverse: torch's batched triangular solve runs at a
-    # fraction of a matmul's rate, so it solves for the C columns of I, not the dv + dk of both right-hand sides
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
-    u = inverse @ (v * beta[..., None])
-    w = inverse @ (k_beta * from_start[..., None])
+    # one solve for both right-hand sides, u = (I + L)^-1 beta v and w = (I + L)^-1 beta A k: substitution, not
+    # an explicit inverse times them (measured: 20x the error of transformers' solve in the LoRA parity test)
+    rhs = torch.cat([v * beta[..., None], k_beta * from_start[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
     scores = (q @ k.transpose(-1, -2)) * decay  # (n, B, H, C, C), D_ii = 1 on the diagonal
     q_start = q * from_start[..., None]
     k_end = k * to_end[..., None]
@@ -140,7 +138,7 @@ def chunk_gated_delta_rule(
     def flat(t: torch.Tensor) -> torch.Tensor:  # (n, B, H, ...) -> (n, B H, ...)
         return t.reshape(n, batch * heads, *t.shape[3:])
 
-    out, state = _ChunkScan.apply(flat(u), flat(w), flat(q_start), flat(scores), flat(k_end), flat(chunk_decay),
+    out, state = _ChunkScan.apply(flat(u), flat(w).contiguous(), flat(q_start), flat(scores), flat(k_end), flat(chunk_decay),
                                   state.contiguous())
     out = out.view(n, batch, heads, chunk_size, dv).movedim((0, 2), (1, 3)).reshape(batch, n * chunk_size, heads, dv)
     return out[:, :length].to(out_dtype), state.view(batch, heads, dk, dv)
