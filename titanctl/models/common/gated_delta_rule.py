@@ -138,8 +138,8 @@ def chunk_gated_delta_rule(
     def flat(t: torch.Tensor) -> torch.Tensor:  # (n, B, H, ...) -> (n, B H, ...)
         return t.reshape(n, batch * heads, *t.shape[3:])
 
-    out, state = _ChunkScan.apply(flat(u), flat(w).contiguous(), flat(q_start), flat(scores), flat(k_end), flat(chunk_decay),
-                                  state.contiguous())
+    out, state = _ChunkScan.apply(flat(u), flat(w).contiguous(), flat(q_start), flat(scores), flat(k_end),
+                                  flat(chunk_decay), state.contiguous())
     out = out.view(n, batch, heads, chunk_size, dv).movedim((0, 2), (1, 3)).reshape(batch, n * chunk_size, heads, dv)
     return out[:, :length].to(out_dtype), state.view(batch, heads, dk, dv)
 
