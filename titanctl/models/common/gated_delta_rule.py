@@ -8,8 +8,9 @@ so no state crosses a document boundary (a packed window then equals its documen
 The chunked form does the same in chunks of C tokens: within a chunk the deltas solve one unit lower
 triangular system (I + L) d = beta v - beta A k S_0 (L_ij = beta_i D_ij k_i.k_j, D_ij the decay from
 token j to token i, A_i from the chunk's start to i), so the sequence needs T / C sequential steps of
-matrix products, not T. A reset inside a chunk zeroes the decays that cross it (D_ij, A_i, and those to
-the chunk's end): exact, with no -inf in log space to cancel.
+matrix products, not T; everything else (``_ChunkScan``'s own backward too, from the saved per-chunk states)
+is batched over all chunks at once. A reset inside a chunk zeroes the decays that cross it (D_ij, A_i, and
+those to the chunk's end): exact, with no -inf in log space to cancel.
 Inputs are (B, T, H, dim) with as many query/key heads as value heads (repeat them first); computed
 in fp32 (fp64 for fp64 inputs, which tests use to see exactness past fp32 rounding), returned in v's dtype.
 """
