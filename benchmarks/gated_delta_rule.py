@@ -5,8 +5,8 @@ Both are plain torch with chunks of 64 (transformers' is the fallback its Qwen3.
 flash-linear-attention, hence on every CPU). Shapes: Qwen3.5-35B-A3B's Gated DeltaNet heads (32 value heads of
 128, keys of 128; --heads to change), batch 1, sequence 2048, fp32. transformers scales q by d_k^-1/2 itself,
 titanctl's caller does: titanctl gets q already scaled, so both compute the same rule (the outputs are checked
-equal before timing). Each time is the best of several repeats (the least disturbed by other processes); run
-it on an idle machine for a figure to quote.
+equal before timing). Each time is the best of several rounds, the two kernels taking turns in each (the least
+disturbed by other processes); run it on an idle machine for a figure to quote.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gated_delta_rule.py [--seq 2048] [--heads 32] [--threads N]
 """
@@ -22,13 +22,17 @@ import torch
 from titanctl.models.common.gated_delta_rule import chunk_gated_delta_rule
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: allocator, thread pool
-    best = float("inf")
+def interleaved_best(fns: dict, repeats: int) -> dict[str, float]:
+    """The best time of each callable over ``repeats`` rounds, one call of each per round: a load that comes and
+    goes slows both alike, so the ratio holds better than with one kernel's repeats after the other's."""
+    for fn in fns.values():
+        fn()  # warm-up: allocator, thread pool
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -80,15 +84,13 @@ def main() -> None:
         out.backward(torch.ones_like(out))  # a contiguous upstream gradient, as a loss's
         return leaves
 
-    rows = []
-    for name, kernel in (("titanctl chunk_gated_delta_rule", ours), ("transformers torch_chunk_gated_delta_rule",
-                                                                     theirs)):
-        with torch.no_grad():
-            forward = best_seconds(lambda k=kernel: k(*base), opts.repeats)
-        both = best_seconds(lambda k=kernel: step(k), opts.repeats)
-        rows.append((name, forward, both))
-        print(f"{name:44s} forward {forward * 1e3:8.1f} ms   forward + backward {both * 1e3:8.1f} ms")
-    (_, f_ours, b_ours), (_, f_theirs, b_theirs) = rows
+    names = {"titanctl chunk_gated_delta_rule": ours, "transformers torch_chunk_gated_delta_rule": theirs}
+    with torch.no_grad():
+        forward = interleaved_best({name: lambda k=kernel: k(*base) for name, kernel in names.items()}, opts.repeats)
+    both = interleaved_best({name: lambda k=kernel: step(k) for name, kernel in names.items()}, opts.repeats)
+    for name in names:
+        print(f"{name:44s} forward {forward[name] * 1e3:8.1f} ms   forward + backward {both[name] * 1e3:8.1f} ms")
+    (f_ours, f_theirs), (b_ours, b_theirs) = forward.values(), both.values()
     grads = [step(ours), step(theirs)]
     worst = max((a.grad - b.grad).abs().max().item() for a, b in zip(*grads, strict=True))
     print(f"max |Δ gradient| {worst:.2e}")

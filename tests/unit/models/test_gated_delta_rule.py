@@ -69,6 +69,19 @@ def test_chunked_and_recurrent_equal_the_naive_rule_forward_and_backward(resets,
             torch.testing.assert_close(mine.double(), theirs, rtol=0, atol=2e-5, msg=f"{name} d{what}")
 
 
+def test_gradients_of_the_output_alone_equal_the_naive_rule():
+    """A loss on the outputs alone: the chunk scan's backward starts from no final-state gradient."""
+    weight = torch.randn(B, T, H, DV, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    tensors = inputs(dtype=torch.float64)[:5]
+    ref = torch.autograd.grad((naive(*tensors, RESETS, torch.zeros(B, H, DK, DV, dtype=torch.float64))[0]
+                               * weight).sum(), tensors)
+    tensors = inputs()[:5]
+    mine = torch.autograd.grad((chunk_gated_delta_rule(*tensors, RESETS, chunk_size=8)[0] * weight.float()).sum(),
+                               tensors)
+    for a, b, what in zip(mine, ref, ("q", "k", "v", "g", "beta"), strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-5, msg=f"d{what}")
+
+
 def test_resets_are_documents_run_one_by_one():
     """A reset is a fresh start: the tokens from it on equal the rule run on them alone with no state."""
     q, k, v, g, beta, _ = (t.detach() for t in inputs())

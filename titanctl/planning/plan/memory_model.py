@@ -192,17 +192,19 @@ DELTA_RULE_CHUNK = 64  # the chunk of titanctl's chunked gated delta rule in tra
 def delta_rule_bytes_per_token(block: Block, tp: int, act: int) -> float:
     """Bytes per token that a Gated DeltaNet block saves for its backward beyond its linears' outputs (0 for
     any other block), its heads split over the TP ranks. Per value head, the chunked delta rule's, in fp32:
-    8·d_k + 2·d_v (the keys scaled and masked, the solves' outputs, the decays), 5·C (the chunk's C x C
-    decay, system and score rows), d_k·d_v / C (the state at each chunk's start), and under 16-bit
-    activations its fp32 copies of q, k and v; around it, the conv's and the L2 norms' tensors and the gated
-    RMSNorm's, (3·a + 2)·d_k + (4·a + 6)·d_v bytes per value head and 2·a·d_k per key head (a: the
-    activations' bytes). Measured with saved-tensor hooks on the kernel (to 4 bytes a head) and on the
-    layer (bf16: exact but for 16 bytes a head; fp32: within 256 bytes a token), for six head shapes."""
+    5·d_k + 2·d_v (the keys scaled and masked, the solve's outputs, the deltas), 5·C (the chunk's C x C
+    decay, system and score rows), d_k·d_v / C (the state at each chunk's start), 5 + 1 / C (decays, beta),
+    and under 16-bit activations 2·d_k + d_v more (its chunks-first fp32 copies of q, k and v: under fp32
+    ones they stand in for the layer's q, k and v, counted around it); around it, the conv's and the L2
+    norms' tensors and the gated RMSNorm's, (3·a + 2)·d_k + (4·a + 6)·d_v bytes per value head and 2·a·d_k
+    per key head (a: the activations' bytes). Measured with saved-tensor hooks on the kernel (five head
+    shapes; exact but for the final state's slot, d_k·d_v·4 bytes a sequence) and on the layer
+    (tests/unit/planning/test_gated_deltanet_planning.py, within its 2%)."""
     if block.delta_rule is None:
         return 0.0
     key_heads, heads, dk, dv = block.delta_rule
     c = DELTA_RULE_CHUNK
-    rule = 4 * (8 * dk + 2 * dv + dk * dv / c + 5 * c + 3) + (4 * (2 * dk + dv) if act == 2 else 0)
+    rule = 4 * (5 * dk + 2 * dv + dk * dv / c + 5 * c + 5 + 1 / c) + (4 * (2 * dk + dv) if act == 2 else 0)
     around = (3 * act + 2) * dk + (4 * act + 6) * dv
     return (heads * (rule + around) + key_heads * 2 * act * dk) / tp
 
