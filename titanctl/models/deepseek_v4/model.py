@@ -8,12 +8,12 @@ stage. The ids need no gradient, and torch's pipelining sends no gradient for an
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from titanctl.models.common import decoder
 from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projection
 from titanctl.models.deepseek_v4.args import DeepseekV4Args
 from titanctl.models.deepseek_v4.attention import Attention, RMSNorm, rope_frequencies
@@ -151,18 +151,8 @@ class DeepseekV4(nn.Module):
 
 
 def split_into_stage(model: DeepseekV4, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> DeepseekV4:
-    """A copy of ``model`` (on the meta device: the copy costs no memory) holding only ``layer_ids``, plus the
-    embedding if first, and the streams' collapse, the norm and the output layer if last."""
-    stage = copy.deepcopy(model)
-    keep = {str(i) for i in layer_ids}
-    missing = keep - set(stage.layers.keys())
-    if missing:
-        raise ValueError(f"the model has no layers {sorted(int(i) for i in missing)}")
-    for key in list(stage.layers.keys()):
-        if key not in keep:
-            del stage.layers[key]
-    if not is_first:
-        stage.tok_embeddings = None
+    """The decoder's stage (``decoder.split_into_stage``), the streams' collapse kept on the last stage only."""
+    stage = decoder.split_into_stage(model, layer_ids, is_first, is_last)
     if not is_last:
-        stage.hc_head = stage.norm = stage.output = None
+        stage.hc_head = None
     return stage
