@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from tests.unit.parallel.thread_ranks import run_ranks
 from titanctl.errors import ParallelError
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
@@ -64,25 +65,14 @@ def sharded_run(gdn: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | Non
     mine = order.view(cp, -1)
     gather = ThreadGather(cp)
     outs: list = [None] * cp
-    errors: list = []
 
     def rank(r: int) -> None:
-        try:
-            scan = GatedDeltaNetScan(FakeMesh(cp, r))
-            scan._gather = lambda pieces: gather(r, pieces)
-            mask = None if doc_ids is None else dense_document_mask(doc_ids, q_positions=mine[r], kv_positions=order)
-            outs[r] = _with_scan(gdn, scan)(x[:, mine[r]], attn_mask=mask)
-        except BaseException as e:  # surface a rank's failure in the test
-            errors.append(e)
-            gather.barrier.abort()
+        scan = GatedDeltaNetScan(FakeMesh(cp, r))
+        scan._gather = lambda pieces: gather(r, pieces)
+        mask = None if doc_ids is None else dense_document_mask(doc_ids, q_positions=mine[r], kv_positions=order)
+        outs[r] = _with_scan(gdn, scan)(x[:, mine[r]], attn_mask=mask)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(cp, rank, gather.barrier)
     return torch.cat(outs, dim=1)[:, torch.argsort(order)]  # (B, T, dim) in sequence order
 
 

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from tests.unit.parallel.thread_ranks import run_ranks
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.parallel.layouts import masked_ring
 from titanctl.parallel.layouts.masked_ring import masked_ring_attention
@@ -83,28 +84,17 @@ def ring_run(q, k, v, mask, sinks, cp: int, order: torch.Tensor):
     shares = order.view(cp, -1)
     grad_out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     results: list = [None] * cp
-    errors: list = []
 
     def rank(r: int) -> None:
-        try:
-            mine = shares[r]
-            q_r, k_r, v_r = (t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v))
-            s_r = None if sinks is None else sinks.detach().clone().requires_grad_()
-            mask_r = mask[:, :, mine][..., order]  # its queries over every rank's keys, in rank order
-            out = masked_ring_attention(q_r, k_r, v_r, mask_r, ThreadPeers(world, r), s_r)
-            out.backward(grad_out[:, :, mine])
-            results[r] = (out.detach(), q_r.grad, k_r.grad, v_r.grad, None if s_r is None else s_r.grad)
-        except BaseException as e:  # surface a rank's failure in the test
-            errors.append(e)
-            world.barrier.abort()
+        mine = shares[r]
+        q_r, k_r, v_r = (t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v))
+        s_r = None if sinks is None else sinks.detach().clone().requires_grad_()
+        mask_r = mask[:, :, mine][..., order]  # its queries over every rank's keys, in rank order
+        out = masked_ring_attention(q_r, k_r, v_r, mask_r, ThreadPeers(world, r), s_r)
+        out.backward(grad_out[:, :, mine])
+        results[r] = (out.detach(), q_r.grad, k_r.grad, v_r.grad, None if s_r is None else s_r.grad)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(cp, rank, world.barrier)
     return results, grad_out, world.sent
 
 
