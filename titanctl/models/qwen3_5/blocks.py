@@ -33,14 +33,20 @@ def check_hybrid(args: ModelArgs) -> None:
                          f"heads, {args.kv_heads} KV heads into {args.n_heads} query heads")
 
 
-def mixer(args: ModelArgs, layer_id: int) -> nn.Module:
-    check_hybrid(args)
-    if args.is_linear_attention_layer(layer_id):
-        return GatedDeltaNet(args, layer_id)
-    return GatedAttention(args, layer_id)
+def hybrid_blocks(linear_attention: type[nn.Module]) -> Blocks:
+    """Blocks whose token mixer follows the layer schedule: ``linear_attention`` (a Gated DeltaNet) or the
+    gated full attention."""
+
+    def mixer(args: ModelArgs, layer_id: int) -> nn.Module:
+        check_hybrid(args)
+        if args.is_linear_attention_layer(layer_id):
+            return linear_attention(args, layer_id)
+        return GatedAttention(args, layer_id)
+
+    return Blocks(attention=mixer)
 
 
-BLOCKS = Blocks(attention=mixer)
+BLOCKS = hybrid_blocks(GatedDeltaNet)
 
 
 GATED_DELTANET_LINEARS = ("attention.wqkv", "attention.wz", "attention.wb", "attention.wa")
