@@ -116,12 +116,16 @@ def train_run(nproc: int, overrides: list[str], folder: Path) -> dict:
            "-m", "titanctl", "train", "--config", str(REPO / "recipes/llama3_debug.toml"),
            "--job.dump_folder", str(folder), "--training.steps", "3", "--metrics.log_freq", "1",
            "--training.local_batch_size", "1", "--training.global_batch_size", "1",
-           "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable_checkpoint", "false", *overrides]
+           "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable_checkpoint", "false",
+           # a step at 16k-32k tokens on a few shared cores outlasts the default 100 s collective timeout
+           "--comm.train_timeout_seconds", "7200", *overrides]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TIKTOKEN_CACHE_DIR": "", "HF_HOME": str(folder / "hf")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:160]}
+    if proc.returncode:  # the first line naming an error, not torchrun's closing banner
+        lines = (proc.stderr + proc.stdout).splitlines()
+        cause = next((line for line in lines if "Error" in line or line.startswith("error")), lines[-1] if lines else "")
+        return {"error": cause.strip()[:200]}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     later = rows[1:] or rows
     return {"step_time": statistics.median(r["step_time"] for r in later),
