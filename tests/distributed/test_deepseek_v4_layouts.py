@@ -98,3 +98,30 @@ def test_deepseek_v4_layout_matches_single_process(worlds, world_case, reference
         meshes = {k: v for rank in range(nproc)
                   for k, v in json.loads((folder / f"experts_rank{rank}.json").read_text()).items()}
         assert meshes == {f"layers.{i}.mlp.experts.gate_up_proj": {"efsdp": 1, "ep": 2} for i in range(4)}, meshes
+
+
+# DDP 2 from a dense warm-up step (model.indexer_warmup_steps 1): in it only the indexer gets a gradient, so DDP
+# must find the unused parameters (ModelSpec.parameters_may_go_unused) and leave their gradients None, as one
+# process does; the two later steps attend sparsely and train every parameter.
+WARMUP = ["--model.indexer_warmup_steps", "1"]
+WARMUP_REFERENCE = register(__name__, "single_warmup", 1, [*TINY_RUN, *V4, *WARMUP, "--training.local_batch_size", "8"],
+                            grads=True)
+DDP2 = register(__name__, "ddp2_warmup", 2, [*TINY_RUN, *V4, *WARMUP, "--training.local_batch_size", "4",
+                                            "--parallelism.data_parallel_replicate_degree", "2",
+                                            "--parallelism.data_parallel_shard_degree", "1"], grads=True)
+
+
+@pytest.mark.parametrize("world_case, reference_case", [(DDP2, WARMUP_REFERENCE)], ids=["ddp2_warmup"])
+def test_deepseek_v4_ddp_through_the_indexer_warm_up_matches_single_process(worlds, world_case, reference_case):
+    reference, folder = worlds.folder(reference_case), worlds.folder(world_case)
+    assert_same_init(folder, 2, init_digests(reference, 1))
+    grads, ref_grads = gathered(folder, 2, "grads"), gathered(reference, 1, "grads")
+    assert ref_grads and all(".indexer." in name for name in ref_grads), sorted(ref_grads)  # the indexer's alone
+    grad_diff, worst = worst_tensor_diff(grads, ref_grads)  # the same names: the unused ones have none either
+    got, ref_losses = losses(folder), losses(reference)
+    diff = max_rel_diff(got, ref_losses)
+    print(f"\nDEEPSEEK-V4 LAYOUT ddp2_warmup procs 2  max rel loss diff {diff:.2e}  indexer grad diff {grad_diff:.1e} "
+          f"({worst})")
+    assert len(got) == 3 and got[-1] != got[0]
+    assert grad_diff <= GRAD_TOL, f"ddp2_warmup: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
+    assert diff <= 1e-5, f"ddp2_warmup: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"

@@ -153,6 +153,10 @@ class ModelSpec:
     # The MoE balancing keys (``moe.load_balance_coeff``, ``moe.router_aux_loss_coef``) the family's MoE
     # layers do not train by, each with why: set above 0, they are refused in one line.
     moe_keys_not_built: Mapping[str, str] = field(default_factory=dict)
+    # Some parameters may get no gradient in a step (a part trained by a loss of its own that may be off):
+    # DDP then finds them each step (``find_unused_parameters``) and leaves their gradients None, as one
+    # process does, where otherwise it would wait for them forever and fail the next step.
+    parameters_may_go_unused: bool = False
     # Elements per query token of the attention scores layer ``layer`` materializes at ``args.max_seq_len``
     # (heads x keys it scores), for a family whose attention is no fused kernel: (args, layer) -> count. The
     # planner's memory model counts them (titanctl/planning/plan/memory_model.py); 0: a fused kernel.

@@ -1,7 +1,7 @@
 """DeepSeek-V4 in titanctl: the debug recipe's model trains (the loss falls in a few steps, drawn by titanctl's
 own init), and what a recipe cannot run is refused in one line: the indexer's top-k beyond the compressed
 length of the run's sequences, a schedule of the wrong length, heads that tensor parallelism does not divide,
-context parallelism, DDP, the Hugging Face format."""
+context parallelism, the Hugging Face format."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_packed_documents_are_refused_in_one_line():
         model(torch.zeros(1, 8, dtype=torch.long, device="meta"), positions=torch.zeros(1, 8, dtype=torch.long))
 
 
-@pytest.mark.parametrize("key, dim", [("context_parallel_degree", "cp"), ("data_parallel_replicate_degree", "dp_replicate")])
+@pytest.mark.parametrize("key, dim", [("context_parallel_degree", "cp")])
 def test_a_layout_not_built_is_refused_in_one_line(key, dim):
     from titanctl.errors import ParallelError
     from titanctl.parallel.layouts.build import check_layout

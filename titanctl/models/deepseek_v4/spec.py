@@ -1,6 +1,6 @@
 """DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
-under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too), pipeline stages and
-tensor parallelism (tp_plan.py); context parallelism and DDP/HSDP refuse in one line; the Hugging Face format
+under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too), pipeline stages,
+tensor parallelism (tp_plan.py) and DDP/HSDP; context parallelism refuses in one line; the Hugging Face format
 is hf.py's."""
 
 from __future__ import annotations
@@ -83,9 +83,11 @@ SPEC = ModelSpec(
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
     attention_scores=attention_scores,
+    # The indexer trains by its own loss alone: without it (model.indexer_loss_coeff 0) it gets no gradient,
+    # and in its warm-up nothing else does.
+    parameters_may_go_unused=True,
     layouts_not_built={
         "cp": "its compressed entries and indexer span the whole sequence",
-        "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
     },
     moe_keys_not_built={
         "load_balance_coeff": "deepseek_v4's routing bias update is not built (the bias stays as loaded)",
