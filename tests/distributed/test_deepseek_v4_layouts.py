@@ -57,6 +57,8 @@ LAYOUTS = [
     ("pp2", 2, 8, ["--parallelism.pipeline_parallel_degree", "2",
                    "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    # In the 4-process world: FSDP 2 x TP 2, each MoE layer's experts split over EP 2 (the FSDP ranks).
+    ("fsdp2_ep2_tp2", 4, 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 ]
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *V4, "--training.local_batch_size", str(batch), *overrides],
                   grads=True)
@@ -97,7 +99,8 @@ def test_deepseek_v4_layout_matches_single_process(worlds, world_case, reference
     if "ep2" in name:  # every MoE layer's routed experts split over the EP ranks, the hash-routed layer's too
         meshes = {k: v for rank in range(nproc)
                   for k, v in json.loads((folder / f"experts_rank{rank}.json").read_text()).items()}
-        assert meshes == {f"layers.{i}.mlp.experts.gate_up_proj": {"efsdp": 1, "ep": 2} for i in range(4)}, meshes
+        mesh = {"efsdp": 1, "ep": 2, **({"tp": 2} if "tp2" in name else {})}  # replicated over TP
+        assert meshes == {f"layers.{i}.mlp.experts.gate_up_proj": mesh for i in range(4)}, meshes
 
 
 # DDP 2 from a dense warm-up step (model.indexer_warmup_steps 1): in it only the indexer gets a gradient, so DDP
