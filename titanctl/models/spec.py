@@ -99,11 +99,15 @@ class TPPlan:
     Beyond the styles, names inside a block: ``replicated`` modules run whole on every rank (their
     parameters replicated, inputs and outputs local); a ``summed_gradient`` module's first input, equal
     on every rank, feeds only that rank's heads, so its gradient is summed over the ranks; a
-    ``head_params`` parameter holds one value per query head and is split with them (dim 0).
+    ``head_params`` parameter holds one value per query head and is split with them (dim 0); a
+    ``replicated_params`` parameter is whole on every rank (a replicated DTensor beside the split ones), read by
+    its module through the style on that module or as this rank's tensor (``to_local``).
     ``extra(model)``: the styles of modules outside the root and the blocks, by their name in the model;
     ``block_inputs(model)``: the modules whose local output a block takes (copied under compile).
     ``sequence_parallel_optional``: ``root`` and ``block`` also take ``sequence_parallel=False``, a plan
     whose activations stay whole on every rank between blocks (what a decode step of one token needs).
+    ``split_sizes(args)``: (what, size) of each count the plan splits, which the degree must divide; None: the
+    shared decoder's (query and key-value heads, the FFN's hidden units, Gated DeltaNet's key heads).
     """
 
     root: Callable[[bool], dict]
@@ -111,9 +115,11 @@ class TPPlan:
     replicated: tuple[str, ...] = ()
     summed_gradient: tuple[str, ...] = ()
     head_params: tuple[str, ...] = ()
+    replicated_params: tuple[str, ...] = ()
     extra: Callable[[nn.Module], dict] = _no_extra
     block_inputs: Callable[[nn.Module], list[str]] = _embedding_feeds_blocks
     sequence_parallel_optional: bool = False
+    split_sizes: Callable[[ModelArgs], list[tuple[str, int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,10 @@ class ModelSpec:
     # The MoE balancing keys (``moe.load_balance_coeff``, ``moe.router_aux_loss_coef``) the family's MoE
     # layers do not train by, each with why: set above 0, they are refused in one line.
     moe_keys_not_built: Mapping[str, str] = field(default_factory=dict)
+    # Some parameters may get no gradient in a step (a part trained by a loss of its own that may be off):
+    # DDP then finds them each step (``find_unused_parameters``) and leaves their gradients None, as one
+    # process does, where otherwise it would wait for them forever and fail the next step.
+    parameters_may_go_unused: bool = False
     # Elements per query token of the attention scores layer ``layer`` materializes at ``args.max_seq_len``
     # (heads x keys it scores), for a family whose attention is no fused kernel: (args, layer) -> count. The
     # planner's memory model counts them (titanctl/planning/plan/memory_model.py); 0: a fused kernel.

@@ -1,7 +1,7 @@
 """DeepSeek-V4 in titanctl: the debug recipe's model trains (the loss falls in a few steps, drawn by titanctl's
 own init), and what a recipe cannot run is refused in one line: the indexer's top-k beyond the compressed
-length of the run's sequences, a schedule of the wrong length, tensor and context parallelism, DDP, the
-Hugging Face format."""
+length of the run's sequences, a schedule of the wrong length, heads that tensor parallelism does not divide,
+context parallelism, the Hugging Face format."""
 
 from __future__ import annotations
 
@@ -56,8 +56,31 @@ def test_a_recipe_the_model_cannot_run_is_refused_in_one_line(overrides, seq_len
     assert str(err.value) == message
 
 
-def test_tensor_parallel_is_refused_before_any_rank_connects():
-    assert get_spec("deepseek_v4").tp_plan.block(recipe_args()) == {}  # no linear split: check_layout refuses TP
+def test_tensor_parallel_splits_the_query_heads_and_keeps_the_shared_parts_whole():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = get_spec("deepseek_v4").tp_plan
+    block = plan.block(recipe_args())
+    assert {name for name, style in block.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))} == {
+        "self_attn.q_b_proj", "self_attn.o_b_proj"}
+    assert set(plan.head_params) == {"self_attn.sinks", "self_attn.o_a_proj.weight"}  # with the heads
+    assert plan.summed_gradient == ("self_attn.shared_kv",)  # the one KV head every rank's heads read
+    assert {"self_attn.kv_proj", "self_attn.indexer.q_b_proj", "self_attn.indexer.compressor.kv_proj",
+            "self_attn.compressor.gate_proj", "mlp.router"} <= set(plan.replicated)
+    assert "hc_head" in plan.root(True)
+
+
+@pytest.mark.parametrize("tp, message", [(3, "model n_heads = 4 is not divisible by tensor_parallel_degree = 3"),
+                                         (4, "model compressed_attention.o_groups = 2 is not divisible by "
+                                             "tensor_parallel_degree = 4")])
+def test_heads_or_head_groups_a_degree_does_not_divide_are_refused_in_one_line(tp, message):
+    from titanctl.errors import ParallelError
+    from titanctl.parallel.layouts.tensor_parallel import check_tp
+
+    check_tp(recipe_args(), 2, 128)  # 4 heads in 2 groups: 2 ways
+    with pytest.raises(ParallelError) as err:
+        check_tp(recipe_args(), tp, 192)
+    assert str(err.value) == message
 
 
 def test_packed_documents_are_refused_in_one_line():
@@ -67,8 +90,7 @@ def test_packed_documents_are_refused_in_one_line():
         model(torch.zeros(1, 8, dtype=torch.long, device="meta"), positions=torch.zeros(1, 8, dtype=torch.long))
 
 
-@pytest.mark.parametrize("key, dim", [("tensor_parallel_degree", "tp"), ("context_parallel_degree", "cp"),
-                                      ("data_parallel_replicate_degree", "dp_replicate")])
+@pytest.mark.parametrize("key, dim", [("context_parallel_degree", "cp")])
 def test_a_layout_not_built_is_refused_in_one_line(key, dim):
     from titanctl.errors import ParallelError
     from titanctl.parallel.layouts.build import check_layout

@@ -37,6 +37,12 @@ class RMSNorm(nn.Module):
         return h.to(x.dtype)
 
 
+def local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as this rank's tensor: under tensor parallelism a DTensor, split with the heads (its own
+    heads' values) or replicated (whole)."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 def rope_frequencies(args: DeepseekV4Args, compressed: bool) -> torch.Tensor:
     """One frequency per rotated pair: the main RoPE for sliding layers, the compressed one (its own theta,
     YaRN if set) for CSA/HCA layers and their compressors."""
@@ -113,7 +119,7 @@ class Compressor(nn.Module):
         b, s, _ = x.shape
         n = s // self.rate
         gate = self.gate_proj(x)
-        bias = self.position_bias.repeat(n, 1)
+        bias = local(self.position_bias).repeat(n, 1)
         gate = torch.cat([gate[:, : n * self.rate] + bias, gate[:, n * self.rate:]], dim=1)
         pooled = self.kv_norm(window_pool(self.kv_proj(x), gate, self.rate, self.overlap))
         positions = torch.arange(n, device=x.device) * self.rate
@@ -152,16 +158,33 @@ class Indexer(nn.Module):
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal projection: group g of the input (its heads) through its own (rank x in/g) block."""
+    """Block-diagonal projection: group g of the input (its heads) through its own (rank x in/g) block. Under
+    tensor parallelism the weight's rows are split with the groups, and a rank projects its own groups."""
 
     def __init__(self, in_per_group: int, rank: int, groups: int):
         super().__init__()
-        self.groups = groups
+        self.in_per_group, self.rank = in_per_group, rank
         self.weight = nn.Parameter(torch.empty(groups * rank, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., groups, in_per_group) -> (..., groups * rank)
-        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        w = local(self.weight).view(-1, self.rank, self.in_per_group)
         return torch.einsum("...gi,gri->...gr", x, w).flatten(-2)
+
+
+class SharedKV(nn.Module):
+    """The one key-and-value head (window and compressed entries) that every query head reads: the identity.
+    Under tensor parallelism a rank's heads read it, so the plan sums its gradient over the ranks."""
+
+    def forward(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv
+
+
+class HeadSum(nn.Module):
+    """The attention's probabilities summed over its heads, (B, H, S, n) -> (B, S, n): the indexer loss's
+    target. Under tensor parallelism a rank sums its heads and the plan sums the ranks'."""
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs.sum(dim=1)
 
 
 class Attention(nn.Module):
@@ -179,11 +202,13 @@ class Attention(nn.Module):
         self.o_a_proj = GroupedLinear(args.n_heads * args.head_dim // args.o_groups, args.o_lora_rank, args.o_groups)
         self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, args.dim, bias=False)
         self.sinks = nn.Parameter(torch.zeros(args.n_heads))
+        self.shared_kv = SharedKV()
         self.compressor = None
         if self.kind != SLIDING:
             self.compressor = Compressor(args, args.compress_rates[self.kind], args.head_dim, overlap=self.kind == CSA)
         if self.kind == CSA:
             self.indexer = Indexer(args)
+            self.head_sum = HeadSum()
         self.register_buffer("freqs", rope_frequencies(args, compressed=self.kind != SLIDING), persistent=False)
         self.indexer_loss_coeff = args.indexer_loss_coeff
         self.dense = False  # the indexer's warm-up: every visible entry, not the indexer's top-k
@@ -194,7 +219,8 @@ class Attention(nn.Module):
         positions = torch.arange(s, device=x.device)
         cos, sin = cos_sin(self.freqs, positions, x.dtype)
         q_latent = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_norm(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2))
+        # -1 heads: under tensor parallelism q_b_proj holds this rank's heads
+        q = self.q_b_norm(self.q_b_proj(q_latent).view(b, s, -1, self.head_dim).transpose(1, 2))
         q = apply_rope(q, cos, sin)  # (B, H, S, D)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, S, D): one head, keys = values
 
@@ -214,15 +240,16 @@ class Attention(nn.Module):
             kv = torch.cat([kv, entries], dim=1)
             allowed = torch.cat([allowed, visible], dim=-1)
 
+        kv = self.shared_kv(kv)
         scores = torch.einsum("bhsd,btd->bhst", q, kv) * self.head_dim ** -0.5
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
+        sinks = local(self.sinks).to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
         self.indexer_loss = None
         if scores_of_indexer is not None:
-            self.indexer_loss = indexer_kl(probs[..., s:].detach(), scores_of_indexer, visible)
+            self.indexer_loss = indexer_kl(self.head_sum(probs[..., s:].detach()), scores_of_indexer, visible)
         out = torch.einsum("bhst,btd->bshd", probs, kv)
         # Values carry the keys' rotation: undo it at the query's position (rotate by -angle).
         out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
-        out = self.o_a_proj(out.reshape(b, s, self.o_groups, -1))
+        out = self.o_a_proj(out.reshape(b, s, -1, self.o_a_proj.in_per_group))
         return self.o_b_proj(out)

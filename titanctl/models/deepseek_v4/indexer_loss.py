@@ -13,10 +13,10 @@ import torch
 
 
 def indexer_kl(attention: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """attention (B, H, S, n): the attention's probabilities on the compressed entries (detached); scores
-    (B, S, n): the indexer's; allowed (B, S, n): the entries the loss spans. -> the mean KL (a scalar)."""
-    target = attention.sum(dim=1)  # (B, S, n)
-    target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)
+    """attention (B, S, n): the attention's probabilities on the compressed entries summed over its heads
+    (detached); scores (B, S, n): the indexer's; allowed (B, S, n): the entries the loss spans. -> the mean KL
+    (a scalar)."""
+    target = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(attention.dtype).tiny)
     log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(dim=-1)
     log_q = log_q.masked_fill(~allowed, 0.0)  # no -inf x 0 where the target is 0 anyway
     log_p = target.clamp_min(torch.finfo(target.dtype).tiny).log()

@@ -63,10 +63,15 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.indexer_warmup = False
         self.microbatches = 1
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the embedding's Parameter again (when tied and both are here): tensor
+        parallelism's distribution of each module gives each its own."""
+        if self.v4.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def set_training_step(self, step: int, microbatches: int) -> None:
         """Called by the trainer before each step (``step`` steps done, ``microbatches`` forwards in it): the
@@ -146,8 +151,7 @@ class DeepseekV4(nn.Module):
                 block.mlp.tid2eid = hash_table(args.vocab_size, args.num_experts, args.top_k, int(layer_id), device)
             else:
                 block.mlp.expert_bias = torch.zeros(args.num_experts, device=device)
-        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
 
 
 def split_into_stage(model: DeepseekV4, layer_ids: Iterable[int], is_first: bool, is_last: bool) -> DeepseekV4:

@@ -1,6 +1,7 @@
 """DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
-under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too) and pipeline stages;
-tensor and context parallelism and DDP/HSDP refuse in one line; the Hugging Face format is hf.py's."""
+under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too), pipeline stages,
+tensor parallelism (tp_plan.py) and DDP/HSDP; context parallelism refuses in one line; the Hugging Face format
+is hf.py's."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from torch import nn
 
 from titanctl.errors import ConfigError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.common.tp_plan import root_plan
 from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, v4_args
 from titanctl.models.deepseek_v4.hf import HF
 from titanctl.models.deepseek_v4.model import DeepseekV4, split_into_stage
-from titanctl.models.spec import ModelSpec, TPPlan
+from titanctl.models.deepseek_v4.tp_plan import DEEPSEEK_V4_TP_PLAN
+from titanctl.models.spec import ModelSpec
 
 
 def build(args: ModelArgs) -> nn.Module:
@@ -28,12 +29,6 @@ def check_run(args: ModelArgs) -> None:
         v4_args(args).check(seq_len=args.max_seq_len)
     except ValueError as err:
         raise ConfigError(f"model {args.family}: {err}") from None
-
-
-def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
-    """No linear is split: tensor parallelism is refused before any plan applies (``layouts_not_built``); the
-    planner reads this as every weight whole on each rank."""
-    return {}
 
 
 @functools.cache
@@ -81,17 +76,18 @@ SPEC = ModelSpec(
     name="deepseek_v4",
     flavors=DEEPSEEK_V4_FLAVORS,
     build=build,
-    tp_plan=TPPlan(root=root_plan, block=_no_tensor_parallel),
+    tp_plan=DEEPSEEK_V4_TP_PLAN,
     split_stage=split_into_stage,
     flops_per_token=flops_per_token,
     hf=HF,
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
     attention_scores=attention_scores,
+    # The indexer trains by its own loss alone: without it (model.indexer_loss_coeff 0) it gets no gradient,
+    # and in its warm-up nothing else does.
+    parameters_may_go_unused=True,
     layouts_not_built={
-        "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
         "cp": "its compressed entries and indexer span the whole sequence",
-        "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
     },
     moe_keys_not_built={
         "load_balance_coeff": "deepseek_v4's routing bias update is not built (the bias stays as loaded)",

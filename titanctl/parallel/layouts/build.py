@@ -176,7 +176,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_p
             experts_divide_factor=expert_gradient_divide_factor(dims.dp_replicate, dims.dp_shard, dims.cp),
         )
     elif dims.ddp_enabled:
-        apply_ddp(model, dims.mesh["dp_replicate"])
+        apply_ddp(model, dims.mesh["dp_replicate"], find_unused=spec_of(model.args).parameters_may_go_unused)
     return model
 
 

@@ -65,11 +65,14 @@ def _reshard(mode: str, default: bool) -> bool:
     return {"always": True, "never": False}.get(mode, default)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, find_unused: bool = False) -> None:
+    """``find_unused``: some parameters may get no gradient in a step (``ModelSpec.parameters_may_go_unused``);
+    DDP looks for them after each backward and leaves theirs None."""
     # The composable replicate keeps parameter names unchanged (no "module." prefix).
     # No buffer broadcast before each forward: rank 0's would overwrite each rank's own MoE token
     # counts (the other buffers are equal on every rank already).
-    _torch_compat.REPLICATE.get()(model, device_mesh=dp_mesh, bucket_cap_mb=100, broadcast_buffers=False)
+    _torch_compat.REPLICATE.get()(model, device_mesh=dp_mesh, bucket_cap_mb=100, broadcast_buffers=False,
+                                  find_unused_parameters=find_unused)
 
 
 def apply_compile(model: nn.Module) -> None:

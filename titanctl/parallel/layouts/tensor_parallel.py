@@ -17,18 +17,21 @@ from titanctl.parallel.converters.lora import tp_style as lora_tp_style
 
 
 def check_tp(args: ModelArgs, tp: int, seq_len: int) -> None:
-    """Fail before any collective if the model cannot be split tp ways."""
-    for what, size in (
-        ("model n_heads", args.n_heads),
-        ("model n_kv_heads", args.kv_heads),
-        ("ffn hidden dim", args.ffn_hidden_dim),
-        ("training.seq_len (sequence parallel)", seq_len),
-        # Gated DeltaNet layers split by key-head groups (each with its value heads)
-        *((("model linear_attention.num_key_heads", args.linear_attention.num_key_heads),)
-          if args.linear_attention is not None else ()),
-    ):
+    """Fail before any collective if the model cannot be split tp ways (what its plan splits, and the sequence)."""
+    split_sizes = spec_of(args).tp_plan.split_sizes or decoder_split_sizes
+    for what, size in (*split_sizes(args), ("training.seq_len (sequence parallel)", seq_len)):
         if size % tp:
             raise ParallelError(f"{what} = {size} is not divisible by tensor_parallel_degree = {tp}")
+
+
+def decoder_split_sizes(args: ModelArgs) -> list[tuple[str, int]]:
+    """What the shared decoder's plan splits: heads, the FFN's hidden units, Gated DeltaNet's key-head groups
+    (each with its value heads)."""
+    sizes = [("model n_heads", args.n_heads), ("model n_kv_heads", args.kv_heads),
+             ("ffn hidden dim", args.ffn_hidden_dim)]
+    if args.linear_attention is not None:
+        sizes.append(("model linear_attention.num_key_heads", args.linear_attention.num_key_heads))
+    return sizes
 
 
 def apply_tp(
@@ -82,12 +85,11 @@ def apply_tp(
                 _sum_gradient_over_ranks(module, tp_mesh)
         for _, owner, attr in head_params(block, plan):  # the module reads its own heads' values
             setattr(owner, attr, nn.Parameter(distribute_tensor(getattr(owner, attr), tp_mesh, [Shard(0)])))
-        if getattr(block, "moe", None) is not None:
-            _replicate(block.moe.router.gate, tp_mesh)
-            if block.moe.shared_experts is not None:
-                _replicate(block.moe.shared_experts, tp_mesh)
-            if block.moe.shared_gate is not None:
-                _replicate(block.moe.shared_gate, tp_mesh)
+        for _, owner, attr in head_params(block, plan, plan.replicated_params):
+            setattr(owner, attr, nn.Parameter(distribute_tensor(getattr(owner, attr), tp_mesh, [Replicate()])))
+        for name in ("moe.router.gate", "moe.shared_experts", "moe.shared_gate"):  # the shared MoE's
+            if (module := submodule_or_none(block, name)) is not None:
+                _replicate(module, tp_mesh)
     model.tie_weights()  # distributing each module gave the output layer a Parameter of its own
     if async_tp:
         enable_async_tp(tp_mesh, compiled)
@@ -122,10 +124,12 @@ def _sum_gradient_over_ranks(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh, input_fn=whole_forward_summed_backward)
 
 
-def head_params(block: nn.Module, plan: TPPlan) -> list[tuple[str, nn.Module, str]]:
-    """(name, owning module, attribute) of each of the plan's ``head_params`` that ``block`` has."""
+def head_params(block: nn.Module, plan: TPPlan, names: tuple[str, ...] | None = None
+                ) -> list[tuple[str, nn.Module, str]]:
+    """(name, owning module, attribute) of each of the plan's ``head_params`` (or of ``names``) that ``block``
+    has."""
     found = []
-    for name in plan.head_params:
+    for name in plan.head_params if names is None else names:
         owner_name, _, attr = name.rpartition(".")
         owner = submodule_or_none(block, owner_name)
         if owner is not None and getattr(owner, attr, None) is not None:
