@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 
-def indexer_kl(attention: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def indexer_kl(attention: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor,
+               rows_total: float | None = None) -> torch.Tensor:
     """attention (B, H, S, n): the attention's probabilities on the compressed entries (detached); scores
-    (B, S, n): the indexer's; allowed (B, S, n): the entries the loss spans. -> the mean KL (a scalar)."""
+    (B, S, n): the indexer's; allowed (B, S, n): the entries the loss spans. -> the mean KL (a scalar), or the
+    sum of the rows' KL / ``rows_total`` when given (a context-parallel rank's share of the mean)."""
     target = attention.sum(dim=1)  # (B, S, n)
     target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)
     log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(dim=-1)
@@ -22,6 +24,8 @@ def indexer_kl(attention: torch.Tensor, scores: torch.Tensor, allowed: torch.Ten
     log_p = target.clamp_min(torch.finfo(target.dtype).tiny).log()
     kl = (target * (log_p - log_q)).sum(dim=-1)  # (B, S)
     rows = allowed.any(dim=-1)
+    if rows_total is not None:
+        return kl[rows].sum() / max(rows_total, 1.0)
     return kl[rows].mean() if rows.any() else kl.sum() * 0
 
 
