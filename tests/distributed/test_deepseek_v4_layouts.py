@@ -1,5 +1,5 @@
 """DeepSeek-V4's debug model (heavily compressed, compressed sparse with its indexer, sliding-window layers;
-4 hyper-connection streams; the first MoE layer hash-routed) under FSDP 2 x EP 2 and PP 2 reproduces the
+4 hyper-connection streams; the first MoE layer hash-routed) under FSDP 2 x EP 2, PP 2 and CP 2 reproduces the
 single-process run, as test_family_layouts.py checks the other families: the same initial weights bit for
 bit, the first step's gradient of every parameter (hyper-connections, compressors, sinks, routers, both
 kinds of experts), per-step losses within 1e-5 relative (fp32).
@@ -10,7 +10,10 @@ titanctl/models/deepseek_v4/indexer_loss.py), on in every run: its gradients are
 
 FSDP 2 x EP 2 on 2 processes: the dense weights sharded over both ranks, each MoE layer's routed experts
 split 4 + 4 over them with tokens exchanged by all-to-all, the hash-routed layer's too. PP 2: blocks 0-1 and
-2-3, the boundary carrying the streams and the token ids (titanctl/models/deepseek_v4/model.py).
+2-3, the boundary carrying the streams and the token ids (titanctl/models/deepseek_v4/model.py). CP 2: each
+rank holds head-tail chunks 0 and 3 or 1 and 2 of 32 tokens; the window's (32) preceding rows, the CSA
+compressor's previous window and every chunk's compressed entries cross the ranks
+(titanctl/parallel/layouts/sequence_pieces.py), the indexer's top-k over the gathered entries.
 
 The cases run in the shared torchrun worlds (tests/distributed/worlds.py); the reference runs only with a
 test that compares with it.
@@ -44,6 +47,7 @@ LAYOUTS = [
     ("fsdp2_ep2", 2, 4, ["--parallelism.expert_parallel_degree", "2"]),
     ("pp2", 2, 8, ["--parallelism.pipeline_parallel_degree", "2",
                    "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
 ]
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *V4, "--training.local_batch_size", str(batch), *overrides],
                   grads=True)

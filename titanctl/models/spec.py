@@ -151,3 +151,6 @@ class ModelSpec:
     # (heads x keys it scores), for a family whose attention is no fused kernel: (args, layer) -> count. The
     # planner's memory model counts them (titanctl/planning/plan/memory_model.py); 0: a fused kernel.
     attention_scores: Callable[[ModelArgs, int], int] = lambda args, layer: 0
+    # Refuses (ParallelError, one line) a context-parallel layout the family's attention cannot run, before any
+    # rank connects: (args, training.seq_len, context_parallel_degree, context_parallel_method) -> None.
+    check_context_parallel: Callable[[ModelArgs, int, int, str], None] = lambda args, seq_len, cp, method: None

@@ -30,6 +30,7 @@ ARGS = DeepseekV4Args(
     index_n_heads=2, index_head_dim=8, index_topk=3, hc_mult=2, num_experts=4, top_k=2, moe_hidden_dim=16,
     mlp_layer_types=("hash_moe", "moe", "moe"), indexer_loss_coeff=0.5)
 SEQ = 32
+LAYER = "0"  # the CSA layer
 
 
 class FakeMesh:
@@ -68,7 +69,7 @@ def model_and_tokens():
 
 
 def record_selection(model, into: list) -> None:
-    model.layers["0"].self_attn.indexer.register_forward_hook(lambda m, a, out: into.append(out[0]))
+    model.layers[LAYER].self_attn.indexer.register_forward_hook(lambda m, a, out: into.append(out[0]))
 
 
 def one_process(model, tokens):

@@ -1,7 +1,7 @@
 """The share of the sequence a token-mixing layer holds, as the layer sees it: which pieces of the sequence, at
 which positions, the rows just before each piece, and every piece's rows gathered in sequence order.
 
-A layer that reads its neighbours through these four calls (DeepSeek-V4's attention: a sliding window, and
+A layer that reads its neighbours through these four calls (an attention over a sliding window and over
 compressed entries that pool fixed windows of tokens) runs unchanged whether it holds the whole sequence or a
 context-parallel rank's share of it. One process holds the whole sequence as one piece (``WholeSequence``,
 here); under context parallelism titanctl/parallel/layouts/sequence_pieces.py sets the layer's

@@ -1,6 +1,7 @@
 """DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
-under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too) and pipeline stages;
-tensor and context parallelism and DDP/HSDP refuse in one line; the Hugging Face format is hf.py's."""
+under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too), pipeline stages and
+ring context parallelism (its attention fetches its neighbours' rows through ``sequence_pieces``); tensor
+parallelism, Ulysses and DDP/HSDP refuse in one line; the Hugging Face format is hf.py's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import functools
 import torch
 from torch import nn
 
-from titanctl.errors import ConfigError
+from titanctl.errors import ConfigError, ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.tp_plan import root_plan
 from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, v4_args
@@ -28,6 +29,22 @@ def check_run(args: ModelArgs) -> None:
         v4_args(args).check(seq_len=args.max_seq_len)
     except ValueError as err:
         raise ConfigError(f"model {args.family}: {err}") from None
+
+
+def check_context_parallel(args: ModelArgs, seq_len: int, cp: int, method: str) -> None:
+    """Ring context parallel only, in chunks (seq_len / 2cp tokens) that hold whole compressed windows: each
+    rank pools its own chunks' windows (titanctl/parallel/layouts/sequence_pieces.py)."""
+    if method != "ring":
+        raise ParallelError(f"{args.family} does not run with context_parallel_method = {method} (its attention "
+                            "reads its neighbours by sequence chunks, not by heads); use context_parallel_method "
+                            "= ring")
+    chunk = seq_len // (2 * cp)
+    ca = args.compressed_attention
+    for kind, rate in ((CSA, ca.csa_rate), (HCA, ca.hca_rate)):
+        if kind in args.layer_types and chunk % rate:
+            raise ParallelError(f"context_parallel_degree = {cp} cuts training.seq_len {seq_len} into 2 x cp chunks "
+                                f"of {chunk} tokens, which do not hold whole {kind} windows of {rate}: use a seq_len "
+                                f"that is a multiple of {2 * cp * rate} or a smaller degree")
 
 
 def _no_tensor_parallel(args, float8=None, float8_linears=()) -> dict:
@@ -88,9 +105,9 @@ SPEC = ModelSpec(
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
     attention_scores=attention_scores,
+    check_context_parallel=check_context_parallel,
     layouts_not_built={
         "tp": "its shared-KV heads and compressors have no tensor-parallel plan yet",
-        "cp": "its compressed entries and indexer span the whole sequence",
         "dp_replicate": "DDP/HSDP are not checked against one process for it yet",
     },
     moe_keys_not_built={

@@ -1,6 +1,7 @@
 """Context parallel for layers that read their neighbours through ``sequence_pieces``
-(titanctl/models/common/sequence_pieces.py; DeepSeek-V4's attention): a rank's two head-tail chunks, the rows
-just before each chunk fetched from their owners, and small per-chunk results (compressed entries) all-gathered.
+(titanctl/models/common/sequence_pieces.py; an attention over a sliding window and compressed entries): a rank's
+two head-tail chunks, the rows just before each chunk fetched from their owners, and small per-chunk results
+(compressed entries) all-gathered.
 
 Under CP the sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r (the head-tail order of
 torch's ring and of ``document_context_parallel_ctx``; the step cuts tokens and labels so). Such a layer needs
