@@ -78,7 +78,7 @@ class MicrobatchMasks:
         """Check the setting against the tokenizer and prepare the layout (ring CP: the masked ring)."""
         args = model_parts[0].args if model_parts else None
         # Layers that read their neighbours through sequence_pieces (DeepSeek-V4's) take no mask under CP either.
-        own_pieces = any(holds_sequence_pieces(part) for part in model_parts)
+        own_pieces = dims.cp > 1 and any(holds_sequence_pieces(part) for part in model_parts)
         layered = args is not None and needs_layer_masks(args) and not own_pieces
         window = args.sliding_window if dims.cp > 1 and layered else None
         causal = cfg.model.attn_mask_type == "causal"
