@@ -272,7 +272,6 @@ class Attention(nn.Module):
         seq = self.sequence_pieces
         if seq.ranks == 1:
             return None
-        total = seq.total_length(length)
-        n = total // self.compressor.rate
-        seen = entries_seen(n, torch.arange(total), self.compressor.rate).any(dim=-1).sum().item()
+        total, rate = seq.total_length(length), self.compressor.rate
+        seen = max(total - rate + 1, 0)  # positions p >= rate - 1: their first window has closed
         return batch * seen / seq.ranks
