@@ -233,7 +233,8 @@ class Attention(nn.Module):
         q_pos = positions.view(pieces, length)
         k_pos = torch.cat([q_pos[:, :1] - reach + torch.arange(reach, device=x.device), q_pos], dim=1)
         rel = q_pos[:, :, None] - k_pos[:, None, :]  # (pieces, length, reach + length)
-        allowed = ((rel >= 0) & (rel < self.window) & (k_pos[:, None, :] >= 0)).repeat(b, 1, 1)
+        allowed = (rel >= 0) & (rel < self.window) & (k_pos[:, None, :] >= 0)
+        allowed = allowed[None].expand(b, -1, -1, -1).reshape(b * pieces, length, -1)  # a view for one piece
         scores_of_indexer = None
         if self.compressor is not None:
             entries = self.compressor.entries(x, self.freqs, seq)  # (B, N, D): the whole sequence's
@@ -245,7 +246,7 @@ class Attention(nn.Module):
                     keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs, seq)
                 scores_of_indexer = scores_of_indexer if train_indexer else None
                 visible = visible if self.dense else keep
-            kv = torch.cat([kv, entries.repeat_interleave(pieces, dim=0)], dim=1)
+            kv = torch.cat([kv, entries[:, None].expand(-1, pieces, -1, -1).flatten(0, 1)], dim=1)
             allowed = torch.cat([allowed, visible.reshape(b * pieces, length, -1)], dim=-1)
 
         q = q.view(b, self.n_heads, pieces, length, self.head_dim).transpose(1, 2).flatten(0, 1)
