@@ -1,7 +1,8 @@
 """DeepSeek-V4 under context parallel (titanctl/parallel/layouts/sequence_pieces.py) is one process: the whole
 model (a CSA layer with its indexer and indexer loss, an HCA layer, a sliding-window layer; a hash-routed MoE
 layer) run as cp ranks, each holding its two head-tail chunks, equals the model over the whole sequence in
-fp64: logits, the indexer's top-k selection entry for entry, and every parameter's gradient.
+fp64: logits, the indexer's top-k selection entry for entry, and every parameter's gradient, in sparse steps
+and in the indexer's dense warm-up.
 
 The window (8) spans a CP 2 chunk (8 tokens) minus one, and two CP 4 chunks (4 tokens): the rows before a
 chunk come from one or several chunks back. 32 tokens: the CSA layer has 16 compressed entries of which the
@@ -12,6 +13,7 @@ the exchange itself; tests/distributed/test_deepseek_v4_layouts.py checks it on 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -111,16 +113,22 @@ def context_parallel(model, tokens, cp: int):
     return torch.cat(logits, dim=1).detach()[:, back], grads, selection
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_deepseek_v4_context_parallel_is_one_process(cp):
+@pytest.mark.parametrize("cp, warmup", [(2, False), (4, False), (2, True)], ids=["cp2", "cp4", "cp2_warmup"])
+def test_deepseek_v4_context_parallel_is_one_process(cp, warmup):
+    """``warmup``: the indexer's dense warm-up step (every visible entry attended, the indexer alone trains)."""
     model, tokens = model_and_tokens()
+    if warmup:
+        model.v4 = dataclasses.replace(model.v4, indexer_warmup_steps=1)
+        model.set_training_step(0, 1)
     ref_logits, ref_grads, ref_chosen = one_process(copy.deepcopy(model), tokens)
     logits, grads, chosen = context_parallel(model, tokens, cp)
     assert ref_chosen.sum(-1).max() == ARGS.index_topk and (ref_chosen.sum(-1) < SEQ // 2).all()  # it selects
+    if warmup:  # only the indexer's weights get a gradient
+        assert ref_grads and all(".indexer." in n for n in ref_grads)
     assert torch.equal(chosen, ref_chosen)
     assert (logits - ref_logits).abs().max() < 1e-12
     assert grads.keys() == ref_grads.keys()
-    assert any(".indexer." in n for n in grads) and any(".compressor." in n for n in grads)
+    assert any(".indexer." in n for n in grads) and (warmup or any(".self_attn.compressor." in n for n in grads))
     for name, ref in ref_grads.items():
         assert (grads[name] - ref).abs().max() <= 1e-10 * ref.abs().max().clamp_min(1e-30), name
     assert holds_sequence_pieces(model)
