@@ -132,3 +132,40 @@ def test_deepseek_v4_context_parallel_is_one_process(cp, warmup):
     for name, ref in ref_grads.items():
         assert (grads[name] - ref).abs().max() <= 1e-10 * ref.abs().max().clamp_min(1e-30), name
     assert holds_sequence_pieces(model)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=[CSA, HCA, SLIDING])
+def test_the_planner_counts_a_cp_ranks_scores(layer):
+    """Under CP 2 the largest tensor one attention layer saves on a rank is its probabilities: per query token
+    ``attention_scores(args, layer, cp)`` + one sink per head (a chunk over its rows, the window's rows before
+    it and every entry), which the planner's shape gives at that degree; below one process's count."""
+    from tests.unit.planning.test_deepseek_v4_planning import tiny_args
+    from titanctl.models.deepseek_v4.args import v4_args
+    from titanctl.models.deepseek_v4.attention import Attention
+    from titanctl.models.deepseek_v4.spec import attention_scores
+    from titanctl.planning.plan.workload import model_shape
+
+    cp, seq = 2, 128
+    args = tiny_args(seq)
+    torch.manual_seed(0)
+    attn = Attention(v4_args(args), layer)
+    x = torch.randn(1, seq, args.dim)
+    mine = load_balanced_order(seq, cp).view(cp, -1)
+    gather, saved = ThreadGather(cp), []
+
+    def rank(r: int) -> None:
+        pieces = HeadTailPieces(FakeMesh(cp, r))
+        pieces._gather = lambda t: gather(r, t)
+        layer_copy = copy.copy(attn)  # the same parameters, this rank's pieces
+        layer_copy.sequence_pieces = pieces
+        inputs = x[:, mine[r]].requires_grad_()
+        if r == 0:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+                layer_copy(inputs)
+        else:
+            layer_copy(inputs)
+
+    run_ranks(cp, rank, gather.barrier)
+    per_token = attention_scores(args, layer, cp)
+    assert max(saved) == seq // cp * (per_token + args.n_heads)
+    assert model_shape(args).blocks[layer].scores(cp) == per_token < attention_scores(args, layer)

@@ -86,12 +86,14 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
 
 
-def attention_scores(args: ModelArgs, layer: int) -> int:
+def attention_scores(args: ModelArgs, layer: int, cp: int = 1) -> int:
     """Per query token, the scores a layer's attention materializes: every head over the whole sequence's
-    keys (the window is a mask, not a slice) and, in CSA/HCA layers, every compressed entry."""
+    keys (the window is a mask, not a slice) and, in CSA/HCA layers, every compressed entry. Under context
+    parallel a rank's chunk (seq / 2cp) attends its own rows and the window's rows before it, and every entry."""
     seq, ca, kind = args.max_seq_len, args.compressed_attention, args.layer_types[layer]
     entries = {CSA: seq // ca.csa_rate, HCA: seq // ca.hca_rate}.get(kind, 0)
-    return args.n_heads * (seq + entries)
+    keys = seq if cp == 1 else seq // (2 * cp) + args.sliding_window - 1
+    return args.n_heads * (keys + entries)
 
 
 SPEC = ModelSpec(
