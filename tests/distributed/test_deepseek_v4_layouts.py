@@ -1,5 +1,5 @@
 """DeepSeek-V4's debug model (heavily compressed, compressed sparse with its indexer, sliding-window layers;
-4 hyper-connection streams; the first MoE layer hash-routed) under FSDP 2 x EP 2, PP 2 and TP 2 reproduces the
+4 hyper-connection streams; the first MoE layer hash-routed) under FSDP 2 x EP 2, PP 2, TP 2 and CP 2 reproduces the
 single-process run, as test_family_layouts.py checks the other families: the same initial weights bit for
 bit, the first step's gradient of every parameter (hyper-connections, compressors, sinks, routers, both
 kinds of experts), per-step losses within 1e-5 relative (fp32).
@@ -15,7 +15,10 @@ which entries its sparse loss spans, so its gradients, bitwise equal on both ran
 
 FSDP 2 x EP 2 on 2 processes: the dense weights sharded over both ranks, each MoE layer's routed experts
 split 4 + 4 over them with tokens exchanged by all-to-all, the hash-routed layer's too. PP 2: blocks 0-1 and
-2-3, the boundary carrying the streams and the token ids (titanctl/models/deepseek_v4/model.py).
+2-3, the boundary carrying the streams and the token ids (titanctl/models/deepseek_v4/model.py). CP 2: each
+rank holds head-tail chunks 0 and 3 or 1 and 2 of 32 tokens; the window's (32) preceding rows, the CSA
+compressor's previous window and every chunk's compressed entries cross the ranks
+(titanctl/parallel/layouts/sequence_pieces.py), the indexer's top-k over the gathered entries.
 
 The cases run in the shared torchrun worlds (tests/distributed/worlds.py); the reference runs only with a
 test that compares with it.
@@ -57,6 +60,7 @@ LAYOUTS = [
     ("pp2", 2, 8, ["--parallelism.pipeline_parallel_degree", "2",
                    "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
     # In the 4-process world: FSDP 2 x TP 2, each MoE layer's experts split over EP 2 (the FSDP ranks).
     ("fsdp2_ep2_tp2", 4, 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 ]

@@ -158,6 +158,10 @@ class ModelSpec:
     # process does, where otherwise it would wait for them forever and fail the next step.
     parameters_may_go_unused: bool = False
     # Elements per query token of the attention scores layer ``layer`` materializes at ``args.max_seq_len``
-    # (heads x keys it scores), for a family whose attention is no fused kernel: (args, layer) -> count. The
-    # planner's memory model counts them (titanctl/planning/plan/memory_model.py); 0: a fused kernel.
-    attention_scores: Callable[[ModelArgs, int], int] = lambda args, layer: 0
+    # (heads x keys it scores), for a family whose attention is no fused kernel: (args, layer, cp) -> count, on
+    # a rank of context parallel degree cp (1: one process). The planner's memory model counts them
+    # (titanctl/planning/plan/memory_model.py); 0: a fused kernel.
+    attention_scores: Callable[..., int] = lambda args, layer, cp=1: 0
+    # Refuses (ParallelError, one line) a context-parallel layout the family's attention cannot run, before any
+    # rank connects: (args, training.seq_len, context_parallel_degree, context_parallel_method) -> None.
+    check_context_parallel: Callable[[ModelArgs, int, int, str], None] = lambda args, seq_len, cp, method: None

@@ -43,6 +43,7 @@ from titanctl.parallel.layouts.context_parallel import (
 )
 from titanctl.parallel.layouts.cp_balance import attention_work, mask_aware_order, rank_work
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.sequence_pieces import holds_sequence_pieces
 
 
 def shapes_only(tensor: torch.Tensor) -> bool:
@@ -76,7 +77,9 @@ class MicrobatchMasks:
     ) -> MicrobatchMasks:
         """Check the setting against the tokenizer and prepare the layout (ring CP: the masked ring)."""
         args = model_parts[0].args if model_parts else None
-        layered = args is not None and needs_layer_masks(args)
+        # Layers that read their neighbours through sequence_pieces (DeepSeek-V4's) take no mask under CP either.
+        own_pieces = dims.cp > 1 and any(holds_sequence_pieces(part) for part in model_parts)
+        layered = args is not None and needs_layer_masks(args) and not own_pieces
         window = args.sliding_window if dims.cp > 1 and layered else None
         causal = cfg.model.attn_mask_type == "causal"
         balance = {"cp": dims.cp, "windows": _layer_windows(args)}

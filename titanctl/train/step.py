@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titanctl.config.job_config import JobConfig
 from titanctl.parallel.layouts.context_parallel import context_parallel_ctx, document_context_parallel_ctx
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.sequence_pieces import holds_sequence_pieces
 from titanctl.parallel.layouts.ulysses import ulysses_context_parallel_ctx
 from titanctl.train.attention_masks import MicrobatchMasks, shapes_only
 from titanctl.train.loss import IGNORE_INDEX, build_loss_fn, build_mean_loss_fn
@@ -58,6 +59,9 @@ class ForwardBackward:
         self.mtp_loss: torch.Tensor | None = None
         # Under CP: the step's attention work per CP rank (the keys its queries attend), for cp_imbalance.
         self.cp_work: torch.Tensor | None = None
+        # Under ring CP, a model whose layers fetch their neighbours' rows themselves (sequence_pieces) gets its
+        # tokens and labels cut head-tail, no mask and no ring.
+        self.own_pieces = self.dims.cp > 1 and any(holds_sequence_pieces(part) for part in self.model_parts)
         compute_dtype = getattr(torch, self.cfg.training.mixed_precision_param)
         # FSDP casts the parameters itself (MixedPrecisionPolicy); other layouts autocast.
         self.autocast = (
@@ -114,6 +118,9 @@ class ForwardBackward:
             cp_ctx = contextlib.nullcontext()
             if self.dims.cp > 1 and self.cfg.parallelism.context_parallel_method == "ulysses":
                 cp_ctx = self.ulysses_ctx(inputs, labels, positions)
+            elif self.own_pieces:
+                cp_ctx = document_context_parallel_ctx(self.dims.mesh["cp"], buffers=[inputs, labels], seq_dims=[1, 1],
+                                                       no_restore={inputs, labels})
             elif self.dims.cp > 1 and attn_mask is not None:
                 # With positions the model looks its RoPE rows up by them: they are cut like the tokens,
                 # and the table stays whole.

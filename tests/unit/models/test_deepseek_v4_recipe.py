@@ -1,7 +1,7 @@
 """DeepSeek-V4 in titanctl: the debug recipe's model trains (the loss falls in a few steps, drawn by titanctl's
 own init), and what a recipe cannot run is refused in one line: the indexer's top-k beyond the compressed
 length of the run's sequences, a schedule of the wrong length, heads that tensor parallelism does not divide,
-context parallelism, the Hugging Face format."""
+context parallelism in chunks that cut a compressed window or as Ulysses, the Hugging Face format."""
 
 from __future__ import annotations
 
@@ -90,17 +90,37 @@ def test_packed_documents_are_refused_in_one_line():
         model(torch.zeros(1, 8, dtype=torch.long, device="meta"), positions=torch.zeros(1, 8, dtype=torch.long))
 
 
-@pytest.mark.parametrize("key, dim", [("context_parallel_degree", "cp")])
-def test_a_layout_not_built_is_refused_in_one_line(key, dim):
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "64"],
+     r"^context_parallel_degree = 4 cuts training.seq_len 64 into 2 x cp chunks of 8 tokens, which do not hold whole "
+     r"heavily_compressed_attention windows of 16: use a seq_len that is a multiple of 128 or a smaller degree$"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", "ulysses"],
+     r"^[^\n]*use context_parallel_method = ring$"),
+], ids=["chunks_split_windows", "ulysses"])
+def test_a_context_parallel_layout_it_cannot_run_is_refused_in_one_line(overrides, message):
+    """Ring CP runs (tests/unit/parallel/test_deepseek_v4_cp.py); chunks that cut a compressed window, and
+    Ulysses (whatever the schedule), are refused before any rank connects."""
     from titanctl.errors import ParallelError
     from titanctl.parallel.layouts.build import check_layout
     from titanctl.parallel.layouts.dims import ParallelDims
 
-    cfg = load_config(RECIPE, [f"--parallelism.{key}", "2"])
-    dims = ParallelDims.from_config(cfg.parallelism, 2)
-    with pytest.raises(ParallelError) as err:
-        check_layout(cfg, dims, recipe_args())
-    assert str(err.value).startswith(f"deepseek_v4 does not run with {dim} = 2 yet (") and "\n" not in str(err.value)
+    cfg = load_config(RECIPE, overrides)
+    with pytest.raises(ParallelError, match=message):
+        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, int(overrides[1])),
+                     model_args_from_config(cfg.model, VOCAB, cfg.training.seq_len))
+    ring = load_config(RECIPE, ["--parallelism.context_parallel_degree", "2"])
+    check_layout(ring, ParallelDims.from_config(ring.parallelism, 2), recipe_args())
+
+
+def test_ulysses_is_refused_for_a_schedule_of_sliding_layers_alone():
+    """Ulysses' own check lets a schedule of softmax-attention layers through; V4's attention is no Ulysses kernel."""
+    from titanctl.errors import ParallelError
+
+    sliding = recipe_args().replace(layer_types=("sliding_attention",) * 4)
+    with pytest.raises(ParallelError, match=r"^deepseek_v4 does not run with context_parallel_method = ulysses \(its "
+                                            r"attention reads its neighbours by sequence chunks, not by heads\); "
+                                            r"use context_parallel_method = ring$"):
+        get_spec("deepseek_v4").check_context_parallel(sliding, 256, 2, "ulysses")
 
 
 @pytest.mark.parametrize("key", ["load_balance_coeff", "router_aux_loss_coef"])

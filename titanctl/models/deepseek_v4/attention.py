@@ -13,6 +13,7 @@ from torch import nn
 
 from titanctl.models.common.args import YarnScaling
 from titanctl.models.common.rope import yarn_frequencies
+from titanctl.models.common.sequence_pieces import WHOLE_SEQUENCE, WholeSequence
 from titanctl.models.deepseek_v4.args import CSA, SLIDING, DeepseekV4Args
 from titanctl.models.deepseek_v4.indexer_loss import indexer_kl
 
@@ -74,11 +75,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
-def window_pool(kv: torch.Tensor, gate: torch.Tensor, rate: int, overlap: bool) -> torch.Tensor:
+def window_pool(kv: torch.Tensor, gate: torch.Tensor, rate: int, overlap: bool,
+                before: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Softmax-gated pooling of each closed window of ``rate`` tokens into one entry: (B, S, C) -> (B, n, D).
 
     ``overlap`` (CSA): C = 2D, two series per token; entry w pools window w's second series with window
-    w - 1's first (width 2 x rate, stride rate). Else (HCA) C = D, one series, disjoint windows.
+    w - 1's first (width 2 x rate, stride rate); ``before`` (kv, gate), each (B, rate, C): the window before
+    the first (default: none, zeros gated at -inf). Else (HCA) C = D, one series, disjoint windows.
     """
     b, s, c = kv.shape
     n = s // rate
@@ -86,8 +89,10 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, rate: int, overlap: bool) 
     gate = gate[:, : n * rate].view(b, n, rate, c)
     if overlap:
         d = c // 2
-        pad_kv = kv.new_zeros(b, 1, rate, d)
-        pad_gate = gate.new_full((b, 1, rate, d), float("-inf"))
+        if before is None:
+            pad_kv, pad_gate = kv.new_zeros(b, 1, rate, d), gate.new_full((b, 1, rate, d), float("-inf"))
+        else:
+            pad_kv, pad_gate = before[0][:, None, :, :d], before[1][:, None, :, :d]
         previous_kv = torch.cat([pad_kv, kv[:, :-1, :, :d]], dim=1)
         previous_gate = torch.cat([pad_gate, gate[:, :-1, :, :d]], dim=1)
         kv = torch.cat([previous_kv, kv[..., d:]], dim=2)
@@ -98,8 +103,13 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, rate: int, overlap: bool) 
 
 def visible_entries(n_entries: int, seq_len: int, rate: int, device) -> torch.Tensor:
     """(S, n) bool: query t sees compressed entry w once its window has closed, w < (t + 1) // rate."""
-    threshold = (torch.arange(seq_len, device=device) + 1) // rate
-    return torch.arange(n_entries, device=device)[None, :] < threshold[:, None]
+    return entries_seen(n_entries, torch.arange(seq_len, device=device), rate)
+
+
+def entries_seen(n_entries: int, positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """(len(positions), n) bool: ``visible_entries`` of the queries at ``positions``."""
+    threshold = (positions + 1) // rate
+    return torch.arange(n_entries, device=positions.device)[None, :] < threshold[:, None]
 
 
 class Compressor(nn.Module):
@@ -115,16 +125,28 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(head_dim, args.norm_eps)
 
-    def entries(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def entries(self, x: torch.Tensor, freqs: torch.Tensor, seq: WholeSequence = WHOLE_SEQUENCE) -> torch.Tensor:
+        """(B, N, D): the whole sequence's entries in order, from this process's rows ``x`` (B, S, dim), which
+        ``seq`` says are whose (each piece starts a window: the layouts check it)."""
         b, s, _ = x.shape
-        n = s // self.rate
-        gate = self.gate_proj(x)
+        pieces = seq.pieces
+        length = s // pieces
+        n = length // self.rate  # closed windows per piece
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        width = kv.shape[-1]
+        gate = gate.view(b, pieces, length, width)
         bias = local(self.position_bias).repeat(n, 1)
-        gate = torch.cat([gate[:, : n * self.rate] + bias, gate[:, n * self.rate:]], dim=1)
-        pooled = self.kv_norm(window_pool(self.kv_proj(x), gate, self.rate, self.overlap))
-        positions = torch.arange(n, device=x.device) * self.rate
-        cos, sin = cos_sin(freqs, positions, pooled.dtype)
-        return apply_rope(pooled, cos, sin)
+        gate = torch.cat([gate[:, :, : n * self.rate] + bias, gate[:, :, n * self.rate:]], dim=2).view(b, s, width)
+        before = None
+        if self.overlap:  # each piece's first entry pools the window before it too (zeros gated -inf before 0)
+            before = (seq.preceding(kv, self.rate).flatten(0, 1),
+                      seq.preceding(gate, self.rate, float("-inf")).flatten(0, 1))
+        pooled = window_pool(kv.view(b * pieces, length, width), gate.view(b * pieces, length, width), self.rate,
+                             self.overlap, before)  # (B x pieces, n, D)
+        pooled = self.kv_norm(pooled.reshape(b, pieces * n, -1))
+        starts = seq.positions(s, x.device).view(pieces, length)[:, : n * self.rate: self.rate].flatten()
+        cos, sin = cos_sin(freqs, starts, pooled.dtype)
+        return seq.gather(apply_rope(pooled, cos, sin))
 
 
 class Indexer(nn.Module):
@@ -138,19 +160,21 @@ class Indexer(nn.Module):
         self.q_b_proj = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
         self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the entries each query keeps, the entries it sees, the scores (B, S, n) with -inf where unseen)."""
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor,
+                seq: WholeSequence = WHOLE_SEQUENCE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the entries each query keeps, the entries it sees, the scores (B, S, n) with -inf where unseen), for
+        this process's queries over the whole sequence's entries."""
         b, s, _ = x.shape
-        keys = self.compressor.entries(x, freqs)  # (B, n, d)
+        keys = self.compressor.entries(x, freqs, seq)  # (B, n, d)
         n = keys.shape[1]
-        cos, sin = cos_sin(freqs, torch.arange(s, device=x.device), x.dtype)
+        positions = seq.positions(s, x.device)
+        cos, sin = cos_sin(freqs, positions, x.dtype)
         q = apply_rope(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         dt = compute_dtype(x)
         scores = F.relu(torch.einsum("bhsd,bnd->bshn", q.to(dt), keys.to(dt))) * self.head_dim ** -0.5
         weights = self.weights_proj(x).to(dt) * self.n_heads ** -0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, S, n)
-        visible = visible_entries(n, s, self.compressor.rate, x.device)
+        visible = entries_seen(n, positions, self.compressor.rate)
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, n), dim=-1).indices
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
@@ -213,43 +237,70 @@ class Attention(nn.Module):
         self.indexer_loss_coeff = args.indexer_loss_coeff
         self.dense = False  # the indexer's warm-up: every visible entry, not the indexer's top-k
         self.indexer_loss: torch.Tensor | None = None  # this forward's, for the model to collect
+        # The rows of the sequence this layer holds (context parallel: a rank's chunks, set from outside).
+        self.sequence_pieces: WholeSequence = WHOLE_SEQUENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        positions = torch.arange(s, device=x.device)
+        seq = self.sequence_pieces
+        pieces, length = seq.pieces, s // seq.pieces
+        positions = seq.positions(s, x.device)  # (S,) of this process's rows
         cos, sin = cos_sin(self.freqs, positions, x.dtype)
         q_latent = self.q_a_norm(self.q_a_proj(x))
         # -1 heads: under tensor parallelism q_b_proj holds this rank's heads
         q = self.q_b_norm(self.q_b_proj(q_latent).view(b, s, -1, self.head_dim).transpose(1, 2))
+        heads = q.shape[1]
         q = apply_rope(q, cos, sin)  # (B, H, S, D)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, S, D): one head, keys = values
 
-        rel = positions[:, None] - positions[None, :]
-        allowed = ((rel >= 0) & (rel < self.window)).expand(b, s, s)
+        # Each piece's queries attend its own rows and the window's rows just before it (held elsewhere under
+        # context parallel): pieces become batch rows, (B x pieces, ...).
+        reach = seq.reach(self.window - 1)
+        kv = torch.cat([seq.preceding(kv, reach), kv.view(b, pieces, length, -1)], dim=2).flatten(0, 1)
+        q_pos = positions.view(pieces, length)
+        k_pos = torch.cat([q_pos[:, :1] - reach + torch.arange(reach, device=x.device), q_pos], dim=1)
+        rel = q_pos[:, :, None] - k_pos[:, None, :]  # (pieces, length, reach + length)
+        allowed = (rel >= 0) & (rel < self.window) & (k_pos[:, None, :] >= 0)
+        allowed = allowed[None].expand(b, -1, -1, -1).reshape(b * pieces, length, -1)  # a view for one piece
         scores_of_indexer = None
         if self.compressor is not None:
-            entries = self.compressor.entries(x, self.freqs)
-            visible = visible_entries(entries.shape[1], s, self.compressor.rate, x.device).expand(b, -1, -1)
+            entries = self.compressor.entries(x, self.freqs, seq)  # (B, N, D): the whole sequence's
+            visible = entries_seen(entries.shape[1], positions, self.compressor.rate).expand(b, -1, -1)
             if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
                 train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
                 # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
                 with contextlib.nullcontext() if train_indexer else torch.no_grad():
-                    keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs)
+                    keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs, seq)
                 scores_of_indexer = scores_of_indexer if train_indexer else None
                 visible = visible if self.dense else keep
-            kv = torch.cat([kv, entries], dim=1)
-            allowed = torch.cat([allowed, visible], dim=-1)
+            kv = torch.cat([kv, entries[:, None].expand(-1, pieces, -1, -1).flatten(0, 1)], dim=1)
+            allowed = torch.cat([allowed, visible.reshape(b * pieces, length, -1)], dim=-1)
 
+        q = q.view(b, heads, pieces, length, self.head_dim).transpose(1, 2).flatten(0, 1)
         kv = self.shared_kv(kv)
         scores = torch.einsum("bhsd,btd->bhst", q, kv) * self.head_dim ** -0.5
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        sinks = local(self.sinks).to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
+        sinks = local(self.sinks).to(scores.dtype).view(1, -1, 1, 1).expand(b * pieces, -1, length, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
         self.indexer_loss = None
         if scores_of_indexer is not None:
-            self.indexer_loss = indexer_kl(self.head_sum(probs[..., s:].detach()), scores_of_indexer, visible)
-        out = torch.einsum("bhst,btd->bshd", probs, kv)
+            on_entries = probs[..., reach + length:].detach()  # (B x pieces, H, length, N) -> (B, H, S, N)
+            on_entries = on_entries.view(b, pieces, heads, length, -1).transpose(1, 2).reshape(b, heads, s, -1)
+            self.indexer_loss = indexer_kl(self.head_sum(on_entries), scores_of_indexer, visible,
+                                           self._indexer_rows(b, s))
+        out = torch.einsum("bhst,btd->bshd", probs, kv).reshape(b, s, heads, self.head_dim)
         # Values carry the keys' rotation: undo it at the query's position (rotate by -angle).
         out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
         out = self.o_a_proj(out.reshape(b, s, -1, self.o_a_proj.in_per_group))
         return self.o_b_proj(out)
+
+    def _indexer_rows(self, batch: int, length: int) -> float | None:
+        """Under context parallel, the indexer loss's divisor on this rank: the whole sequence's queries that
+        see an entry / the ranks (each rank's sum / this, averaged over the ranks as the gradients are, is one
+        process's mean); None in one process (the mean of this call's rows)."""
+        seq = self.sequence_pieces
+        if seq.ranks == 1:
+            return None
+        total, rate = seq.total_length(length), self.compressor.rate
+        seen = max(total - rate + 1, 0)  # positions p >= rate - 1: their first window has closed
+        return batch * seen / seq.ranks

@@ -12,16 +12,20 @@ from __future__ import annotations
 import torch
 
 
-def indexer_kl(attention: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def indexer_kl(attention: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor,
+               rows_total: float | None = None) -> torch.Tensor:
     """attention (B, S, n): the attention's probabilities on the compressed entries summed over its heads
     (detached); scores (B, S, n): the indexer's; allowed (B, S, n): the entries the loss spans. -> the mean KL
-    (a scalar)."""
+    (a scalar), or the sum of the rows' KL / ``rows_total`` when given (a context-parallel rank's share of the
+    mean)."""
     target = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(attention.dtype).tiny)
     log_q = scores.masked_fill(~allowed, float("-inf")).log_softmax(dim=-1)
     log_q = log_q.masked_fill(~allowed, 0.0)  # no -inf x 0 where the target is 0 anyway
     log_p = target.clamp_min(torch.finfo(target.dtype).tiny).log()
     kl = (target * (log_p - log_q)).sum(dim=-1)  # (B, S)
     rows = allowed.any(dim=-1)
+    if rows_total is not None:
+        return kl[rows].sum() / max(rows_total, 1.0)
     return kl[rows].mean() if rows.any() else kl.sum() * 0
 
 

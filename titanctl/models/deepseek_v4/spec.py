@@ -1,7 +1,7 @@
 """DeepSeek-V4's spec: its own decoder (compressed sparse attention, hyper-connections, hash-routed MoE),
 under FSDP, expert parallelism (every MoE layer's routed experts, hash-routed ones too), pipeline stages,
-tensor parallelism (tp_plan.py) and DDP/HSDP; context parallelism refuses in one line; the Hugging Face format
-is hf.py's."""
+tensor parallelism (tp_plan.py), DDP/HSDP and ring context parallelism (its attention fetches its neighbours'
+rows through ``sequence_pieces``); Ulysses refuses in one line; the Hugging Face format is hf.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import functools
 import torch
 from torch import nn
 
-from titanctl.errors import ConfigError
+from titanctl.errors import ConfigError, ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, v4_args
 from titanctl.models.deepseek_v4.hf import HF
@@ -29,6 +29,22 @@ def check_run(args: ModelArgs) -> None:
         v4_args(args).check(seq_len=args.max_seq_len)
     except ValueError as err:
         raise ConfigError(f"model {args.family}: {err}") from None
+
+
+def check_context_parallel(args: ModelArgs, seq_len: int, cp: int, method: str) -> None:
+    """Ring context parallel only, in chunks (seq_len / 2cp tokens) that hold whole compressed windows: each
+    rank pools its own chunks' windows (titanctl/parallel/layouts/sequence_pieces.py)."""
+    if method != "ring":
+        raise ParallelError(f"{args.family} does not run with context_parallel_method = {method} (its attention "
+                            "reads its neighbours by sequence chunks, not by heads); use context_parallel_method "
+                            "= ring")
+    chunk = seq_len // (2 * cp)
+    ca = args.compressed_attention
+    for kind, rate in ((CSA, ca.csa_rate), (HCA, ca.hca_rate)):
+        if kind in args.layer_types and chunk % rate:
+            raise ParallelError(f"context_parallel_degree = {cp} cuts training.seq_len {seq_len} into 2 x cp chunks "
+                                f"of {chunk} tokens, which do not hold whole {kind} windows of {rate}: use a seq_len "
+                                f"that is a multiple of {2 * cp * rate} or a smaller degree")
 
 
 @functools.cache
@@ -64,12 +80,14 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
 
 
-def attention_scores(args: ModelArgs, layer: int) -> int:
+def attention_scores(args: ModelArgs, layer: int, cp: int = 1) -> int:
     """Per query token, the scores a layer's attention materializes: every head over the whole sequence's
-    keys (the window is a mask, not a slice) and, in CSA/HCA layers, every compressed entry."""
+    keys (the window is a mask, not a slice) and, in CSA/HCA layers, every compressed entry. Under context
+    parallel a rank's chunk (seq / 2cp) attends its own rows and the window's rows before it, and every entry."""
     seq, ca, kind = args.max_seq_len, args.compressed_attention, args.layer_types[layer]
     entries = {CSA: seq // ca.csa_rate, HCA: seq // ca.hca_rate}.get(kind, 0)
-    return args.n_heads * (seq + entries)
+    keys = seq if cp == 1 else seq // (2 * cp) + args.sliding_window - 1
+    return args.n_heads * (keys + entries)
 
 
 SPEC = ModelSpec(
@@ -83,12 +101,10 @@ SPEC = ModelSpec(
     tokenizer_repo=("deepseek-ai/DeepSeek-V4-Flash", ""),
     check_run=check_run,
     attention_scores=attention_scores,
+    check_context_parallel=check_context_parallel,
     # The indexer trains by its own loss alone: without it (model.indexer_loss_coeff 0) it gets no gradient,
     # and in its warm-up nothing else does.
     parameters_may_go_unused=True,
-    layouts_not_built={
-        "cp": "its compressed entries and indexer span the whole sequence",
-    },
     moe_keys_not_built={
         "load_balance_coeff": "deepseek_v4's routing bias update is not built (the bias stays as loaded)",
         "router_aux_loss_coef": "deepseek_v4's MoE layers have no auxiliary balancing loss",

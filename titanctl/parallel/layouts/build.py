@@ -39,6 +39,7 @@ from titanctl.parallel.layouts.linear_attention_cp import (
 )
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
+from titanctl.parallel.layouts.sequence_pieces import enable_sequence_pieces
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
 from titanctl.parallel.layouts.ulysses import check_ulysses, enable_ulysses
 from titanctl.parallel.layouts.weight_init import initialize_weights
@@ -93,6 +94,8 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     elif dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
         check_linear_attention_cp(args, cfg.training.seq_len, dims.cp)
+    if dims.cp > 1:
+        spec_of(args).check_context_parallel(args, cfg.training.seq_len, dims.cp, p.context_parallel_method)
     if args.mtp_layers and (dims.pp > 1 or dims.cp > 1):
         which = f"pipeline_parallel_degree = {dims.pp}" if dims.pp > 1 else f"context_parallel_degree = {dims.cp}"
         reason = ("its depths need the embedding of the first stage and the output layer of the last"
@@ -143,6 +146,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_p
     p = cfg.parallelism
     if dims.cp > 1:  # linear-attention layers carry their state across the CP ranks' chunks
         enable_gated_deltanet_context_parallel(model, dims.mesh["cp"])
+    if dims.cp > 1 and p.context_parallel_method == "ring":  # layers that fetch their neighbours' rows themselves
+        enable_sequence_pieces(model, dims.mesh["cp"])
     if dims.tp > 1:
         apply_tp(
             model,

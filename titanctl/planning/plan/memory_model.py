@@ -240,7 +240,7 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
     rule_kept = {"none": rule, "selective_op": 0.0, "selective_2": rule / 2, "full": 0.0}[ac]
     # Materialized attention scores: the probabilities stay for backward (op-level AC saves the score matmul's
     # output as it saves every mm's), about three more copies exist while its backward runs.
-    scores = block.attention_scores / tp
+    scores = block.scores(cp) / tp
     scores_kept = {"none": scores, "selective_op": scores, "selective_2": scores / 2, "full": 0.0}[ac]
     scores_backward = 4 * scores - scores_kept
     return ((kept + scores_kept) * act + rule_kept,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from titanctl.models.common.args import ModelArgs
 
@@ -59,6 +60,12 @@ class Block:
     delta_rule: tuple[int, int, int, int] | None = None
     # Elements per query token of the attention scores the block materializes (heads x keys); 0: a fused kernel.
     attention_scores: int = 0
+    # The same on a rank of context parallel degree cp (``spec.attention_scores`` of the block's layer).
+    scores_under_cp: Callable[[int], int] | None = field(default=None, compare=False)
+
+    def scores(self, cp: int) -> int:
+        """``attention_scores`` on a rank of context parallel degree ``cp``."""
+        return self.attention_scores if cp == 1 or self.scores_under_cp is None else self.scores_under_cp(cp)
 
     def params(self, tp: int, ep: int) -> int:
         """Parameters of this block on one rank of a tp x ep layout (before FSDP sharding)."""
@@ -128,7 +135,7 @@ def model_shape(args: ModelArgs) -> ModelShape:
         rule = ((la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
                 if la is not None and args.is_linear_attention_layer(layer) else None)
         blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears), rule,
-                            spec.attention_scores(args, layer)))
+                            spec.attention_scores(args, layer), functools.partial(spec.attention_scores, args, layer)))
     vocab, dim = shapes["tok_embeddings.weight"]
     tied = "output.weight" in buffers_or_tied
     return ModelShape(
