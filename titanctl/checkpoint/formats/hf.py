@@ -60,13 +60,16 @@ from titanctl.checkpoint.hf.names import (
     structured_pieces,
     to_hub_tensors,
 )
-from titanctl.checkpoint.quantized import mxfp4
+from titanctl.checkpoint.quantized import fp4_experts, mxfp4
 from titanctl.checkpoint.quantized.fp8_blocks import (
     DEFAULT_BLOCK,
+    SCALE_SUFFIX,
     BlockScale,
+    check_scale_values,
     declared_block_size,
     dequantize,
     pair_scales,
+    published_scale_names,
 )
 from titanctl.checkpoint.trust.model_args import check_declared
 from titanctl.checkpoint.trust.paths import check_inside, inside
@@ -88,6 +91,7 @@ _DTYPES = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's UE8M0 block scales
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -202,11 +206,46 @@ class HFSource(Source):
         """Take the FP8 weights' scales out of ``raw`` (they are no weights) into ``scales``, every
         pairing and shape checked from the headers, before any tensor is read or written."""
         config = self.folder / CONFIG_FILE
-        declared = declared_block_size(read_json(config), str(config)) if config.is_file() else None
+        config_json = read_json(config) if config.is_file() else None
+        declared = declared_block_size(config_json, str(config)) if config.is_file() else None
         self.block = declared or DEFAULT_BLOCK
-        self.scales: dict[str, BlockScale] = pair_scales(self.raw, self.block, self.folder)
+        renames = published_scale_names(self.raw)  # DeepSeek-V4's X.scale, read as X.weight_scale_inv
+        for key, name in renames.items():
+            self._stored[name] = self._stored.pop(key, key)
+        self.raw = [(renames.get(key, key), *rest) for key, *rest in self.raw]
+        self.fp4 = self._pair_fp4_experts(fp4_experts.declared(config_json))
+        fp4_keys = {key for pair in self.fp4.items() for key in (pair[0], pair[1].key)}
+        fp8 = pair_scales([entry for entry in self.raw if entry[0] not in fp4_keys], self.block, self.folder,
+                          self._stored)
+        self.scales: dict[str, BlockScale] = {**fp8, **self.fp4}
         scale_keys = {scale.key for scale in self.scales.values()}
         self.raw = [entry for entry in self.raw if entry[0] not in scale_keys]
+
+    def _pair_fp4_experts(self, declared: bool) -> dict[str, BlockScale]:
+        """DeepSeek-V4's packed FP4 experts (``fp4_experts``: int8 beside their UE8M0 scales, when config.json
+        declares ``expert_dtype: fp4``): paired, shapes and scales checked, and put in ``raw`` as the weight
+        each holds (its unpacked shape), apart from the block-FP8 pairs."""
+        by_key = {key: (path, shape, dtype) for key, path, shape, dtype in self.raw}
+        pairs: dict[str, BlockScale] = {}
+        for key, path, shape, dtype in self.raw:
+            scale_key = key + SCALE_SUFFIX
+            if dtype != fp4_experts.PACKED_DTYPE or scale_key not in by_key:
+                continue
+            where = str(path.relative_to(self.folder))
+            if not declared:
+                raise CheckpointError(f"tensor {self._stored.get(key, key)!r} in {where} is int8 beside block scales "
+                                      f"(packed FP4), but config.json does not declare expert_dtype "
+                                      f"{fp4_experts.EXPERT_DTYPE!r}")
+            scale_path, scale, scale_dtype = by_key[scale_key]
+            fp4_experts.check_pair(key, shape, scale_key, scale, where)
+            if not scale_dtype.is_floating_point:
+                raise CheckpointError(f"tensor {scale_key!r} in {where} is {dtype_name(scale_dtype)}: FP4 scales are "
+                                      "real numbers (UE8M0, float8_e8m0fnu, as DeepSeek-V4 stores them)")
+            pairs[key] = BlockScale(scale_key, scale_path)
+        check_scale_values(pairs, self.folder, self._stored)
+        self.raw = [(key, path, fp4_experts.unpacked_shape(shape) if key in pairs else shape, dtype)
+                    for key, path, shape, dtype in self.raw]
+        return pairs
 
     def _pair_mxfp4_blocks(self) -> None:
         """Take MXFP4 blocks and scales out of ``raw`` and put in their place the tensor each pair
@@ -280,11 +319,15 @@ class HFSource(Source):
                 infos.append(TensorInfo(name, shape, torch.float32, name, "(not stored: zeros)"))
         check_complete(infos, args, origin, self.folder)
         self.infos = infos
-        if self.scales:
+        if len(self.scales) > len(self.fp4):
             self.notes.append(
-                f"{len(self.scales)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} with their "
-                f"{self.block[0]}x{self.block[1]} block scales (weight_scale_inv)"
+                f"{len(self.scales) - len(self.fp4)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} "
+                f"with their {self.block[0]}x{self.block[1]} block scales (weight_scale_inv, or DeepSeek-V4's .scale)"
             )
+        if self.fp4:
+            self.notes.append(f"{len(self.fp4)} FP4 expert weights (int8, two E2M1 values a byte) dequantized "
+                              f"exactly to {dtype_name(self.dequantize_to)} with their scales (one per "
+                              f"{fp4_experts.GROUP} values)")
         if self.mxfp4:
             mxfp4.check_dtype(self.dequantize_to)
             self.notes.append(f"{len(self.mxfp4)} MXFP4 weights (*_blocks, *_scales) dequantized exactly to "
@@ -406,6 +449,8 @@ class HFSource(Source):
         # The scales first (small, copied): reading them may close the weight's file.
         scale = self.pages.copy_out(self._tensor(scale_of.path, scale_of.key)).float()
         view = self._tensor(path, key)  # memory-mapped
+        if key in self.fp4:
+            return fp4_experts.dequantize(view, scale, self.dequantize_to, out=out, release=self.pages.release)
         return dequantize(view, scale, self.block, self.dequantize_to, out=out, release=self.pages.release)
 
     def _mxfp4_dequantized(self, entry: mxfp4.Packed) -> torch.Tensor:
