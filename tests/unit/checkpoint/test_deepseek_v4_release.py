@@ -200,3 +200,20 @@ def test_a_broken_release_is_refused_in_one_line_before_anything_is_written(rele
     proc = cli(["convert", folder, tmp_path / "out", "--to", "dcp"], capsys)
     assert proc.returncode == 2 and re.search(message, " ".join(proc.stderr.split())), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_hf_to_dcp_to_hf_gives_the_release_back_bit_for_bit(release, tmp_path, capsys):
+    """The UE8M0 scales ride through DCP as stored; the export divides the dequantized weights by them again:
+    every tensor of the release (FP8, FP4 int8, scales, the rest) bit for bit, and config.json's
+    quantization keys back."""
+    assert cli(["convert", release.path, tmp_path / "dcp", "--to", "dcp"], capsys).returncode in (0, None)
+    proc = cli(["convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf"], capsys)
+    assert proc.returncode in (0, None), proc.stderr
+    stored, back = load_file(release.path / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name].view(torch.uint8),
+                                                                tensor.view(torch.uint8)), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    source = json.loads((release.path / "config.json").read_text())
+    assert config["quantization_config"] == source["quantization_config"] and config["expert_dtype"] == "fp4"

@@ -43,7 +43,7 @@ from titanctl.checkpoint.formats.base import (
 )
 from titanctl.checkpoint.hf import hub_layout
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY, carried, export_config
-from titanctl.checkpoint.hf.hub_layout import HubNaming
+from titanctl.checkpoint.hf.hub_layout import REQUANTIZED_KEY, HubNaming
 from titanctl.checkpoint.hf.names import (
     HF_FILES_KEY,
     IGNORED_HF_SUFFIXES,
@@ -60,9 +60,10 @@ from titanctl.checkpoint.hf.names import (
     structured_pieces,
     to_hub_tensors,
 )
-from titanctl.checkpoint.quantized import fp4_experts, mxfp4
+from titanctl.checkpoint.quantized import fp4_experts, mxfp4, requantize
 from titanctl.checkpoint.quantized.fp8_blocks import (
     DEFAULT_BLOCK,
+    PUBLISHED_SCALE_SUFFIX,
     SCALE_SUFFIX,
     BlockScale,
     check_scale_values,
@@ -219,7 +220,23 @@ class HFSource(Source):
                           self._stored)
         self.scales: dict[str, BlockScale] = {**fp8, **self.fp4}
         scale_keys = {scale.key for scale in self.scales.values()}
+        self._carry_power_of_two_scales(scale_keys)
         self.raw = [entry for entry in self.raw if entry[0] not in scale_keys]
+
+    def _carry_power_of_two_scales(self, scale_keys: set[str]) -> None:
+        """UE8M0 block scales (DeepSeek-V4's release) are carried as stored (``Source.carried``): a Hugging Face
+        export divides its weights by them again (``quantized.requantize``), which gives back the stored FP8 and
+        FP4 bytes of untouched weights, and writes them and the release's quantization keys back."""
+        carried = [(key, path, shape) for key, path, shape, dtype in self.raw
+                   if key in scale_keys and dtype == requantize.UE8M0]
+        for key, path, shape in carried:
+            stored = self._stored.get(key, key)
+            self.carried.append(TensorInfo(stored, shape, requantize.UE8M0, stored, str(path.relative_to(self.folder))))
+            self._carried_files[stored] = path
+        if carried:
+            self.notes.append(f"{len(carried)} UE8M0 block scales carried as stored: a Hugging Face export writes its "
+                              "FP8 and FP4 weights against them again, in the release's format (bit for bit when "
+                              "untouched)")
 
     def _pair_fp4_experts(self, declared: bool) -> dict[str, BlockScale]:
         """DeepSeek-V4's packed FP4 experts (``fp4_experts``: int8 beside their UE8M0 scales, when config.json
@@ -269,7 +286,7 @@ class HFSource(Source):
         where = str(self.folder / CONFIG_FILE)
         config = read_json(self.folder / CONFIG_FILE)
         args = args_from_hf_config(config, where=where)
-        if self.carried:
+        if self.naming.wrapped and self.carried:
             self.notes.append(hub_layout.carried_note([info.name for info in self.carried], config))
         if self.left_out:
             self.notes.append(hub_layout.unread_note(self.left_out, hub_layout.unwrapped_config(config).get(
@@ -367,6 +384,9 @@ class HFSource(Source):
         files = {self._stored.get(key, key): str(path.relative_to(self.folder)) for key, path, *_ in self.raw}
         files.update((info.name, info.where) for info in self.carried)
         layout = file_layout(files, (self.folder / INDEX_FILE).is_file())
+        if any(info.dtype == requantize.UE8M0 for info in self.carried):
+            layout[REQUANTIZED_KEY] = {key: config[key] for key in ("quantization_config", "expert_dtype")
+                                       if key in config}
         if self.naming.wrapped:
             wrapper = hub_layout.wrapper_of(config)
             if wrapper is not None:
@@ -539,8 +559,13 @@ def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None
 
 def carried_written(source: Source, layout: dict[str, Any] | None, text_only: bool) -> list[TensorInfo]:
     """The carried tensors (``Source.carried``) an export writes: all of them, unless ``text_only`` or the
-    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``)."""
-    return [] if text_only or HubNaming.of_layout(layout).wrapper is None else source.carried
+    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``); a release's
+    UE8M0 block scales are written always (``requantize``)."""
+    if text_only:
+        return []
+    if HubNaming.of_layout(layout).wrapper is not None:
+        return source.carried
+    return [info for info in source.carried if info.dtype == requantize.UE8M0]  # a release's block scales
 
 
 # One Hugging Face tensor of a write: its name, the titanctl weights it is made of with each one's slice
@@ -614,9 +639,15 @@ def write(
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
     naming = HubNaming.of_layout(layout)
     infos = {info.name: info for info in source.infos}
-    carried = {info.name: info.nbytes() for info in carried_written(source, layout, text_only)}
+    carried_infos = carried_written(source, layout, text_only)
+    carried = {info.name: info.nbytes() for info in carried_infos}
     names, plan, _order, index_file = _plan(list(infos), lambda name: infos[name].nbytes(dtype), args, layout,
                                             max_shard_size, carried)
+    # {HF weight: its carried UE8M0 scales}: such weights are written in their release's format
+    scale_of = _block_scales_of([info.name for info in carried_infos if info.dtype == requantize.UE8M0])
+    quantization = (layout or {}).get(REQUANTIZED_KEY) or {}
+    block = declared_block_size(quantization, "the checkpoint's file layout") or DEFAULT_BLOCK
+    saturated = 0
     weight_map: dict[str, str] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # titanctl weight -> its HF tensors not yet written
     for file, shard in zip(names, plan, strict=True):
@@ -640,6 +671,9 @@ def write(
                 pieces.sort(key=lambda p: p[0][1])
                 tensors[hf_name] = torch.cat([t for _, t in pieces], dim=pieces[0][0][0])
             del pieces
+            if hf_name in scale_of:
+                written = requantize.against(tensors[hf_name], source.load_carried(scale_of[hf_name]), block)
+                tensors[hf_name], saturated = written.tensor, saturated + written.saturated
             weight_map[hf_name] = file
             progress(hf_name, nbytes)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
@@ -651,9 +685,14 @@ def write(
         args, source_config, dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", token_ids=token_ids,
         default_token_ids=special_token_ids(args), notes=notes,
     )
-    if carried:  # the folder again: the wrapper around the text model
+    if scale_of:  # the release's format again: its quantization keys
+        config.update(quantization)
+        if saturated and notes is not None:
+            notes.append(f"{saturated} weight values beyond their format's largest at the carried block scale were "
+                         "written as that largest (FP8 448, FP4 6 times the scale)")
+    if carried and naming.wrapper is not None:  # the folder again: the wrapper around the text model
         config = naming.wrapped_config(config)
-    elif source.carried and notes is not None:
+    elif source.carried and not scale_of and notes is not None:
         text = config.get("architectures", ["the *ForCausalLM"])[0]
         notes.append(hub_layout.left_out_note([info.name for info in source.carried], text) if text_only else
                      f"{len(source.carried)} carried tensors of a vision-language folder left out: the checkpoint "
@@ -666,6 +705,18 @@ def write(
     if index_file:
         index_data = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
         (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
+
+
+def _block_scales_of(carried: list[str]) -> dict[str, str]:
+    """{HF weight name: the carried scales it is written against} (``X.scale`` or ``X.weight_scale_inv`` of
+    ``X.weight``), of the carried tensors an export writes."""
+    pairs = {}
+    for name in carried:
+        if name.endswith(PUBLISHED_SCALE_SUFFIX):
+            pairs[name.removesuffix(PUBLISHED_SCALE_SUFFIX) + ".weight"] = name
+        elif name.endswith(SCALE_SUFFIX):
+            pairs[name.removesuffix(SCALE_SUFFIX)] = name
+    return pairs
 
 
 def _layer_of(hf_name: str) -> int:
