@@ -93,10 +93,23 @@ def write_release(path: Path, theirs, saved: Path) -> Release:
         q, scale = (quantize_fp4 if kind == "fp4" else quantize_fp8)(w.float())
         tensors[name], tensors[name.removesuffix(".weight") + ".scale"] = q, scale
         dequantized[saved_name] = reference._dequantize_one(q, scale, output_dtype=torch.float32)
+    # The release's prediction depth (mtp.0.*: a block as layer 2's, and its own projections), as stored.
+    mtp = {"mtp.0." + k.removeprefix("layers.2."): v.clone() for k, v in tensors.items() if k.startswith("layers.2.")}
+    e_proj, e_scale = quantize_fp8(torch.randn(32, 32, generator=torch.Generator().manual_seed(2)) / 32**0.5)
+    mtp.update({"mtp.0.e_proj.weight": e_proj, "mtp.0.e_proj.scale": e_scale, "mtp.0.h_proj.weight": e_proj.clone(),
+                "mtp.0.h_proj.scale": e_scale.clone(), "mtp.0.enorm.weight": torch.ones(32, dtype=torch.bfloat16),
+                "mtp.0.hnorm.weight": torch.ones(32, dtype=torch.bfloat16)})
     path.mkdir()
-    save_file(tensors, str(path / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("layers.2.")},
+              str(path / "model-00001-of-00002.safetensors"))
+    save_file({**{k: v for k, v in tensors.items() if k.startswith("layers.2.")}, **mtp},
+              str(path / "model-00002-of-00002.safetensors"))
+    tensors.update(mtp)
+    weight_map = {k: f"model-0000{1 + (k.startswith(('layers.2.', 'mtp.')))}-of-00002.safetensors" for k in tensors}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((saved / "config.json").read_text())
     config["expert_dtype"] = "fp4"
+    config["num_nextn_predict_layers"] = 1
     config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "scale_fmt": "ue8m0", "weight_block_size": list(BLOCK)}
     (path / "config.json").write_text(json.dumps(config))
@@ -119,14 +132,21 @@ def release(tmp_path_factory) -> Release:
     return write_release(root / "release", theirs, root / "saved")
 
 
+def stored(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for path in sorted(folder.glob("*.safetensors")) for k, v in load_file(path).items()}
+
+
 def test_the_folder_holds_the_released_layout(release):
-    with safe_open(str(release.path / "model.safetensors"), framework="pt") as f:
-        dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+    dtypes = {}
+    for path in release.path.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            dtypes.update({key: f.get_slice(key).get_dtype() for key in f.keys()})
     assert dtypes["layers.0.attn.wq_a.weight"] == "F8_E4M3" and dtypes["layers.0.attn.wq_a.scale"] == "F8_E8M0"
     assert dtypes["layers.1.ffn.experts.3.w2.weight"] == "I8" and dtypes["layers.1.ffn.experts.3.w2.scale"] == "F8_E8M0"
     assert dtypes["layers.0.ffn.shared_experts.w1.weight"] == "F8_E4M3"
     assert dtypes["layers.0.attn.compressor.wkv.weight"] == "BF16" and dtypes["embed.weight"] == "BF16"
     assert not any(key.endswith("_scale_inv") or key.startswith("model.") for key in dtypes)
+    assert dtypes["mtp.0.ffn.experts.1.w3.weight"] == "I8" and dtypes["mtp.0.e_proj.scale"] == "F8_E8M0"
 
 
 def test_convert_dequantizes_every_tensor_as_transformers_does(release, tmp_path, capsys):
@@ -174,7 +194,7 @@ def test_a_run_starting_from_the_folder_gives_the_logits_of_transformers_loading
 def _rewrite(release: Release, tmp_path: Path, change) -> Path:
     folder = tmp_path / "broken"
     folder.mkdir()
-    tensors = load_file(release.path / "model.safetensors")
+    tensors = stored(release.path)
     config = json.loads((release.path / "config.json").read_text())
     change(tensors, config)
     save_file(tensors, str(folder / "model.safetensors"))
@@ -209,11 +229,51 @@ def test_hf_to_dcp_to_hf_gives_the_release_back_bit_for_bit(release, tmp_path, c
     assert cli(["convert", release.path, tmp_path / "dcp", "--to", "dcp"], capsys).returncode in (0, None)
     proc = cli(["convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf"], capsys)
     assert proc.returncode in (0, None), proc.stderr
-    stored, back = load_file(release.path / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert back.keys() == stored.keys()
-    for name, tensor in stored.items():
+    source, back = stored(release.path), stored(tmp_path / "back")
+    assert back.keys() == source.keys() and any(k.startswith("mtp.0.") for k in back)
+    for name, tensor in source.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name].view(torch.uint8),
                                                                 tensor.view(torch.uint8)), name
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    source = json.loads((release.path / "config.json").read_text())
-    assert config["quantization_config"] == source["quantization_config"] and config["expert_dtype"] == "fp4"
+    ours = json.loads((release.path / "config.json").read_text())
+    assert config["quantization_config"] == ours["quantization_config"] and config["expert_dtype"] == "fp4"
+    assert config["num_nextn_predict_layers"] == 1
+    files = [sorted(p.name for p in folder.glob("*.safetensors")) for folder in (tmp_path / "back", release.path)]
+    assert files[0] == files[1] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index, theirs = (json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+                     for folder in (tmp_path / "back", release.path))
+    assert index == theirs
+
+
+def test_trained_weights_are_written_as_the_nearest_value_at_the_carried_scale(release):
+    """After training (each weight moved by 1% here), the export writes each value as the nearest one its
+    format holds at its block's carried scale (a saturated value as the largest: 448 or 6 times it), counted."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from titanctl.checkpoint.quantized.requantize import against
+
+    tensors = stored(release.path)
+    fp8_values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    fp8_values = fp8_values[fp8_values.isfinite()]
+    fp4_values = torch.cat([E2M1, -E2M1])
+    gen = torch.Generator().manual_seed(3)
+    checked = {"fp8": 0, "fp4": 0}
+    for name in ("layers.0.attn.wq_a.weight", "layers.2.ffn.shared_experts.w2.weight",
+                 "layers.1.ffn.experts.0.w1.weight", "layers.2.ffn.experts.3.w2.weight"):
+        scale = tensors[name.removesuffix(".weight") + ".scale"]
+        weight = Fp8Dequantize(None)._dequantize_one(tensors[name], scale, output_dtype=torch.float32)
+        trained = (weight * (1 + 0.01 * torch.randn(weight.shape, generator=gen))).to(torch.bfloat16)
+        trained.view(-1)[0] = 1e4  # far beyond its block's range: saturates
+        written = against(trained, scale, BLOCK)
+        back = Fp8Dequantize(None)._dequantize_one(written.tensor, scale, output_dtype=torch.float32)
+        kind = "fp4" if written.tensor.dtype == torch.int8 else "fp8"
+        spread = (scale.float().repeat_interleave(32, -1) if kind == "fp4" else
+                  scale.float().repeat_interleave(BLOCK[0], -2).repeat_interleave(BLOCK[1], -1))
+        grid = (fp4_values if kind == "fp4" else fp8_values)[None, :] * spread.reshape(-1, 1)
+        nearest = (grid - trained.float().reshape(-1, 1)).abs().min(dim=1).values
+        assert torch.equal((back - trained.float()).abs().reshape(-1), nearest), name
+        largest = 6.0 if kind == "fp4" else FP8_MAX
+        assert written.saturated == int((trained.float() / spread).abs().gt(largest).sum()) >= 1  # 1% beyond, too
+        assert back.view(-1)[0] == largest * spread.view(-1)[0]
+        checked[kind] += 1
+    assert checked == {"fp8": 2, "fp4": 2}

@@ -171,10 +171,11 @@ class HFSource(Source):
     def _unwrap(self) -> None:
         """A vision-language folder (``hub_layout``): its text model's tensors renamed as the ``*ForCausalLM``
         spells them (``_stored`` maps back), the parts titanctl does not build set aside: a wrapper's carried as stored
-        (``carried``, ``load_carried``), a published folder's left unread (``left_out``)."""
+        (``carried``, ``load_carried``), as are a published folder's (DeepSeek-V4's ``mtp.*``); a plain
+        ``save_pretrained`` folder's are left unread (``left_out``)."""
         self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
         self._carried_files: dict[str, Path] = {}
-        self.left_out: list[str] = []  # a published folder's parts titanctl does not build: not read
+        self.left_out: list[str] = []  # a plain folder's parts titanctl does not build: not read
         self.naming = HubNaming()
         keys = [key for key, *_ in self.raw]
         if hub_layout.is_wrapped(keys):
@@ -186,7 +187,7 @@ class HFSource(Source):
                 self.naming = naming
         kept = []
         for key, path, shape, dtype in self.raw:
-            if hub_layout.not_built(key) and not self.naming.wrapped:
+            if hub_layout.not_built(key) and self.naming.plain:
                 self.left_out.append(key)
                 continue
             if hub_layout.not_built(key):
@@ -288,6 +289,9 @@ class HFSource(Source):
         args = args_from_hf_config(config, where=where)
         if self.naming.wrapped and self.carried:
             self.notes.append(hub_layout.carried_note([info.name for info in self.carried], config))
+        elif self.naming.prefix == hub_layout.UNPREFIXED and (parts := [info.name for info in self.carried
+                                                                         if hub_layout.not_built(info.name)]):
+            self.notes.append(hub_layout.published_carried_note(parts))
         if self.left_out:
             self.notes.append(hub_layout.unread_note(self.left_out, hub_layout.unwrapped_config(config).get(
                 "architectures", ["the *ForCausalLM"])[0]))
@@ -559,11 +563,12 @@ def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None
 
 def carried_written(source: Source, layout: dict[str, Any] | None, text_only: bool) -> list[TensorInfo]:
     """The carried tensors (``Source.carried``) an export writes: all of them, unless ``text_only`` or the
-    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``); a release's
-    UE8M0 block scales are written always (``requantize``)."""
+    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``) nor a published
+    folder's naming; a release's UE8M0 block scales are written always (``requantize``)."""
     if text_only:
         return []
-    if HubNaming.of_layout(layout).wrapper is not None:
+    naming = HubNaming.of_layout(layout)
+    if naming.wrapper is not None or naming.prefix == hub_layout.UNPREFIXED:
         return source.carried
     return [info for info in source.carried if info.dtype == requantize.UE8M0]  # a release's block scales
 

@@ -19,7 +19,8 @@ text model's ``*ForCausalLM`` config.json (``unwrapped_config``) under the folde
 A family's published folder may also name the decoder without the ``model.`` prefix that ``save_pretrained``
 writes (DeepSeek-V4's: ``layers.{i}.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``), its few top-level
 tensors spelled as the family's ``HFFormat.unprefixed_names`` say (``published_naming``); its
-multi-token-prediction layers (``mtp.*``) are left unread, named in one line, and exports keep its names.
+multi-token-prediction layers (``mtp.*``) are carried unchanged as a wrapper's parts are (stored bytes, FP8 and
+FP4 ones included), named in one line, and exports keep its names and write them back.
 """
 
 from __future__ import annotations
@@ -196,6 +197,12 @@ def _is_wrapper(found: Any) -> bool:
                                                                                              dict)
 
 
+def published_carried_note(carried: list[str]) -> str:
+    """One line naming a published folder's tensors carried unchanged, by part."""
+    return (f"{len(carried)} tensors of the published folder carried unchanged (titanctl does not build them): "
+            f"{_parts(carried)}; a Hugging Face export writes them back under the folder's names")
+
+
 def unread_note(left: list[str], architecture: str) -> str:
     """One line naming a published folder's tensors that were not read (titanctl does not build them)."""
     return (f"{len(left)} tensors of the published folder left unread, titanctl does not build them: {_parts(left)}; "
@@ -222,5 +229,5 @@ def unwrapped_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["CARRIED_PART", "HubNaming", "NAMING_KEY", "REQUANTIZED_KEY", "TEXT_ONLY_FLAG", "carried_note", "is_wrapped",
-           "left_out_note", "naming_only", "not_built", "published_naming", "text_name", "unread_note",
+           "left_out_note", "naming_only", "not_built", "published_carried_note", "published_naming", "text_name", "unread_note",
            "unwrapped_config", "wrapper_of"]
