@@ -228,6 +228,6 @@ def unwrapped_config(config: dict[str, Any]) -> dict[str, Any]:
     return unwrapped
 
 
-__all__ = ["CARRIED_PART", "HubNaming", "NAMING_KEY", "REQUANTIZED_KEY", "TEXT_ONLY_FLAG", "carried_note", "is_wrapped",
-           "left_out_note", "naming_only", "not_built", "published_carried_note", "published_naming", "text_name", "unread_note",
-           "unwrapped_config", "wrapper_of"]
+__all__ = ["CARRIED_PART", "HubNaming", "NAMING_KEY", "REQUANTIZED_KEY", "TEXT_ONLY_FLAG", "carried_note",
+           "is_wrapped", "left_out_note", "naming_only", "not_built", "published_carried_note", "published_naming",
+           "text_name", "unread_note", "unwrapped_config", "wrapper_of"]
