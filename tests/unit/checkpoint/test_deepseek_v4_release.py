@@ -31,6 +31,7 @@ from titanctl.models.deepseek_v4.hf import PUBLISHED_TOP_NAMES
 from titanctl.models.registry import build_model
 
 REFERENCE = next(r for r in REFERENCES if r.family == "deepseek_v4")
+PUBLISHED_TOP_NAMES_BACK = {published: saved for saved, published in PUBLISHED_TOP_NAMES.items()}
 BLOCK = (8, 16)
 FP8, E8M0, FP8_MAX = torch.float8_e4m3fn, torch.float8_e8m0fnu, 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -277,3 +278,22 @@ def test_trained_weights_are_written_as_the_nearest_value_at_the_carried_scale(r
         assert back.view(-1)[0] == largest * spread.view(-1)[0]
         checked[kind] += 1
     assert checked == {"fp8": 2, "fp4": 2}
+
+
+def test_text_only_writes_the_model_alone_unquantized(release, tmp_path, capsys):
+    """--text-only: the model's weights as the checkpoint holds them (bf16), no scales, no mtp.*, and a
+    config.json without the release's quantization keys: a folder transformers reads as unquantized."""
+    assert cli(["convert", release.path, tmp_path / "dcp", "--to", "dcp"], capsys).returncode in (0, None)
+    proc = cli(["convert", tmp_path / "dcp", tmp_path / "plain", "--to", "hf", "--text-only"], capsys)
+    assert proc.returncode in (0, None), proc.stderr
+    left = sum(k.endswith(".scale") or k.startswith("mtp.") for k in stored(release.path))  # 60 scales, 59 mtp.*
+    assert f"--text-only: {left} carried tensors left out" in " ".join(proc.stdout.split()), proc.stdout
+    written = stored(tmp_path / "plain")
+    assert not any(k.endswith(".scale") or k.startswith("mtp.") for k in written)
+    assert {v.dtype for v in written.values() if v.is_floating_point()} <= {torch.bfloat16, torch.float32}
+    ours, args = load_checkpoint(tmp_path / "dcp")
+    assert all(torch.equal(v, ours[k]) for k, v in from_hf_state_dict(
+        {PUBLISHED_TOP_NAMES_BACK.get(k, "model." + k if k.startswith("layers.") else k): v
+         for k, v in written.items()}, args).items() if k in ours)
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "quantization_config" not in config and "expert_dtype" not in config

@@ -697,10 +697,13 @@ def write(
                          "written as that largest (FP8 448, FP4 6 times the scale)")
     if carried and naming.wrapper is not None:  # the folder again: the wrapper around the text model
         config = naming.wrapped_config(config)
-    elif source.carried and not scale_of and notes is not None:
+    elif (left := [info.name for info in source.carried if info.name not in carried]) and notes is not None:
         text = config.get("architectures", ["the *ForCausalLM"])[0]
-        notes.append(hub_layout.left_out_note([info.name for info in source.carried], text) if text_only else
-                     f"{len(source.carried)} carried tensors of a vision-language folder left out: the checkpoint "
+        notes.append(hub_layout.left_out_note(left, text) if text_only and naming.wrapped else
+                     f"{hub_layout.TEXT_ONLY_FLAG}: {len(left)} carried tensors left out (a release's block scales "
+                     f"and its parts titanctl does not build); the export is the model alone ({text}), its weights "
+                     "unquantized" if text_only else
+                     f"{len(left)} carried tensors of a vision-language folder left out: the checkpoint "
                      f"records no wrapper config.json to write them under; the export is the text model ({text})")
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     total = sum(n for shard in plan for *_, n in shard)
