@@ -80,8 +80,8 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     """A tiny folder in the published layout (save_pretrained's tensors renamed: layers.{i}.*, embed.weight,
     norm.weight, hc_head_fn, ...; plus a multi-token-prediction tensor): transformers loads it with nothing
     missing, titanctl reads the same tensors as from save_pretrained's folder (into a fresh model: the folder's
-    hash table replaces the seeded one, and the logits are transformers'), leaves mtp.* unread in one line, and
-    an export (HF -> DCP -> HF) writes the Hub's names back bit for bit."""
+    hash table replaces the seeded one, and the logits are transformers'), carries mtp.* unchanged (one line
+    says so), and an export (HF -> DCP -> HF) writes the Hub's names back bit for bit, mtp.* included."""
     import transformers
 
     theirs.save_pretrained(tmp_path / "saved")
@@ -95,9 +95,9 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     save_file({**hub, "mtp.0.norm.weight": torch.ones(32)}, str(tmp_path / "hub" / "model.safetensors"))
     report = convert_checkpoint(tmp_path / "hub", tmp_path / "dcp", dst_format="dcp")
-    assert report.notes == ["1 tensors of the published folder left unread, titanctl does not build them: mtp.* (1, "
-                            "the multi-token-prediction head); an export is the model without them "
-                            "(DeepseekV4ForCausalLM, under the folder's names)"]
+    assert report.notes == ["1 tensors of the published folder carried unchanged (titanctl does not build them): "
+                            "mtp.* (1, the multi-token-prediction head); a Hugging Face export writes them back "
+                            "under the folder's names"]
     with torch.device("meta"):  # an initial load (train --checkpoint.initial_load_path): a fresh model's table
         model = build_model(args_of(theirs))
     model.to_empty(device="cpu").init_buffers("cpu")
@@ -110,8 +110,8 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     saved = from_hf_state_dict(REFERENCE.hf_state_dict(theirs), args)  # what save_pretrained's names read to
     assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in saved)
     convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
-    back = load_file(tmp_path / "back" / "model.safetensors")
-    assert back.keys() == hub.keys() and all(torch.equal(back[k], hub[k]) for k in hub)
+    back, hub = load_file(tmp_path / "back" / "model.safetensors"), load_file(tmp_path / "hub" / "model.safetensors")
+    assert back.keys() == hub.keys() and all(torch.equal(back[k], hub[k]) for k in hub)  # mtp.0.norm.weight too
 
 
 def test_the_hash_table_stays_int64_through_a_bf16_export_and_a_float_one_is_refused(theirs, tmp_path):

@@ -43,7 +43,7 @@ from titanctl.checkpoint.formats.base import (
 )
 from titanctl.checkpoint.hf import hub_layout
 from titanctl.checkpoint.hf.carried_config import HF_CONFIG_KEY, carried, export_config
-from titanctl.checkpoint.hf.hub_layout import HubNaming
+from titanctl.checkpoint.hf.hub_layout import REQUANTIZED_KEY, HubNaming
 from titanctl.checkpoint.hf.names import (
     HF_FILES_KEY,
     IGNORED_HF_SUFFIXES,
@@ -60,13 +60,17 @@ from titanctl.checkpoint.hf.names import (
     structured_pieces,
     to_hub_tensors,
 )
-from titanctl.checkpoint.quantized import mxfp4
+from titanctl.checkpoint.quantized import fp4_experts, mxfp4, requantize
 from titanctl.checkpoint.quantized.fp8_blocks import (
     DEFAULT_BLOCK,
+    PUBLISHED_SCALE_SUFFIX,
+    SCALE_SUFFIX,
     BlockScale,
+    check_scale_values,
     declared_block_size,
     dequantize,
     pair_scales,
+    published_scale_names,
 )
 from titanctl.checkpoint.trust.model_args import check_declared
 from titanctl.checkpoint.trust.paths import check_inside, inside
@@ -88,6 +92,7 @@ _DTYPES = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # DeepSeek-V4's UE8M0 block scales
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -166,10 +171,11 @@ class HFSource(Source):
     def _unwrap(self) -> None:
         """A vision-language folder (``hub_layout``): its text model's tensors renamed as the ``*ForCausalLM``
         spells them (``_stored`` maps back), the parts titanctl does not build set aside: a wrapper's carried as stored
-        (``carried``, ``load_carried``), a published folder's left unread (``left_out``)."""
+        (``carried``, ``load_carried``), as are a published folder's (DeepSeek-V4's ``mtp.*``); a plain
+        ``save_pretrained`` folder's are left unread (``left_out``)."""
         self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
         self._carried_files: dict[str, Path] = {}
-        self.left_out: list[str] = []  # a published folder's parts titanctl does not build: not read
+        self.left_out: list[str] = []  # a plain folder's parts titanctl does not build: not read
         self.naming = HubNaming()
         keys = [key for key, *_ in self.raw]
         if hub_layout.is_wrapped(keys):
@@ -181,7 +187,7 @@ class HFSource(Source):
                 self.naming = naming
         kept = []
         for key, path, shape, dtype in self.raw:
-            if hub_layout.not_built(key) and not self.naming.wrapped:
+            if hub_layout.not_built(key) and self.naming.plain:
                 self.left_out.append(key)
                 continue
             if hub_layout.not_built(key):
@@ -202,11 +208,62 @@ class HFSource(Source):
         """Take the FP8 weights' scales out of ``raw`` (they are no weights) into ``scales``, every
         pairing and shape checked from the headers, before any tensor is read or written."""
         config = self.folder / CONFIG_FILE
-        declared = declared_block_size(read_json(config), str(config)) if config.is_file() else None
+        config_json = read_json(config) if config.is_file() else None
+        declared = declared_block_size(config_json, str(config)) if config.is_file() else None
         self.block = declared or DEFAULT_BLOCK
-        self.scales: dict[str, BlockScale] = pair_scales(self.raw, self.block, self.folder)
+        renames = published_scale_names(self.raw)  # DeepSeek-V4's X.scale, read as X.weight_scale_inv
+        for key, name in renames.items():
+            self._stored[name] = self._stored.pop(key, key)
+        self.raw = [(renames.get(key, key), *rest) for key, *rest in self.raw]
+        self.fp4 = self._pair_fp4_experts(fp4_experts.declared(config_json))
+        fp4_keys = {key for pair in self.fp4.items() for key in (pair[0], pair[1].key)}
+        fp8 = pair_scales([entry for entry in self.raw if entry[0] not in fp4_keys], self.block, self.folder,
+                          self._stored)
+        self.scales: dict[str, BlockScale] = {**fp8, **self.fp4}
         scale_keys = {scale.key for scale in self.scales.values()}
+        self._carry_power_of_two_scales(scale_keys)
         self.raw = [entry for entry in self.raw if entry[0] not in scale_keys]
+
+    def _carry_power_of_two_scales(self, scale_keys: set[str]) -> None:
+        """UE8M0 block scales (DeepSeek-V4's release) are carried as stored (``Source.carried``): a Hugging Face
+        export divides its weights by them again (``quantized.requantize``), which gives back the stored FP8 and
+        FP4 bytes of untouched weights, and writes them and the release's quantization keys back."""
+        carried = [(key, path, shape) for key, path, shape, dtype in self.raw
+                   if key in scale_keys and dtype == requantize.UE8M0]
+        for key, path, shape in carried:
+            stored = self._stored.get(key, key)
+            self.carried.append(TensorInfo(stored, shape, requantize.UE8M0, stored, str(path.relative_to(self.folder))))
+            self._carried_files[stored] = path
+        if carried:
+            self.notes.append(f"{len(carried)} UE8M0 block scales carried as stored: a Hugging Face export writes its "
+                              "FP8 and FP4 weights against them again, in the release's format (bit for bit when "
+                              "untouched)")
+
+    def _pair_fp4_experts(self, declared: bool) -> dict[str, BlockScale]:
+        """DeepSeek-V4's packed FP4 experts (``fp4_experts``: int8 beside their UE8M0 scales, when config.json
+        declares ``expert_dtype: fp4``): paired, shapes and scales checked, and put in ``raw`` as the weight
+        each holds (its unpacked shape), apart from the block-FP8 pairs."""
+        by_key = {key: (path, shape, dtype) for key, path, shape, dtype in self.raw}
+        pairs: dict[str, BlockScale] = {}
+        for key, path, shape, dtype in self.raw:
+            scale_key = key + SCALE_SUFFIX
+            if dtype != fp4_experts.PACKED_DTYPE or scale_key not in by_key:
+                continue
+            where = str(path.relative_to(self.folder))
+            if not declared:
+                raise CheckpointError(f"tensor {self._stored.get(key, key)!r} in {where} is int8 beside block scales "
+                                      f"(packed FP4), but config.json does not declare expert_dtype "
+                                      f"{fp4_experts.EXPERT_DTYPE!r}")
+            scale_path, scale, scale_dtype = by_key[scale_key]
+            fp4_experts.check_pair(key, shape, scale_key, scale, where)
+            if not scale_dtype.is_floating_point:
+                raise CheckpointError(f"tensor {scale_key!r} in {where} is {dtype_name(scale_dtype)}: FP4 scales are "
+                                      "real numbers (UE8M0, float8_e8m0fnu, as DeepSeek-V4 stores them)")
+            pairs[key] = BlockScale(scale_key, scale_path)
+        check_scale_values(pairs, self.folder, self._stored)
+        self.raw = [(key, path, fp4_experts.unpacked_shape(shape) if key in pairs else shape, dtype)
+                    for key, path, shape, dtype in self.raw]
+        return pairs
 
     def _pair_mxfp4_blocks(self) -> None:
         """Take MXFP4 blocks and scales out of ``raw`` and put in their place the tensor each pair
@@ -230,8 +287,11 @@ class HFSource(Source):
         where = str(self.folder / CONFIG_FILE)
         config = read_json(self.folder / CONFIG_FILE)
         args = args_from_hf_config(config, where=where)
-        if self.carried:
+        if self.naming.wrapped and self.carried:
             self.notes.append(hub_layout.carried_note([info.name for info in self.carried], config))
+        elif self.naming.prefix == hub_layout.UNPREFIXED and (parts := [info.name for info in self.carried
+                                                                         if hub_layout.not_built(info.name)]):
+            self.notes.append(hub_layout.published_carried_note(parts))
         if self.left_out:
             self.notes.append(hub_layout.unread_note(self.left_out, hub_layout.unwrapped_config(config).get(
                 "architectures", ["the *ForCausalLM"])[0]))
@@ -280,11 +340,15 @@ class HFSource(Source):
                 infos.append(TensorInfo(name, shape, torch.float32, name, "(not stored: zeros)"))
         check_complete(infos, args, origin, self.folder)
         self.infos = infos
-        if self.scales:
+        if len(self.scales) > len(self.fp4):
             self.notes.append(
-                f"{len(self.scales)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} with their "
-                f"{self.block[0]}x{self.block[1]} block scales (weight_scale_inv)"
+                f"{len(self.scales) - len(self.fp4)} FP8 weights dequantized to {dtype_name(self.dequantize_to)} "
+                f"with their {self.block[0]}x{self.block[1]} block scales (weight_scale_inv, or DeepSeek-V4's .scale)"
             )
+        if self.fp4:
+            self.notes.append(f"{len(self.fp4)} FP4 expert weights (int8, two E2M1 values a byte) dequantized "
+                              f"exactly to {dtype_name(self.dequantize_to)} with their scales (one per "
+                              f"{fp4_experts.GROUP} values)")
         if self.mxfp4:
             mxfp4.check_dtype(self.dequantize_to)
             self.notes.append(f"{len(self.mxfp4)} MXFP4 weights (*_blocks, *_scales) dequantized exactly to "
@@ -324,6 +388,9 @@ class HFSource(Source):
         files = {self._stored.get(key, key): str(path.relative_to(self.folder)) for key, path, *_ in self.raw}
         files.update((info.name, info.where) for info in self.carried)
         layout = file_layout(files, (self.folder / INDEX_FILE).is_file())
+        if any(info.dtype == requantize.UE8M0 for info in self.carried):
+            layout[REQUANTIZED_KEY] = {key: config[key] for key in ("quantization_config", "expert_dtype")
+                                       if key in config}
         if self.naming.wrapped:
             wrapper = hub_layout.wrapper_of(config)
             if wrapper is not None:
@@ -406,6 +473,8 @@ class HFSource(Source):
         # The scales first (small, copied): reading them may close the weight's file.
         scale = self.pages.copy_out(self._tensor(scale_of.path, scale_of.key)).float()
         view = self._tensor(path, key)  # memory-mapped
+        if key in self.fp4:
+            return fp4_experts.dequantize(view, scale, self.dequantize_to, out=out, release=self.pages.release)
         return dequantize(view, scale, self.block, self.dequantize_to, out=out, release=self.pages.release)
 
     def _mxfp4_dequantized(self, entry: mxfp4.Packed) -> torch.Tensor:
@@ -494,8 +563,14 @@ def write_order(names: list[str], args: ModelArgs, layout: dict[str, Any] | None
 
 def carried_written(source: Source, layout: dict[str, Any] | None, text_only: bool) -> list[TensorInfo]:
     """The carried tensors (``Source.carried``) an export writes: all of them, unless ``text_only`` or the
-    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``)."""
-    return [] if text_only or HubNaming.of_layout(layout).wrapper is None else source.carried
+    layout records no wrapper config to write them under (``hub_layout.HubNaming.wrapper``) nor a published
+    folder's naming; a release's UE8M0 block scales are written always (``requantize``)."""
+    if text_only:
+        return []
+    naming = HubNaming.of_layout(layout)
+    if naming.wrapper is not None or naming.prefix == hub_layout.UNPREFIXED:
+        return source.carried
+    return [info for info in source.carried if info.dtype == requantize.UE8M0]  # a release's block scales
 
 
 # One Hugging Face tensor of a write: its name, the titanctl weights it is made of with each one's slice
@@ -569,9 +644,15 @@ def write(
         raise CheckpointError(f"--max-shard-size must be positive, got {max_shard_size}")
     naming = HubNaming.of_layout(layout)
     infos = {info.name: info for info in source.infos}
-    carried = {info.name: info.nbytes() for info in carried_written(source, layout, text_only)}
+    carried_infos = carried_written(source, layout, text_only)
+    carried = {info.name: info.nbytes() for info in carried_infos}
     names, plan, _order, index_file = _plan(list(infos), lambda name: infos[name].nbytes(dtype), args, layout,
                                             max_shard_size, carried)
+    # {HF weight: its carried UE8M0 scales}: such weights are written in their release's format
+    scale_of = _block_scales_of([info.name for info in carried_infos if info.dtype == requantize.UE8M0])
+    quantization = (layout or {}).get(REQUANTIZED_KEY) or {}
+    block = declared_block_size(quantization, "the checkpoint's file layout") or DEFAULT_BLOCK
+    saturated = 0
     weight_map: dict[str, str] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}  # titanctl weight -> its HF tensors not yet written
     for file, shard in zip(names, plan, strict=True):
@@ -595,6 +676,9 @@ def write(
                 pieces.sort(key=lambda p: p[0][1])
                 tensors[hf_name] = torch.cat([t for _, t in pieces], dim=pieces[0][0][0])
             del pieces
+            if hf_name in scale_of:
+                written = requantize.against(tensors[hf_name], source.load_carried(scale_of[hf_name]), block)
+                tensors[hf_name], saturated = written.tensor, saturated + written.saturated
             weight_map[hf_name] = file
             progress(hf_name, nbytes)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
@@ -606,12 +690,20 @@ def write(
         args, source_config, dtype=out_dtypes[0] if len(out_dtypes) == 1 else "float32", token_ids=token_ids,
         default_token_ids=special_token_ids(args), notes=notes,
     )
-    if carried:  # the folder again: the wrapper around the text model
+    if scale_of:  # the release's format again: its quantization keys
+        config.update(quantization)
+        if saturated and notes is not None:
+            notes.append(f"{saturated} weight values beyond their format's largest at the carried block scale were "
+                         "written as that largest (FP8 448, FP4 6 times the scale)")
+    if carried and naming.wrapper is not None:  # the folder again: the wrapper around the text model
         config = naming.wrapped_config(config)
-    elif source.carried and notes is not None:
+    elif (left := [info.name for info in source.carried if info.name not in carried]) and notes is not None:
         text = config.get("architectures", ["the *ForCausalLM"])[0]
-        notes.append(hub_layout.left_out_note([info.name for info in source.carried], text) if text_only else
-                     f"{len(source.carried)} carried tensors of a vision-language folder left out: the checkpoint "
+        notes.append(hub_layout.left_out_note(left, text) if text_only and naming.wrapped else
+                     f"{hub_layout.TEXT_ONLY_FLAG}: {len(left)} carried tensors left out (a release's block scales "
+                     f"and its parts titanctl does not build); the export is the model alone ({text}), its weights "
+                     "unquantized" if text_only else
+                     f"{len(left)} carried tensors of a vision-language folder left out: the checkpoint "
                      f"records no wrapper config.json to write them under; the export is the text model ({text})")
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     total = sum(n for shard in plan for *_, n in shard)
@@ -621,6 +713,18 @@ def write(
     if index_file:
         index_data = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
         (folder / INDEX_FILE).write_text(json.dumps(index_data, indent=2) + "\n")
+
+
+def _block_scales_of(carried: list[str]) -> dict[str, str]:
+    """{HF weight name: the carried scales it is written against} (``X.scale`` or ``X.weight_scale_inv`` of
+    ``X.weight``), of the carried tensors an export writes."""
+    pairs = {}
+    for name in carried:
+        if name.endswith(PUBLISHED_SCALE_SUFFIX):
+            pairs[name.removesuffix(PUBLISHED_SCALE_SUFFIX) + ".weight"] = name
+        elif name.endswith(SCALE_SUFFIX):
+            pairs[name.removesuffix(SCALE_SUFFIX)] = name
+    return pairs
 
 
 def _layer_of(hf_name: str) -> int:

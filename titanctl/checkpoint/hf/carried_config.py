@@ -28,6 +28,8 @@ DROPPED_KEYS = {
     "transformers_version": "the version of transformers that wrote the source's file; titanctl writes the export",
     "quantization_config": "block-quantized FP8 and MXFP4 weights are dequantized when read: the export is not "
                            "quantized",
+    "expert_dtype": "DeepSeek-V4's FP4 experts (its release declares them at the top level) are dequantized when "
+                    "read: the export's experts are not FP4",
     "auto_map": "names remote-code files of the source folder, which are not carried",
     "_name_or_path": "where the source was loaded from",
     "_commit_hash": "the source's Hub revision",

@@ -19,7 +19,8 @@ text model's ``*ForCausalLM`` config.json (``unwrapped_config``) under the folde
 A family's published folder may also name the decoder without the ``model.`` prefix that ``save_pretrained``
 writes (DeepSeek-V4's: ``layers.{i}.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``), its few top-level
 tensors spelled as the family's ``HFFormat.unprefixed_names`` say (``published_naming``); its
-multi-token-prediction layers (``mtp.*``) are left unread, named in one line, and exports keep its names.
+multi-token-prediction layers (``mtp.*``) are carried unchanged as a wrapper's parts are (stored bytes, FP8 and
+FP4 ones included), named in one line, and exports keep its names and write them back.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ UNPREFIXED = ""  # the same decoder in a published folder without the prefix (De
 # Parts of a wrapper titanctl does not build (carried unchanged): what each is, for the notes that name them.
 NOT_BUILT = {"model.visual.": "the vision encoder", "mtp.": "the multi-token-prediction head"}
 NAMING_KEY = "hub_naming"  # in a file layout (formats.hf.file_layout)
+# Also in a file layout: the config.json keys of a release whose UE8M0 block scales are carried
+# (quantization_config, expert_dtype), written back with its weights in its format (quantized.requantize).
+REQUANTIZED_KEY = "requantized"
 CARRIED_PART = "hf_carried"  # the DCP entries of the carried tensors: f"{CARRIED_PART}.{stored name}"
 TEXT_ONLY_FLAG = "--text-only"
 # Keys of the wrapper's text_config that unwrapped_config replaces (kept as the wrapper had them).
@@ -120,9 +124,10 @@ class HubNaming:
 
 
 def naming_only(layout: Any) -> dict[str, Any] | None:
-    """Of a file layout, only its naming (an export into new shards keeps the folder's names, not its files)."""
-    if isinstance(layout, dict) and NAMING_KEY in layout:
-        return {NAMING_KEY: layout[NAMING_KEY]}
+    """Of a file layout, only its naming and its release's quantization keys (an export into new shards keeps
+    the folder's names and format, not its files)."""
+    if isinstance(layout, dict) and (NAMING_KEY in layout or REQUANTIZED_KEY in layout):
+        return {key: layout[key] for key in (NAMING_KEY, REQUANTIZED_KEY) if key in layout}
     return None
 
 
@@ -192,6 +197,12 @@ def _is_wrapper(found: Any) -> bool:
                                                                                              dict)
 
 
+def published_carried_note(carried: list[str]) -> str:
+    """One line naming a published folder's tensors carried unchanged, by part."""
+    return (f"{len(carried)} tensors of the published folder carried unchanged (titanctl does not build them): "
+            f"{_parts(carried)}; a Hugging Face export writes them back under the folder's names")
+
+
 def unread_note(left: list[str], architecture: str) -> str:
     """One line naming a published folder's tensors that were not read (titanctl does not build them)."""
     return (f"{len(left)} tensors of the published folder left unread, titanctl does not build them: {_parts(left)}; "
@@ -217,6 +228,6 @@ def unwrapped_config(config: dict[str, Any]) -> dict[str, Any]:
     return unwrapped
 
 
-__all__ = ["CARRIED_PART", "HubNaming", "NAMING_KEY", "TEXT_ONLY_FLAG", "carried_note", "is_wrapped",
-           "left_out_note", "naming_only", "not_built", "published_naming", "text_name", "unread_note",
-           "unwrapped_config", "wrapper_of"]
+__all__ = ["CARRIED_PART", "HubNaming", "NAMING_KEY", "REQUANTIZED_KEY", "TEXT_ONLY_FLAG", "carried_note",
+           "is_wrapped", "left_out_note", "naming_only", "not_built", "published_carried_note", "published_naming",
+           "text_name", "unread_note", "unwrapped_config", "wrapper_of"]

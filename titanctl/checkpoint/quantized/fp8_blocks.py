@@ -28,12 +28,15 @@ import torch
 from titanctl.errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv, X.gate_up_proj -> X.gate_up_proj_scale_inv
+# DeepSeek-V4's release: X.weight beside X.scale (read as X.weight_scale_inv: ``published_scale_names``).
+PUBLISHED_SCALE_SUFFIX = ".scale"
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's, and transformers' default when the config names none
 QUANT_METHOD = "fp8"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # What a scale may be stored as: real numbers (DeepSeek-V3 and transformers store float32). An integer
 # scale (an int64 tensor of ones, say) would read as a number but is no quantizer's output.
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# DeepSeek-V4 stores UE8M0 (float8_e8m0fnu: a power of two a byte).
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e8m0fnu)
 
 Stored = tuple[str, Path, tuple[int, ...], torch.dtype]  # (key, file, shape, dtype) from a header
 
@@ -84,11 +87,27 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[
     return (*leading, -(-rows // block[0]), -(-cols // block[1]))
 
 
-def pair_scales(stored: Iterable[Stored], block: tuple[int, int], folder: Path) -> dict[str, BlockScale]:
+def published_scale_names(stored: Iterable[Stored]) -> dict[str, str]:
+    """{``X.scale``: ``X.weight_scale_inv``} for the scales of a folder that spells them as DeepSeek-V4's
+    release does: a ``.scale`` beside an ``X.weight`` that is FP8 (or int8: FP4 experts). Any other
+    ``.scale`` (a norm's, say) is no block scale and keeps its name."""
+    stored = list(stored)
+    quantized = {key for key, _path, _shape, dtype in stored if dtype in (*FP8_DTYPES, torch.int8)}
+    renames = {}
+    for key, *_ in stored:
+        weight = key.removesuffix(PUBLISHED_SCALE_SUFFIX) + ".weight"
+        if key.endswith(PUBLISHED_SCALE_SUFFIX) and weight in quantized:
+            renames[key] = weight + SCALE_SUFFIX
+    return renames
+
+
+def pair_scales(stored: Iterable[Stored], block: tuple[int, int], folder: Path,
+                file_names: dict[str, str] | None = None) -> dict[str, BlockScale]:
     """{FP8 weight key: its scales} for the tensors of a folder, every pairing, shape and value checked
     (one-line errors naming the tensor and both shapes): an FP8 weight without scales, scales without
     their weight or beside a weight that is not FP8, scales of the wrong shape or dtype, and scales
-    that are not all finite and positive are refused."""
+    that are not all finite and positive are refused. ``file_names``: how the files spell the keys that
+    ``stored`` renames (a published folder's)."""
     stored = list(stored)
     by_key = {key: (path, shape, dtype) for key, path, shape, dtype in stored}
     pairs: dict[str, BlockScale] = {}
@@ -123,11 +142,11 @@ def pair_scales(stored: Iterable[Stored], block: tuple[int, int], folder: Path) 
         if dtype in FP8_DTYPES and key not in pairs:
             raise CheckpointError(f"FP8 tensor {key!r} in {path.relative_to(folder)} (shape {shape}) has no "
                                   f"{key + SCALE_SUFFIX!r}: block-quantized weights need their scales")
-    check_scale_values(pairs, folder)
+    check_scale_values(pairs, folder, file_names)
     return pairs
 
 
-def check_scale_values(pairs: dict[str, BlockScale], folder: Path) -> None:
+def check_scale_values(pairs: dict[str, BlockScale], folder: Path, file_names: dict[str, str] | None = None) -> None:
     """Every scale finite and > 0 (each is a block's largest |weight| over the FP8 maximum), read one
     tensor at a time, each file opened once; a one-line error names the tensor, the block and the value."""
     from safetensors import SafetensorError, safe_open
@@ -139,7 +158,7 @@ def check_scale_values(pairs: dict[str, BlockScale], folder: Path) -> None:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key, weight_key in keys:
-                    scale = f.get_tensor(key)
+                    scale = f.get_tensor((file_names or {}).get(key, key)).float()  # UE8M0 has no isfinite of its own
                     bad = ~(torch.isfinite(scale) & (scale > 0))
                     if bad.any():
                         block = tuple(bad.nonzero()[0].tolist())
@@ -190,6 +209,6 @@ def dequantize(
 
 
 __all__ = [
-    "DEFAULT_BLOCK", "BlockScale", "check_scale_values", "declared_block_size", "dequantize", "pair_scales",
-    "scale_shape",
+    "DEFAULT_BLOCK", "PUBLISHED_SCALE_SUFFIX", "BlockScale", "check_scale_values", "declared_block_size",
+    "dequantize", "pair_scales", "published_scale_names", "scale_shape",
 ]

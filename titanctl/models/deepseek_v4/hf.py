@@ -12,7 +12,8 @@ checkpoint's table replaces titanctl's seeded one) and the other layers' ``ffn.g
 (transformers' ``e_score_correction_bias``). Multi-token prediction is not built for the family:
 ``num_nextn_predict_layers`` (transformers writes 1 without weights) is carried, not read. The Hub's published
 folder drops the ``model.`` prefix (``layers.{i}.*``, ``embed.weight``, ``hc_head_fn``: ``PUBLISHED_TOP_NAMES``,
-read through ``titanctl.checkpoint.hf.hub_layout``); its FP8 block weights and FP4 experts are not read.
+read through ``titanctl.checkpoint.hf.hub_layout``); its FP8 block weights (``X.scale`` beside ``X.weight``) and
+FP4 experts are dequantized when read (``titanctl.checkpoint.quantized.fp4_experts`` names the sources).
 """
 
 from __future__ import annotations
