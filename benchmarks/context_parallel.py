@@ -124,7 +124,8 @@ def train_run(nproc: int, overrides: list[str], folder: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:  # the first line naming an error, not torchrun's closing banner
         lines = (proc.stderr + proc.stdout).splitlines()
-        cause = next((line for line in lines if "Error" in line or line.startswith("error")), lines[-1] if lines else "")
+        errors = [line for line in lines if "Error" in line or line.startswith("error")]
+        cause = (errors or lines or [""])[0 if errors else -1]
         return {"error": cause.strip()[:200]}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     later = rows[1:] or rows
