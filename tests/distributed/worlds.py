@@ -135,8 +135,10 @@ class Worlds:
         return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
     def _run(self, nproc: int, asked: str | None) -> None:
-        cases = [c for c in _CASES.values()
-                 if c.nproc == nproc and (c.always or c.key in self.selected or c.key == asked)]
+        # A world for one case that no selected test named runs that case alone: the session's world of
+        # ``nproc`` ran the others into their folders, which another xdist worker may be reading or rerunning.
+        cases = [c for c in _CASES.values() if c.nproc == nproc and (
+            c.key == asked if asked is not None else c.always or c.key in self.selected)]
         for prepare in dict.fromkeys(c.prepare for c in cases if c.prepare is not None):
             prepare(self.root)
         plan = [{"key": c.key, "args": [a.replace(ROOT, str(self.root)) for a in c.args], "grads": c.grads,
