@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.parallel.thread_ranks import run_ranks
+from tests.unit.parallel.thread_ranks import FakeMesh, ThreadGather, run_ranks
 from titanctl.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
 from titanctl.models.deepseek_v4.model import DeepseekV4
 from titanctl.parallel.layouts.context_parallel import load_balanced_order
@@ -33,32 +32,6 @@ ARGS = DeepseekV4Args(
     mlp_layer_types=("hash_moe", "moe", "moe"), indexer_loss_coeff=0.5)
 SEQ = 32
 LAYER = "0"  # the CSA layer
-
-
-class FakeMesh:
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
-
-
-class ThreadGather:
-    """The all-gather of cp threads: each hands its (2, ...) pieces, all get the (2cp, ...) cat in rank order."""
-
-    def __init__(self, cp: int):
-        self.barrier = threading.Barrier(cp, timeout=60)
-        self.slots: list = [None] * cp
-
-    def __call__(self, rank: int, pieces: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = pieces
-        self.barrier.wait()
-        every = torch.cat(self.slots)
-        self.barrier.wait()  # nobody overwrites a slot before every rank read it
-        return every
 
 
 def model_and_tokens():

@@ -7,12 +7,10 @@ their pieces (one autograd graph, one backward), so what is checked is the scan 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from tests.unit.parallel.thread_ranks import run_ranks
+from tests.unit.parallel.thread_ranks import FakeMesh, ThreadGather, run_ranks
 from titanctl.errors import ParallelError
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
@@ -21,32 +19,6 @@ from titanctl.parallel.layouts.context_parallel import load_balanced_order
 from titanctl.parallel.layouts.linear_attention_cp import GatedDeltaNetScan
 
 SEQ = 32
-
-
-class FakeMesh:
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
-
-
-class ThreadGather:
-    """The all-gather of cp threads: each hands its (2, ...) pieces, all get the (2cp, ...) cat in rank order."""
-
-    def __init__(self, cp: int):
-        self.barrier = threading.Barrier(cp, timeout=30)
-        self.slots: list = [None] * cp
-
-    def __call__(self, rank: int, pieces: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = pieces
-        self.barrier.wait()
-        every = torch.cat(self.slots)
-        self.barrier.wait()  # nobody overwrites a slot before every rank read it
-        return every
 
 
 def layer() -> GatedDeltaNet:

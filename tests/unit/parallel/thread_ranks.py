@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import torch
+
 
 def run_ranks(cp: int, rank: Callable[[int], None], barrier: threading.Barrier) -> None:
     """``rank(r)`` for every r in a thread of its own; the first rank's failure is raised here, after
@@ -25,3 +27,31 @@ def run_ranks(cp: int, rank: Callable[[int], None], barrier: threading.Barrier) 
         t.join()
     if errors:
         raise errors[0]
+
+
+class FakeMesh:
+    """A device mesh of one dimension as a thread rank sees it: its size and this rank."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+class ThreadGather:
+    """The all-gather of cp threads: each hands its (2, ...) pieces, all get the (2cp, ...) cat in rank order."""
+
+    def __init__(self, cp: int):
+        self.barrier = threading.Barrier(cp, timeout=60)
+        self.slots: list = [None] * cp
+
+    def __call__(self, rank: int, pieces: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = pieces
+        self.barrier.wait()
+        every = torch.cat(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank read it
+        return every
