@@ -214,10 +214,10 @@ def delta_rule_bytes_per_token(block: Block, tp: int, act: int) -> float:
 
 
 # Copies of a rank's own key/value shard that CP keeps per block beyond one process's tensors, whatever the method
-# and the degree (estimate-memory: 2.6-2.8 shards per layer for the Llama debug model in fp32 at CP 2, 4, 8, 2.1-2.2 for Llama 3.1
-# 8B in bf16 at CP 2, 4; torch's ring under a causal
-# mask, the masked ring under documents and Ulysses alike): each method's saved inputs, the masked ring's stacked
-# K/V and the one shard visiting at a time. None of them holds the whole sequence's keys (O(S / cp)).
+# and the degree: each method's saved inputs, the masked ring's stacked K/V, the one shard visiting at a time. None
+# holds the whole sequence's keys (O(S / cp)). Measured by estimate-memory (torch's ring under a causal mask, the
+# masked ring under documents and Ulysses alike): 2.6-2.8 shards per layer for the Llama debug model in fp32 at
+# CP 2, 4 and 8, 2.1-2.2 for Llama 3.1 8B in bf16 at CP 2 and 4.
 CP_KV_COPIES = 2.5
 
 
