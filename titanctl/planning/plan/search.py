@@ -168,7 +168,8 @@ class Planner:
         seq = cfg.training.seq_len
         self.flops_per_token = spec_of(self.args).flops_per_token(self.args, seq)
         self.dtype = cfg.training.mixed_precision_param
-        self.cost = CostModel(self.shape, Setting.of_model(device, self.dtype, self.args, seq))
+        self.cost = CostModel(self.shape, Setting.of_model(device, self.dtype, self.args, seq,
+                                                           cfg.model.attn_mask_type))
         self.ranks = memory_model.Ranks(self.shape)
         self.adapters = memory_model.adapters_of(self.args, cfg.lora) if cfg.lora.enable else None
         self.masks = memory_model.masks_of(self.args, cfg.model.attn_mask_type, device.target)
