@@ -97,7 +97,7 @@ class Model:
         "Training attention mask: causal (a token sees every earlier token of its window) or block_causal "
         "(document masking: a token sees only the earlier tokens of its own document; a document starts at "
         "each BOS token, so the tokenizer needs one). Generation is always causal (a prompt is one "
-        "document); estimate-memory refuses block_causal.",
+        "document); estimate-memory models block_causal on --device cpu only.",
         choices=("causal", "block_causal"),
     )
     mtp_layers: int = opt(
