@@ -110,6 +110,6 @@ def test_equals_full_attention_fp64(kind, ring, ulysses, kv_heads, sinks):
 ])
 def test_refusals_in_one_line(heads, tp, cp, ulysses, message):
     with pytest.raises(ParallelError, match=message) as e:
-        check_ulysses_ring(heads, tp, cp, ulysses)
+        check_ulysses_ring(cp, ulysses, heads, tp)
     assert "\n" not in str(e.value)
     assert check_ulysses_ring(8, 2, 8, 2) == 4

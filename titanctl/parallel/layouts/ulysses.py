@@ -41,7 +41,7 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import AttentionKernel
 from titanctl.parallel.layouts.context_parallel import buffers_cut_in_place
 
-METHODS = ("ring", "ulysses")
+METHODS = ("ring", "ulysses", "ulysses_ring")
 HEAD_DIM, SEQ_DIM = 1, 2  # of q, k, v and the output inside the kernel: (B, H, T, head_dim)
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
