@@ -113,3 +113,43 @@ def test_refusals_in_one_line(heads, tp, cp, ulysses, message):
         check_ulysses_ring(cp, ulysses, heads, tp)
     assert "\n" not in str(e.value)
     assert check_ulysses_ring(8, 2, 8, 2) == 4
+
+
+def test_the_config_refuses_a_ulysses_degree_elsewhere_and_reads_it_as_mesh_dims():
+    from titanctl.config.job_config import Parallelism
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    p = Parallelism(context_parallel_degree=4, context_parallel_ulysses_degree=2)
+    with pytest.raises(ParallelError, match="context_parallel_ulysses_degree = 2 needs context_parallel_method = "
+                                            "ulysses_ring, not ring"):
+        ParallelDims.from_config(p, 4)
+    p.context_parallel_method = "ulysses_ring"
+    dims = ParallelDims.from_config(p, 8)
+    assert (dims.cp, dims.cp_ulysses, dims.dp_shard) == (4, 2, 2)
+    p.context_parallel_ulysses_degree = 1
+    with pytest.raises(ParallelError, match="needs context_parallel_ulysses_degree >= 2"):
+        ParallelDims.from_config(p, 8)
+
+
+def test_check_layout_refuses_heads_that_do_not_split():
+    from tests.conftest import REPO
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    cfg = load_config(REPO / "recipes" / "llama3_debug.toml", [
+        "--parallelism.context_parallel_degree", "8", "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.context_parallel_method", "ulysses_ring", "--parallelism.context_parallel_ulysses_degree", "4",
+        "--training.seq_len", "64"])
+    args = model_args_from_config(cfg.model, 2048, 64)  # 8 heads: TP 2 x Ulysses 4 leaves 1 each, fine
+    cfg.compile.enable = True
+    with pytest.raises(ParallelError, match="ulysses_ring does not run under compile.enable") as e:
+        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 16), args)
+    assert "\n" not in str(e.value)
+    cfg.compile.enable = False
+    check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 16), args)
+    cfg.parallelism.context_parallel_degree, cfg.parallelism.context_parallel_ulysses_degree = 16, 8
+    with pytest.raises(ParallelError, match="n_heads = 8 is not divisible by tensor_parallel_degree x "
+                                            "context_parallel_ulysses_degree = 2 x 8"):
+        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 32), args)

@@ -93,6 +93,10 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len)
     elif dims.cp > 1 and p.context_parallel_method == "ulysses_ring":
         check_ulysses_ring(dims.cp, dims.cp_ulysses, args.n_heads, dims.tp)
+        if cfg.compile.enable:  # blocks compile whole (fullgraph): its all-to-alls and sends run eagerly
+            raise ParallelError("context_parallel_method = ulysses_ring does not run under compile.enable (its "
+                                "attention runs eagerly inside a whole-graph compiled block); "
+                                "use compile.enable = false")
         check_ulysses(args, dims.tp, dims.cp_ulysses, cfg.training.seq_len)  # attention layers only
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
     elif dims.cp > 1:
