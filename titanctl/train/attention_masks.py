@@ -79,8 +79,10 @@ class MicrobatchMasks:
         args = model_parts[0].args if model_parts else None
         # ulysses_ring: every kernel runs the masked ring over the ring groups, causal ones too (ulysses_ring.py)
         hybrid = dims.cp > 1 and dims.cp_ulysses > 1
-        layered = args is not None and (needs_layer_masks(args) or hybrid)
-        window = (args.sliding_window or 0) if dims.cp > 1 and layered else None
+        layered = args is not None and needs_layer_masks(args)
+        window = args.sliding_window if dims.cp > 1 and layered else None
+        if hybrid and window is None:  # masks by layer type, the causal one too (no sliding layers: window 0)
+            layered, window = True, 0
         causal = cfg.model.attn_mask_type == "causal"
         balance = {"cp": dims.cp, "windows": _layer_windows(args)}
         # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.

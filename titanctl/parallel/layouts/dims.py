@@ -56,16 +56,16 @@ class ParallelDims:
                 f"expert_parallel_degree = {ep} must divide data_parallel_shard_degree {shard} x "
                 f"context_parallel_degree {cp} = {shard * cp}: experts are split over those ranks"
             )
-        ulysses = cfg.context_parallel_ulysses_degree
-        if cfg.context_parallel_method != "ulysses_ring" and ulysses != 1:
-            raise ParallelError(f"context_parallel_ulysses_degree = {ulysses} needs context_parallel_method = "
-                                f"ulysses_ring, not {cfg.context_parallel_method}")
-        if cfg.context_parallel_method == "ulysses_ring" and cp > 1:
-            from titanctl.parallel.layouts.ulysses_ring import check_ulysses_ring
+        ulysses = 1
+        if cp > 1:  # (the CP keys are read only where CP runs: commands without it refuse them)
+            method, ulysses = cfg.context_parallel_method, cfg.context_parallel_ulysses_degree
+            if method == "ulysses_ring":
+                from titanctl.parallel.layouts.ulysses_ring import check_ulysses_ring
 
-            check_ulysses_ring(cp, ulysses)  # the degrees; the heads are checked with the model (check_layout)
-        else:
-            ulysses = 1
+                check_ulysses_ring(cp, ulysses)  # the degrees; the heads are checked with the model (check_layout)
+            elif ulysses != 1:
+                raise ParallelError(f"context_parallel_ulysses_degree = {ulysses} needs context_parallel_method = "
+                                    f"ulysses_ring, not {method}")
         return cls(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world_size, ep=ep,
                    cp_ulysses=ulysses)
 
