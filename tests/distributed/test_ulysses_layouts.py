@@ -6,7 +6,9 @@ One case per family x mask, CP 2 unless said: Llama's documents under CP 4 (its 
 repeated to 4 so that every rank's 2 query heads find theirs), Llama causal composed with TP 2 (1
 key/value head per TP rank, repeated to 2 for CP), gpt-oss causal and with documents
 (sinks cut with the heads; sliding and full layers under their masks over the whole sequence),
-DeepSeek-V3 causal and with documents (latent attention: per-head q, k, v after the up projection).
+DeepSeek-V3 causal and with documents (latent attention: per-head q, k, v after the up projection), and
+the hybrid ``ulysses_ring`` under Llama's documents at CP 4 = ring 2 x Ulysses 2 (each pair of neighbouring
+ranks all-to-alls its heads, the two pairs run the masked ring; titanctl/parallel/layouts/ulysses_ring.py).
 Every case also runs FSDP, over the CP ranks (ParallelDims folds cp into the shard dims). The Llama
 causal reference is test_layouts.py's, gpt-oss's and DeepSeek-V3's are test_family_layouts.py's; the
 cases share their torchrun worlds.
@@ -51,9 +53,15 @@ def ulysses(cp: int) -> list[str]:
     return ["--parallelism.context_parallel_degree", str(cp), "--parallelism.context_parallel_method", "ulysses"]
 
 
+def ulysses_ring(ring: int, inner: int) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(ring * inner), "--parallelism.context_parallel_method",
+            "ulysses_ring", "--parallelism.context_parallel_ulysses_degree", str(inner)]
+
+
 # (id, reference, processes, local batch, overrides); global batch is 8 sequences everywhere.
 LAYOUTS = [
     ("llama_documents_cp4", "llama_documents", 4, 8, ulysses(4)),
+    ("llama_documents_ring2_ulysses2", "llama_documents", 4, 8, ulysses_ring(2, 2)),
     ("llama_tp2_cp2", "llama", 4, 8, [*ulysses(2), "--parallelism.tensor_parallel_degree", "2"]),
     ("gpt_oss_cp2", "gpt_oss", 2, 8, ulysses(2)),
     ("gpt_oss_documents_cp2", "gpt_oss_documents", 2, 8, ulysses(2)),

@@ -93,6 +93,7 @@ NOT_READ: dict[str, dict[str, str]] = {
         "parallelism.pipeline_parallel_microbatch_size": "it refuses pipeline parallelism",
         "parallelism.context_parallel_rotate_method": "it refuses context parallelism",
         "parallelism.context_parallel_method": "it refuses context parallelism",
+        "parallelism.context_parallel_ulysses_degree": "it refuses context parallelism",
         "parallelism.context_parallel_load_balancer": "it refuses context parallelism",
         "float8.*": "its sampler and trainer compute in training.mixed_precision_param",
         "moe.*": "it moves no expert bias and adds no auxiliary loss",

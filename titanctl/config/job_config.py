@@ -97,7 +97,7 @@ class Model:
         "Training attention mask: causal (a token sees every earlier token of its window) or block_causal "
         "(document masking: a token sees only the earlier tokens of its own document; a document starts at "
         "each BOS token, so the tokenizer needs one). Generation is always causal (a prompt is one "
-        "document); estimate-memory refuses block_causal.",
+        "document); estimate-memory models block_causal on --device cpu only.",
         choices=("causal", "block_causal"),
     )
     mtp_layers: int = opt(
@@ -322,9 +322,19 @@ class Parallelism:
     context_parallel_method: str = opt(
         "ring",
         "How attention is split over the context parallel ranks: ring (each rank keeps its queries, keys and "
-        "values circulate; context_parallel_rotate_method says how) or ulysses (two all-to-alls per attention: "
-        "each rank attends over the whole sequence for n_heads / (tp x cp) heads).",
-        choices=("ring", "ulysses"),
+        "values circulate; context_parallel_rotate_method says how), ulysses (two all-to-alls per attention: "
+        "each rank attends over the whole sequence for n_heads / (tp x cp) heads) or ulysses_ring (the hybrid: "
+        "Ulysses' all-to-alls over context_parallel_ulysses_degree neighbouring ranks, the masked ring over the "
+        "cp / that groups for n_heads / (tp x that) heads).",
+        choices=("ring", "ulysses", "ulysses_ring"),
+    )
+    context_parallel_ulysses_degree: int = opt(
+        1,
+        "Under context_parallel_method = ulysses_ring: the Ulysses ranks of each ring group (neighbouring ranks, "
+        "inside a node where it fits). At least 2, smaller than context_parallel_degree and dividing it, and "
+        "dividing n_heads / tensor_parallel_degree; the ring runs over context_parallel_degree / this. Any "
+        "other method takes 1.",
+        min=1,
     )
     context_parallel_rotate_method: str = opt(
         "allgather", "How ring attention exchanges K/V (context_parallel_method = ring).",

@@ -69,6 +69,7 @@ class MicrobatchMasks:
     cp: int = 1  # the context parallel degree
     balancer: str = "head_tail"  # parallelism.context_parallel_load_balancer (Gated DeltaNet: head_tail)
     windows: tuple[int | None, ...] = (None,)  # per softmax-attention layer: its sliding window, None full
+    cp_ulysses: int = 1  # ulysses_ring: the Ulysses ranks of a ring group, which attend the group's queries
 
     @classmethod
     def build(
@@ -79,8 +80,12 @@ class MicrobatchMasks:
         args = model_parts[0].args if model_parts else None
         # Layers that read their neighbours through sequence_pieces (DeepSeek-V4's) take no mask under CP either.
         own_pieces = dims.cp > 1 and any(holds_sequence_pieces(part) for part in model_parts)
+        # ulysses_ring: every kernel runs the masked ring over the ring groups, causal ones too (ulysses_ring.py)
+        hybrid = dims.cp > 1 and dims.cp_ulysses > 1
         layered = args is not None and needs_layer_masks(args) and not own_pieces
         window = args.sliding_window if dims.cp > 1 and layered else None
+        if hybrid and window is None:  # masks by layer type, the causal one too (no sliding layers: window 0)
+            layered, window = True, 0
         causal = cfg.model.attn_mask_type == "causal"
         balance = {"cp": dims.cp, "windows": _layer_windows(args)}
         # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.
@@ -96,12 +101,15 @@ class MicrobatchMasks:
             )
         ulysses = dims.cp > 1 and cfg.parallelism.context_parallel_method == "ulysses"
         cp_mesh = None
-        if dims.cp > 1 and not ulysses:
+        if hybrid:  # the masks of each ring group's queries (its Ulysses ranks' positions) over all keys
+            cp_mesh = dims.mesh["cp_ring"]
+        elif dims.cp > 1 and not ulysses:
             cp_mesh = dims.mesh["cp"]
             for part in model_parts:
                 enable_document_context_parallel(part, cp_mesh)
         return cls(bos_id=None if causal else bos_id, cp_mesh=cp_mesh, by_positions=by_positions and not causal,
-                   window=window, dense=layered, ulysses=ulysses, **balance)
+                   window=window, dense=layered, ulysses=ulysses, cp_ulysses=dims.cp_ulysses if hybrid else 1,
+                   **balance)
 
     def cp_order(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every position of the microbatch in the order the CP ranks hold them, when this rank keeps its
@@ -129,6 +137,10 @@ class MicrobatchMasks:
         work = self.work(inputs, positions)
         if self.ulysses:
             return work.sum().expand(self.cp) / self.cp
+        if self.cp_ulysses > 1:  # a ring group's work, shared by its Ulysses ranks head by head
+            order = load_balanced_order(inputs.shape[1], self.cp) if order is None else order
+            groups = rank_work(work, order, self.cp // self.cp_ulysses)
+            return (groups / self.cp_ulysses).repeat_interleave(self.cp_ulysses)
         return rank_work(work, load_balanced_order(inputs.shape[1], self.cp) if order is None else order, self.cp)
 
     def __call__(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
@@ -168,7 +180,10 @@ class MicrobatchMasks:
         distance = q_positions[:, None] - kv_positions[None, :]  # (T / cp, T) query minus key position
         if full is None:
             full = (distance >= 0)[None, None]  # (1, 1, T / cp, T)
-        return {"full_attention": full, "sliding_attention": full & (distance < self.window)}
+        masks = {"full_attention": full}
+        if self.window:  # (ulysses_ring runs models without sliding layers here too: window 0)
+            masks["sliding_attention"] = full & (distance < self.window)
+        return masks
 
 
 def _layer_windows(args) -> tuple[int | None, ...]:

@@ -544,3 +544,28 @@ def test_ulysses_is_estimated_by_running_its_all_to_alls():
     # per layer, k and v as 1 head x 1024 positions x 32 channels (fp32) where the ring keeps 2 heads x 256
     repeated = 2 * 2 * (1024 - 2 * 256) * 32 * 4
     assert ulysses.categories["activations"] - ring.categories["activations"] == pytest.approx(repeated, rel=0.2)
+
+
+def test_each_context_parallel_method_holds_its_own_masks():
+    """A document mask (block_causal, on CPU: dense bools) under CP 4: the masked ring keeps its queries' rows,
+    (S / cp) x S bytes; Ulysses' kernels see every query, so a rank holds the whole S x S mask and the CPU kernel's
+    float copy of it per layer (fp32: 4 bytes a pair), as one process does. The plan's fast path charges each method what this measures."""
+    from titanctl.planning.plan.candidates import Candidate
+    from titanctl.planning.plan.memory_model import Masks
+
+    seq, cp = 2048, 4
+    args = ["--model.n_layers", "1", "--training.seq_len", str(seq), "--training.local_batch_size", "1",
+            "--parallelism.context_parallel_degree", str(cp), "--activation_checkpoint.mode", "none"]
+    held = {}
+    for method in ("ring", "ulysses"):
+        runs = [estimate("recipes/llama3_debug.toml", cp, [*args, "--parallelism.context_parallel_method", method,
+                                                           "--model.attn_mask_type", mask], device="cpu")
+                for mask in ("causal", "block_causal")]
+        held[method] = runs[1].categories["activations"] - runs[0].categories["activations"]
+    # the ring's less by 112 bytes a local token: the masked ring keeps a little less K/V than torch's causal ring
+    assert held["ring"] == pytest.approx(seq * seq / cp - 112 * seq / cp, rel=0.01)
+    assert held["ulysses"] == pytest.approx((1 + 4) * seq * seq, rel=0.01)
+    fast = Masks(with_cp=1, without_cp=1, kernel_copy=True)
+    for method, measured in held.items():
+        charged = fast.bytes(Candidate(1, 1, 1, 1, cp, 1, 1, 1, cp_method=method), seq, layers=1, act=4)
+        assert charged == pytest.approx(measured, rel=0.06), method

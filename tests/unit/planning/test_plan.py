@@ -178,6 +178,28 @@ def test_context_parallel_is_costed_by_its_method():
     assert found.rejected["ulysses context parallel splits the heads"] > 0, found.rejected
 
 
+def test_the_plan_takes_the_cp_method_that_moves_fewer_bytes():
+    """Per block and rank, over the same link: the ring moves 3 (cp - 1) / cp x S x kv bytes (K/V forward, again
+    and their gradients backward; the masked ring 3 + r shifts, r the share of forwards AC recomputes), Ulysses
+    (2 + r) (cp - 1) / cp^2 x S x (2 q + kv) (q, k, v and the output). So where the heads allow Ulysses it wins
+    once cp > (2 + r)(2 q + kv) / (3 kv), masked (3 + r); Llama 3.1 8B (q 4096, kv 2048), full AC (r = 1): from
+    cp 5 under a causal mask, from cp 4 under documents. Otherwise the ring is the faster."""
+    from titanctl.planning.plan.search import Planner
+
+    path = REPO / "recipes" / "llama3_8b.toml"
+    q, kv, r = 4096, 2048, 1.0
+    for mask, shifts in (("causal", 3), ("block_causal", 3 + r)):
+        planner = Planner(str(path), load_config(path, ["--training.seq_len", "131072", "--model.attn_mask_type",
+                                                        mask]), H100)
+        exchange = "cp ring exchange" if mask == "causal" else "cp masked ring sends"
+        for cp in (2, 4, 8):
+            times = {m: planner.evaluate(Candidate(1, 8 // cp, 1, 1, cp, 1, 1, 1, ac="full", cp_method=m), 8 // cp)
+                     for m in ("ring", "ulysses")}
+            faster = min(times, key=lambda m: times[m].time.step)
+            assert faster == ("ulysses" if cp > (2 + r) * (2 * q + kv) / (shifts * kv) else "ring"), (mask, cp)
+            assert exchange in times["ring"].time.terms
+
+
 # ------------------------------------------------------------------------------- the plan
 
 

@@ -42,6 +42,7 @@ from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.sequence_pieces import enable_sequence_pieces
 from titanctl.parallel.layouts.tensor_parallel import apply_tp, check_tp
 from titanctl.parallel.layouts.ulysses import check_ulysses, enable_ulysses
+from titanctl.parallel.layouts.ulysses_ring import check_ulysses_ring, enable_ulysses_ring
 from titanctl.parallel.layouts.weight_init import initialize_weights
 
 
@@ -91,6 +92,14 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         check_pipelined_cp(cfg, args, dims)
     if dims.cp > 1 and p.context_parallel_method == "ulysses":
         check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len)
+    elif dims.cp > 1 and p.context_parallel_method == "ulysses_ring":
+        check_ulysses_ring(dims.cp, dims.cp_ulysses, args.n_heads, dims.tp)
+        if cfg.compile.enable:  # blocks compile whole (fullgraph): its all-to-alls and sends run eagerly
+            raise ParallelError("context_parallel_method = ulysses_ring does not run under compile.enable (its "
+                                "attention runs eagerly inside a whole-graph compiled block); "
+                                "use compile.enable = false")
+        check_ulysses(args, dims.tp, dims.cp_ulysses, cfg.training.seq_len)  # attention layers only
+        check_cp_divisibility(cfg.training.seq_len, dims.cp)
     elif dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
         check_linear_attention_cp(args, cfg.training.seq_len, dims.cp)
@@ -166,6 +175,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_p
         freeze_base(model)  # TP and EP give replicated modules new Parameters, which require gradients
     if dims.cp > 1 and p.context_parallel_method == "ulysses":
         enable_ulysses(model, dims.mesh["cp"])
+    elif dims.cp > 1 and p.context_parallel_method == "ulysses_ring":
+        enable_ulysses_ring(model, dims.mesh["cp_ulysses"], dims.mesh["cp_ring"])
     apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
         apply_compile(model)

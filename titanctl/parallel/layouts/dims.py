@@ -26,6 +26,7 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1  # expert parallel: a split of dp_shard x cp, not a dimension of its own
+    cp_ulysses: int = 1  # ulysses_ring: cp read as cp_ring x cp_ulysses (Ulysses innermost); 1 otherwise
 
     @classmethod
     def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -55,7 +56,18 @@ class ParallelDims:
                 f"expert_parallel_degree = {ep} must divide data_parallel_shard_degree {shard} x "
                 f"context_parallel_degree {cp} = {shard * cp}: experts are split over those ranks"
             )
-        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world_size, ep=ep)
+        ulysses = 1
+        if cp > 1:  # (the CP keys are read only where CP runs: commands without it refuse them)
+            method, ulysses = cfg.context_parallel_method, cfg.context_parallel_ulysses_degree
+            if method == "ulysses_ring":
+                from titanctl.parallel.layouts.ulysses_ring import check_ulysses_ring
+
+                check_ulysses_ring(cp, ulysses)  # the degrees; the heads are checked with the model (check_layout)
+            elif ulysses != 1:
+                raise ParallelError(f"context_parallel_ulysses_degree = {ulysses} needs context_parallel_method = "
+                                    f"ulysses_ring, not {method}")
+        return cls(pp=pp, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world_size, ep=ep,
+                   cp_ulysses=ulysses)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -90,12 +102,20 @@ class ParallelDims:
     def mesh(self):
         """The world mesh over the dims of size > 1, plus flattened combinations (see mesh_for)."""
         names = [n for n in MESH_DIMS if self.degrees[n] > 1] or ["dp_shard"]
+        sizes = {**self.degrees, "cp_ring": self.cp // self.cp_ulysses, "cp_ulysses": self.cp_ulysses}
+        if self.cp_ulysses > 1:  # ulysses_ring: cp as (ring, ulysses), flattened back to "cp" below
+            names = [m for n in names for m in (("cp_ring", "cp_ulysses") if n == "cp" else (n,))]
         with peers.connecting():
-            mesh = init_device_mesh(device_type(), [self.degrees[n] for n in names], mesh_dim_names=tuple(names))
-        for parts in (("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp")):
+            mesh = init_device_mesh(device_type(), [sizes[n] for n in names], mesh_dim_names=tuple(names))
+        combos = (("dp_replicate", "dp_shard"), ("dp_shard", "cp"), ("dp_replicate", "dp_shard", "cp"))
+        if self.cp_ulysses > 1:
+            combos = (("cp",), *combos)
+        for parts in combos:
             present = [p for p in parts if self.degrees[p] > 1]
-            if len(present) > 1:
-                _torch_compat.flatten_mesh(mesh[tuple(present)], "_".join(present))
+            dims = [m for n in present for m in (("cp_ring", "cp_ulysses") if n == "cp" and self.cp_ulysses > 1
+                                                 else (n,))]
+            if len(dims) > 1:
+                _torch_compat.flatten_mesh(mesh[tuple(dims)], "_".join(present))
         return mesh
 
     def mesh_for(self, *parts: str):

@@ -41,7 +41,7 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import AttentionKernel
 from titanctl.parallel.layouts.context_parallel import buffers_cut_in_place
 
-METHODS = ("ring", "ulysses")
+METHODS = ("ring", "ulysses", "ulysses_ring")
 HEAD_DIM, SEQ_DIM = 1, 2  # of q, k, v and the output inside the kernel: (B, H, T, head_dim)
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
@@ -83,19 +83,22 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
-def sequence_to_heads(x: Tensor, group, cp: int) -> Tensor:
-    """(B, H, T / cp, d) on each rank -> (B, H / cp, T, d): rank r's heads r*H/cp.., positions in rank order."""
+def sequence_to_heads(x: Tensor, group, cp: int, all_to_all=None) -> Tensor:
+    """(B, H, T / cp, d) on each rank -> (B, H / cp, T, d): rank r's heads r*H/cp.., positions in rank order.
+    ``all_to_all``: an autograd all-to-all of dim 0 to use instead of ``group``'s (in-process tests' threads)."""
     b, h, t, d = x.shape
     chunks = x.view(b, cp, h // cp, t, d).transpose(0, 1)  # (cp: the heads' rank, B, H / cp, T / cp, d)
-    got = _AllToAll.apply(chunks, group)  # (cp: the positions' rank, B, H / cp, T / cp, d)
+    got = _AllToAll.apply(chunks, group) if all_to_all is None else all_to_all(chunks)
+    # (cp: the positions' rank, B, H / cp, T / cp, d)
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
 
 
-def heads_to_sequence(x: Tensor, group, cp: int) -> Tensor:
+def heads_to_sequence(x: Tensor, group, cp: int, all_to_all=None) -> Tensor:
     """(B, H / cp, T, d) -> (B, H, T / cp, d): the inverse of ``sequence_to_heads``."""
     b, h, t, d = x.shape
     chunks = x.view(b, h, cp, t // cp, d).permute(2, 0, 1, 3, 4)  # (cp: the positions' rank, B, H / cp, T / cp, d)
-    got = _AllToAll.apply(chunks, group)  # (cp: the heads' rank, B, H / cp, T / cp, d)
+    got = _AllToAll.apply(chunks, group) if all_to_all is None else all_to_all(chunks)
+    # (cp: the heads' rank, B, H / cp, T / cp, d)
     return got.transpose(0, 1).reshape(b, h * cp, t // cp, d)
 
 

@@ -33,6 +33,9 @@ network: a group whose ranks span nodes runs at the network's speed) as latency 
   forward, the same backward (and again for recomputed forwards); exposed, but for the share
   ``async_tp_overlap`` x ``overlap`` that async TP hides behind its split matmuls;
 - CP: ring: all-gathers of keys and of values forward and backward, reduce-scatters of their gradients;
+  under a mask (documents, windows, sinks) the masked ring instead: cp - 1 point-to-point shifts of the rank's
+  K/V shard forward (again for a recomputed forward), and of the shard and its dK/dV partials backward, without
+  DTensor's host time (every block counted: the plan does not know where documents fall);
   Ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward (recomputed
   forwards again), and none of the ring's DTensor host time;
 - EP: all-to-all dispatch and combine of each MoE layer's routed tokens, forward and backward;
@@ -89,10 +92,11 @@ class Setting:
     attention_flops_per_token_layer: float  # forward + backward, as the model counts them
     kv_width: int  # key + value channels per token (all heads)
     q_width: int = 0  # query channels per token (all heads): Ulysses sends them, and the output as wide
+    masked: bool = False  # attention under a mask (documents, sliding windows, sinks): ring CP runs the masked ring
 
     @classmethod
-    def of_model(cls, device: Device, dtype: str, args, seq_len: int) -> Setting:
-        """The setting of a model (its ModelArgs) at ``seq_len`` tokens per sequence."""
+    def of_model(cls, device: Device, dtype: str, args, seq_len: int, attn_mask_type: str = "causal") -> Setting:
+        """The setting of a model (its ModelArgs) at ``seq_len`` tokens per sequence under ``attn_mask_type``."""
         from titanctl.models.common.flops import active_params
         from titanctl.models.registry import spec_of
 
@@ -100,7 +104,8 @@ class Setting:
         mla = args.mla
         kv = args.n_heads * (mla.qk_head_dim + mla.v_head_dim) if mla is not None else 2 * args.kv_heads * args.head_dim
         q = args.n_heads * (mla.qk_head_dim if mla is not None else args.head_dim)
-        return cls(device, dtype, seq_len, attention, kv, q)
+        masked = attn_mask_type != "causal" or args.attention_sinks or "sliding_attention" in args.layer_types
+        return cls(device, dtype, seq_len, attention, kv, q, masked)
 
 
 def collective_time(device: Device, kind: str, nbytes: float, n: int, inter_node: bool) -> float:
@@ -253,7 +258,7 @@ class CostModel:
                     host_time += dtensor
                     if not d.host_runs_ahead:  # on GPUs it hides behind the kernels it queues
                         term("tp DTensor host time", count * dtensor)
-                if c.cp > 1 and c.cp_method == "ring":
+                if c.cp > 1 and c.cp_method == "ring" and not self.s.masked:
                     # The ring: 2 cp attention calls forward and 4 cp backward, each with DTensor dispatch.
                     ring = 6 * c.cp * d.dtensor_op_us * 1e-6 * (1 + recompute)
                     host_time += ring
@@ -278,6 +283,16 @@ class CostModel:
                     block_comm += cp_comm
                     block_exposed += cp_comm
                     term("cp ulysses all-to-alls", count * cp_comm)
+                elif c.cp > 1 and self.s.masked:
+                    # The masked ring: at each of cp - 1 steps this rank's K/V shard (keys and values side by side)
+                    # goes point to point to the rank whose queries see it, forward (again for a recomputed forward),
+                    # and in backward again with each block's dK/dV partial sent back to its owner. The blocks a
+                    # mask leaves empty are not sent; where documents fall is the data's, so every block counts.
+                    shard = tokens * self.s.kv_width / c.tp * elem
+                    cp_comm = (c.cp - 1) * (3 + recompute) * collective_time(d, "p2p", shard, 2, cp_inter)
+                    block_comm += cp_comm
+                    block_exposed += cp_comm
+                    term("cp masked ring sends", count * cp_comm)
                 elif c.cp > 1:  # keys and values (each) gathered forward and backward, their gradients reduce-scattered
                     kv = tokens * c.cp * self.s.kv_width / 2 / c.tp * elem
                     cp_comm = 2 * (2 * collective_time(d, "all_gather", kv, c.cp, cp_inter)

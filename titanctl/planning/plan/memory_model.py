@@ -15,7 +15,8 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   before their reduce-scatter (plus an fp32 copy when reduced in fp32); under pipelining parameters
   stay gathered and gradients unsharded for the whole step (``fsdp_reshard_after_forward`` default);
 - activations saved for backward, per token and block: what each matmul's backward needs (the linears' outputs
-  that later ops keep, the attention output, the SwiGLU product, CP's gathered keys and values, a Gated
+  that later ops keep, the attention output, the SwiGLU product, CP's copies of the rank's keys and values
+  (``CP_KV_COPIES``, O(S / cp) under every method: no method gathers the whole sequence's), a Gated
   DeltaNet's chunked delta rule's own tensors), the norms' inputs and outputs and their fp32 copies, and under
   TP with sequence parallel the gathered inputs of the column-wise linears; activation checkpointing keeps
   only block inputs (full), every second block's (selective 2), or the attention output and every odd-numbered
@@ -28,6 +29,9 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   microbatches each schedule keeps alive on a rank (1F1B: up to pp; GPipe and LoopedBFS: all of
   them; interleaved: the warm-up's (v - 1) x pp + 2 x (pp - 1) chunks), each with its stage's input
   and output;
+- the step's dense attention masks (``Masks``): none under a causal mask; a document mask or gpt-oss's masks by
+  layer type as bools, (S / cp) x S a sequence under the masked ring, S x S under Ulysses and one process (plus
+  the CPU kernel's float copy per attention layer, kept for its backward);
 - the loss (rank of the last stage): the logits in the compute dtype and the log-softmax's fp32
   output, two fp32 temporaries of their size in its backward (three under loss parallel), the final
   norm's tensors;
@@ -209,6 +213,52 @@ def delta_rule_bytes_per_token(block: Block, tp: int, act: int) -> float:
     return (heads * (rule + around) + key_heads * 2 * act * dk) / tp
 
 
+# Copies of a rank's own key/value shard that CP keeps per block beyond one process's tensors, whatever the method
+# and the degree: each method's saved inputs, the masked ring's stacked K/V, the one shard visiting at a time. None
+# holds the whole sequence's keys (O(S / cp)). Measured by estimate-memory (torch's ring under a causal mask, the
+# masked ring under documents and Ulysses alike): 2.6-2.8 shards per layer for the Llama debug model in fp32 at
+# CP 2, 4 and 8, 2.1-2.2 for Llama 3.1 8B in bf16 at CP 2 and 4.
+CP_KV_COPIES = 2.5
+
+
+@dataclass(frozen=True)
+class Masks:
+    """The dense bool masks a step builds (``model.attn_mask_type``, gpt-oss's masks by layer type): how many
+    under context parallelism and without it (0: a causal mask, or FlexAttention's block masks), and whether the
+    target's attention kernel keeps a float copy of the mask for its backward (torch's CPU SDPA)."""
+    with_cp: int = 0
+    without_cp: int = 0
+    kernel_copy: bool = False
+
+    def bytes(self, c: Candidate, seq_len: int, layers: int, act: int) -> float:
+        """Bytes a rank holds for them: each of the rank's queries over all keys, (S / cp) x S a sequence under the
+        masked ring (whose block kernels remake their float masks in backward), the whole S x S under Ulysses and
+        in one process, whose kernels see every query and keep ``act`` bytes a pair more per attention layer (of
+        ``layers``): measured by estimate-memory on CPU, 1 + 4 x layers bytes a pair in fp32."""
+        ring = c.cp > 1 and c.cp_method == "ring"
+        count = self.with_cp if c.cp > 1 else self.without_cp
+        if not count:
+            return 0.0
+        rows = seq_len / c.cp if ring else seq_len
+        seqs = c.pp_microbatch_size if c.pp > 1 else c.local_batch_size
+        copies = act * layers if self.kernel_copy and not ring else 0
+        return seqs * seq_len * rows * (count + copies)
+
+
+def masks_of(args, attn_mask_type: str, target: str) -> Masks:
+    """The dense masks of a model (its ModelArgs) under ``attn_mask_type`` on a ``target`` device (cuda/cpu), as
+    titanctl/train/attention_masks.py builds them: gpt-oss's masks by layer type under CP, one each of its full and
+    sliding layers' (dense on every device), its document mask without CP; a document mask on CPU (dense), none on
+    CUDA (a FlexAttention block mask, a few bytes a block)."""
+    layered = args.attention_sinks or "sliding_attention" in args.layer_types
+    documents = attn_mask_type != "causal"
+    if layered:
+        types = len({t for t in args.layer_types if t in ("full_attention", "sliding_attention")}) or 1
+        return Masks(with_cp=types, without_cp=1 if documents else 0, kernel_copy=target == "cpu")
+    count = 1 if documents and target == "cpu" else 0
+    return Masks(with_cp=count, without_cp=count, kernel_copy=target == "cpu")
+
+
 def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: int, ac: str,
                                adapters: Adapters | None = None) -> tuple[float, float]:
     """(bytes kept per token by this block until its backward, bytes of one block recomputed in backward)."""
@@ -216,8 +266,9 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
     row_inputs = sum(lin.local(tp)[1] for lin in block.linears if lin.split == "row")
     norms = 4 * dim / tp + (2 * dim if tp > 1 else 0)  # in/out of two norms; gathered inputs under SP
     full = outputs + 2 * row_inputs + norms  # row inputs: the tensor and the op that made it (sdpa out, silu x w3)
-    if cp > 1:  # the ring's all-gathered keys and values, for the whole sequence
-        full += cp * sum(lin.local(tp)[0] for lin in block.linears if lin.name.endswith((".wk", ".wv", ".wkv_b")))
+    if cp > 1:  # keys and values beyond one process's: a few copies of this rank's shard (CP_KV_COPIES)
+        full += CP_KV_COPIES * sum(lin.local(tp)[0] for lin in block.linears
+                                   if lin.name.endswith((".wk", ".wv", ".wkv_b")))
     # A 16-bit run's norms compute in fp32: their fp32 input copies stay too (as 4-byte elements).
     full += 2 * 2 * dim / tp if act == 2 else 0.0
     if block.experts is not None:
@@ -268,12 +319,13 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
              reduce_dtype: str, reshard_after_forward: str, reserve_gib: float,
              loss_parallel: bool = True, after_rank0: bool = False,
              adapters: Adapters | None = None, optimizer: str = "AdamW",
-             muon_experts: bool = False) -> MemoryBreakdown | None:
+             muon_experts: bool = False, masks: Masks = Masks()) -> MemoryBreakdown | None:
     """The fast estimate of the peak of the pipeline rank that holds the most (``after_rank0``: of the
     ranks after rank 0, None without a pipeline): the largest of the loss's backward (the last stage:
     every block's activations and the logits' tensors), the first recomputed block's backward and the
     last block's (every gradient made). ``adapters``: a LoRA recipe's (see the module docstring).
-    ``optimizer``/``muon_experts``: optimizer.name and optimizer.muon_experts (Muon's state is smaller)."""
+    ``optimizer``/``muon_experts``: optimizer.name and optimizer.muon_experts (Muon's state is smaller).
+    ``masks``: the step's dense attention masks (``masks_of``), alive for the whole step."""
     act = _dtype_bytes(param_dtype)
     pbytes = _dtype_bytes(param_dtype)
     grad_bytes = 4 if reduce_dtype == "float32" else pbytes  # FSDP's unsharded gradients, in the reduce dtype
@@ -329,6 +381,7 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
         elif c.fsdp:
             at_loss = pbytes * biggest  # the last block, prefetched for its backward
             at_block = 2 * pbytes * biggest + (pbytes + grad_extra) * trained_block
+        mask = masks.bytes(c, seq_len, sum(n for b, n in view.blocks if b.delta_rule is None), act)
         kept, recompute, one_block = 0.0, 0.0, 0.0
         for b, n in view.blocks:
             k, r = activation_bytes_per_token(b, c.tp, c.cp, shape.dim, act, c.ac, adapters)
@@ -340,14 +393,14 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
             # output (received and sent, sequence-sharded under TP) until its backward.
             per_chunk = kept / stages_per_rank + 2 * shape.dim / c.tp * act
             kept = per_chunk * chunks_in_flight(c, view.rank, stages_per_rank)
-        candidates = [MemoryBreakdown(state, at_block, tokens * (kept + recompute), 0.0, reserve_gib * GIB)]
+        candidates = [MemoryBreakdown(state, at_block, tokens * (kept + recompute) + mask, 0.0, reserve_gib * GIB)]
         if not accumulating and not whole_stage:
             # The last block's backward: one block's activations left, every gradient made.
-            candidates.append(MemoryBreakdown(state + 4 * trained_stored, at_block, tokens * (one_block + recompute),
-                                              0.0, reserve_gib * GIB))
+            candidates.append(MemoryBreakdown(state + 4 * trained_stored, at_block,
+                                              tokens * (one_block + recompute) + mask, 0.0, reserve_gib * GIB))
         if view.last:
-            candidates.append(MemoryBreakdown(state, at_loss, tokens * kept, tokens * (vocab * loss_bytes + final_norm),
-                                              reserve_gib * GIB))
+            candidates.append(MemoryBreakdown(state, at_loss, tokens * kept + mask,
+                                              tokens * (vocab * loss_bytes + final_norm), reserve_gib * GIB))
         for total in candidates:
             if best is None or total.total > best.total:
                 best = total

@@ -168,9 +168,11 @@ class Planner:
         seq = cfg.training.seq_len
         self.flops_per_token = spec_of(self.args).flops_per_token(self.args, seq)
         self.dtype = cfg.training.mixed_precision_param
-        self.cost = CostModel(self.shape, Setting.of_model(device, self.dtype, self.args, seq))
+        self.cost = CostModel(self.shape, Setting.of_model(device, self.dtype, self.args, seq,
+                                                           cfg.model.attn_mask_type))
         self.ranks = memory_model.Ranks(self.shape)
         self.adapters = memory_model.adapters_of(self.args, cfg.lora) if cfg.lora.enable else None
+        self.masks = memory_model.masks_of(self.args, cfg.model.attn_mask_type, device.target)
 
     @property
     def dtype_bytes(self) -> int:
@@ -189,7 +191,7 @@ class Planner:
             self.shape, self.ranks, c, seq_len=t.seq_len, param_dtype=t.mixed_precision_param,
             reduce_dtype=t.mixed_precision_reduce, reshard_after_forward=p.fsdp_reshard_after_forward, reserve_gib=0.0,
             loss_parallel=not p.disable_loss_parallel, after_rank0=after_rank0, adapters=self.adapters,
-            optimizer=self.cfg.optimizer.name, muon_experts=self.cfg.optimizer.muon_experts,
+            optimizer=self.cfg.optimizer.name, muon_experts=self.cfg.optimizer.muon_experts, masks=self.masks,
         )
         return 0.0 if peak is None else peak.total
 
