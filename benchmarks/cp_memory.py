@@ -10,7 +10,8 @@ optimizer state ("activations": what grows with the sequence), and both as ratio
 CP 4 activations <= 0.3 x CP 1) and ring / all-gather. Memory, not time: the figures do not depend on the load.
 Tokens: random, a BOS (a new document) with probability 1 / --doc-len at each position, the same on every run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/cp_memory.py [--seq-len 16384] [--doc-len 2048] [--cps 1,2,4] [--routes ring]
+    PYTHONPATH=. .venv/bin/python benchmarks/cp_memory.py [--seq-len 16384] [--doc-len 2048] \\
+        [--cps 1,2,4] [--routes ring]
 """
 
 from __future__ import annotations

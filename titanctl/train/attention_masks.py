@@ -5,13 +5,14 @@ a document mask once per microbatch from the whole (unsharded) input tokens (a d
 each BOS), or, for chat data, from the positions the loader packed with them (a conversation starts
 where its positions restart at 0; no token id marks it), before pipeline or
 context-parallel sharding: the pipeline splits it along the batch with the inputs and passes it to
-every stage, and under context parallelism it is the mask of this rank's queries over all keys.
-The model hands the one mask to every attention layer.
+every stage, and under (ring) context parallelism it is the mask of this rank's queries over all keys, kept as
+what defines it (a ``RingMask``: the documents' starts and the ranks' order, O(T) per rank; the masked ring makes
+each block from it as it goes). The model hands the one mask to every attention layer.
 
 gpt-oss (attention sinks, sliding-window layers) attends under explicit masks only: without context
 parallelism each sliding layer narrows the mask it gets (or the causal one) to its window itself; under
 context parallelism the step builds the masks of this rank's queries over all keys here, one per layer
-type ({"full_attention": ..., "sliding_attention": ...}, dense), causal ones too, so that every layer
+type ({"full_attention": ..., "sliding_attention": ...}, ``RingMask``s), causal ones too, so that every layer
 runs the masked ring (``masked_ring``; torch's ring attention takes neither a window nor a sink).
 
 Under Ulysses context parallelism (``parallelism.context_parallel_method = "ulysses"``) every kernel sees
@@ -43,6 +44,7 @@ from titanctl.parallel.layouts.context_parallel import (
 )
 from titanctl.parallel.layouts.cp_balance import attention_work, mask_aware_order, rank_work
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.ring_mask import RingMask, document_start_positions
 
 
 def shapes_only(tensor: torch.Tensor) -> bool:
@@ -136,9 +138,9 @@ class MicrobatchMasks:
             return self._by_layer_type(inputs, positions, order)
         if self.bos_id is None and not self.by_positions:
             return None
-        q_positions = kv_positions = None
         if self.cp_mesh is not None:
-            q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
+            return self._ring_mask(inputs, positions, order)
+        q_positions = kv_positions = None
         form = "dense" if self.dense else mask_form_for(inputs.device)
         return self._documents(inputs, positions, q_positions, kv_positions, form)
 
@@ -152,15 +154,28 @@ class MicrobatchMasks:
         build = dense_document_mask if form == "dense" else block_document_mask
         return build(doc_ids, q_positions, kv_positions)
 
+    def _ring_mask(self, inputs: torch.Tensor, positions: torch.Tensor | None, order: torch.Tensor | None,
+                   window: int | None = None) -> RingMask:
+        """This ring CP rank's queries over all keys (``order``'s) under the microbatch's documents (causal: one
+        document) and ``window``."""
+        q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
+        doc_ids = None  # as _documents reads them
+        if positions is not None:
+            doc_ids = (positions == 0).cumsum(dim=1)
+        elif self.bos_id is not None:
+            doc_ids = document_ids(inputs, self.bos_id)
+        starts = document_start_positions(doc_ids, inputs.shape[1], inputs.device)
+        return RingMask(starts, q_positions, kv_positions, self.cp_mesh.size(), window)
+
     def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None,
-                       order: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Dense masks of this CP rank's queries (Ulysses: of all queries) over all keys: the document (or
+                       order: torch.Tensor | None) -> dict[str, torch.Tensor | RingMask]:
+        """Masks of this CP rank's queries (Ulysses: dense ones of all queries) over all keys: the document (or
         causal) one for full layers, narrowed to the last ``window`` positions for sliding ones."""
-        if self.ulysses:  # the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
-            q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
-        else:
-            shares = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
-            q_positions, kv_positions = (p.to(inputs.device) for p in shares)
+        if not self.ulysses:
+            return {"full_attention": self._ring_mask(inputs, positions, order),
+                    "sliding_attention": self._ring_mask(inputs, positions, order, self.window)}
+        # Ulysses: the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
+        q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
         full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
         distance = q_positions[:, None] - kv_positions[None, :]  # (T / cp, T) query minus key position
         if full is None:
