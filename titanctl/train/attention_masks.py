@@ -81,7 +81,7 @@ class MicrobatchMasks:
         layered = args is not None and needs_layer_masks(args)
         window = args.sliding_window if dims.cp > 1 and layered else None
         causal = cfg.model.attn_mask_type == "causal"
-        balance = {"cp": dims.cp, "windows": _layer_windows(args)}
+        balance = {"cp": dims.cp, "windows": layer_windows(args)}
         # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.
         balance["balancer"] = ("head_tail" if args is not None and "linear_attention" in args.layer_types
                                else cfg.parallelism.context_parallel_load_balancer)
@@ -183,7 +183,7 @@ class MicrobatchMasks:
         return {"full_attention": full, "sliding_attention": full & (distance < self.window)}
 
 
-def _layer_windows(args) -> tuple[int | None, ...]:
+def layer_windows(args) -> tuple[int | None, ...]:
     """Per softmax-attention layer of the model: its sliding window, None for full attention (Gated DeltaNet
     layers cost the same per token wherever it sits: they do not count)."""
     if args is None:
