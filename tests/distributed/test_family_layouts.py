@@ -216,7 +216,7 @@ def test_documents_are_longer_and_shorter_than_the_window(tmp_path):
 
 def test_cp4_order_is_mask_aware(worlds):
     """gpt_oss_documents_cp4's logged imbalance is the mask-aware order's of each step's batch (recomputed here
-    from the same loader), below head-tail's: the case trains on an order other than head-tail's."""
+    from the same loader; logged to 4 decimals), below head-tail's: the case trains on an order other than head-tail's."""
     from titanctl.config.recipe import load_config
     from titanctl.data.dataloader import TokenWindowLoader
     from titanctl.data.datasets import load_documents
@@ -240,7 +240,7 @@ def test_cp4_order_is_mask_aware(worlds):
         (inputs, _), = loader.next_step()
         head_tail = imbalance(masks.rank_work(inputs, None, load_balanced_order(inputs.shape[1], 4)))
         mask_aware = imbalance(masks.rank_work(inputs, None, mask_aware_order(masks.work(inputs), 4)))
-        assert got == pytest.approx(mask_aware, rel=1e-6) and mask_aware < head_tail - 0.05, (got, head_tail)
+        assert got == pytest.approx(mask_aware, abs=1e-4) and mask_aware < head_tail - 0.05, (got, head_tail)
 
 
 def _documents(row: list[int], bos: int) -> list[list[int]]:

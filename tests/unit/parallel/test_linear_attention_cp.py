@@ -7,6 +7,7 @@ their pieces (one autograd graph, one backward), so what is checked is the scan 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -50,9 +51,12 @@ class ThreadGather:
         return every
 
 
-def layer() -> GatedDeltaNet:
+def layer(**heads) -> GatedDeltaNet:
+    """The debug model's Gated DeltaNet at dim 64 in fp64 (``heads``: other LinearAttentionArgs fields)."""
     torch.manual_seed(0)
-    gdn = GatedDeltaNet(QWEN3_5_FLAVORS["debugmodel"].replace(dim=64)).double()
+    args = QWEN3_5_FLAVORS["debugmodel"]
+    args = args.replace(dim=64, linear_attention=dataclasses.replace(args.linear_attention, **heads))
+    gdn = GatedDeltaNet(args).double()
     with torch.no_grad():
         for p in gdn.parameters():
             p.copy_(torch.randn_like(p) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
