@@ -154,10 +154,9 @@ class MicrobatchMasks:
         build = dense_document_mask if form == "dense" else block_document_mask
         return build(doc_ids, q_positions, kv_positions)
 
-    def _ring_mask(self, inputs: torch.Tensor, positions: torch.Tensor | None, order: torch.Tensor | None,
-                   window: int | None = None) -> RingMask:
+    def _ring_mask(self, inputs: torch.Tensor, positions: torch.Tensor | None, order: torch.Tensor | None) -> RingMask:
         """This ring CP rank's queries over all keys (``order``'s) under the microbatch's documents (causal: one
-        document) and ``window``."""
+        document)."""
         q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
         doc_ids = None  # as _documents reads them
         if positions is not None:
@@ -165,15 +164,16 @@ class MicrobatchMasks:
         elif self.bos_id is not None:
             doc_ids = document_ids(inputs, self.bos_id)
         starts = document_start_positions(doc_ids, inputs.shape[1], inputs.device)
-        return RingMask(starts, q_positions, kv_positions, self.cp_mesh.size(), window)
+        return RingMask(starts, q_positions, kv_positions, self.cp_mesh.size())
 
     def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None,
                        order: torch.Tensor | None) -> dict[str, torch.Tensor | RingMask]:
         """Masks of this CP rank's queries (Ulysses: dense ones of all queries) over all keys: the document (or
         causal) one for full layers, narrowed to the last ``window`` positions for sliding ones."""
-        if not self.ulysses:
-            return {"full_attention": self._ring_mask(inputs, positions, order),
-                    "sliding_attention": self._ring_mask(inputs, positions, order, self.window)}
+        if not self.ulysses:  # both from the one set of document starts
+            full = self._ring_mask(inputs, positions, order)
+            sliding = RingMask(full.starts, full.q_positions, full.kv_positions, full.cp, self.window)
+            return {"full_attention": full, "sliding_attention": sliding}
         # Ulysses: the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
         q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
         full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
