@@ -10,7 +10,8 @@ optimizer state ("activations": what grows with the sequence), and both as ratio
 CP 4 activations <= 0.3 x CP 1) and ring / all-gather. Memory, not time: the figures do not depend on the load.
 Tokens: random, a BOS (a new document) with probability 1 / --doc-len at each position, the same on every run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/cp_memory.py [--seq-len 16384] [--doc-len 2048] [--cps 1,2,4]
+    PYTHONPATH=. .venv/bin/python benchmarks/cp_memory.py [--seq-len 16384] [--doc-len 2048] \\
+        [--cps 1,2,4] [--routes ring]
 """
 
 from __future__ import annotations
@@ -118,13 +119,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--doc-len", type=int, default=2048, help="mean document length in tokens")
     parser.add_argument("--cps", default="1,2,4", help="context parallel degrees, comma-separated")
+    parser.add_argument("--routes", default=",".join(ROUTES), help="routes at CP > 1, comma-separated")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, split over ranks")
     opts = parser.parse_args()
     cps = [int(c) for c in opts.cps.split(",")]
 
     results = {}
     for cp in cps:
-        for route in ROUTES if cp > 1 else ROUTES[:1]:
+        for route in opts.routes.split(",") if cp > 1 else ROUTES[:1]:
             results[cp, route] = measure(cp, route, opts)
             print(f"measured cp {cp} {route}: {results[cp, route]}", flush=True)
     base = results.get((1, "ring"))

@@ -42,6 +42,7 @@ from tests.distributed.harness import (
     lone_rank,
     losses,
     max_rel_diff,
+    rows,
     torchrun,
     worst_tensor_diff,
 )
@@ -151,7 +152,10 @@ LAYOUTS = [
     ("gpt_oss_ep2", "gpt_oss", 2, 4, EP2),
     ("gpt_oss_ep2_fsdp2", "gpt_oss", 4, 2, EP2),
     ("gpt_oss_pp2", "gpt_oss", 2, 8, PP2),
-    ("gpt_oss_hsdp2x2", "gpt_oss", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    # CP 4 under the mask-aware order (the default balancer; these windows' documents make it differ from
+    # head-tail, test_cp4_order_is_mask_aware): documents, sliding windows and sinks through the masked ring,
+    # FSDP over the 4 CP ranks. (HSDP is in hsdp2x2, moe_hsdp2x2, moe_ep2_hsdp2x2 and deepseek_hsdp2x2_ac.)
+    ("gpt_oss_documents_cp4", "gpt_oss_documents", 4, 8, ["--parallelism.context_parallel_degree", "4"]),
     ("gpt_oss_cp2", "gpt_oss", 2, 8, CP2),  # each layer runs the masked ring under its own mask: sliding or full
     ("gpt_oss_cp2_documents", "gpt_oss_documents", 2, 8, CP2),
 ]
@@ -208,6 +212,35 @@ def test_documents_are_longer_and_shorter_than_the_window(tmp_path):
     assert window < cfg.training.seq_len
     lengths = [len(run) for row in inputs.tolist() for run in _documents(row, tokenizer.bos_id)]
     assert min(lengths) < window < max(lengths), lengths
+
+
+def test_cp4_order_is_mask_aware(worlds):
+    """gpt_oss_documents_cp4's logged imbalance is the mask-aware order's of each step's batch (recomputed here
+    from the same loader; logged to 4 decimals), below head-tail's: the case trains on an order other than head-tail's."""
+    from titanctl.config.recipe import load_config
+    from titanctl.data.dataloader import TokenWindowLoader
+    from titanctl.data.datasets import load_documents
+    from titanctl.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+    from titanctl.models.gpt_oss.args import GPT_OSS_FLAVORS
+    from titanctl.parallel.layouts.context_parallel import load_balanced_order
+    from titanctl.parallel.layouts.cp_balance import imbalance, mask_aware_order
+    from titanctl.train.attention_masks import MicrobatchMasks, layer_windows
+
+    folder = worlds.folder(CASES[[layout[0] for layout in LAYOUTS].index("gpt_oss_documents_cp4")])
+    cfg = load_config(None, [*TINY_RUN, *[a.replace(ROOT, str(worlds.root)) for a in DOCUMENTS]])
+    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    loader = TokenWindowLoader(load_documents("local", cfg.training.dataset_path), tokenizer,
+                               seq_len=cfg.training.seq_len, global_batch_size=8, local_batch_size=8,
+                               dp_rank=0, dp_degree=1, seed=cfg.training.seed)  # fmt: skip
+    args = GPT_OSS_FLAVORS["debugmodel"].replace(n_layers=cfg.model.n_layers)
+    masks = MicrobatchMasks(bos_id=tokenizer.bos_id, cp=4, window=args.sliding_window, windows=layer_windows(args))
+    logged = [r["cp_imbalance"] for r in rows(folder)]
+    assert len(logged) == 3
+    for got in logged:
+        (inputs, _), = loader.next_step()
+        head_tail = imbalance(masks.rank_work(inputs, None, load_balanced_order(inputs.shape[1], 4)))
+        mask_aware = imbalance(masks.rank_work(inputs, None, mask_aware_order(masks.work(inputs), 4)))
+        assert got == pytest.approx(mask_aware, abs=1e-4) and mask_aware < head_tail - 0.05, (got, head_tail)
 
 
 def _documents(row: list[int], bos: int) -> list[list[int]]:

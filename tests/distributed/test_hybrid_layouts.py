@@ -8,6 +8,7 @@ Context parallel is the case no other family has: the Gated DeltaNet layers carr
 their conv's last inputs from rank to rank (a prefix scan over the ranks' chunk maps,
 titanctl/parallel/layouts/linear_attention_cp.py) while the full-attention layers run torch's ring (causal)
 or the masked ring (block_causal: masked_ring.py); CP 2 and CP 4, both masks, documents crossing the ranks' chunks.
+Under Ulysses (``ulysses_cp2_documents``) the Gated DeltaNet layers trade positions for heads instead.
 Tensor parallel splits the Gated DeltaNet layers by key-head groups (titanctl/models/qwen3_5/blocks.py);
 Qwen3-Next's fused projections too (``next_tp2``).
 
@@ -85,6 +86,10 @@ LAYOUTS = [
     ("next_tp2", "next", 2, 8, [*TP2, *TWO_STEPS]),
     # TP x CP: the scan runs on each rank's heads (local to it), documents crossing the chunks.
     ("tp2_cp2_documents", "dense_documents", 4, 8, [*TP2, *CP2, *TWO_STEPS]),
+    # Ulysses: each rank runs every position of one key-head group of every Gated DeltaNet layer (and half the
+    # full-attention heads) under the one-process document mask (linear_attention_ulysses.py).
+    ("ulysses_cp2_documents", "dense_documents", 2, 8, [*CP2, "--parallelism.context_parallel_method", "ulysses",
+                                                        *TWO_STEPS]),
 ]
 
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.local_batch_size", str(local_batch),

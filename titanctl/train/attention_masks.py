@@ -5,13 +5,14 @@ a document mask once per microbatch from the whole (unsharded) input tokens (a d
 each BOS), or, for chat data, from the positions the loader packed with them (a conversation starts
 where its positions restart at 0; no token id marks it), before pipeline or
 context-parallel sharding: the pipeline splits it along the batch with the inputs and passes it to
-every stage, and under context parallelism it is the mask of this rank's queries over all keys.
-The model hands the one mask to every attention layer.
+every stage, and under (ring) context parallelism it is the mask of this rank's queries over all keys, kept as
+what defines it (a ``RingMask``: the documents' starts and the ranks' order, O(T) per rank; the masked ring makes
+each block from it as it goes). The model hands the one mask to every attention layer.
 
 gpt-oss (attention sinks, sliding-window layers) attends under explicit masks only: without context
 parallelism each sliding layer narrows the mask it gets (or the causal one) to its window itself; under
 context parallelism the step builds the masks of this rank's queries over all keys here, one per layer
-type ({"full_attention": ..., "sliding_attention": ...}, dense), causal ones too, so that every layer
+type ({"full_attention": ..., "sliding_attention": ...}, ``RingMask``s), causal ones too, so that every layer
 runs the masked ring (``masked_ring``; torch's ring attention takes neither a window nor a sink).
 
 Under Ulysses context parallelism (``parallelism.context_parallel_method = "ulysses"``) every kernel sees
@@ -43,6 +44,7 @@ from titanctl.parallel.layouts.context_parallel import (
 )
 from titanctl.parallel.layouts.cp_balance import attention_work, mask_aware_order, rank_work
 from titanctl.parallel.layouts.dims import ParallelDims
+from titanctl.parallel.layouts.ring_mask import RingMask, document_start_positions
 from titanctl.parallel.layouts.sequence_pieces import holds_sequence_pieces
 
 
@@ -87,7 +89,7 @@ class MicrobatchMasks:
         if hybrid and window is None:  # masks by layer type, the causal one too (no sliding layers: window 0)
             layered, window = True, 0
         causal = cfg.model.attn_mask_type == "causal"
-        balance = {"cp": dims.cp, "windows": _layer_windows(args)}
+        balance = {"cp": dims.cp, "windows": layer_windows(args)}
         # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.
         balance["balancer"] = ("head_tail" if args is not None and "linear_attention" in args.layer_types
                                else cfg.parallelism.context_parallel_load_balancer)
@@ -151,9 +153,9 @@ class MicrobatchMasks:
             return self._by_layer_type(inputs, positions, order)
         if self.bos_id is None and not self.by_positions:
             return None
-        q_positions = kv_positions = None
         if self.cp_mesh is not None:
-            q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
+            return self._ring_mask(inputs, positions, order)
+        q_positions = kv_positions = None
         form = "dense" if self.dense else mask_form_for(inputs.device)
         return self._documents(inputs, positions, q_positions, kv_positions, form)
 
@@ -167,26 +169,40 @@ class MicrobatchMasks:
         build = dense_document_mask if form == "dense" else block_document_mask
         return build(doc_ids, q_positions, kv_positions)
 
+    def _ring_mask(self, inputs: torch.Tensor, positions: torch.Tensor | None, order: torch.Tensor | None) -> RingMask:
+        """This ring CP rank's queries over all keys (``order``'s) under the microbatch's documents (causal: one
+        document)."""
+        q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
+        doc_ids = None  # as _documents reads them
+        if positions is not None:
+            doc_ids = (positions == 0).cumsum(dim=1)
+        elif self.bos_id is not None:
+            doc_ids = document_ids(inputs, self.bos_id)
+        starts = document_start_positions(doc_ids, inputs.shape[1], inputs.device)
+        return RingMask(starts, q_positions, kv_positions, self.cp_mesh.size())
+
     def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None,
-                       order: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Dense masks of this CP rank's queries (Ulysses: of all queries) over all keys: the document (or
+                       order: torch.Tensor | None) -> dict[str, torch.Tensor | RingMask]:
+        """Masks of this CP rank's queries (Ulysses: dense ones of all queries) over all keys: the document (or
         causal) one for full layers, narrowed to the last ``window`` positions for sliding ones."""
-        if self.ulysses:  # the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
-            q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
-        else:
-            shares = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
-            q_positions, kv_positions = (p.to(inputs.device) for p in shares)
+        # (ulysses_ring runs models without sliding layers here too: window 0, no sliding mask)
+        if not self.ulysses:  # ring CP (ulysses_ring: over the ring groups), both from one set of document starts
+            full = self._ring_mask(inputs, positions, order)
+            masks = {"full_attention": full}
+            if self.window:
+                masks["sliding_attention"] = RingMask(full.starts, full.q_positions, full.kv_positions, full.cp,
+                                                      self.window)
+            return masks
+        # Ulysses: the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
+        q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
         full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
-        distance = q_positions[:, None] - kv_positions[None, :]  # (T / cp, T) query minus key position
+        distance = q_positions[:, None] - kv_positions[None, :]  # (T, T) query minus key position
         if full is None:
-            full = (distance >= 0)[None, None]  # (1, 1, T / cp, T)
-        masks = {"full_attention": full}
-        if self.window:  # (ulysses_ring runs models without sliding layers here too: window 0)
-            masks["sliding_attention"] = full & (distance < self.window)
-        return masks
+            full = (distance >= 0)[None, None]  # (1, 1, T, T)
+        return {"full_attention": full, "sliding_attention": full & (distance < self.window)}
 
 
-def _layer_windows(args) -> tuple[int | None, ...]:
+def layer_windows(args) -> tuple[int | None, ...]:
     """Per softmax-attention layer of the model: its sliding window, None for full attention (Gated DeltaNet
     layers cost the same per token wherever it sits: they do not count)."""
     if args is None:

@@ -107,8 +107,10 @@ def test_ranks_holding_the_order_give_one_process_attention(balancer, window):
         for r in range(cp):
             mine = order.view(cp, -1)[r]
             mask = masks[r](tokens, None, order)
+            mask = mask[kind] if kind else mask  # a RingMask: its blocks side by side are the rank's rows
+            rows = torch.cat([mask.block(j) for j in range(cp)], dim=-1)
             got[:, :, mine] = F.scaled_dot_product_attention(
-                q[:, :, mine], k[:, :, order], v[:, :, order], attn_mask=mask[kind] if kind else mask)
+                q[:, :, mine], k[:, :, order], v[:, :, order], attn_mask=rows)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     work = masks[0].rank_work(tokens, None, order)
     assert work.sum() == masks[0].work(tokens).sum()

@@ -7,6 +7,8 @@ their pieces (one autograd graph, one backward), so what is checked is the scan 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,13 +19,17 @@ from titanctl.models.common.gated_deltanet import GatedDeltaNet
 from titanctl.models.qwen3_5.args import QWEN3_5_FLAVORS
 from titanctl.parallel.layouts.context_parallel import load_balanced_order
 from titanctl.parallel.layouts.linear_attention_cp import GatedDeltaNetScan
+from titanctl.parallel.layouts.ring_mask import RingMask, document_start_positions
 
 SEQ = 32
 
 
-def layer() -> GatedDeltaNet:
+def layer(**heads) -> GatedDeltaNet:
+    """The debug model's Gated DeltaNet at dim 64 in fp64 (``heads``: other LinearAttentionArgs fields)."""
     torch.manual_seed(0)
-    gdn = GatedDeltaNet(QWEN3_5_FLAVORS["debugmodel"].replace(dim=64)).double()
+    args = QWEN3_5_FLAVORS["debugmodel"]
+    args = args.replace(dim=64, linear_attention=dataclasses.replace(args.linear_attention, **heads))
+    gdn = GatedDeltaNet(args).double()
     with torch.no_grad():
         for p in gdn.parameters():
             p.copy_(torch.randn_like(p) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
@@ -41,7 +47,12 @@ def sharded_run(gdn: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | Non
     def rank(r: int) -> None:
         scan = GatedDeltaNetScan(FakeMesh(cp, r))
         scan._gather = lambda pieces: gather(r, pieces)
-        mask = None if doc_ids is None else dense_document_mask(doc_ids, q_positions=mine[r], kv_positions=order)
+        if doc_ids is None:
+            mask = None
+        elif cp == 4:  # the mask training hands it (documents' starts), at CP 2 a dense one
+            mask = RingMask(document_start_positions(doc_ids, SEQ), mine[r], order, cp)
+        else:
+            mask = dense_document_mask(doc_ids, q_positions=mine[r], kv_positions=order)
         outs[r] = _with_scan(gdn, scan)(x[:, mine[r]], attn_mask=mask)
 
     run_ranks(cp, rank, gather.barrier)

@@ -17,6 +17,7 @@ from tests.unit.parallel.thread_ranks import run_ranks
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.parallel.layouts import masked_ring
 from titanctl.parallel.layouts.masked_ring import masked_ring_attention
+from titanctl.parallel.layouts.ring_mask import RingMask, document_start_positions
 
 SEQ, BATCH, HEADS, KV_HEADS, DIM = 32, 2, 4, 2, 8
 
@@ -62,24 +63,41 @@ def full_attention(q, k, v, mask, sinks):
     return weights[..., : v.shape[2]] @ v
 
 
-def the_mask(kind: str, window: int = 5) -> torch.Tensor:
+WINDOW = 5
+
+
+def the_documents(kind: str) -> torch.Tensor | None:
+    """(B, T) document ids of ``kind``'s mask; None: one causal document."""
+    if kind in ("causal", "window"):
+        return None
+    starts = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    starts[0, [0, 5, 13, 14, 27]] = 1  # documents shorter and longer than a shard, one of a single token
+    starts[1, [0, 20]] = 1
+    return starts.cumsum(1)
+
+
+def the_mask(kind: str, window: int = WINDOW) -> torch.Tensor:
     """(B, 1, T, T) bool over positions in order."""
     pos = torch.arange(SEQ)
     causal = (pos[None, :] <= pos[:, None])[None, None].expand(BATCH, 1, SEQ, SEQ)
     if kind == "causal":
         return causal
-    starts = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    starts[0, [0, 5, 13, 14, 27]] = 1  # documents shorter and longer than a shard, one of a single token
-    starts[1, [0, 20]] = 1
-    doc = dense_document_mask(starts.cumsum(1))
+    doc = causal if kind == "window" else dense_document_mask(the_documents(kind))
     if kind == "documents":
         return doc
     narrow = (pos[:, None] - pos[None, :]) < window
-    return (doc if kind == "documents+window" else causal) & narrow
+    return doc & narrow
 
 
-def ring_run(q, k, v, mask, sinks, cp: int, order: torch.Tensor):
-    """Every rank's output and gradients, rank r holding positions order.view(cp, -1)[r]; and the sends."""
+def ring_mask(kind: str, mine: torch.Tensor, order: torch.Tensor, cp: int) -> RingMask:
+    """``kind``'s mask of the queries at ``mine`` over the keys in ``order``, as training hands it: no dense bool."""
+    starts = document_start_positions(the_documents(kind), SEQ)
+    return RingMask(starts, mine, order, cp, WINDOW if "window" in kind else None)
+
+
+def ring_run(q, k, v, mask, sinks, cp: int, order: torch.Tensor, kind: str | None = None):
+    """Every rank's output and gradients, rank r holding positions order.view(cp, -1)[r]; and the sends. ``kind``:
+    each rank gets that mask as a ``RingMask`` (else its rows of the dense ``mask``)."""
     world = ThreadWorld(cp)
     shares = order.view(cp, -1)
     grad_out = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
@@ -89,7 +107,7 @@ def ring_run(q, k, v, mask, sinks, cp: int, order: torch.Tensor):
         mine = shares[r]
         q_r, k_r, v_r = (t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v))
         s_r = None if sinks is None else sinks.detach().clone().requires_grad_()
-        mask_r = mask[:, :, mine][..., order]  # its queries over every rank's keys, in rank order
+        mask_r = mask[:, :, mine][..., order] if kind is None else ring_mask(kind, mine, order, cp)
         out = masked_ring_attention(q_r, k_r, v_r, mask_r, ThreadPeers(world, r), s_r)
         out.backward(grad_out[:, :, mine])
         results[r] = (out.detach(), q_r.grad, k_r.grad, v_r.grad, None if s_r is None else s_r.grad)
@@ -106,17 +124,20 @@ def assemble(results, index: int, order: torch.Tensor, like: torch.Tensor) -> to
 
 
 @pytest.mark.parametrize(
-    ("kind", "cp", "sinks", "order_kind", "v_dim", "fused"),
+    ("kind", "cp", "sinks", "order_kind", "v_dim", "fused", "form"),
     [
-        ("documents", 2, False, "head_tail", DIM, True),
-        ("documents", 4, True, "shuffled", DIM, True),
-        ("window", 4, True, "contiguous", DIM, True),
-        ("documents+window", 2, True, "shuffled", DIM, True),
-        ("documents", 2, False, "contiguous", DIM // 2, True),  # MLA: values narrower than keys
-        ("documents+window", 4, True, "shuffled", DIM, False),  # the written-out softmax of other devices
+        ("documents", 2, False, "head_tail", DIM, True, "dense"),
+        ("documents", 4, True, "shuffled", DIM, True, "ring"),
+        ("window", 4, True, "contiguous", DIM, True, "ring"),
+        ("documents+window", 2, True, "shuffled", DIM, True, "ring"),
+        ("documents", 2, False, "contiguous", DIM // 2, True, "ring"),  # MLA: values narrower than keys
+        ("documents+window", 4, True, "shuffled", DIM, False, "dense"),  # the written-out softmax of other devices
+        ("documents+window", 4, False, "contiguous", DIM, True, "ring"),
     ],
 )
-def test_equals_full_attention_fp64(kind, cp, sinks, order_kind, v_dim, fused, monkeypatch):
+def test_equals_full_attention_fp64(kind, cp, sinks, order_kind, v_dim, fused, form, monkeypatch):
+    """form "ring": the mask each rank gets is a RingMask (documents' starts, window, order), every block made
+    from it on the fly and the table of blocks read off it without a gather; "dense": its rows of the bool."""
     if not fused:
         monkeypatch.setattr(masked_ring, "_fused", lambda q, v: False)
     torch.manual_seed(0)
@@ -132,7 +153,7 @@ def test_equals_full_attention_fp64(kind, cp, sinks, order_kind, v_dim, fused, m
         order = torch.randperm(SEQ)
     else:
         order = torch.arange(SEQ)
-    results, grad_out, sent = ring_run(q, k, v, mask, s, cp, order)
+    results, grad_out, sent = ring_run(q, k, v, mask, s, cp, order, kind if form == "ring" else None)
     ref = full_attention(q, k, v, mask, s)
     ref.backward(grad_out)
     assert (assemble(results, 0, order, ref.detach()) - ref).abs().max() < 1e-12
@@ -220,3 +241,35 @@ def test_a_block_mask_gives_the_same_blocks_as_the_dense_mask():
     for j in range(2):
         assert torch.equal(sparse.block(j), dense.block(j))
     assert torch.equal(sparse.row(), dense.row())
+
+
+@pytest.mark.parametrize("kind", ["causal", "documents", "window", "documents+window"])
+def test_a_ring_mask_gives_the_dense_masks_blocks_and_table(kind):
+    """Each block a RingMask makes, and its cp x cp table of non-empty blocks (binary searches, no gather), equal
+    the dense mask's, for any order of the positions."""
+    cp, dense = 4, the_mask(kind)
+    for order in (torch.arange(SEQ), torch.randperm(SEQ, generator=torch.Generator().manual_seed(1))):
+        shares = order.view(cp, -1)
+        want = [[bool(dense[:, :, shares[r]][..., shares[j]].any()) for j in range(cp)] for r in range(cp)]
+        for r in range(cp):
+            mask = ring_mask(kind, shares[r], order, cp)
+            assert mask.shape == (dense.shape[0] if kind in ("documents", "documents+window") else 1, 1, SEQ // cp,
+                                  SEQ)
+            for j in range(cp):
+                assert torch.equal(mask.block(j).expand(BATCH, -1, -1, -1), dense[:, :, shares[r]][..., shares[j]])
+            assert mask.table() == want
+        if order.equal(torch.arange(SEQ)):
+            assert any(not seen for row in want for seen in row)  # the case skips blocks
+
+
+def test_a_ring_mask_is_never_gathered():
+    peers = ThreadPeers(ThreadWorld(1), 0)
+    peers.gather_rows = lambda row: pytest.fail("a RingMask's table needs no all-gather")
+    q = torch.randn(1, 1, 4, 2)
+    order = torch.arange(4)
+    out = masked_ring_attention(q, q, q, RingMask(torch.zeros(1, 4, dtype=torch.long), order, order, 1), peers)
+    assert torch.allclose(out, full_attention(q, q, q, the_causal(4), None))
+
+
+def the_causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()[None, None]

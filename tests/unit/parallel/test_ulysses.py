@@ -26,8 +26,10 @@ def test_heads_must_divide_by_tp_times_cp():
 
 
 def test_a_family_with_layers_other_than_attention_is_refused():
-    with pytest.raises(ParallelError, match="qwen3_5 has linear_attention layers; use context_parallel_method = ring"):
-        check_ulysses(args("qwen3_5"), tp=1, cp=2, seq_len=64)
+    check_ulysses(args("qwen3_5"), tp=1, cp=2, seq_len=64)  # Gated DeltaNet: linear_attention_ulysses.py
+    with pytest.raises(ParallelError, match="deepseek_v4 has compressed_sparse_attention, heavily_compressed_attention "
+                                            "layers; use context_parallel_method = ring"):
+        check_ulysses(args("deepseek_v4"), tp=1, cp=2, seq_len=64)
 
 
 @pytest.mark.parametrize("kv_heads, cp, copies", [(2, 2, 1), (2, 4, 2), (1, 2, 2), (4, 8, 2), (8, 4, 1)])

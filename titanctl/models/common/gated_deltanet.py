@@ -19,7 +19,9 @@ the conv window and the state restart at every document's first token, read off 
 Decoding (``forward(..., input_pos)`` after ``Transformer.setup_kv_cache``): the cache holds the conv's
 last ``conv_kernel - 1`` inputs and the state, not keys and values; both restart when input_pos begins at 0.
 Context parallel: each call then holds pieces of the sequence, and ``sequence_scan`` (set from outside,
-titanctl/parallel/layouts/linear_attention_cp.py) runs the conv and the rule with what the other pieces pass.
+titanctl/parallel/layouts/linear_attention_cp.py) runs the conv and the rule with what the other pieces pass;
+or ``head_exchange`` (linear_attention_ulysses.py) trades them for every position of a share of the heads
+before the conv and back after the rule.
 Parameter names differ from softmax attention's (``out_proj``, not ``wo``), so one Hugging Face name
 map covers both kinds of layer. A variant whose input projections are fused otherwise (q, k, v and z
 in one matrix per key-head group) overrides ``init_projections`` and ``project``; the rest is shared.
@@ -114,6 +116,9 @@ class GatedDeltaNet(nn.Module):
         # Set from outside when each call holds pieces of a longer sequence (context parallel): an object
         # with conv(mixed, weight, attn_mask) and rule(q, k, v, g, beta, attn_mask), as this layer uses them.
         self.sequence_scan = None
+        # Set from outside when each call holds a piece of the sequence but the layer may run every position for
+        # a share of its heads (Ulysses): an object with to_heads(*per_head), share(param) and to_sequence(out).
+        self.head_exchange = None
 
     # The input projections' names (``init_projections``, ``project``): initialized alike, split by heads.
     projections = ("wqkv", "wz", "wb", "wa")
@@ -140,9 +145,14 @@ class GatedDeltaNet(nn.Module):
         la = self.la
         bsz, seqlen, _ = x.shape
         scan = self.sequence_scan if input_pos is None else None
-        starts = document_starts(attn_mask, bsz, seqlen, x.device) if input_pos is None and scan is None else None
+        heads = self.head_exchange if input_pos is None else None
         mixed, z, b, a = self.project(x)
-        conv_weight = local(self.conv.weight)
+        conv_weight, a_log, dt_bias = local(self.conv.weight), local(self.a_log), local(self.dt_bias)
+        if heads is not None:  # every position, a share of the heads: the conv and the rule run unchanged
+            mixed, b, a = heads.to_heads(mixed, b, a)
+            conv_weight, a_log, dt_bias = (heads.share(t) for t in (conv_weight, a_log, dt_bias))
+        length = mixed.shape[1]  # the positions the conv and the rule see: seqlen, or all under head_exchange
+        starts = document_starts(attn_mask, bsz, length, x.device) if input_pos is None and scan is None else None
         state = None
         if input_pos is not None:  # decoding: continue from the cache (fresh when the sequence restarts)
             fresh = (input_pos[0] != 0).to(x.dtype)
@@ -156,16 +166,16 @@ class GatedDeltaNet(nn.Module):
         else:
             conv_out = causal_conv(mixed, conv_weight, starts)
         groups = la.num_value_heads // la.num_key_heads
-        by_group = conv_out.reshape(bsz, seqlen, -1, 2 * la.key_head_dim + groups * la.value_head_dim)
+        by_group = conv_out.reshape(bsz, length, -1, 2 * la.key_head_dim + groups * la.value_head_dim)
         q, k, v = by_group.split([la.key_head_dim, la.key_head_dim, groups * la.value_head_dim], dim=-1)
-        v = v.reshape(bsz, seqlen, -1, la.value_head_dim)  # (B, T, H_v, dv): q, k (B, T, H_k, dk)
+        v = v.reshape(bsz, length, -1, la.value_head_dim)  # (B, T, H_v, dv): q, k (B, T, H_k, dk)
         if groups > 1:
             q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)  # (B, T, H_v, dk)
         fp = compute_dtype(x.dtype)
         q = _l2_normalize(q.to(fp)) / math.sqrt(la.key_head_dim)
         k = _l2_normalize(k.to(fp))
         beta = torch.sigmoid(b.to(fp))  # (B, T, H_v)
-        g = -local(self.a_log).to(fp).exp() * F.softplus(a.to(fp) + local(self.dt_bias).to(fp))
+        g = -a_log.to(fp).exp() * F.softplus(a.to(fp) + dt_bias.to(fp))
         if scan is not None:
             out = scan.rule(q, k, v.to(fp), g, beta, attn_mask)
         else:
@@ -173,6 +183,8 @@ class GatedDeltaNet(nn.Module):
             out, state = rule(q, k, v.to(fp), g, beta, resets=starts, initial_state=state)
         if input_pos is not None:
             self.cache.state.copy_(state)
+        if heads is not None:
+            out = heads.to_sequence(out)  # (B, T / cp, H_v, dv): this rank's positions again, every head
         z = z.reshape(bsz, seqlen, -1, la.value_head_dim)
         # The references' order: normalize (fp32) what the rule returns in the activations' dtype, cast, scale,
         # then gate in fp32.

@@ -37,6 +37,10 @@ from titanctl.parallel.layouts.linear_attention_cp import (
     check_linear_attention_cp,
     enable_gated_deltanet_context_parallel,
 )
+from titanctl.parallel.layouts.linear_attention_ulysses import (
+    check_gated_deltanet_ulysses,
+    enable_gated_deltanet_ulysses,
+)
 from titanctl.parallel.layouts.pipeline_parallel import build_pipeline, plan_pipeline
 from titanctl.parallel.layouts.pipeline_stages import SPLIT_BACKWARD_SCHEDULES
 from titanctl.parallel.layouts.sequence_pieces import enable_sequence_pieces
@@ -91,6 +95,7 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     if dims.cp > 1 and dims.pp > 1:
         check_pipelined_cp(cfg, args, dims)
     if dims.cp > 1 and p.context_parallel_method == "ulysses":
+        check_gated_deltanet_ulysses(args, dims.tp, dims.cp)
         check_ulysses(args, dims.tp, dims.cp, cfg.training.seq_len)
     elif dims.cp > 1 and p.context_parallel_method == "ulysses_ring":
         check_ulysses_ring(dims.cp, dims.cp_ulysses, args.n_heads, dims.tp)
@@ -153,7 +158,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_p
     """Apply TP, AC, compile and data parallelism to one model part, in that order (``sequence_parallel``:
     apply_tp's)."""
     p = cfg.parallelism
-    if dims.cp > 1:  # linear-attention layers carry their state across the CP ranks' chunks
+    if dims.cp > 1 and p.context_parallel_method == "ulysses":  # linear-attention layers: a share of the heads
+        enable_gated_deltanet_ulysses(model, dims.mesh["cp"])
+    elif dims.cp > 1:  # linear-attention layers carry their state across the CP ranks' chunks
         enable_gated_deltanet_context_parallel(model, dims.mesh["cp"])
     if dims.cp > 1 and p.context_parallel_method == "ring":  # layers that fetch their neighbours' rows themselves
         enable_sequence_pieces(model, dims.mesh["cp"])

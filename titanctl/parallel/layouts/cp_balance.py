@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from titanctl.parallel.layouts.context_parallel import load_balanced_order
+from titanctl.parallel.layouts.ring_mask import document_start_positions
 
 BALANCERS = ("head_tail", "mask_aware")
 TILE = 128  # FlexAttention's block: finer chunks would leave block masks partial tiles on GPUs
@@ -38,10 +39,7 @@ def attention_work(doc_ids: Tensor | None, seq_len: int, windows: list[int | Non
     if doc_ids is None:
         span = (position + 1)[None]  # (1, T)
     else:
-        doc_ids = doc_ids.cpu()
-        starts = torch.ones_like(doc_ids, dtype=torch.bool)
-        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-        first = torch.where(starts, position, 0).cummax(dim=1).values  # (B, T) where each token's document starts
+        first = document_start_positions(doc_ids.cpu(), seq_len)  # (B, T) where each token's document starts
         span = position - first + 1  # (B, T) keys of the token's document up to itself
     span = span.to(torch.float64)
     layers = Counter(windows)  # layers of one window cost alike

@@ -20,8 +20,9 @@ non-adjacent pieces. Two things cross a chunk boundary:
 
 Gradients flow through both gathers (functional all-gathers whose backward reduce-scatters), so every rank's
 keys, values, gates and conv inputs get the gradient of the later chunks that their state reached.
-Documents (block_causal): the mask each rank gets is the one of its queries over all keys (gathered order);
-whether token P sees token P - lag, read off that mask, gives both the resets and the conv's valid taps.
+Documents (block_causal): the mask each rank gets is the one of its queries over all keys (gathered order; in
+training a ``RingMask``, which holds the documents' starts); whether token P sees token P - lag, read off that
+mask, gives both the resets and the conv's valid taps.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from titanctl.errors import ParallelError
 from titanctl.models.common.gated_delta_rule import chunk_gated_delta_rule
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
 from titanctl.parallel.layouts.context_parallel import load_balanced_order
+from titanctl.parallel.layouts.ring_mask import RingMask
 
 
 class GatedDeltaNetScan:
@@ -63,6 +65,8 @@ class GatedDeltaNetScan:
         token at P - lag (False before the window's start); None under the causal default."""
         if attn_mask is None:
             return None
+        if isinstance(attn_mask, RingMask):  # what training hands it: the documents' starts
+            return attn_mask.sees_back(lags).expand(batch, -1, -1)
         total = length * self.cp
         order = load_balanced_order(total, self.cp).to(device)  # key index -> position
         mine = order.view(self.cp, -1)[self.rank]  # (T / cp,) this rank's positions
@@ -78,7 +82,7 @@ class GatedDeltaNetScan:
             same = attn_mask[:, 0][:, queries, keys].expand(batch, -1, -1)  # (B, T / cp, lags + 1)
         else:
             raise ValueError("Gated DeltaNet under context parallel reads document boundaries from one "
-                             f"(B, 1, T / cp, T) mask or a BlockMask; got {type(attn_mask).__name__}")
+                             f"RingMask, a (B, 1, T / cp, T) mask or a BlockMask; got {type(attn_mask).__name__}")
         return same.bool() & (earlier >= 0)[None]
 
     def _check_pieces(self, length: int, halo: int) -> int:

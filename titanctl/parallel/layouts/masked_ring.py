@@ -3,7 +3,10 @@ meets the other ranks' keys and values one shard at a time, so no rank ever hold
 
 A rank's kernel gets its queries q (B, H, T / cp, d), its own keys and values, and the mask of its queries over
 every rank's keys in rank order (columns j T / cp .. (j + 1) T / cp - 1 are rank j's keys: ``kv_positions`` of
-``document_cp_positions``, whatever order of positions the ranks hold). Nothing here assumes an order.
+``document_cp_positions``, whatever order of positions the ranks hold). Nothing here assumes an order. Training
+hands it a ``RingMask`` (ring_mask.py: the documents' starts, a window, the order), from which each block's
+(T / cp) x (T / cp) bool is made when it is attended and dropped after; a dense (B, 1, T / cp, T) bool or a
+FlexAttention BlockMask are taken too.
 
 Forward, at step s = 0 .. cp - 1 rank r attends its queries to the keys and values of rank (r - s) mod cp under
 that block of the mask, with torch's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
@@ -11,12 +14,13 @@ returns the block's log-sum-exp; elsewhere the softmax written out), and merges 
 log-sum-exp (an online softmax, accumulators in fp32 or wider). An attention sink (gpt-oss: one logit per head in
 the denominator only) joins the log-sum-exp once, at the end.
 
-Which blocks are sent: every rank reads off its rows of the mask which blocks hold any allowed (query, key)
-pair, and one all-gather of those cp x cp booleans (once per mask, cached with it) tells every rank the whole
-table. At step s a rank's K/V go straight from their owner r - s (a shift, not a relay around the ring), so a
-block the mask leaves empty is neither computed nor sent; under a sliding window, or documents shorter than a
-shard, most of the blocks far from the diagonal never move. Memory: a rank holds its own K/V (one stacked copy
-in the inputs' dtype, saved for backward) and at most one visiting shard: O(S / cp).
+Which blocks are sent: a ``RingMask`` gives every rank the cp x cp table of blocks holding any allowed (query,
+key) pair by itself; from another mask every rank reads its row off its rows of the mask, and one all-gather of
+those booleans (once per mask, cached with it) tells every rank the whole table. At step s a rank's K/V go
+straight from their owner r - s (a shift, not a relay around the ring), so a block the mask leaves empty is
+neither computed nor sent; under a sliding window, or documents shorter than a shard, most of the blocks far
+from the diagonal never move. Memory: a rank holds its own K/V (one stacked copy in the inputs' dtype, saved
+for backward), at most one visiting shard and one block of the mask: O(S / cp) (a ``RingMask`` itself is O(S)).
 
 Backward recomputes each block from the saved output and final log-sum-exp (exact: the fused backward takes the
 merged statistics), the visiting shard fetched again from its owner by the same schedule; each block's dK and dV
@@ -37,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from titanctl import _torch_compat
 from titanctl.models.common.attention import AttentionKernel
+from titanctl.parallel.layouts.ring_mask import RingMask
 
 SEQ_DIM = 2  # of q, k, v inside the kernel: (B, H, T, d)
 
@@ -73,7 +78,7 @@ class RingPeers:
 class MaskBlocks:
     """The blocks of a mask of this rank's queries over every rank's keys, one per key shard."""
 
-    def __init__(self, mask: Tensor | BlockMask, cp: int):
+    def __init__(self, mask: RingMask | Tensor | BlockMask, cp: int):
         self.mask, self.cp = mask, cp
         total = mask.shape[-1]
         if total % cp:
@@ -82,6 +87,8 @@ class MaskBlocks:
 
     def block(self, j: int) -> Tensor:
         """(B or 1, 1, T_q, T / cp) bool: which of rank j's keys each query sees."""
+        if isinstance(self.mask, RingMask):
+            return self.mask.block(j)
         cols = slice(j * self.keys, (j + 1) * self.keys)
         if isinstance(self.mask, Tensor):
             return self.mask[..., cols].bool()
@@ -111,6 +118,8 @@ def needed_blocks(blocks: MaskBlocks, peers) -> list[list[bool]]:
     """[r][j]: whether rank r's queries see any of rank j's keys (one all-gather per mask: every layer and the
     backward reuse it). Fake masks (estimate-memory) have no values to read: every block counts, the most the
     ring can hold and send."""
+    if isinstance(blocks.mask, RingMask):
+        return blocks.mask.table()
     if _is_fake(blocks.mask if isinstance(blocks.mask, Tensor) else None):
         return [[True] * peers.size for _ in range(peers.size)]
     key = id(blocks.mask)
@@ -283,7 +292,7 @@ class MaskedRingAttention(torch.autograd.Function):
 
 @torch.compiler.disable  # point-to-point sends inside: a compiled block runs this one call eagerly
 def masked_ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask, peers, sinks: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, mask: RingMask | Tensor | BlockMask, peers, sinks: Tensor | None = None
 ) -> Tensor:
     """This rank's attention output (B, H, T / cp, d) under ``mask`` (its queries over all ranks' keys, rank
     order), K/V passed between ``peers`` (``RingPeers`` of the CP group) as the module docstring says."""

@@ -43,7 +43,8 @@ from titanctl.parallel.layouts.context_parallel import buffers_cut_in_place
 
 METHODS = ("ring", "ulysses", "ulysses_ring")
 HEAD_DIM, SEQ_DIM = 1, 2  # of q, k, v and the output inside the kernel: (B, H, T, head_dim)
-ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+# the layers Ulysses splits by heads: softmax attention here, Gated DeltaNet in linear_attention_ulysses.py
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def check_ulysses(args: ModelArgs, tp: int, cp: int, seq_len: int) -> None:

@@ -30,7 +30,7 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   them; interleaved: the warm-up's (v - 1) x pp + 2 x (pp - 1) chunks), each with its stage's input
   and output;
 - the step's dense attention masks (``Masks``): none under a causal mask; a document mask or gpt-oss's masks by
-  layer type as bools, (S / cp) x S a sequence under the masked ring, S x S under Ulysses and one process (plus
+  layer type as bools, S x S under Ulysses and one process (none under the masked ring: O(S) starts) (plus
   the CPU kernel's float copy per attention layer, kept for its backward);
 - the loss (rank of the last stage): the logits in the compute dtype and the log-softmax's fp32
   output, two fp32 temporaries of their size in its backward (three under loss parallel), the final
@@ -231,18 +231,16 @@ class Masks:
     kernel_copy: bool = False
 
     def bytes(self, c: Candidate, seq_len: int, layers: int, act: int) -> float:
-        """Bytes a rank holds for them: each of the rank's queries over all keys, (S / cp) x S a sequence under the
-        masked ring (whose block kernels remake their float masks in backward), the whole S x S under Ulysses and
-        in one process, whose kernels see every query and keep ``act`` bytes a pair more per attention layer (of
+        """Bytes a rank holds for them: none under the masked ring (ring and ulysses_ring: a ``RingMask`` of the
+        documents' starts, O(S), whose blocks are made one at a time), the whole S x S under Ulysses and in one
+        process, whose kernels see every query and keep ``act`` bytes a pair more per attention layer (of
         ``layers``): measured by estimate-memory on CPU, 1 + 4 x layers bytes a pair in fp32."""
-        ring = c.cp > 1 and c.cp_method == "ring"
         count = self.with_cp if c.cp > 1 else self.without_cp
-        if not count:
+        if not count or (c.cp > 1 and c.cp_method != "ulysses"):
             return 0.0
-        rows = seq_len / c.cp if ring else seq_len
         seqs = c.pp_microbatch_size if c.pp > 1 else c.local_batch_size
-        copies = act * layers if self.kernel_copy and not ring else 0
-        return seqs * seq_len * rows * (count + copies)
+        copies = act * layers if self.kernel_copy else 0
+        return seqs * seq_len * seq_len * (count + copies)
 
 
 def masks_of(args, attn_mask_type: str, target: str) -> Masks:
