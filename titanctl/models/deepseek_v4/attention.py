@@ -1,7 +1,7 @@
 """DeepSeek-V4's attention: shared-KV multi-query attention over a sliding window, plus the compressed
 entries of a CSA (compressor + lightning indexer + top-k) or HCA (compressor only) layer, with learned
-sinks, partial interleaved RoPE and the grouped output projection. Training form: a whole sequence from
-position 0, no cache."""
+sinks, partial interleaved RoPE and the grouped output projection. Training: a whole sequence from position 0;
+decoding: the positions after those already in the layer's caches (cache.py), with the same numbers."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from titanctl.models.common.args import YarnScaling
 from titanctl.models.common.rope import yarn_frequencies
 from titanctl.models.deepseek_v4.args import CSA, SLIDING, DeepseekV4Args
+from titanctl.models.deepseek_v4.cache import CompressorCache, LayerCache, WindowCache
 from titanctl.models.deepseek_v4.indexer_loss import indexer_kl
 
 
@@ -90,10 +91,11 @@ def window_pool(kv: torch.Tensor, gate: torch.Tensor, rate: int, overlap: bool) 
     return (kv * weights).sum(dim=2)
 
 
-def visible_entries(n_entries: int, seq_len: int, rate: int, device) -> torch.Tensor:
-    """(S, n) bool: query t sees compressed entry w once its window has closed, w < (t + 1) // rate."""
-    threshold = (torch.arange(seq_len, device=device) + 1) // rate
-    return torch.arange(n_entries, device=device)[None, :] < threshold[:, None]
+def visible_entries(n_entries: int, positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """(S, n) bool: the query at position t sees compressed entry w once its window has closed,
+    w < (t + 1) // rate."""
+    threshold = (positions + 1) // rate
+    return torch.arange(n_entries, device=positions.device)[None, :] < threshold[:, None]
 
 
 class Compressor(nn.Module):
@@ -110,15 +112,34 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(head_dim, args.norm_eps)
 
     def entries(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """x (B, S, dim) from position 0 -> the entries of its closed windows (B, S // rate, head_dim)."""
         b, s, _ = x.shape
         n = s // self.rate
         gate = self.gate_proj(x)
         bias = self.position_bias.repeat(n, 1)
         gate = torch.cat([gate[:, : n * self.rate] + bias, gate[:, n * self.rate:]], dim=1)
-        pooled = self.kv_norm(window_pool(self.kv_proj(x), gate, self.rate, self.overlap))
-        positions = torch.arange(n, device=x.device) * self.rate
-        cos, sin = cos_sin(freqs, positions, pooled.dtype)
+        return self._finish(window_pool(self.kv_proj(x), gate, self.rate, self.overlap),
+                            torch.arange(n, device=x.device), freqs)
+
+    def cached_entries(self, x: torch.Tensor, input_pos: torch.Tensor, freqs: torch.Tensor,
+                       cache: CompressorCache) -> torch.Tensor:
+        """Decoding: x (B, T, dim) at positions input_pos -> every entry slot of ``cache`` (B, capacity,
+        head_dim), those whose window closes in x formed now; the unclosed ones are masked by the caller."""
+        gate = self.gate_proj(x) + self.position_bias[input_pos % self.rate]
+        kv, gate, windows = cache.windows(self.kv_proj(x), gate, input_pos)
+        entries = self._finish(window_pool(kv, gate, self.rate, self.overlap), windows, freqs)
+        return cache.store(entries, windows, input_pos)
+
+    def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Pooled windows (B, n, head_dim) -> entries: normed, rotated at each window's first position."""
+        pooled = self.kv_norm(pooled)
+        cos, sin = cos_sin(freqs, windows * self.rate, pooled.dtype)
         return apply_rope(pooled, cos, sin)
+
+    def new_cache(self, batch: int, max_seq_len: int) -> CompressorCache:
+        weight = self.kv_proj.weight
+        return CompressorCache(batch, max_seq_len, self.rate, self.overlap, weight.shape[0],
+                               self.kv_norm.weight.shape[0], weight.dtype, weight.device)
 
 
 class Indexer(nn.Module):
@@ -132,19 +153,26 @@ class Indexer(nn.Module):
         self.q_b_proj = nn.Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, bias=False)
         self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor,
+                input_pos: torch.Tensor | None = None, cache: CompressorCache | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the entries each query keeps, the entries it sees, the scores (B, S, n) with -inf where unseen)."""
+        """(the entries each query keeps, the entries it sees, the scores (B, S, n) with -inf where unseen).
+        Decoding (``input_pos`` and this indexer's ``cache``): over every key slot of the cache, n its capacity."""
         b, s, _ = x.shape
-        keys = self.compressor.entries(x, freqs)  # (B, n, d)
+        if cache is None:
+            positions = torch.arange(s, device=x.device)
+            keys = self.compressor.entries(x, freqs)  # (B, n, d)
+        else:
+            positions = input_pos
+            keys = self.compressor.cached_entries(x, input_pos, freqs, cache)  # (B, capacity, d)
         n = keys.shape[1]
-        cos, sin = cos_sin(freqs, torch.arange(s, device=x.device), x.dtype)
+        cos, sin = cos_sin(freqs, positions, x.dtype)
         q = apply_rope(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         dt = compute_dtype(x)
         scores = F.relu(torch.einsum("bhsd,bnd->bshn", q.to(dt), keys.to(dt))) * self.head_dim ** -0.5
         weights = self.weights_proj(x).to(dt) * self.n_heads ** -0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # (B, S, n)
-        visible = visible_entries(n, s, self.compressor.rate, x.device)
+        visible = visible_entries(n, positions, self.compressor.rate)
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = scores.topk(min(self.topk, n), dim=-1).indices
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
@@ -188,37 +216,36 @@ class Attention(nn.Module):
         self.indexer_loss_coeff = args.indexer_loss_coeff
         self.dense = False  # the indexer's warm-up: every visible entry, not the indexer's top-k
         self.indexer_loss: torch.Tensor | None = None  # this forward's, for the model to collect
+        self.cache: LayerCache | None = None  # set by DeepseekV4.setup_kv_cache for decoding
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def new_cache(self, batch: int, max_seq_len: int) -> LayerCache:
+        """Zeroed decoding caches for ``max_seq_len`` positions (cache.py): no query head's own."""
+        weight = self.kv_proj.weight
+        window = WindowCache(batch, self.window, self.head_dim, weight.dtype, weight.device)
+        compressor = None if self.compressor is None else self.compressor.new_cache(batch, max_seq_len)
+        indexer = self.indexer.compressor.new_cache(batch, max_seq_len) if self.kind == CSA else None
+        return LayerCache(window, compressor, indexer)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, S, dim) from position 0; or, decoding (after ``cache`` is set), at positions ``input_pos`` (S,),
+        every position before them given in earlier calls."""
         b, s, _ = x.shape
-        positions = torch.arange(s, device=x.device)
+        positions = torch.arange(s, device=x.device) if input_pos is None else input_pos
         cos, sin = cos_sin(self.freqs, positions, x.dtype)
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_norm(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2))
         q = apply_rope(q, cos, sin)  # (B, H, S, D)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, S, D): one head, keys = values
-
-        rel = positions[:, None] - positions[None, :]
-        allowed = ((rel >= 0) & (rel < self.window)).expand(b, s, s)
-        scores_of_indexer = None
-        if self.compressor is not None:
-            entries = self.compressor.entries(x, self.freqs)
-            visible = visible_entries(entries.shape[1], s, self.compressor.rate, x.device).expand(b, -1, -1)
-            if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
-                train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
-                # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
-                with contextlib.nullcontext() if train_indexer else torch.no_grad():
-                    keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs)
-                scores_of_indexer = scores_of_indexer if train_indexer else None
-                visible = visible if self.dense else keep
-            kv = torch.cat([kv, entries], dim=1)
-            allowed = torch.cat([allowed, visible], dim=-1)
+        self.indexer_loss = None
+        if input_pos is None:
+            kv, allowed, visible, scores_of_indexer = self._keys(x, q_latent, kv)
+        else:
+            (kv, allowed), scores_of_indexer = self._cached_keys(x, q_latent, kv, input_pos), None
 
         scores = torch.einsum("bhsd,btd->bhst", q, kv) * self.head_dim ** -0.5
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-        self.indexer_loss = None
         if scores_of_indexer is not None:
             self.indexer_loss = indexer_kl(probs[..., s:].detach(), scores_of_indexer, visible)
         out = torch.einsum("bhst,btd->bshd", probs, kv)
@@ -226,3 +253,41 @@ class Attention(nn.Module):
         out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
         out = self.o_a_proj(out.reshape(b, s, self.o_groups, -1))
         return self.o_b_proj(out)
+
+    def _keys(self, x: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor):
+        """Training: (the keys (B, K, D): every position's kv, then the compressed entries; which each query sees
+        (B, S, K); of the entries, those it attends to (B, S, n) or None; the indexer's scores if it trains)."""
+        b, s = kv.shape[:2]
+        positions = torch.arange(s, device=x.device)
+        rel = positions[:, None] - positions[None, :]
+        allowed = ((rel >= 0) & (rel < self.window)).expand(b, s, s)
+        if self.compressor is None:
+            return kv, allowed, None, None
+        entries = self.compressor.entries(x, self.freqs)
+        visible = visible_entries(entries.shape[1], positions, self.compressor.rate).expand(b, -1, -1)
+        scores_of_indexer = None
+        if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
+            train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
+            # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
+            with contextlib.nullcontext() if train_indexer else torch.no_grad():
+                keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs)
+            scores_of_indexer = scores_of_indexer if train_indexer else None
+            visible = visible if self.dense else keep
+        return torch.cat([kv, entries], dim=1), torch.cat([allowed, visible], dim=-1), visible, scores_of_indexer
+
+    def _cached_keys(self, x: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, input_pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoding: (the keys the queries may see (B, K, D): the window's ring, these positions' kv, then every
+        compressed entry slot; which each query sees (B, S, K)), the caches updated with x."""
+        b, s = kv.shape[:2]
+        keys, allowed = self.cache.window.update(kv, input_pos)
+        allowed = allowed.expand(b, s, -1)
+        if self.compressor is None:
+            return keys, allowed
+        entries = self.compressor.cached_entries(x, input_pos, self.freqs, self.cache.compressor)
+        visible = visible_entries(entries.shape[1], input_pos, self.compressor.rate).expand(b, -1, -1)
+        if self.kind == CSA and not self.dense:
+            visible = self.indexer(x, q_latent, self.freqs, input_pos, self.cache.indexer)[0]
+        elif self.kind == CSA:  # the indexer's keys still follow the tokens
+            self.indexer.compressor.cached_entries(x, input_pos, self.freqs, self.cache.indexer)
+        return torch.cat([keys, entries], dim=1), torch.cat([allowed, visible], dim=-1)
