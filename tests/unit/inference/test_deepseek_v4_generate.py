@@ -1,0 +1,112 @@
+"""`titanctl infer-tp` with a DeepSeek-V4 Hugging Face folder: its greedy tokens equal transformers'
+`DeepseekV4ForCausalLM.generate` from the same folder, in process and through the CLI, and a generation it cannot
+do is refused in one line.
+
+The folder is transformers' save_pretrained of the parity test's tiny model (unit-scale weights, so no logits
+near a tie; 8 indexer heads, see test_deepseek_v4_decoding.py) with the bundled tokenizer's 4,352 ids and a
+context of 64. The 24-token prompt and 30 new tokens reach position 53, past six sliding windows of 8: the CSA
+layer's indexer keeps 3 of up to 26 entries, the HCA layer's query sees up to 13.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.cli_server import titanctl_run
+from tests.conftest import OFFLINE_ENV, REPO
+from tests.unit.inference.test_generate_parity import cached_logits
+from tests.unit.models import test_deepseek_v4_parity as parity
+from titanctl.data.tokenizer import Tokenizer
+from titanctl.inference.generate import Decoder, find_checkpoint, load_model, run
+
+PROMPT = "To be, or not to be, that is the question: whether tis nobler in the mind to suffer"
+NEW = 30
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # run() sizes torch's pool for its one process
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory) -> SimpleNamespace:
+    import transformers
+
+    folder = tmp_path_factory.mktemp("infer_v4") / "hf"
+    vocab = Tokenizer().vocab_size
+    parity.reference(index_n_heads=8, vocab_size=vocab, max_position_embeddings=CONTEXT).float().save_pretrained(folder)
+    theirs = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = Tokenizer().encode(PROMPT, bos=True, eos=False)
+    config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                           return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([ids]), generation_config=config)
+    return SimpleNamespace(folder=folder, ids=ids, want=out.sequences[0, len(ids):].tolist(),
+                           logits=torch.cat(out.logits))
+
+
+def test_greedy_tokens_equal_transformers_generate(v4):
+    report = run(v4.folder, PROMPT, max_new_tokens=NEW, temperature=0)
+    assert report.source.kind == "hf" and report.source.args.family == "deepseek_v4"
+    assert report.generation.prompt_tokens == v4.ids and len(v4.ids) == 24
+    assert report.generation.tokens == v4.want
+    # The logits behind every choice agree too (measured 3.1e-6; the closest top-2 gap 0.011), so equal tokens are not luck of a flat model.
+    source = find_checkpoint(v4.folder)
+    model = load_model(source, source.args.replace(max_seq_len=len(v4.ids) + NEW), torch.device("cpu"))
+    model.setup_kv_cache(len(v4.ids) + NEW)
+    try:
+        torch.testing.assert_close(cached_logits(model, v4.ids, v4.want), v4.logits, atol=1e-4, rtol=0)
+    finally:
+        model.clear_kv_cache()
+
+
+@pytest.mark.slow
+def test_cli_equals_transformers_generate(v4, tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
+    proc = titanctl_run(["infer-tp", "--checkpoint", str(v4.folder), "--prompt", PROMPT, "--temperature", "0",
+                         "--max-new-tokens", str(NEW), "--out", str(out)], env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["tokens"] == v4.want and data["prompt_tokens"] == v4.ids and data["tensor_parallel_degree"] == 1
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--max-new-tokens", str(CONTEXT - 23)], {},
+     "--max-new-tokens 41: the 24-token prompt and the new tokens exceed the model's context of 64 positions; "
+     "at most 40 new tokens"),
+    ([], {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+     "deepseek_v4 has no tensor parallel inference yet (its shared-KV heads and compressors have no "
+     "tensor-parallel plan yet): run infer-tp as one process, not 2"),
+], ids=["beyond_the_context", "tensor_parallel_2"])
+def test_bad_input_is_one_red_line(v4, args, env, message, monkeypatch, capsys):
+    """Before any cache is sized or process group started."""
+    from titanctl.cli.app import main
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        main(["infer-tp", "--checkpoint", str(v4.folder), "--prompt", PROMPT, "--temperature", "0", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_generator_refuses_a_generation_beyond_its_caches(v4):
+    source = find_checkpoint(v4.folder)
+    model = load_model(source, source.args.replace(max_seq_len=30), torch.device("cpu"))
+    decoder = Decoder(model, 30)
+    try:
+        with pytest.raises(ValueError, match=r"^24 prompt \+ 7 new tokens exceed the 30-position KV cache$"):
+            decoder.generate(v4.ids, 7)
+        assert len(decoder.generate(v4.ids, 6).tokens) == 6
+    finally:
+        decoder.close()
