@@ -119,6 +119,17 @@ def check_model_overrides(overrides: Sequence[str], source: CheckpointSource) ->
             )
 
 
+def eager_part(model: nn.Module) -> str | None:
+    """Why ``model``'s decode step cannot compile as one graph: the reason a module gives for running eagerly
+    between graphs (``eager_in_compiled_graphs``: e.g. MoE routing, whose sizes depend on the data); None if
+    nothing does."""
+    for module in model.modules():
+        why = getattr(module, "eager_in_compiled_graphs", None)
+        if why:
+            return why
+    return None
+
+
 def model_device(model: nn.Module) -> torch.device:
     """Where ``model``'s weights are (and so its caches and inputs)."""
     return next(model.parameters()).device
@@ -245,6 +256,8 @@ class Decoder:
             raise ValueError("stop_check_interval must be at least 1")
         if any(n < 1 for n in threads):
             raise ValueError("thread counts must be at least 1")
+        if compile and (why := eager_part(model)):
+            raise ValueError(f"this model's decode step cannot compile as one graph ({why}): decode with compile=False")
         self.model = model
         self.max_seq_len = max_seq_len
         self.stop_check_interval = stop_check_interval
@@ -708,8 +721,13 @@ def run(
     tp = elastic.int_from_env("WORLD_SIZE", 1, minimum=1)
     check_tp_degree(args, tp)
     check_context(len(prompt_ids), max_new_tokens, args.max_seq_len)
+    with torch.device("meta"):
+        eager = eager_part(registry.build_model(args))
+    if compile and eager:
+        raise ConfigError(f"--compile: the decode step of {args.family} cannot compile as one graph ({eager}); "
+                          "leave --compile out")
     if compile is None:
-        compile = max_new_tokens >= COMPILE_FROM_TOKENS
+        compile = max_new_tokens >= COMPILE_FROM_TOKENS and not eager
     cache = cache_length(len(prompt_ids) + max_new_tokens, args.max_seq_len)
     args = args.replace(max_seq_len=cache)  # the RoPE table and KV cache length
 

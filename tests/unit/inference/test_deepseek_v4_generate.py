@@ -86,7 +86,9 @@ def test_cli_equals_transformers_generate(v4, tmp_path):
     ([], {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
      "deepseek_v4 has no tensor parallel inference yet (its shared-KV heads and compressors have no "
      "tensor-parallel plan yet): run infer-tp as one process, not 2"),
-], ids=["beyond_the_context", "tensor_parallel_2"])
+    (["--compile", "--max-new-tokens", "8"], {}, "--compile: the decode step of deepseek_v4 cannot compile as one graph (its MoE routing "
+     "runs eagerly: its sizes depend on the data); leave --compile out"),
+], ids=["beyond_the_context", "tensor_parallel_2", "compile"])
 def test_bad_input_is_one_red_line(v4, args, env, message, monkeypatch, capsys):
     """Before any cache is sized or process group started."""
     from titanctl.cli.app import main
@@ -110,3 +112,11 @@ def test_the_generator_refuses_a_generation_beyond_its_caches(v4):
         assert len(decoder.generate(v4.ids, 6).tokens) == 6
     finally:
         decoder.close()
+
+
+def test_a_long_generation_decodes_eagerly_by_default(v4):
+    """From 64 new tokens on infer-tp compiles the decode step of other models; this one's MoE routing runs
+    between graphs, so it stays eager (a compile would fail)."""
+    report = run(v4.folder, "To", max_new_tokens=62, temperature=0)
+    assert len(report.generation.prompt_tokens) == 2 and len(report.generation.tokens) == 62
+    assert report.compiled is False and report.generation.compile_seconds == 0
