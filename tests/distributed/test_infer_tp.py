@@ -244,3 +244,15 @@ def test_qwen3_5_tp2_equals_transformers(tmp_path):
     ids = tokenizer.encode(QWEN_PROMPT, bos=True, eos=False)
     want = reference(model, ids, tokenizer.stop_tokens, tokenizer.vocab_size)
     assert len(want) > 1 and greedy_tokens_under_tp2(tmp_path / "qwen3_5", QWEN_PROMPT, NEW, tmp_path) == want
+
+
+def test_deepseek_v4_tp2_equals_transformers(tmp_path):
+    """A transformers-written DeepSeek-V4 folder (CSA with its indexer, HCA, sliding, hash-routed MoE) under TP 2:
+    the query heads, sinks and output groups split over the ranks, the shared KV head, compressors, indexer,
+    their caches and the MoE whole on each; the greedy tokens equal generate()'s."""
+    from tests.unit.inference.test_deepseek_v4_generate import NEW as V4_NEW
+    from tests.unit.inference.test_deepseek_v4_generate import PROMPT as V4_PROMPT
+    from tests.unit.inference.test_deepseek_v4_generate import write_folder
+
+    v4 = write_folder(tmp_path / "deepseek_v4")
+    assert greedy_tokens_under_tp2(v4.folder, V4_PROMPT, V4_NEW, tmp_path) == v4.want

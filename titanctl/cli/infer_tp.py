@@ -37,7 +37,8 @@ def infer_tp(
     compile: bool | None = typer.Option(
         None, "--compile/--no-compile",
         help="torch.compile the decode step, after the first token (its time is reported apart; inductor's "
-        "cache makes later runs faster). Default: compile from --max-new-tokens 64 on, else decode eagerly.",
+        "cache makes later runs faster). Default: compile from --max-new-tokens 64 on, else decode eagerly; a model "
+        "with MoE layers always decodes eagerly (its routing runs between graphs), and refuses --compile.",
         show_default=False,
     ),
     config: Path | None = typer.Option(

@@ -61,7 +61,7 @@ from titanctl.inference.sampling import Sampling, sample, seed_key
 from titanctl.models import registry
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import StaticCache
-from titanctl.models.registry import model_args_from_config
+from titanctl.models.registry import model_args_from_config, spec_of
 from titanctl.parallel.runtime import elastic
 from titanctl.parallel.runtime.env import init_process
 from titanctl.parallel.runtime.peers import connecting, peer_failures_named
@@ -78,10 +78,19 @@ __all__ = [
 
 
 def check_tp_degree(args: ModelArgs, tp: int) -> None:
-    """Fail before any collective if attention heads (and Gated DeltaNet key heads) cannot be split ``tp`` ways."""
-    sizes = [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)]
-    if args.linear_attention is not None:
-        sizes.append(("linear_attention.num_key_heads", args.linear_attention.num_key_heads))
+    """Fail before any collective if the family has no tensor-parallel plan, or what its plan splits (attention
+    heads, Gated DeltaNet key heads) cannot be split ``tp`` ways."""
+    why = spec_of(args).layouts_not_built.get("tp")
+    if tp > 1 and why:
+        raise ParallelError(f"{args.family} has no tensor parallel inference yet ({why}): run infer-tp as one "
+                            f"process, not {tp}")
+    split_sizes = spec_of(args).tp_plan.split_sizes  # what a family's own plan splits (DeepSeek-V4: not KV heads)
+    if split_sizes is not None:
+        sizes = [(what.removeprefix("model "), size) for what, size in split_sizes(args)]
+    else:
+        sizes = [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)]
+        if args.linear_attention is not None:
+            sizes.append(("linear_attention.num_key_heads", args.linear_attention.num_key_heads))
     for what, size in sizes:
         if size % tp:
             raise ParallelError(
@@ -112,6 +121,22 @@ def check_model_overrides(overrides: Sequence[str], source: CheckpointSource) ->
                 f"--{key} is not read by infer-tp for {source.folder}: its model comes from {source.origin} "
                 "(the cache length is the prompt plus --max-new-tokens)"
             )
+
+
+def eager_part(model: nn.Module) -> str | None:
+    """Why ``model``'s decode step cannot compile as one graph: the reason a module gives for running eagerly
+    between graphs (``eager_in_compiled_graphs``: e.g. MoE routing, whose sizes depend on the data); None if
+    nothing does."""
+    for module in model.modules():
+        why = getattr(module, "eager_in_compiled_graphs", None)
+        if why:
+            return why
+    return None
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s weights are (and so its caches and inputs)."""
+    return next(model.parameters()).device
 
 
 def build_model(args: ModelArgs, device: torch.device, tp_mesh=None) -> nn.Module:
@@ -235,10 +260,12 @@ class Decoder:
             raise ValueError("stop_check_interval must be at least 1")
         if any(n < 1 for n in threads):
             raise ValueError("thread counts must be at least 1")
+        if compile and (why := eager_part(model)):
+            raise ValueError(f"this model's decode step cannot compile as one graph ({why}): decode with compile=False")
         self.model = model
         self.max_seq_len = max_seq_len
         self.stop_check_interval = stop_check_interval
-        self.device = model.rope_cache.device
+        self.device = model_device(model)
         self.threads = list(dict.fromkeys(threads)) if self.device.type == "cpu" else []
         model.setup_kv_cache(max_seq_len)
         self.compiled = compile
@@ -527,7 +554,7 @@ def _compile_options(model: nn.Module) -> dict[str, Any]:
       second thread is often not running (``benchmarks/generate_throughput.py --threads 2``).
       Matrix products keep torch's thread count.
     """
-    if model.rope_cache.device.type != "cpu":
+    if model_device(model).type != "cpu":
         return {}
     return {"cpp_wrapper": not inference_tp.decode_uses_process_group(model), "cpp.threads": 1}
 
@@ -580,7 +607,7 @@ def generate(
 def _generate_without_cache(model, prompt, max_new_tokens, sampling, seed, stop_tokens) -> Generation:
     if not prompt:
         raise ValueError("the prompt needs at least one token")
-    device = model.rope_cache.device
+    device = model_device(model)
     key = torch.tensor(seed_key(seed), device=device)
     tokens = torch.tensor([list(prompt)], device=device)  # (1, T)
     start = time.perf_counter()
@@ -698,8 +725,13 @@ def run(
     tp = elastic.int_from_env("WORLD_SIZE", 1, minimum=1)
     check_tp_degree(args, tp)
     check_context(len(prompt_ids), max_new_tokens, args.max_seq_len)
+    with torch.device("meta"):
+        eager = eager_part(registry.build_model(args))
+    if compile and eager:
+        raise ConfigError(f"--compile: the decode step of {args.family} cannot compile as one graph ({eager}); "
+                          "leave --compile out")
     if compile is None:
-        compile = max_new_tokens >= COMPILE_FROM_TOKENS
+        compile = max_new_tokens >= COMPILE_FROM_TOKENS and not eager
     cache = cache_length(len(prompt_ids) + max_new_tokens, args.max_seq_len)
     args = args.replace(max_seq_len=cache)  # the RoPE table and KV cache length
 

@@ -28,10 +28,11 @@ COMPRESS_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_emb
                  "beta_slow": 1.0}
 
 
-def tiny_config(compress_yarn: bool = False):
+def tiny_config(compress_yarn: bool = False, **changes):
+    """``changes``: config attributes set on top (other tests' variants)."""
     import transformers
 
-    return transformers.DeepseekV4Config(
+    config = transformers.DeepseekV4Config(
         rope_parameters=COMPRESS_YARN if compress_yarn else None,
         vocab_size=128, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
         head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=8,
@@ -40,6 +41,9 @@ def tiny_config(compress_yarn: bool = False):
         hc_mult=2, hc_sinkhorn_iters=20, n_routed_experts=4, num_experts_per_tok=2,
         routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0,
         max_position_embeddings=256, tie_word_embeddings=False)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
 
 
 def args_of(config) -> DeepseekV4Args:
@@ -81,12 +85,12 @@ def our_name(hf: str) -> str:
     return name
 
 
-def reference(seed: int = 0, compress_yarn: bool = False):
+def reference(seed: int = 0, compress_yarn: bool = False, **changes):
     """transformers' model in fp64 at unit scale; sinks, biases and hash table random too."""
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_config(compress_yarn)
+    config = tiny_config(compress_yarn, **changes)
     config._experts_implementation = "eager"  # the grouped-mm default has no fp64 kernel
     theirs = transformers.DeepseekV4ForCausalLM(config).to(torch.float64).eval()
     gen = torch.Generator().manual_seed(seed)

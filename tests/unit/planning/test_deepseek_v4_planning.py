@@ -48,8 +48,9 @@ def test_the_counted_scores_are_the_probabilities_the_attention_saves(layer):
 
 def test_an_attention_layers_memory_is_about_four_copies_of_its_scores():
     """Forward and backward of one CSA layer (fp32, 512 tokens): the peak beyond its parameters and their
-    gradients, per materialized score, is at most the memory model's 4 copies and within 10% of them
-    (measured 3.95; 3.6-3.8 for V4-Flash's layers at 4096 tokens in bf16, on fake tensors)."""
+    gradients, per materialized score, is at most the memory model's 4 copies and within 12.5% of them
+    (measured 3.52 since the window's (S, S) int64 distances are freed before the scores exist, 3.95 before;
+    3.6-3.8 for V4-Flash's layers at 4096 tokens in bf16, on fake tensors)."""
     seq = 512
     args = tiny_args(seq)
     attn = Attention(v4_args(args), 0)
@@ -63,7 +64,7 @@ def test_an_attention_layers_memory_is_about_four_copies_of_its_scores():
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     weights = 2 * 4 * sum(p.numel() for p in attn.parameters())
     copies = (peak - weights) / (seq * attention_scores(args, 0) * 4)
-    assert 3.6 <= copies <= 4, copies
+    assert 3.5 <= copies <= 4, copies
 
 
 def test_the_pro_flavor_is_its_names_size():

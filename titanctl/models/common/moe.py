@@ -200,6 +200,9 @@ def grouped_experts(dim: int, moe: MoEArgs) -> GroupedExperts:
 
 
 class MoE(nn.Module):
+    # What the inference decoder reads (generate.eager_part): the forward below is compiler-disabled.
+    eager_in_compiled_graphs = "its MoE routing runs eagerly: its sizes depend on the data"
+
     def __init__(self, dim: int, moe: MoEArgs, experts: RoutedExperts | None = None):
         """``experts``: the routed experts (a family's own kind); None: the shared ones."""
         super().__init__()

@@ -1,7 +1,8 @@
 """DeepSeek-V4's attention: shared-KV multi-query attention over a sliding window, plus the compressed
 entries of a CSA (compressor + lightning indexer + top-k) or HCA (compressor only) layer, with learned
-sinks, partial interleaved RoPE and the grouped output projection. Training form: a whole sequence from
-position 0, no cache."""
+sinks, partial interleaved RoPE and the grouped output projection. Training: a whole sequence from position 0
+(or this process's pieces of it, ``sequence_pieces``); decoding: the positions after those already in the
+layer's caches (cache.py), with the same numbers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from titanctl.models.common.args import YarnScaling
 from titanctl.models.common.rope import yarn_frequencies
 from titanctl.models.common.sequence_pieces import WHOLE_SEQUENCE, WholeSequence
 from titanctl.models.deepseek_v4.args import CSA, SLIDING, DeepseekV4Args
+from titanctl.models.deepseek_v4.cache import CompressorCache, LayerCache, WindowCache
 from titanctl.models.deepseek_v4.indexer_loss import indexer_kl
 
 
@@ -143,10 +145,28 @@ class Compressor(nn.Module):
                       seq.preceding(gate, self.rate, float("-inf")).flatten(0, 1))
         pooled = window_pool(kv.view(b * pieces, length, width), gate.view(b * pieces, length, width), self.rate,
                              self.overlap, before)  # (B x pieces, n, D)
-        pooled = self.kv_norm(pooled.reshape(b, pieces * n, -1))
         starts = seq.positions(s, x.device).view(pieces, length)[:, : n * self.rate: self.rate].flatten()
+        return seq.gather(self._finish(pooled.reshape(b, pieces * n, -1), starts, freqs))
+
+    def cached_entries(self, x: torch.Tensor, input_pos: torch.Tensor, freqs: torch.Tensor,
+                       cache: CompressorCache) -> torch.Tensor:
+        """Decoding: x (B, T, dim) at positions input_pos -> every entry slot of ``cache`` (B, capacity,
+        head_dim), those whose window closes in x formed now; the unclosed ones are masked by the caller."""
+        gate = self.gate_proj(x) + local(self.position_bias)[input_pos % self.rate]
+        kv, gate, windows = cache.windows(self.kv_proj(x), gate, input_pos)
+        entries = self._finish(window_pool(kv, gate, self.rate, self.overlap), windows * self.rate, freqs)
+        return cache.store(entries, windows, input_pos)
+
+    def _finish(self, pooled: torch.Tensor, starts: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Pooled windows (B, n, head_dim) -> entries: normed, rotated at each window's first position."""
+        pooled = self.kv_norm(pooled)
         cos, sin = cos_sin(freqs, starts, pooled.dtype)
-        return seq.gather(apply_rope(pooled, cos, sin))
+        return apply_rope(pooled, cos, sin)
+
+    def new_cache(self, batch: int, max_seq_len: int) -> CompressorCache:
+        weight = self.kv_proj.weight
+        return CompressorCache(batch, max_seq_len, self.rate, self.overlap, weight.shape[0],
+                               self.kv_norm.weight.shape[0], weight.dtype, weight.device)
 
 
 class Indexer(nn.Module):
@@ -161,13 +181,19 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(args.dim, args.index_n_heads, bias=False)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, freqs: torch.Tensor,
-                seq: WholeSequence = WHOLE_SEQUENCE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                seq: WholeSequence = WHOLE_SEQUENCE, input_pos: torch.Tensor | None = None,
+                cache: CompressorCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the entries each query keeps, the entries it sees, the scores (B, S, n) with -inf where unseen), for
-        this process's queries over the whole sequence's entries."""
+        this process's queries over the whole sequence's entries. Decoding (``input_pos`` and this indexer's
+        ``cache``): over every key slot of the cache, n its capacity."""
         b, s, _ = x.shape
-        keys = self.compressor.entries(x, freqs, seq)  # (B, n, d)
+        if cache is None:
+            positions = seq.positions(s, x.device)
+            keys = self.compressor.entries(x, freqs, seq)  # (B, n, d)
+        else:
+            positions = input_pos
+            keys = self.compressor.cached_entries(x, input_pos, freqs, cache)  # (B, capacity, d)
         n = keys.shape[1]
-        positions = seq.positions(s, x.device)
         cos, sin = cos_sin(freqs, positions, x.dtype)
         q = apply_rope(self.q_b_proj(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         dt = compute_dtype(x)
@@ -239,12 +265,24 @@ class Attention(nn.Module):
         self.indexer_loss: torch.Tensor | None = None  # this forward's, for the model to collect
         # The rows of the sequence this layer holds (context parallel: a rank's chunks, set from outside).
         self.sequence_pieces: WholeSequence = WHOLE_SEQUENCE
+        self.cache: LayerCache | None = None  # set by DeepseekV4.setup_kv_cache for decoding
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def new_cache(self, batch: int, max_seq_len: int) -> LayerCache:
+        """Zeroed decoding caches for ``max_seq_len`` positions (cache.py): no query head's own."""
+        weight = self.kv_proj.weight
+        window = WindowCache(batch, self.window, self.head_dim, weight.dtype, weight.device)
+        compressor = None if self.compressor is None else self.compressor.new_cache(batch, max_seq_len)
+        indexer = self.indexer.compressor.new_cache(batch, max_seq_len) if self.kind == CSA else None
+        return LayerCache(window, compressor, indexer)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, S, dim): this process's rows of a sequence from position 0 (``sequence_pieces``); or, decoding
+        (after ``cache`` is set), at positions ``input_pos`` (S,), every position before them given in earlier
+        calls."""
         b, s, _ = x.shape
         seq = self.sequence_pieces
-        pieces, length = seq.pieces, s // seq.pieces
-        positions = seq.positions(s, x.device)  # (S,) of this process's rows
+        pieces, length = (seq.pieces, s // seq.pieces) if input_pos is None else (1, s)
+        positions = seq.positions(s, x.device) if input_pos is None else input_pos  # (S,) of this process's rows
         cos, sin = cos_sin(self.freqs, positions, x.dtype)
         q_latent = self.q_a_norm(self.q_a_proj(x))
         # -1 heads: under tensor parallelism q_b_proj holds this rank's heads
@@ -253,28 +291,11 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)  # (B, H, S, D)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, S, D): one head, keys = values
 
-        # Each piece's queries attend its own rows and the window's rows just before it (held elsewhere under
-        # context parallel): pieces become batch rows, (B x pieces, ...).
-        reach = seq.reach(self.window - 1)
-        kv = torch.cat([seq.preceding(kv, reach), kv.view(b, pieces, length, -1)], dim=2).flatten(0, 1)
-        q_pos = positions.view(pieces, length)
-        k_pos = torch.cat([q_pos[:, :1] - reach + torch.arange(reach, device=x.device), q_pos], dim=1)
-        rel = q_pos[:, :, None] - k_pos[:, None, :]  # (pieces, length, reach + length)
-        allowed = (rel >= 0) & (rel < self.window) & (k_pos[:, None, :] >= 0)
-        allowed = allowed[None].expand(b, -1, -1, -1).reshape(b * pieces, length, -1)  # a view for one piece
-        scores_of_indexer = None
-        if self.compressor is not None:
-            entries = self.compressor.entries(x, self.freqs, seq)  # (B, N, D): the whole sequence's
-            visible = entries_seen(entries.shape[1], positions, self.compressor.rate).expand(b, -1, -1)
-            if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
-                train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
-                # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
-                with contextlib.nullcontext() if train_indexer else torch.no_grad():
-                    keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs, seq)
-                scores_of_indexer = scores_of_indexer if train_indexer else None
-                visible = visible if self.dense else keep
-            kv = torch.cat([kv, entries[:, None].expand(-1, pieces, -1, -1).flatten(0, 1)], dim=1)
-            allowed = torch.cat([allowed, visible.reshape(b * pieces, length, -1)], dim=-1)
+        self.indexer_loss = None
+        if input_pos is None:
+            kv, allowed, visible, scores_of_indexer = self._keys(x, q_latent, kv, positions)
+        else:
+            (kv, allowed), scores_of_indexer = self._cached_keys(x, q_latent, kv, input_pos), None
 
         q = q.view(b, heads, pieces, length, self.head_dim).transpose(1, 2).flatten(0, 1)
         kv = self.shared_kv(kv)
@@ -282,9 +303,8 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         sinks = local(self.sinks).to(scores.dtype).view(1, -1, 1, 1).expand(b * pieces, -1, length, 1)
         probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-        self.indexer_loss = None
-        if scores_of_indexer is not None:
-            on_entries = probs[..., reach + length:].detach()  # (B x pieces, H, length, N) -> (B, H, S, N)
+        if scores_of_indexer is not None:  # the entries are the last keys
+            on_entries = probs[..., -visible.shape[-1]:].detach()  # (B x pieces, H, length, N) -> (B, H, S, N)
             on_entries = on_entries.view(b, pieces, heads, length, -1).transpose(1, 2).reshape(b, heads, s, -1)
             self.indexer_loss = indexer_kl(self.head_sum(on_entries), scores_of_indexer, visible,
                                            self._indexer_rows(b, s))
@@ -293,6 +313,54 @@ class Attention(nn.Module):
         out = apply_rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
         out = self.o_a_proj(out.reshape(b, s, -1, self.o_a_proj.in_per_group))
         return self.o_b_proj(out)
+
+    def _keys(self, x: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor):
+        """Training: (the keys (B x pieces, K, D): each piece's window rows, its own rows' kv, then the compressed
+        entries; which each query sees (B x pieces, length, K); of the entries, those each query (B, S, N) attends
+        or None; the indexer's scores if it trains). Each piece's queries attend its own rows and the window's
+        rows just before it (held elsewhere under context parallel): pieces become batch rows."""
+        b, s = kv.shape[:2]
+        seq = self.sequence_pieces
+        pieces, length = seq.pieces, s // seq.pieces
+        reach = seq.reach(self.window - 1)
+        kv = torch.cat([seq.preceding(kv, reach), kv.view(b, pieces, length, -1)], dim=2).flatten(0, 1)
+        q_pos = positions.view(pieces, length)
+        k_pos = torch.cat([q_pos[:, :1] - reach + torch.arange(reach, device=x.device), q_pos], dim=1)
+        rel = q_pos[:, :, None] - k_pos[:, None, :]  # (pieces, length, reach + length)
+        allowed = (rel >= 0) & (rel < self.window) & (k_pos[:, None, :] >= 0)
+        allowed = allowed[None].expand(b, -1, -1, -1).reshape(b * pieces, length, -1)  # a view for one piece
+        if self.compressor is None:
+            return kv, allowed, None, None
+        entries = self.compressor.entries(x, self.freqs, seq)  # (B, N, D): the whole sequence's
+        visible = entries_seen(entries.shape[1], positions, self.compressor.rate).expand(b, -1, -1)
+        scores_of_indexer = None
+        if self.kind == CSA:  # detached inputs: only the indexer's own loss trains it
+            train_indexer = bool(self.indexer_loss_coeff) and torch.is_grad_enabled()
+            # Without its loss the indexer gets no gradient: no graph (its scores' would live to the end).
+            with contextlib.nullcontext() if train_indexer else torch.no_grad():
+                keep, visible, scores_of_indexer = self.indexer(x.detach(), q_latent.detach(), self.freqs, seq)
+            scores_of_indexer = scores_of_indexer if train_indexer else None
+            visible = visible if self.dense else keep
+        kv = torch.cat([kv, entries[:, None].expand(-1, pieces, -1, -1).flatten(0, 1)], dim=1)
+        allowed = torch.cat([allowed, visible.reshape(b * pieces, length, -1)], dim=-1)
+        return kv, allowed, visible, scores_of_indexer
+
+    def _cached_keys(self, x: torch.Tensor, q_latent: torch.Tensor, kv: torch.Tensor, input_pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoding: (the keys the queries may see (B, K, D): the window's ring, these positions' kv, then every
+        compressed entry slot; which each query sees (B, S, K)), the caches updated with x."""
+        b, s = kv.shape[:2]
+        keys, allowed = self.cache.window.update(kv, input_pos)
+        allowed = allowed.expand(b, s, -1)
+        if self.compressor is None:
+            return keys, allowed
+        entries = self.compressor.cached_entries(x, input_pos, self.freqs, self.cache.compressor)
+        visible = entries_seen(entries.shape[1], input_pos, self.compressor.rate).expand(b, -1, -1)
+        if self.kind == CSA and not self.dense:
+            visible = self.indexer(x, q_latent, self.freqs, input_pos=input_pos, cache=self.cache.indexer)[0]
+        elif self.kind == CSA:  # the indexer's keys still follow the tokens
+            self.indexer.compressor.cached_entries(x, input_pos, self.freqs, self.cache.indexer)
+        return torch.cat([keys, entries], dim=1), torch.cat([allowed, visible], dim=-1)
 
     def _indexer_rows(self, batch: int, length: int) -> float | None:
         """Under context parallel, the indexer loss's divisor on this rank: the whole sequence's queries that

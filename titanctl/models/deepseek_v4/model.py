@@ -43,9 +43,10 @@ class Block(nn.Module):
         units): ``mlp`` is transformers' name, which the checkpoint formats keep."""
         return self.mlp
 
-    def forward(self, streams: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, tokens: torch.Tensor, input_pos: torch.Tensor | None = None
+                ) -> torch.Tensor:
         post, comb, h = self.attn_hc(streams)
-        streams = write_back(streams, self.self_attn(self.input_layernorm(h)), post, comb)
+        streams = write_back(streams, self.self_attn(self.input_layernorm(h), input_pos), post, comb)
         post, comb, h = self.ffn_hc(streams)
         return write_back(streams, self.mlp(self.post_attention_layernorm(h), tokens), post, comb)
 
@@ -66,6 +67,22 @@ class DeepseekV4(nn.Module):
         self.tie_weights()
         self.indexer_warmup = False
         self.microbatches = 1
+        self.cache_length: int | None = None  # positions of the decoding caches, once set up
+
+    def setup_kv_cache(self, max_seq_len: int | None = None, batch_size: int = 1) -> None:
+        """Give every attention zeroed decoding caches for ``max_seq_len`` positions (default: the model's
+        max_seq_len): its window's ring and a CSA/HCA layer's compressed entries (cache.py)."""
+        length = max_seq_len or (self.args.max_seq_len if self.args is not None else None)
+        if not length:
+            raise ValueError("setup_kv_cache needs max_seq_len: this model was built without ModelArgs")
+        for block in self.layers.values():
+            block.self_attn.cache = block.self_attn.new_cache(batch_size, length)
+        self.cache_length = length
+
+    def clear_kv_cache(self) -> None:
+        for block in self.layers.values():
+            block.self_attn.cache = None
+        self.cache_length = None
 
     def tie_weights(self) -> None:
         """Make ``output.weight`` the embedding's Parameter again (when tied and both are here): tensor
@@ -95,16 +112,20 @@ class DeepseekV4(nn.Module):
     def forward(self, tokens: torch.Tensor, token_ids: torch.Tensor | None = None,
                 input_pos: torch.Tensor | None = None, attn_mask=None, mtp: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """(B, S) token ids from position 0 -> (B, S, vocab) logits. Whole sequences only: packed documents,
-        decoding and prediction depths are not built for this family.
+        """(B, S) token ids from position 0 -> (B, S, vocab) logits. Whole sequences only: packed documents
+        and prediction depths are not built for this family.
+
+        ``input_pos`` (S,) int64, after ``setup_kv_cache``: the tokens' positions, consecutive, below the
+        cache's length, every earlier position given in earlier calls (decoding: a prompt, then a token at a
+        time, or in chunks).
 
         A pipeline stage without the embedding takes the previous stage's (streams (B, S, n, D), token ids
         (B, S)); one without the output layer returns them."""
         if attn_mask is not None or positions is not None:
             raise ValueError("deepseek_v4 trains on whole windows only: set model.attn_mask_type = 'causal' "
                              "(its compressed entries span document boundaries; chat data packs documents too)")
-        if input_pos is not None:
-            raise ValueError("deepseek_v4 has no decoding cache in titanctl yet")
+        if input_pos is not None and self.cache_length is None:
+            raise ValueError("forward(..., input_pos) decodes through the caches: call setup_kv_cache first")
         if mtp:
             raise ValueError("deepseek_v4 has no multi-token prediction depths in titanctl; set model.mtp_layers = 0")
         if self.tok_embeddings is not None:
@@ -113,7 +134,7 @@ class DeepseekV4(nn.Module):
         else:
             streams = tokens
         for block in self.layers.values():
-            streams = block(streams, token_ids)
+            streams = block(streams, token_ids, input_pos)
         if self.output is None:
             return self._with_indexer_loss(streams), token_ids
         return self._with_indexer_loss(self.output(self.norm(self.hc_head(streams))))

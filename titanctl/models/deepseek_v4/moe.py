@@ -69,6 +69,9 @@ def hash_table(vocab_size: int, num_experts: int, top_k: int, layer_id: int, dev
 
 
 class MoE(nn.Module):
+    # What the inference decoder reads (generate.eager_part): the forward below is compiler-disabled.
+    eager_in_compiled_graphs = "its MoE routing runs eagerly: its sizes depend on the data"
+
     def __init__(self, args: DeepseekV4Args, layer_id: int):
         super().__init__()
         self.hashed = args.mlp_types[layer_id] == "hash_moe"
