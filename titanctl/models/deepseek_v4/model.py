@@ -46,7 +46,7 @@ class Block(nn.Module):
     def forward(self, streams: torch.Tensor, tokens: torch.Tensor, input_pos: torch.Tensor | None = None
                 ) -> torch.Tensor:
         post, comb, h = self.attn_hc(streams)
-        streams = write_back(streams, self.self_attn(self.input_layernorm(h), input_pos), post, comb)
+        streams = write_back(streams, self.self_attn(self.input_layernorm(h), input_pos=input_pos), post, comb)
         post, comb, h = self.ffn_hc(streams)
         return write_back(streams, self.mlp(self.post_attention_layernorm(h), tokens), post, comb)
 
