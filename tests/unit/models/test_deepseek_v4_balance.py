@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
-from titanctl.config.job_config import MoEBalancing
 from titanctl.config.recipe import load_config
 from titanctl.models.registry import build_model, model_args_from_config
 from titanctl.parallel.layouts.dims import ParallelDims
