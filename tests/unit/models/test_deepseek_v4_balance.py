@@ -94,7 +94,7 @@ def test_the_moved_bias_is_resumed_from_dcp_and_exported_as_the_hubs_name(tmp_pa
     def run(out):
         trainer = Trainer(load_config(RECIPE, [
             "--moe.load_balance_coeff", str(COEFF), "--training.steps", "2", "--training.seq_len", str(SEQ),
-            "--training.local_batch_size", "2", "--checkpoint.enable_checkpoint", "true",
+            "--training.local_batch_size", "1", "--checkpoint.enable_checkpoint", "true",
             "--checkpoint.interval", "1", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1",
             "--job.dump_folder", str(out)]))
         trainer.train()
