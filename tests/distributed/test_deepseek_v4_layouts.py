@@ -132,3 +132,32 @@ def test_deepseek_v4_ddp_through_the_indexer_warm_up_matches_single_process(worl
     assert len(got) == 3 and got[-1] != got[0]
     assert grad_diff <= GRAD_TOL, f"ddp2_warmup: first-step gradient of {worst} off by {grad_diff:.2e} of its largest"
     assert diff <= 1e-5, f"ddp2_warmup: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"
+
+
+# FSDP 2 x EP 2 with the auxiliary-loss-free bias update on (moe.load_balance_coeff): after each step every
+# score-routed layer's bias moves by the tokens per expert summed over both ranks (the hash-routed layer has
+# none), so steps 2 and 3 route by a moved bias; the losses and each step's tokens per expert equal one process.
+BALANCE = ["--moe.load_balance_coeff", "0.01"]
+BALANCE_REFERENCE = register(__name__, "single_balance", 1, [*TINY_RUN, *V4, *BALANCE, "--training.local_batch_size", "8"])
+BALANCE_FSDP_EP = register(__name__, "fsdp2_ep2_balance", 2, [*TINY_RUN, *V4, *BALANCE, "--training.local_batch_size",
+                                                              "4", "--parallelism.expert_parallel_degree", "2"])
+
+
+@pytest.mark.parametrize("world_case, reference_case", [(BALANCE_FSDP_EP, BALANCE_REFERENCE)], ids=["fsdp2_ep2_balance"])
+def test_deepseek_v4_routing_bias_update_matches_single_process(worlds, world_case, reference_case):
+    from tests.distributed.harness import expert_loads
+
+    folder, reference = worlds.folder(world_case), worlds.folder(reference_case)
+    got, ref_losses = losses(folder), losses(reference)
+    diff = max_rel_diff(got, ref_losses)
+    loads, ref_loads, unmoved = expert_loads(folder), expert_loads(reference), expert_loads(worlds.folder(REFERENCE))
+    print(f"\nDEEPSEEK-V4 LAYOUT fsdp2_ep2_balance procs 2  max rel loss diff {diff:.2e}")
+    assert len(got) == 3 and got[-1] != got[0]
+    assert sorted(ref_loads[0]) == ["0", "1", "2", "3"]  # the hash-routed layer 0 is counted too
+    # The bias starts at 0: step 1 routes as without the update, and the moved bias reroutes later steps' tokens
+    # in every score-routed layer; the hash-routed layer 0 routes the same tokens to the same experts throughout.
+    assert ref_loads[0] == unmoved[0], (ref_loads[0], unmoved[0])
+    assert all(ref_loads[2][i] != unmoved[2][i] for i in "123"), (ref_loads[2], unmoved[2])
+    assert [load["0"] for load in ref_loads] == [load["0"] for load in unmoved]
+    assert loads == ref_loads, f"fsdp2_ep2_balance: tokens per expert differ from one process\n{loads}\n{ref_loads}"
+    assert diff <= 1e-5, f"fsdp2_ep2_balance: max relative loss difference {diff:.2e}\n{got}\n{ref_losses}"

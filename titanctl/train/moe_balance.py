@@ -5,6 +5,9 @@ Both balancing methods are defined on the global batch, so every layout gives th
   optimizer step, every MoE layer's ``expert_bias`` moves by the coefficient toward the experts that
   received fewer tokens than the mean over the global batch (all microbatches, all data-parallel
   and context-parallel ranks): b_e += coeff x sign(mean - tokens_e).
+  An MoE layer is a module that counts its tokens (a ``tokens_per_expert`` buffer: the shared MoE, or a
+  family's own that keeps the same buffers); one without an ``expert_bias`` (a hash-routed layer, whose
+  choice is a fixed table) is counted for the metrics and has no bias to move.
 - The auxiliary loss (``moe.router_aux_loss_coef``, as Qwen3-MoE trains): per sequence, averaged
   over sequences and MoE layers (models/common/moe.py computes it). Sequences are whole on one rank
   except under context parallel, whose ranks sum their statistics, so the objective does not
@@ -47,10 +50,10 @@ class MoEBalance:
     def __init__(self, model_parts: list[torch.nn.Module], cfg: MoEBalancing, args: ModelArgs,
                  dims: ParallelDims, microbatches_per_step: int):
         self.load_balance_coeff = cfg.load_balance_coeff
-        self.layers: dict[int, MoE] = {}
+        self.layers: dict[int, torch.nn.Module] = {}
         for part in model_parts:
             for name, module in part.named_modules():
-                if isinstance(module, MoE):
+                if isinstance(getattr(module, "tokens_per_expert", None), torch.Tensor):
                     self.layers[int(_LAYER_ID.search("." + name).group(1))] = module
         # Ranks holding the same layers but different tokens: data parallel and context parallel.
         data_mesh = dims.mesh_for("dp_replicate", "dp_shard", "cp") if dims.world_size > 1 else None
@@ -62,6 +65,8 @@ class MoEBalance:
         n_moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_layers))
         weight = cfg.router_aux_loss_coef * dims.cp / (microbatches_per_step * max(n_moe_layers, 1))
         for module in self.layers.values():
+            if not isinstance(module, MoE):  # a family's own MoE has no auxiliary loss (its spec refuses the key)
+                continue
             module.aux_loss_coef = weight
             module.reduce_sequence_sums = None if cp_mesh is None else _summed_over(cp_mesh.get_group())
 
@@ -77,7 +82,7 @@ class MoEBalance:
             dist.all_reduce(counts, group=self.data_group)
         for layer_id, layer_counts in zip(ids, counts):
             module = self.layers[layer_id]
-            if self.load_balance_coeff:
+            if self.load_balance_coeff and hasattr(module, "expert_bias"):
                 module.expert_bias.add_(torch.sign(layer_counts.mean() - layer_counts) * self.load_balance_coeff)
             module.tokens_per_expert.zero_()
         return dict(zip(ids, counts))

@@ -162,7 +162,7 @@ class DeepseekV4(nn.Module):
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the RoPE frequencies and the hash tables (``to_empty`` leaves buffers uninitialized),
-        zero the routing biases."""
+        zero the routing biases and the token counts."""
         device = device if device is not None else next(self.parameters()).device
         args = self.v4
         for layer_id, block in self.layers.items():
@@ -172,6 +172,7 @@ class DeepseekV4(nn.Module):
                 block.mlp.tid2eid = hash_table(args.vocab_size, args.num_experts, args.top_k, int(layer_id), device)
             else:
                 block.mlp.expert_bias = torch.zeros(args.num_experts, device=device)
+            block.mlp.tokens_per_expert = torch.zeros(args.num_experts, device=device)
         self.tie_weights()
 
 

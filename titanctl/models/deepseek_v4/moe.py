@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanctl.models.common.moe import RoutedExperts, autocast_operands
+from titanctl.models.common.moe import RoutedExperts, _recomputing, autocast_operands
 from titanctl.models.deepseek_v4.args import DeepseekV4Args
 
 
@@ -81,8 +81,11 @@ class MoE(nn.Module):
         # Both saved state: a checkpoint's table and bias (the Hub's, trained) replace the fresh model's.
         if self.hashed:  # token id -> its top_k distinct experts, fixed: drawn by hash_table (seeded), not learned
             self.register_buffer("tid2eid", hash_table(args.vocab_size, args.num_experts, args.top_k, layer_id))
-        else:  # load-balancing bias: moves the choice, not the weights (zero: titanctl does not move it yet)
+        else:  # load-balancing bias: moves the choice, not the weights; moe.load_balance_coeff trains it
             self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+        # Tokens routed to each expert since the trainer last read them (titanctl.train.moe_balance: the bias
+        # update's input, and the expert-load metrics of both kinds of layer); not saved.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.experts = Experts(args)
         self.shared_experts = SharedExpert(args)
 
@@ -101,6 +104,8 @@ class MoE(nn.Module):
         experts = chosen.reshape(-1)  # (N * k,) token n's j-th choice at n * k + j
         order = torch.argsort(experts, stable=True)  # by expert, then by token: a fixed order
         counts = experts.new_zeros(self.num_experts).scatter_add_(0, experts, torch.ones_like(experts))
+        if torch.is_grad_enabled() and not _recomputing():  # training forwards, once under activation checkpointing
+            self.tokens_per_expert.add_(counts)
         routed = self.experts(flat[order // self.top_k], counts)  # (N * k, dim)
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)  # a permutation: no accumulation
         out = (unsorted.view(-1, self.top_k, d) * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)

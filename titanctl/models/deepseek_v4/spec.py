@@ -106,7 +106,6 @@ SPEC = ModelSpec(
     # and in its warm-up nothing else does.
     parameters_may_go_unused=True,
     moe_keys_not_built={
-        "load_balance_coeff": "deepseek_v4's routing bias update is not built (the bias stays as loaded)",
         "router_aux_loss_coef": "deepseek_v4's MoE layers have no auxiliary balancing loss",
     },
 )
