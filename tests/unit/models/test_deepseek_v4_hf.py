@@ -65,6 +65,7 @@ def test_deepseeks_own_config_keys_read_as_transformers_reads_them(theirs):
               "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "sliding_window": 128, "compress_ratios": [0, 4, 128, 4, 0],
               "num_hash_layers": 2, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 3, "hc_mult": 2,
               "n_routed_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rope_theta": 10000.0,
+              "num_nextn_predict_layers": 1,
               "compress_rope_theta": 160000.0, "rope_scaling": {"type": "yarn", "factor": 16.0, "beta_fast": 32,
                                                                 "beta_slow": 1, "original_max_position_embeddings": 16}}
     ours = args_from_hf_config(legacy, max_seq_len=64)

@@ -124,3 +124,46 @@ def test_the_key_reaches_the_model_and_layouts_that_cannot_carry_it_are_refused(
                                                 rf"under {what}: .*; set model.mtp_layers = 0") as e:
             check_layout(cfg, layout, args)
         assert "\n" not in str(e.value)
+
+
+def test_a_folder_with_a_depth_converts_to_dcp_and_back_bit_for_bit(tmp_path):
+    """save_pretrained's layout (DeepSeek's names; transformers builds no depth): depth 0's block is
+    model.layers.{n_layers}.* beside its own e_proj, h_proj, norms and hc_head_*; config.json declares it
+    (num_nextn_predict_layers 1); HF -> DCP loads it into the model, DCP -> HF writes the folder back."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from titanctl.checkpoint.convert import convert_checkpoint, load_checkpoint
+    from titanctl.checkpoint.hf.names import from_hf_state_dict, hf_config, to_hf_state_dict
+    from titanctl.models.registry import build_model, get_spec
+
+    args = get_spec("deepseek_v4").flavors["debugmodel"].replace(vocab_size=64, max_seq_len=64, mtp_layers=1)
+    torch.manual_seed(0)
+    model = build_model(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model.init_buffers("cpu")
+    ours = model.state_dict()
+    theirs = to_hf_state_dict(ours, args)
+    n = args.n_layers
+    for name in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight", "hc_head_fn",
+                 "hc_head_base", "hc_head_scale", "attn.wq_a.weight", "hc_attn_fn", "ffn.experts.0.w1.weight"):
+        assert f"model.layers.{n}.{name}" in theirs, name
+    assert not any(k.startswith(("mtp.", f"model.layers.{n + 1}.")) for k in theirs)
+    back = from_hf_state_dict(theirs, args)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = hf_config(args)
+    assert config["num_nextn_predict_layers"] == 1
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in theirs.items()}, str(folder / "model.safetensors"))
+    convert_checkpoint(folder, tmp_path / "dcp", dst_format="dcp")
+    loaded, loaded_args = load_checkpoint(tmp_path / "dcp")
+    assert loaded_args.mtp_layers == 1
+    assert loaded.keys() == ours.keys() and all(torch.equal(loaded[k], ours[k]) for k in ours)
+    convert_checkpoint(tmp_path / "dcp", tmp_path / "back", dst_format="hf")
+    written, stored = load_file(tmp_path / "back" / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert written.keys() == stored.keys() and all(torch.equal(written[k], stored[k]) for k in stored)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
