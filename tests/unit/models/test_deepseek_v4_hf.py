@@ -105,6 +105,10 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     with open_checkpoint(tmp_path / "hub") as source:
         load_source_into(model, source)
     assert torch.equal(model.layers["0"].mlp.tid2eid, hub["layers.0.ffn.gate.tid2eid"])
+    with open_checkpoint(tmp_path / "hub") as source:  # a model with a depth would start it from nothing
+        with pytest.raises(CheckpointError, match=r"the published folder's mtp.\* are carried, not loaded into "
+                                                  r"prediction depths \(model.mtp_layers = 1, from the recipe\)"):
+            source.bind(model.args.replace(mtp_layers=1), "the recipe")
     with torch.no_grad():
         assert (model.eval()(IDS) - theirs(IDS).logits).abs().max() <= REFERENCE.tol
     ours, args = load_checkpoint(tmp_path / "dcp")
