@@ -102,8 +102,8 @@ class Model:
     )
     mtp_layers: int = opt(
         0,
-        "Multi-token prediction depths (DeepSeek-V3; deepseek_v3 only): depth k predicts the token k + 1 "
-        "places ahead from the depth before and the embedding of the token k places ahead, through a block "
+        "Multi-token prediction depths (DeepSeek's; deepseek_v3 and deepseek_v4 only): depth k predicts the "
+        "token k + 1 places ahead from the depth before and the embedding of the token k places ahead, through a block "
         "of its own, sharing the embedding and output layer. Its loss (mean over depths) joins the "
         "objective with model.mtp_loss_weight; the logged loss stays the next-token loss (mtp_loss is "
         "logged apart). 0: off. Not with pipeline or context parallel.",

@@ -87,10 +87,10 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> M
             types = args.layer_types
             args = args.replace(layer_types=tuple(types[i % len(types)] for i in range(cfg.n_layers)))
     if cfg.mtp_layers:
-        if args.family != "deepseek_v3":
+        if args.family not in ("deepseek_v3", "deepseek_v4"):
             raise ConfigError(
-                f"config key 'model.mtp_layers' = {cfg.mtp_layers} needs model.name = 'deepseek_v3' (multi-token "
-                f"prediction is DeepSeek-V3's), not {cfg.name!r}; set it to 0"
+                f"config key 'model.mtp_layers' = {cfg.mtp_layers} needs model.name = 'deepseek_v3' or "
+                f"'deepseek_v4' (multi-token prediction is DeepSeek's), not {cfg.name!r}; set it to 0"
             )
         args = args.replace(mtp_layers=cfg.mtp_layers)
     if cfg.n_kv_heads:

@@ -183,7 +183,8 @@ def deepseek_v4_config():
         mlp_layer_types=["hash_moe", "moe", "moe"], rope_parameters=V4_COMPRESS_YARN,
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, index_n_heads=2,
         index_head_dim=8, index_topk=3, hc_mult=2, n_routed_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False)
+        max_position_embeddings=256, tie_word_embeddings=False,
+        num_nextn_predict_layers=0)  # transformers builds no depth (its default 1 declares one it lacks)
 
 
 def deepseek_v4_state(model, gen: torch.Generator) -> None:

@@ -65,6 +65,7 @@ def test_deepseeks_own_config_keys_read_as_transformers_reads_them(theirs):
               "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "sliding_window": 128, "compress_ratios": [0, 4, 128, 4, 0],
               "num_hash_layers": 2, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 3, "hc_mult": 2,
               "n_routed_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rope_theta": 10000.0,
+              "num_nextn_predict_layers": 1,
               "compress_rope_theta": 160000.0, "rope_scaling": {"type": "yarn", "factor": 16.0, "beta_fast": 32,
                                                                 "beta_slow": 1, "original_max_position_embeddings": 16}}
     ours = args_from_hf_config(legacy, max_seq_len=64)
@@ -104,6 +105,10 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     with open_checkpoint(tmp_path / "hub") as source:
         load_source_into(model, source)
     assert torch.equal(model.layers["0"].mlp.tid2eid, hub["layers.0.ffn.gate.tid2eid"])
+    with open_checkpoint(tmp_path / "hub") as source:  # a model with a depth would start it from nothing
+        with pytest.raises(CheckpointError, match=r"the published folder's mtp.\* are carried, not loaded into "
+                                                  r"prediction depths \(model.mtp_layers = 1, from the recipe\)"):
+            source.bind(model.args.replace(mtp_layers=1), "the recipe")
     with torch.no_grad():
         assert (model.eval()(IDS) - theirs(IDS).logits).abs().max() <= REFERENCE.tol
     ours, args = load_checkpoint(tmp_path / "dcp")

@@ -309,6 +309,11 @@ class HFSource(Source):
         raise CheckpointError(f"{self.folder} has no 2-D 'model.embed_tokens.weight'")
 
     def bind(self, args: ModelArgs, origin: str) -> None:
+        if args.mtp_layers and self.naming.prefix == hub_layout.UNPREFIXED and \
+                any(hub_layout.not_built(info.name) for info in self.carried):
+            raise CheckpointError(f"{self.folder}: the published folder's mtp.* are carried, not loaded into "
+                                  f"prediction depths (model.mtp_layers = {args.mtp_layers}, from {origin}); set "
+                                  "model.mtp_layers = 0 to start from it")
         self.args = args
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights

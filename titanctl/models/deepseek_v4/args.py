@@ -63,6 +63,7 @@ class DeepseekV4Args:
     mlp_layer_types: tuple[str, ...] = ()  # empty: the first 3 hash_moe, the rest moe
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    mtp_layers: int = 0  # multi-token prediction depths (mtp.py), their blocks after the n_layers main ones
 
     @property
     def attention_types(self) -> tuple[str, ...]:
@@ -117,7 +118,7 @@ def v4_args(args: ModelArgs) -> DeepseekV4Args:
         indexer_warmup_steps=ca.indexer_warmup_steps, num_experts=moe.num_experts, top_k=moe.top_k,
         moe_hidden_dim=moe.hidden_dim, route_scale=moe.route_scale, swiglu_limit=moe.swiglu_limit,
         mlp_layer_types=tuple("hash_moe" if i < ca.hash_layers else "moe" for i in range(args.n_layers)),
-        norm_eps=args.norm_eps, tie_embeddings=args.tie_embeddings)
+        norm_eps=args.norm_eps, tie_embeddings=args.tie_embeddings, mtp_layers=args.mtp_layers)
 
 
 def deepseek_v4_args(dim: int, n_layers: int, n_heads: int, head_dim: int, rope_dim: int, window: int,

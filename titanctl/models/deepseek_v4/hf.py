@@ -9,8 +9,11 @@ transformers 5.23 holds the model under its own names (``self_attn.q_a_proj``, p
 transformers does (``gate_up_proj`` = w1 rows then w3 rows: ``HFFormat.per_expert`` with two templates).
 The routing state is stored: the hash-routed layers' token -> experts table ``ffn.gate.tid2eid`` (int64; a
 checkpoint's table replaces titanctl's seeded one) and the other layers' ``ffn.gate.bias``
-(transformers' ``e_score_correction_bias``). Multi-token prediction is not built for the family:
-``num_nextn_predict_layers`` (transformers writes 1 without weights) is carried, not read. The Hub's published
+(transformers' ``e_score_correction_bias``). Multi-token prediction (``num_nextn_predict_layers``, read and
+written; transformers writes 1 without weights, which reads as none): depth k's block is
+``model.layers.{n_layers + k}.*`` under the block's names and its own ``e_proj``/``h_proj``/``enorm``/``hnorm``/
+``norm``/``hc_head_*`` beside them (``MTP_NAMES``, DeepSeek's names; transformers builds no depth and skips
+them). The published folder's ``mtp.{k}.*`` stay carried (``hub_layout``). The Hub's published
 folder drops the ``model.`` prefix (``layers.{i}.*``, ``embed.weight``, ``hc_head_fn``: ``PUBLISHED_TOP_NAMES``,
 read through ``titanctl.checkpoint.hf.hub_layout``); its FP8 block weights (``X.scale`` beside ``X.weight``) and
 FP4 experts are dequantized when read (``titanctl.checkpoint.quantized.fp4_experts`` names the sources).
@@ -83,6 +86,12 @@ TOP_NAMES = {
 }
 # The published folder (deepseek-ai/DeepSeek-V4-Flash's index, as transformers' conversion mapping reads it):
 # every layer's name without save_pretrained's model. prefix, and these top-level ones (head.weight is the same).
+# A prediction depth's own tensors (mtp.py), by DeepSeek's names in its MTPBlock, after model.layers.{n_layers + k}.
+MTP_NAMES = {
+    "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight", "norm.weight": "norm.weight",
+    **{f"hc_head.{leaf}": f"hc_head_{leaf}" for leaf in ("fn", "base", "scale")},
+}
 PUBLISHED_TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -150,7 +159,7 @@ def config_from_args(args: ModelArgs, max_position_embeddings: int | None) -> di
         "mlp_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": args.tie_embeddings,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_layers,
         "initializer_range": 0.02,
         "use_cache": True,
     }
@@ -272,6 +281,7 @@ def args_from_config(config: dict[str, Any], max_seq_len: int | None, where: str
         vocab_size=cfg.integer("vocab_size", minimum=1), layer_types=_layer_types(cfg, n_layers))
     args = args.replace(
         norm_eps=cfg.number("rms_norm_eps", 1e-6, above=0), rope_theta=_main_theta(cfg),
+        mtp_layers=cfg.integer("num_nextn_predict_layers", 0, minimum=0),
         tie_embeddings=cfg.flag("tie_word_embeddings", False),
         max_seq_len=max_seq_len or cfg.integer("max_position_embeddings", 0, minimum=0) or ModelArgs.max_seq_len)
     try:
@@ -290,4 +300,5 @@ HF = HFFormat(
     args_from_config=args_from_config,
     per_expert=PER_EXPERT,
     unprefixed_names=PUBLISHED_TOP_NAMES,
+    mtp_names=MTP_NAMES,
 )

@@ -20,6 +20,7 @@ from titanctl.models.deepseek_v4.attention import Attention, RMSNorm, rope_frequ
 from titanctl.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, write_back
 from titanctl.models.deepseek_v4.indexer_loss import AddLossGradient
 from titanctl.models.deepseek_v4.moe import MoE, hash_table
+from titanctl.models.deepseek_v4.mtp import PredictionDepth, with_prediction_layers
 
 # Parameters drawn as the reference initializes them: its mixing weights std 0.02 (INPUT), these at zero.
 ZERO_AT_INIT = ("sinks", "position_bias", "base")
@@ -60,7 +61,10 @@ class DeepseekV4(nn.Module):
         self.v4 = args
         self.args = model_args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
+        # The prediction depths' blocks follow the main ones in layers (every layout shards them as any block).
+        blocks = with_prediction_layers(args)
+        self.layers = nn.ModuleDict({str(i): Block(blocks, i) for i in range(blocks.n_layers)})
+        self.mtp = nn.ModuleDict({str(k): PredictionDepth(args) for k in range(args.mtp_layers)}) or None
         self.hc_head = HyperHead(args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -113,7 +117,8 @@ class DeepseekV4(nn.Module):
                 input_pos: torch.Tensor | None = None, attn_mask=None, mtp: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, S) token ids from position 0 -> (B, S, vocab) logits. Whole sequences only: packed documents
-        and prediction depths are not built for this family.
+        are not built for this family. ``mtp`` (training, a model with prediction depths): returns (logits,
+        [each depth's logits (B, S, vocab)]); at position i depth k predicts token i + k + 1 (mtp.py).
 
         ``input_pos`` (S,) int64, after ``setup_kv_cache``: the tokens' positions, consecutive, below the
         cache's length, every earlier position given in earlier calls (decoding: a prompt, then a token at a
@@ -126,18 +131,32 @@ class DeepseekV4(nn.Module):
                              "(its compressed entries span document boundaries; chat data packs documents too)")
         if input_pos is not None and self.cache_length is None:
             raise ValueError("forward(..., input_pos) decodes through the caches: call setup_kv_cache first")
-        if mtp:
-            raise ValueError("deepseek_v4 has no multi-token prediction depths in titanctl; set model.mtp_layers = 0")
         if self.tok_embeddings is not None:
             token_ids, h = tokens, self.tok_embeddings(tokens)
             streams = h.unsqueeze(2).expand(-1, -1, self.v4.hc_mult, -1).contiguous()  # (B, S, n, D)
         else:
             streams = tokens
-        for block in self.layers.values():
-            streams = block(streams, token_ids, input_pos)
+        for layer_id, block in self.layers.items():
+            if int(layer_id) < self.v4.n_layers:  # the prediction depths' blocks run in predict_ahead
+                streams = block(streams, token_ids, input_pos)
         if self.output is None:
             return self._with_indexer_loss(streams), token_ids
-        return self._with_indexer_loss(self.output(self.norm(self.hc_head(streams))))
+        logits = self._with_indexer_loss(self.output(self.norm(self.hc_head(streams))))
+        if not mtp or self.mtp is None:
+            return logits
+        return logits, self.predict_ahead(tokens, streams)
+
+    def predict_ahead(self, tokens: torch.Tensor, streams: torch.Tensor) -> list[torch.Tensor]:
+        """Each prediction depth's logits (B, S, vocab), from the token ids and the main model's last streams."""
+        depth_logits = []
+        for k, depth in self.mtp.items():
+            # Position i takes token i + k + 1 (rolled: the last k + 1 positions wrap around to the window's
+            # start, and the depth's attention is causal, so they change no earlier position).
+            ahead = tokens.roll(-(int(k) + 1), dims=1)
+            block = self.layers[str(self.v4.n_layers + int(k))]
+            streams = block(depth(streams, self.tok_embeddings(ahead)), ahead)
+            depth_logits.append(self.output(depth.hidden(streams)))
+        return depth_logits
 
     def param_inits(self, depth: int | None) -> dict[str, ParamInit]:
         """Every parameter's init, by its name in this model."""
