@@ -63,6 +63,12 @@ LAYOUTS = [
     ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
     # In the 4-process world: FSDP 2 x TP 2, each MoE layer's experts split over EP 2 (the FSDP ranks).
     ("fsdp2_ep2_tp2", 4, 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    # TP 2 x CP 2: each CP rank's two head-tail chunks, sequence-parallel over its TP pair between the blocks and
+    # gathered whole for the attention, which runs its TP rank's heads over its CP rank's pieces.
+    ("tp2_cp2", 4, 8, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"]),
+    # HSDP: the weights sharded over each pair of ranks and replicated over the two pairs.
+    ("hsdp2x2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2"]),
 ]
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *V4, "--training.local_batch_size", str(batch), *overrides],
                   grads=True)
