@@ -20,6 +20,9 @@ rank holds head-tail chunks 0 and 3 or 1 and 2 of 32 tokens; the window's (32) p
 compressor's previous window and every chunk's compressed entries cross the ranks
 (titanctl/parallel/layouts/sequence_pieces.py), the indexer's top-k over the gathered entries.
 
+On 4 processes: FSDP 2 x EP 2 x TP 2; TP 2 x CP 2 (each CP rank's chunks sequence-parallel over its TP pair,
+the attention running its TP rank's heads over its CP rank's pieces); HSDP (replicate 2 x shard 2).
+
 The cases run in the shared torchrun worlds (tests/distributed/worlds.py); the reference runs only with a
 test that compares with it.
 """
