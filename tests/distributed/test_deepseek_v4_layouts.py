@@ -64,6 +64,8 @@ LAYOUTS = [
                    "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
     ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
+    # CP 2 with each block recomputed in backward: its gathers run again there, their backward once.
+    ("cp2_ac", 2, 8, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
     # In the 4-process world: FSDP 2 x TP 2, each MoE layer's experts split over EP 2 (the FSDP ranks).
     ("fsdp2_ep2_tp2", 4, 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     # TP 2 x CP 2: each CP rank's two head-tail chunks, sequence-parallel over its TP pair between the blocks and
