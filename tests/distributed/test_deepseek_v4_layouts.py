@@ -20,6 +20,9 @@ rank holds head-tail chunks 0 and 3 or 1 and 2 of 32 tokens; the window's (32) p
 compressor's previous window and every chunk's compressed entries cross the ranks
 (titanctl/parallel/layouts/sequence_pieces.py), the indexer's top-k over the gathered entries.
 
+On 4 processes: FSDP 2 x EP 2 x TP 2; TP 2 x CP 2 (each CP rank's chunks sequence-parallel over its TP pair,
+the attention running its TP rank's heads over its CP rank's pieces); HSDP (replicate 2 x shard 2).
+
 The cases run in the shared torchrun worlds (tests/distributed/worlds.py); the reference runs only with a
 test that compares with it.
 """
@@ -61,8 +64,16 @@ LAYOUTS = [
                    "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     ("tp2", 2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
     ("cp2", 2, 8, ["--parallelism.context_parallel_degree", "2"]),
+    # CP 2 with each block recomputed in backward: its gathers run again there, their backward once.
+    ("cp2_ac", 2, 8, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
     # In the 4-process world: FSDP 2 x TP 2, each MoE layer's experts split over EP 2 (the FSDP ranks).
     ("fsdp2_ep2_tp2", 4, 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    # TP 2 x CP 2: each CP rank's two head-tail chunks, sequence-parallel over its TP pair between the blocks and
+    # gathered whole for the attention, which runs its TP rank's heads over its CP rank's pieces.
+    ("tp2_cp2", 4, 8, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"]),
+    # HSDP: the weights sharded over each pair of ranks and replicated over the two pairs.
+    ("hsdp2x2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
+                       "--parallelism.data_parallel_shard_degree", "2"]),
 ]
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *V4, "--training.local_batch_size", str(batch), *overrides],
                   grads=True)

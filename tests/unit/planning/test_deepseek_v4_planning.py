@@ -97,3 +97,35 @@ def test_the_flash_gpu_recipe_fits_by_the_fast_estimate():
     planner = Planner(str(path), cfg, devices.resolve_device("h100", None, {}))
     assert planner.shape.blocks[3].attention_scores == 64 * (4096 + 1024)  # a CSA layer: 64 heads, 4096 + 1024 keys
     assert 0 < planner.fast_memory(candidate) < (74.5 - 8) * 2**30
+
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "1",
+       "--parallelism.expert_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "1",
+       "--training.local_batch_size", "1"]  # each recipe's own sequence length (V4-Flash's top-k needs it)
+
+
+@pytest.mark.parametrize("recipe", ["recipes/deepseek_v4_debug.toml", "recipes/deepseek_v4_flash.toml"],
+                         ids=["debug", "flash"])
+def test_the_planner_splits_the_grouped_output_projection_as_tp_does(recipe):
+    """Under TP 2 a rank holds half of ``o_a_proj``'s rows (its head groups) and half the sinks
+    (``TPPlan.head_params``): the planner's count of each block's parameters on a rank is what the real layout
+    (``apply_tp`` on fake tensors over a fake process group, as estimate-memory builds it) leaves there, to the
+    parameter. Counted whole, ``o_a_proj`` made it 8,192 too many per block for the debug model and 16.8M for
+    V4-Flash's (0.72B on a rank of the 43-layer model)."""
+    from titanctl.config.recipe import load_config
+    from titanctl.parallel.layouts.build import build_model_parts
+    from titanctl.planning.memory import estimate as memory
+    from titanctl.planning.memory.fake import fake_tensor_mode
+    from titanctl.train.loss import cross_entropy_sum
+
+    plan = memory.plan_estimate(load_config(REPO / recipe, TP2), 2)
+    with memory.fake_process_group(2, 0):
+        plan.dims.mesh  # noqa: B018 (built before fake mode)
+        built = build_model_parts(plan.cfg, plan.dims, plan.args, torch.device("cpu"), loss_fn=cross_entropy_sum,
+                                  init=False, fake_mode=fake_tensor_mode(allow_non_fake_inputs=True))
+        on_rank = [sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in block.parameters())
+                   for block in built.parts[0].layers.values()]
+    blocks = model_shape(plan.args).blocks
+    assert [b.params(2, 1) for b in blocks] == on_rank
+    o_a = plan.args.n_heads * plan.args.head_dim * plan.args.compressed_attention.o_lora_rank
+    assert all(b.params(1, 1) - b.params(2, 1) > o_a // 2 for b in blocks)  # o_a_proj's half and more

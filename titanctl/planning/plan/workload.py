@@ -5,10 +5,13 @@ Read off the model itself: the weight shapes (``titanctl.models.shapes``, the me
 the family's tensor-parallel plan (``spec.tp_plan``, the same data ``apply_tp`` applies). A linear the
 plan marks column-wise has its output features split tp ways, row-wise its input features; anything
 else (norms, MoE routers, latent-attention down-projections, every MoE layer's experts: tensor
-parallel runs MoE layers whole on each TP rank) is whole on every TP rank. Routed experts are split
-over the expert-parallel ranks. A Gated DeltaNet block also names its delta rule's widths
-(``delta_rule``), whose saved tensors are no linear's; a block whose attention materializes its scores
-(``spec.attention_scores``: DeepSeek-V4's) names their count per token (``attention_scores``).
+parallel runs MoE layers whole on each TP rank) is whole on every TP rank. The plan's ``head_params``
+are split with the query heads on dim 0, as ``apply_tp`` splits them: a linear's weight among them
+(DeepSeek-V4's grouped output projection ``o_a_proj``, a rank holding whole head groups) counts as
+column-wise, any other (sinks) tp ways. Routed experts are split over the expert-parallel ranks. A Gated
+DeltaNet block also names its delta rule's widths (``delta_rule``), whose saved tensors are no linear's; a
+block whose attention materializes its scores (``spec.attention_scores``: DeepSeek-V4's) names their count
+per token (``attention_scores``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class Block:
     attention_scores: int = 0
     # The same on a rank of context parallel degree cp (``spec.attention_scores`` of the block's layer).
     scores_under_cp: Callable[[int], int] | None = field(default=None, compare=False)
+    # Parameters other than linears' weights that hold one value per query head (sinks): split tp ways.
+    head_split_params: int = 0
 
     def scores(self, cp: int) -> int:
         """``attention_scores`` on a rank of context parallel degree ``cp``."""
@@ -71,7 +76,7 @@ class Block:
         """Parameters of this block on one rank of a tp x ep layout (before FSDP sharding)."""
         dense = sum(math.prod(lin.local(tp)) for lin in self.linears)
         routed = 0 if self.experts is None else self.experts.count // ep * self.experts.params_per_expert
-        return dense + routed + self.other_params
+        return dense + routed + self.other_params + self.head_split_params // tp
 
     def expert_params(self, ep: int) -> int:
         return 0 if self.experts is None else self.experts.count // ep * self.experts.params_per_expert
@@ -106,6 +111,10 @@ def model_shape(args: ModelArgs) -> ModelShape:
     plan = spec.tp_plan.block(args, None, ())
     split = {name: "col" if isinstance(style, ColwiseParallel) else "row" if isinstance(style, RowwiseParallel) else ""
              for name, style in plan.items()}
+    # A weight the plan splits with the query heads (dim 0: its output rows, e.g. DeepSeek-V4's grouped
+    # output projection ``o_a_proj``, a rank holding whole head groups) is column-split as the real plan does.
+    head_params = set(spec.tp_plan.head_params)
+    split.update({name.removesuffix(".weight"): "col" for name in head_params if name.endswith(".weight")})
     per_layer: dict[int, dict[str, tuple[int, ...]]] = {}
     for key, shape in shapes.items():
         match = re.match(r"layers\.(\d+)\.(.+)$", key)
@@ -113,7 +122,7 @@ def model_shape(args: ModelArgs) -> ModelShape:
             per_layer.setdefault(int(match.group(1)), {})[match.group(2)] = shape
     blocks = []
     for layer in range(args.n_layers):
-        linears, moe_linears, other, experts, expert_biases = [], [], 0, [], 0
+        linears, moe_linears, other, experts, expert_biases, head_split = [], [], 0, [], 0, 0
         for name, shape in per_layer[layer].items():
             if name.endswith("expert_bias") or f"layers.{layer}.{name}" in integers:  # buffers, no parameters
                 continue
@@ -126,6 +135,8 @@ def model_shape(args: ModelArgs) -> ModelShape:
             elif len(shape) == 2:
                 lin = Linear(module, shape[0], shape[1], split.get(module, ""))
                 (moe_linears if module.startswith("moe.") else linears).append(lin)
+            elif name in head_params:  # one value per query head (sinks): split with the heads
+                head_split += math.prod(shape)
             else:
                 other += math.prod(shape)
         routed = None
@@ -135,7 +146,8 @@ def model_shape(args: ModelArgs) -> ModelShape:
         rule = ((la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
                 if la is not None and args.is_linear_attention_layer(layer) else None)
         blocks.append(Block(tuple(linears + moe_linears), routed, other, tuple(moe_linears), rule,
-                            spec.attention_scores(args, layer), functools.partial(spec.attention_scores, args, layer)))
+                            spec.attention_scores(args, layer), functools.partial(spec.attention_scores, args, layer),
+                            head_split))
     vocab, dim = shapes["tok_embeddings.weight"]
     tied = "output.weight" in buffers_or_tied
     return ModelShape(
