@@ -38,6 +38,9 @@ network: a group whose ranks span nodes runs at the network's speed) as latency 
   DTensor's host time (every block counted: the plan does not know where documents fall);
   Ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward (recomputed
   forwards again), and none of the ring's DTensor host time;
+  ulysses_ring (u Ulysses ranks inside a node, a ring of cp / u groups): Ulysses' all-to-alls over the u ranks
+  (at the node's bandwidth), then the masked ring (causal masks too) over the cp / u groups: cp / u - 1 shifts
+  of the group's K/V for 1 / u of the heads (as many bytes as the rank's own shard), over the ring's link;
 - EP: all-to-all dispatch and combine of each MoE layer's routed tokens, forward and backward;
 - PP: point-to-point sends of activations and gradients at every stage boundary.
 
@@ -276,13 +279,25 @@ class CostModel:
                     block_comm += tp_comm
                     block_exposed += tp_exposed
                     term("tp collectives (exposed)", count * tp_exposed)
-                if c.cp > 1 and c.cp_method == "ulysses":
+                if c.cp > 1 and c.cp_method in ("ulysses", "ulysses_ring"):
                     # q, k, v to head shards and the output back forward; their gradients the other way backward
+                    # (ulysses_ring: over its u innermost CP ranks only)
+                    hybrid = c.cp_method == "ulysses_ring"
+                    u = c.cp_ulysses if hybrid else c.cp
                     qkvo = tokens * (2 * self.s.q_width + self.s.kv_width) / c.tp * elem
-                    cp_comm = (2 + recompute) * collective_time(d, "all_to_all", qkvo, c.cp, cp_inter)
+                    cp_comm = (2 + recompute) * collective_time(d, "all_to_all", qkvo, u, spans_nodes(d, c.tp, u))
                     block_comm += cp_comm
                     block_exposed += cp_comm
                     term("cp ulysses all-to-alls", count * cp_comm)
+                    if hybrid:  # then the masked ring over the cp / u groups (ranks tp x u apart) for H / u heads:
+                        # the group's u x T / cp positions of 1 / u of the heads, as many bytes as a rank's shard
+                        ring = c.cp // u
+                        shard = tokens * self.s.kv_width / c.tp * elem
+                        ring_comm = (ring - 1) * (3 + recompute) * collective_time(
+                            d, "p2p", shard, 2, spans_nodes(d, c.tp * u, ring))
+                        block_comm += ring_comm
+                        block_exposed += ring_comm
+                        term("cp masked ring sends", count * ring_comm)
                 elif c.cp > 1 and self.s.masked:
                     # The masked ring: at each of cp - 1 steps this rank's K/V shard (keys and values side by side)
                     # goes point to point to the rank whose queries see it, forward (again for a recomputed forward),
