@@ -153,3 +153,21 @@ def test_check_layout_refuses_heads_that_do_not_split():
     with pytest.raises(ParallelError, match="n_heads = 8 is not divisible by tensor_parallel_degree x "
                                             "context_parallel_ulysses_degree = 2 x 8"):
         check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 32), args)
+
+
+def test_check_layout_refuses_gated_deltanet_layers():
+    """The hybrid does not carry Gated DeltaNet's scan its mask yet: refused in one line before any rank connects
+    (and so never proposed by `titanctl plan`, which asks check_layout)."""
+    from tests.conftest import REPO
+    from titanctl.config.recipe import load_config
+    from titanctl.models.registry import model_args_from_config
+    from titanctl.parallel.layouts.build import check_layout
+    from titanctl.parallel.layouts.dims import ParallelDims
+
+    cfg = load_config(REPO / "recipes" / "qwen3_5_debug.toml", [
+        "--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "ulysses_ring",
+        "--parallelism.context_parallel_ulysses_degree", "2", "--training.seq_len", "64"])
+    args = model_args_from_config(cfg.model, 2048, 64)
+    with pytest.raises(ParallelError, match="ulysses_ring does not run qwen3_5's Gated DeltaNet layers yet") as e:
+        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 4), args)
+    assert "\n" not in str(e.value)

@@ -19,7 +19,7 @@ from titanctl.parallel.layouts.pipeline_parallel import microbatch_count
 from titanctl.parallel.layouts.pipeline_stages import pipeline_layer_ranges
 from titanctl.planning.memory import estimate as memory
 from titanctl.planning.plan import calibrate, devices
-from titanctl.planning.plan.candidates import Candidate
+from titanctl.planning.plan.candidates import Candidate, variants
 from titanctl.planning.plan.cost_model import collective_time, spans_nodes
 from titanctl.planning.plan.search import plan, recipe_config
 
@@ -198,6 +198,56 @@ def test_the_plan_takes_the_cp_method_that_moves_fewer_bytes():
             faster = min(times, key=lambda m: times[m].time.step)
             assert faster == ("ulysses" if cp > (2 + r) * (2 * q + kv) / (shifts * kv) else "ring"), (mask, cp)
             assert exchange in times["ring"].time.terms
+
+
+def _cp_times(seq_len: int, cp: int, dp_shard: int) -> dict[tuple[str, int], object]:
+    """Llama 3.1 8B at ``seq_len`` on cp x dp_shard H100s (8 a node), full AC: the step time of each CP method the
+    plan enumerates at that degree (method, Ulysses degree)."""
+    from titanctl.planning.plan.candidates import cp_methods
+    from titanctl.planning.plan.search import Planner
+
+    path = REPO / "recipes" / "llama3_8b.toml"
+    planner = Planner(str(path), load_config(path, ["--training.seq_len", str(seq_len)]), H100)
+    return {(m, u): planner.evaluate(Candidate(1, dp_shard, 1, 1, cp, 1, 1, 1, ac="full", cp_method=m,
+                                               cp_ulysses=u), dp_shard).time
+            for m, u in cp_methods(cp, 1, H100.gpus_per_node)}
+
+
+def test_the_plan_takes_ulysses_ring_where_cp_leaves_the_node():
+    """CP 16 over two nodes of 8, Llama 3.1 8B (q 4096, kv 2048 per token) at 256k, full AC (r = 1), per block and
+    rank in units of S / 16 tokens: plain Ulysses sends (2 + r) 15/16 (2 q + kv) = 28,800 over the network (its
+    16 ranks span the nodes), the ring 3 x 15 kv = 92,160; the hybrid with u = 8 sends (2 + r) 7/8 (2 q + kv)
+    inside the node (9x faster) and (3 + r) x 1 kv = 8,192 over the network in its ring of 2 groups: the fewest
+    bytes at the slow link, so it is the fastest, and the printed command line sets both keys."""
+    times = _cp_times(262144, 16, 1)
+    assert set(times) == {("ring", 1), ("ulysses", 1), ("ulysses_ring", 2), ("ulysses_ring", 4),
+                          ("ulysses_ring", 8)}  # u = 16 is plain Ulysses: not a hybrid
+    assert min(times, key=lambda k: times[k].step) == ("ulysses_ring", 8)
+    hybrid = times["ulysses_ring", 8].terms
+    assert hybrid["cp ulysses all-to-alls"] < times["ulysses", 1].terms["cp ulysses all-to-alls"] / 5
+    assert 0 < hybrid["cp masked ring sends"] < times["ring", 1].terms["cp ring exchange"] / 5
+    c = Candidate(1, 1, 1, 1, 16, 1, 1, 1, ac="full", cp_method="ulysses_ring", cp_ulysses=8)
+    assert c.describe() == "cp 16 ulysses_ring (ulysses 8)"
+    args = " ".join(c.overrides(1))
+    assert "--parallelism.context_parallel_method ulysses_ring" in args
+    assert "--parallelism.context_parallel_ulysses_degree 8" in args
+    trainer_accepts(REPO / "recipes" / "llama3_8b.toml", c.overrides(1), 16)
+    assert c.to_json()["cp_ulysses_degree"] == 8
+    assert not any(v.compile for v in variants(c, compile_options=(False, True), float8=False, async_tp=False))
+
+
+def test_the_plan_keeps_plain_ulysses_inside_one_node():
+    """CP 8 on one node: every link is the node's, so the hybrid only adds its ring's (3 + r)(8 / u - 1) shifts of
+    the K/V shard to all-to-alls over fewer ranks (u = 4: (2 + r) 3/4 (2 q + kv) + 4 kv = 31,232 bytes per S / 8
+    tokens against Ulysses' (2 + r) 7/8 (2 q + kv) = 26,880): plain Ulysses is the fastest. And no Ulysses degree
+    that leaves the node (tp x u not dividing the GPUs per node) is enumerated."""
+    from titanctl.planning.plan.candidates import cp_methods
+
+    times = _cp_times(262144, 8, 2)
+    assert min(times, key=lambda k: times[k].step) == ("ulysses", 1)
+    assert times["ulysses_ring", 4].terms["cp masked ring sends"] > 0
+    assert ("ulysses_ring", 4) not in cp_methods(8, 4, 8) and ("ulysses_ring", 2) in cp_methods(8, 4, 8)
+    assert cp_methods(1, 1, 8) == [("ring", 1)]
 
 
 # ------------------------------------------------------------------------------- the plan

@@ -103,6 +103,11 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
             raise ParallelError("context_parallel_method = ulysses_ring does not run under compile.enable (its "
                                 "attention runs eagerly inside a whole-graph compiled block); "
                                 "use compile.enable = false")
+        if args.linear_attention is not None and "linear_attention" in args.layer_types:
+            # Found by estimate-memory's step: the Gated DeltaNet scan gets the hybrid's per-kernel masks, not the
+            # RingMask it reads document boundaries from.
+            raise ParallelError(f"context_parallel_method = ulysses_ring does not run {args.family}'s Gated DeltaNet "
+                                "layers yet; use context_parallel_method = ulysses or ring")
         check_ulysses(args, dims.tp, dims.cp_ulysses, cfg.training.seq_len)  # attention layers only
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
     elif dims.cp > 1:

@@ -8,8 +8,9 @@ recipe through the same loader and validation as train.
 
 The enumeration keeps the recipe's model, sequence length and global batch, and follows the usual
 placement rules: TP within a node (its traffic is the heaviest), CP only where the sequence splits
-into 2 x cp load-balanced chunks (each CP degree as ring and as Ulysses), PP only where every stage
-keeps a layer, EP only for MoE families.
+into 2 x cp load-balanced chunks (each CP degree as ring, as Ulysses and as the ulysses_ring hybrid for each
+Ulysses degree u that stays inside a node: tp x u dividing the GPUs per node, the ring over cp / u groups),
+PP only where every stage keeps a layer, EP only for MoE families.
 Whether the trainer accepts a layout is asked of the trainer's functions (``ParallelDims.from_config``,
 ``build.check_layout``, the pipeline's stage and microbatch checks, the loader's batch rule), never
 re-decided here: a family's refusals (e.g. no CP for latent attention) come from there.
@@ -28,7 +29,8 @@ from titanctl.config.job_config import JobConfig
 from titanctl.errors import TitanError
 
 AC_MODES = ("none", "selective_op", "selective_2", "full")  # how the plan names activation checkpointing
-CP_METHODS = ("ring", "ulysses")  # parallelism.context_parallel_method; Ulysses where the heads split (check_layout)
+# parallelism.context_parallel_method; Ulysses where the heads split, the hybrid where u splits them (check_layout)
+CP_METHODS = ("ring", "ulysses", "ulysses_ring")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class Candidate:
     compile: bool = False
     float8: bool = False
     async_tp: bool = False
-    cp_method: str = "ring"  # parallelism.context_parallel_method when cp > 1: ring or ulysses
+    cp_method: str = "ring"  # parallelism.context_parallel_method when cp > 1: ring, ulysses or ulysses_ring
+    cp_ulysses: int = 1  # ulysses_ring: parallelism.context_parallel_ulysses_degree (the ring over cp / it)
 
     @property
     def world_size(self) -> int:
@@ -75,7 +78,8 @@ class Candidate:
                  (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp),
                   ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)) if value > 1]
         if self.cp > 1 and self.cp_method != "ring":
-            parts[[p.startswith("cp ") for p in parts].index(True)] += f" {self.cp_method}"
+            parts[[p.startswith("cp ") for p in parts].index(True)] += f" {self.cp_method}" + (
+                f" (ulysses {self.cp_ulysses})" if self.cp_method == "ulysses_ring" else "")
         text = " x ".join(parts) or "single device"
         if self.pp > 1:
             text += f" ({self.pp_schedule}, {self.microbatches} mb)"
@@ -110,6 +114,8 @@ class Candidate:
         }
         if self.cp > 1:
             out["parallelism.context_parallel_method"] = self.cp_method
+        if self.cp > 1 and self.cp_method == "ulysses_ring":
+            out["parallelism.context_parallel_ulysses_degree"] = self.cp_ulysses
         if mode == "selective":
             out["activation_checkpoint.selective_ac_option"] = option
         if self.pp > 1:
@@ -134,7 +140,9 @@ class Candidate:
     def to_json(self) -> dict:
         return {
             "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate, "tp": self.tp, "pp": self.pp,
-            "cp": self.cp, "cp_method": self.cp_method if self.cp > 1 else None, "ep": self.ep,
+            "cp": self.cp, "cp_method": self.cp_method if self.cp > 1 else None,
+            "cp_ulysses_degree": self.cp_ulysses if self.cp > 1 and self.cp_method == "ulysses_ring" else None,
+            "ep": self.ep,
             "pp_schedule": self.pp_schedule or None,
             "microbatches": self.microbatches, "pp_microbatch_size": self.pp_microbatch_size if self.pp > 1 else None,
             "local_batch_size": self.local_batch_size, "grad_accum_steps": self.grad_accum, "ac": self.ac,
@@ -230,9 +238,9 @@ def enumerate_splits(
                             rejected[f"global batch {global_batch} not divisible by the data-parallel degree"] += 1
                             continue
                         per_rank = global_batch // (dp_replicate * dp_shard)
-                        for method in CP_METHODS if cp > 1 else CP_METHODS[:1]:
+                        for method, ulysses in cp_methods(cp, tp, gpus_per_node):
                             base = Candidate(dp_replicate, dp_shard, tp, pp, cp, ep, per_rank, 1, ac="none",
-                                             cp_method=method)
+                                             cp_method=method, cp_ulysses=ulysses)
                             probe = base if pp == 1 else dataclasses.replace(
                                 base, pp_schedule="GPipe", pp_microbatch_size=1)  # GPipe: any count of microbatches
                             try:
@@ -242,6 +250,17 @@ def enumerate_splits(
                                 continue
                             out.extend(_splits(recipe, base, per_rank, global_batch, model_args, schedules, rejected))
     return Enumeration(out, rejected)
+
+
+def cp_methods(cp: int, tp: int, gpus_per_node: int) -> list[tuple[str, int]]:
+    """(method, Ulysses degree) pairs worth trying at CP degree ``cp``: ring and Ulysses, and the hybrid for each
+    Ulysses degree u (2 <= u < cp, dividing cp) whose all-to-alls stay inside a node (the Ulysses ranks are the
+    innermost CP ranks, tp apart: tp x u divides the GPUs per node). Whether the heads split is the trainer's."""
+    if cp == 1:
+        return [("ring", 1)]
+    hybrids = [("ulysses_ring", u) for u in divisors(cp)
+               if 1 < u < cp and gpus_per_node % (tp * u) == 0]
+    return [("ring", 1), ("ulysses", 1), *hybrids]
 
 
 def _splits(recipe, base: Candidate, per_rank: int, global_batch: int, model_args, schedules, rejected
@@ -275,7 +294,10 @@ def _splits(recipe, base: Candidate, per_rank: int, global_batch: int, model_arg
 
 def variants(split: Candidate, *, compile_options: tuple[bool, ...], float8: bool, async_tp: bool
              ) -> Iterator[Candidate]:
-    """``split`` with each combination of compile, Float8 and async TP the device allows."""
+    """``split`` with each combination of compile, Float8 and async TP the device allows (no compile for
+    ulysses_ring: the trainer refuses it, its attention runs eagerly inside whole-graph compiled blocks)."""
+    if split.cp > 1 and split.cp_method == "ulysses_ring":
+        compile_options = tuple(o for o in compile_options if not o)
     for compiled in compile_options:
         for f8 in ((False, True) if float8 else (False,)):
             for atp in ((False, True) if async_tp and compiled and split.tp > 1 else (False,)):

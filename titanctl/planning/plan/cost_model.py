@@ -38,6 +38,12 @@ network: a group whose ranks span nodes runs at the network's speed) as latency 
   DTensor's host time (every block counted: the plan does not know where documents fall);
   Ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward (recomputed
   forwards again), and none of the ring's DTensor host time;
+  ulysses_ring (u Ulysses ranks inside a node, a ring of cp / u groups): Ulysses' all-to-alls over the u ranks
+  (at the node's bandwidth), then the masked ring (causal masks too) over the cp / u groups: cp / u - 1 shifts
+  of the group's K/V for 1 / u of the heads (as many bytes as the rank's own shard), over the ring's link;
+  Gated DeltaNet blocks instead: under Ulysses 2 all-to-alls forward (conv_dim + 2 H_v per token, then value_dim)
+  and 2 backward; under ring and ulysses_ring the prefix scan's all-gathers of each chunk's state map and of the
+  conv's halo, reduce-scattered backward;
 - EP: all-to-all dispatch and combine of each MoE layer's routed tokens, forward and backward;
 - PP: point-to-point sends of activations and gradients at every stage boundary.
 
@@ -211,6 +217,66 @@ class CostModel:
         fwd_kernels = kernels + (6 if compiled else 24)
         return fwd, bwd, self.host(fwd_kernels), self.host(2 * fwd_kernels)
 
+    # ------------------------------------------------------------------------------- context parallel
+
+    def cp_exchange(self, b: Block, c: Candidate, seqs: int, tokens: int, recompute: float
+                    ) -> list[tuple[str, float]]:
+        """(term, seconds) of one block's context-parallel communication per microbatch (all exposed: the next
+        kernel waits on it). ``tokens``: this rank's, seqs x seq_len / cp; ``recompute``: forwards AC reruns."""
+        d = self.device
+        elem = 4 if self.s.dtype == "float32" else 2
+        cp_inter = spans_nodes(d, c.tp, c.cp)
+        if b.delta_rule is not None:
+            return self._delta_rule_exchange(b, c, seqs, tokens, recompute, elem, cp_inter)
+        if c.cp_method in ("ulysses", "ulysses_ring"):
+            # q, k, v to head shards and the output back forward; their gradients the other way backward
+            # (ulysses_ring: over its u innermost CP ranks only)
+            hybrid = c.cp_method == "ulysses_ring"
+            u = c.cp_ulysses if hybrid else c.cp
+            qkvo = tokens * (2 * self.s.q_width + self.s.kv_width) / c.tp * elem
+            out = [("cp ulysses all-to-alls",
+                    (2 + recompute) * collective_time(d, "all_to_all", qkvo, u, spans_nodes(d, c.tp, u)))]
+            if hybrid:  # then the masked ring over the cp / u groups (ranks tp x u apart) for H / u heads:
+                # the group's u x T / cp positions of 1 / u of the heads, as many bytes as a rank's shard
+                ring = c.cp // u
+                shard = tokens * self.s.kv_width / c.tp * elem
+                out.append(("cp masked ring sends", (ring - 1) * (3 + recompute) * collective_time(
+                    d, "p2p", shard, 2, spans_nodes(d, c.tp * u, ring))))
+            return out
+        if self.s.masked:
+            # The masked ring: at each of cp - 1 steps this rank's K/V shard (keys and values side by side)
+            # goes point to point to the rank whose queries see it, forward (again for a recomputed forward),
+            # and in backward again with each block's dK/dV partial sent back to its owner. The blocks a
+            # mask leaves empty are not sent; where documents fall is the data's, so every block counts.
+            shard = tokens * self.s.kv_width / c.tp * elem
+            return [("cp masked ring sends",
+                     (c.cp - 1) * (3 + recompute) * collective_time(d, "p2p", shard, 2, cp_inter))]
+        # keys and values (each) gathered forward and backward, their gradients reduce-scattered
+        kv = tokens * c.cp * self.s.kv_width / 2 / c.tp * elem
+        return [("cp ring exchange", 2 * (2 * collective_time(d, "all_gather", kv, c.cp, cp_inter)
+                                          + collective_time(d, "reduce_scatter", kv, c.cp, cp_inter)))]
+
+    def _delta_rule_exchange(self, b: Block, c: Candidate, seqs: int, tokens: int, recompute: float, elem: int,
+                             cp_inter: bool) -> list[tuple[str, float]]:
+        """A Gated DeltaNet block's CP traffic (docs/parallelism.md). Under Ulysses: an all-to-all of the conv's
+        inputs and b, a (conv_dim + 2 H_v per token) to key-head shards, one of the rule's output (value_dim)
+        back, forward, and of their gradients backward. Under ring and ulysses_ring (over all cp ranks): the
+        prefix scan's all-gathers of every chunk's (M, B) (2 cp x H_v x d_k x (d_k + d_v) fp32 numbers a
+        sequence) and of the conv's halo (2 cp x (K - 1) rows of conv_dim), forward, reduce-scattered backward."""
+        d = self.device
+        key_heads, heads, dk, dv = b.delta_rule
+        conv_dim = 2 * key_heads * dk + heads * dv
+        if c.cp_method == "ulysses":
+            per_token = conv_dim + 2 * heads + heads * dv
+            moved = tokens * per_token / c.tp * elem
+            return [("cp ulysses all-to-alls (gated deltanet)",
+                     (2 + recompute) * collective_time(d, "all_to_all", moved, c.cp, cp_inter))]
+        states = seqs * 2 * c.cp * heads / c.tp * dk * (dk + dv) * 4
+        halo = seqs * 2 * c.cp * (self.shape.args.linear_attention.conv_kernel - 1) * conv_dim / c.tp * elem
+        seconds = sum((1 + recompute) * collective_time(d, "all_gather", n, c.cp, cp_inter)
+                      + collective_time(d, "reduce_scatter", n, c.cp, cp_inter) for n in (states, halo))
+        return [("cp gated deltanet scan", seconds)]
+
     # ------------------------------------------------------------------------------- the step
 
     def step_time(self, c: Candidate, ranks: Ranks, param_dtype_bytes: int, reduce_dtype_bytes: int,
@@ -224,7 +290,6 @@ class CostModel:
         # Whether each mesh dim's groups leave a node (dims pp, dp_replicate, dp_shard, cp, tp: innermost last).
         fsdp_n = c.dp_shard * c.cp
         tp_inter = spans_nodes(d, 1, c.tp)
-        cp_inter = spans_nodes(d, c.tp, c.cp)
         fsdp_inter = spans_nodes(d, c.tp, fsdp_n)
         rep_inter = spans_nodes(d, c.tp * fsdp_n, c.dp_replicate)
         ep_inter = spans_nodes(d, c.tp * (fsdp_n // c.ep), c.ep)
@@ -258,7 +323,7 @@ class CostModel:
                     host_time += dtensor
                     if not d.host_runs_ahead:  # on GPUs it hides behind the kernels it queues
                         term("tp DTensor host time", count * dtensor)
-                if c.cp > 1 and c.cp_method == "ring" and not self.s.masked:
+                if c.cp > 1 and c.cp_method == "ring" and not self.s.masked and b.delta_rule is None:
                     # The ring: 2 cp attention calls forward and 4 cp backward, each with DTensor dispatch.
                     ring = 6 * c.cp * d.dtensor_op_us * 1e-6 * (1 + recompute)
                     host_time += ring
@@ -276,30 +341,11 @@ class CostModel:
                     block_comm += tp_comm
                     block_exposed += tp_exposed
                     term("tp collectives (exposed)", count * tp_exposed)
-                if c.cp > 1 and c.cp_method == "ulysses":
-                    # q, k, v to head shards and the output back forward; their gradients the other way backward
-                    qkvo = tokens * (2 * self.s.q_width + self.s.kv_width) / c.tp * elem
-                    cp_comm = (2 + recompute) * collective_time(d, "all_to_all", qkvo, c.cp, cp_inter)
-                    block_comm += cp_comm
-                    block_exposed += cp_comm
-                    term("cp ulysses all-to-alls", count * cp_comm)
-                elif c.cp > 1 and self.s.masked:
-                    # The masked ring: at each of cp - 1 steps this rank's K/V shard (keys and values side by side)
-                    # goes point to point to the rank whose queries see it, forward (again for a recomputed forward),
-                    # and in backward again with each block's dK/dV partial sent back to its owner. The blocks a
-                    # mask leaves empty are not sent; where documents fall is the data's, so every block counts.
-                    shard = tokens * self.s.kv_width / c.tp * elem
-                    cp_comm = (c.cp - 1) * (3 + recompute) * collective_time(d, "p2p", shard, 2, cp_inter)
-                    block_comm += cp_comm
-                    block_exposed += cp_comm
-                    term("cp masked ring sends", count * cp_comm)
-                elif c.cp > 1:  # keys and values (each) gathered forward and backward, their gradients reduce-scattered
-                    kv = tokens * c.cp * self.s.kv_width / 2 / c.tp * elem
-                    cp_comm = 2 * (2 * collective_time(d, "all_gather", kv, c.cp, cp_inter)
-                                   + collective_time(d, "reduce_scatter", kv, c.cp, cp_inter))
-                    block_comm += cp_comm
-                    block_exposed += cp_comm
-                    term("cp ring exchange", count * cp_comm)
+                if c.cp > 1:
+                    for name, seconds in self.cp_exchange(b, c, seqs, tokens, recompute):
+                        block_comm += seconds
+                        block_exposed += seconds
+                        term(name, count * seconds)
                 if b.experts is not None and c.ep > 1:  # dispatch and combine, forward and backward
                     routed = tokens * b.experts.top_k * shape.dim * elem * c.ep
                     ep_comm = 4 * collective_time(d, "all_to_all", routed, c.ep, ep_inter)
