@@ -82,7 +82,8 @@ class TorchtitanNames:
     mtp_names: Mapping[str, str] = field(default_factory=dict)
 
 
-def _no_extra(model: nn.Module) -> dict:
+def no_extra(model: nn.Module) -> dict:
+    """A plan with nothing outside the root and the blocks (no prediction depths of its own to place)."""
     return {}
 
 
@@ -116,7 +117,7 @@ class TPPlan:
     summed_gradient: tuple[str, ...] = ()
     head_params: tuple[str, ...] = ()
     replicated_params: tuple[str, ...] = ()
-    extra: Callable[[nn.Module], dict] = _no_extra
+    extra: Callable[[nn.Module], dict] = no_extra
     block_inputs: Callable[[nn.Module], list[str]] = _embedding_feeds_blocks
     sequence_parallel_optional: bool = False
     split_sizes: Callable[[ModelArgs], list[tuple[str, int]]] | None = None

@@ -19,6 +19,7 @@ from titanctl.config.job_config import JobConfig
 from titanctl.errors import ParallelError
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.registry import build_model, spec_of
+from titanctl.models.spec import no_extra
 from titanctl.parallel.converters.float8 import (
     Float8Conversion,
     check_float8,
@@ -121,6 +122,12 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
                   if dims.pp > 1 else "its depths read the tokens ahead, which context parallel puts on other ranks")
         raise ParallelError(f"model.mtp_layers = {args.mtp_layers} (multi-token prediction) does not run under "
                             f"{which}: {reason}; set model.mtp_layers = 0 or use FSDP/HSDP, TP or EP")
+    if args.mtp_layers and dims.tp > 1 and spec_of(args).tp_plan.extra is no_extra:
+        # The depths' own norms and projections run on each rank's part of the sequence: a plan must place them
+        # (DeepSeek-V3's does), or their gradients would be one part's.
+        raise ParallelError(f"model.mtp_layers = {args.mtp_layers} (multi-token prediction) does not run under "
+                            f"tensor_parallel_degree = {dims.tp} for {args.family} yet (its tensor-parallel plan does "
+                            "not place the prediction depths); set model.mtp_layers = 0 or use FSDP/HSDP or EP")
     if dims.ddp_enabled and dims.tp > 1:
         raise ParallelError(
             f"DDP (data_parallel_replicate_degree = {dims.dp_replicate}) does not compose with "
