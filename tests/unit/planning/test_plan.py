@@ -232,6 +232,12 @@ def test_the_plan_takes_ulysses_ring_where_cp_leaves_the_node():
     assert "--parallelism.context_parallel_method ulysses_ring" in args
     assert "--parallelism.context_parallel_ulysses_degree 8" in args
     trainer_accepts(REPO / "recipes" / "llama3_8b.toml", c.overrides(1), 16)
+    # A recipe's own hybrid settings do not leak into the plan's other methods (their degree is reset to 1).
+    hybrid_recipe = ["--parallelism.context_parallel_method", "ulysses_ring",
+                     "--parallelism.context_parallel_ulysses_degree", "4"]
+    for m in ("ring", "ulysses"):
+        trainer_accepts(REPO / "recipes" / "llama3_8b.toml",
+                        hybrid_recipe + dataclasses.replace(c, cp_method=m, cp_ulysses=1).overrides(1), 16)
     assert c.to_json()["cp_ulysses_degree"] == 8
     assert not any(v.compile for v in variants(c, compile_options=(False, True), float8=False, async_tp=False))
 

@@ -114,7 +114,7 @@ class Candidate:
         }
         if self.cp > 1:
             out["parallelism.context_parallel_method"] = self.cp_method
-        if self.cp > 1 and self.cp_method == "ulysses_ring":
+            # always: a recipe's own Ulysses degree would make the trainer refuse the other methods
             out["parallelism.context_parallel_ulysses_degree"] = self.cp_ulysses
         if mode == "selective":
             out["activation_checkpoint.selective_ac_option"] = option
