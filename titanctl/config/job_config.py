@@ -483,7 +483,7 @@ class MoEBalancing:
         "expert bias moves by this much toward the experts that received fewer tokens than the mean over "
         "the global batch (b_e += coeff x sign(mean - tokens_e)); the bias changes which experts are chosen, "
         "not their weights. 0 turns it off. "
-        "Needs a Mixture-of-Experts model whose family trains the bias (docs/models.md says which do not).",
+        "Needs a Mixture-of-Experts model (every MoE family here trains the bias; docs/models.md).",
         min=0, max=1,
     )
     router_aux_loss_coef: float = opt(
