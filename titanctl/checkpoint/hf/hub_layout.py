@@ -25,6 +25,7 @@ FP4 ones included), named in one line, and exports keep its names and write them
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ TEXT_PREFIX = "model."  # a *ForCausalLM's decoder
 WRAPPED_PREFIX = "model.language_model."  # the same decoder inside a vision-language wrapper
 UNPREFIXED = ""  # the same decoder in a published folder without the prefix (DeepSeek-V4's)
 # Parts of a wrapper titanctl does not build (carried unchanged): what each is, for the notes that name them.
+PUBLISHED_DEPTH = "mtp."  # an unprefixed folder's prediction depths: mtp.{k}.* (loaded when the model has depth k)
 NOT_BUILT = {"model.visual.": "the vision encoder", "mtp.": "the multi-token-prediction head"}
 NAMING_KEY = "hub_naming"  # in a file layout (formats.hf.file_layout)
 # Also in a file layout: the config.json keys of a release whose UE8M0 block scales are carried
@@ -67,8 +69,11 @@ class HubNaming:
         """Whether this is ``save_pretrained``'s own naming."""
         return self == HubNaming()
 
-    def stored(self, hf_name: str) -> str:
-        """A ``*ForCausalLM`` name as this folder stores it."""
+    def stored(self, hf_name: str, n_layers: int | None = None) -> str:
+        """A ``*ForCausalLM`` name as this folder stores it; an unprefixed folder's prediction depth k
+        (``model.layers.{n_layers + k}.*``) as ``mtp.{k}.*``."""
+        if self.prefix == UNPREFIXED and n_layers is not None and (depth := _depth_of(hf_name, n_layers)):
+            return f"{PUBLISHED_DEPTH}{depth[0]}.{depth[1]}"
         if self.prefix != TEXT_PREFIX:
             renamed = dict(self.renamed)
             if hf_name in renamed:
@@ -77,8 +82,11 @@ class HubNaming:
                 return self.prefix + hf_name[len(TEXT_PREFIX):]
         return hf_name
 
-    def text_name(self, stored: str) -> str:
+    def text_name(self, stored: str, n_layers: int | None = None) -> str:
         """A name this folder stores as the ``*ForCausalLM`` spells it (``stored`` inverted)."""
+        if self.prefix == UNPREFIXED and n_layers is not None and \
+                (m := re.fullmatch(re.escape(PUBLISHED_DEPTH) + r"(\d+)\.(.+)", stored)):
+            return f"{TEXT_PREFIX}layers.{n_layers + int(m.group(1))}.{m.group(2)}"
         if self.prefix == UNPREFIXED:
             theirs = {folder: ours for ours, folder in self.renamed}
             return theirs.get(stored, TEXT_PREFIX + stored if stored.startswith("layers.") else stored)
@@ -121,6 +129,12 @@ class HubNaming:
             if key in outer:
                 outer[key] = text.get("dtype", text.get("torch_dtype"))
         return outer
+
+
+def _depth_of(hf_name: str, n_layers: int) -> tuple[int, str] | None:
+    """(k, the rest of the name) of a ``*ForCausalLM`` name in prediction depth k (layer n_layers + k)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    return (int(m.group(1)) - n_layers, m.group(2)) if m and int(m.group(1)) >= n_layers else None
 
 
 def naming_only(layout: Any) -> dict[str, Any] | None:
