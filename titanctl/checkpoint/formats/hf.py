@@ -171,8 +171,9 @@ class HFSource(Source):
     def _unwrap(self) -> None:
         """A vision-language folder (``hub_layout``): its text model's tensors renamed as the ``*ForCausalLM``
         spells them (``_stored`` maps back), the parts titanctl does not build set aside: a wrapper's carried as stored
-        (``carried``, ``load_carried``), as are a published folder's (DeepSeek-V4's ``mtp.*``); a plain
-        ``save_pretrained`` folder's are left unread (``left_out``)."""
+        (``carried``, ``load_carried``); a plain ``save_pretrained`` folder's are left unread (``left_out``). A
+        published folder's prediction depths (DeepSeek-V4's ``mtp.{k}.*``) are read as layers n_layers + k;
+        ``bind`` carries those the model lacks."""
         self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
         self._carried_files: dict[str, Path] = {}
         self.left_out: list[str] = []  # a plain folder's parts titanctl does not build: not read

@@ -19,8 +19,10 @@ text model's ``*ForCausalLM`` config.json (``unwrapped_config``) under the folde
 A family's published folder may also name the decoder without the ``model.`` prefix that ``save_pretrained``
 writes (DeepSeek-V4's: ``layers.{i}.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``), its few top-level
 tensors spelled as the family's ``HFFormat.unprefixed_names`` say (``published_naming``); its
-multi-token-prediction layers (``mtp.*``) are carried unchanged as a wrapper's parts are (stored bytes, FP8 and
-FP4 ones included), named in one line, and exports keep its names and write them back.
+multi-token-prediction layers ``mtp.{k}.*`` are ``save_pretrained``'s ``model.layers.{n_layers + k}.*``
+(``PUBLISHED_DEPTH``): read into a model's prediction depths, those beyond them carried unchanged as a wrapper's
+parts are (stored bytes, FP8 and FP4 ones included, named in one line), and exports keep its names and write them
+back.
 """
 
 from __future__ import annotations
