@@ -374,7 +374,8 @@ class HFSource(Source):
     def _unused_prediction_depths(self, args: ModelArgs) -> list[int]:
         """The layers of multi-token-prediction depths that the files hold beyond the model's own
         (``model.mtp_layers``; DeepSeek-V3 publishes one): left unread, with a note. A depth that
-        config.json declares without its weights (as transformers saves DeepSeek-V3) is no news."""
+        config.json declares without its weights (as transformers saves DeepSeek-V3) is no news. A published
+        folder's depths beyond the model's (DeepSeek-V4's ``mtp.{k}.*``) are carried instead, declared or not."""
         if self._published_depths:  # a published folder's depths beyond the model's are carried, declared or not
             beyond = {layer for name in self._published_depths
                       if (layer := _layer_of(name)) >= args.n_layers + args.mtp_layers}

@@ -37,8 +37,8 @@ from titanctl.models.registry import all_specs, spec_for_hf_model_type
 TEXT_PREFIX = "model."  # a *ForCausalLM's decoder
 WRAPPED_PREFIX = "model.language_model."  # the same decoder inside a vision-language wrapper
 UNPREFIXED = ""  # the same decoder in a published folder without the prefix (DeepSeek-V4's)
-# Parts of a wrapper titanctl does not build (carried unchanged): what each is, for the notes that name them.
 PUBLISHED_DEPTH = "mtp."  # an unprefixed folder's prediction depths: mtp.{k}.* (loaded when the model has depth k)
+# Parts of a wrapper titanctl does not build (carried unchanged): what each is, for the notes that name them.
 NOT_BUILT = {"model.visual.": "the vision encoder", "mtp.": "the multi-token-prediction head"}
 NAMING_KEY = "hub_naming"  # in a file layout (formats.hf.file_layout)
 # Also in a file layout: the config.json keys of a release whose UE8M0 block scales are carried
