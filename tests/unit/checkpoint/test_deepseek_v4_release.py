@@ -94,12 +94,22 @@ def write_release(path: Path, theirs, saved: Path) -> Release:
         q, scale = (quantize_fp4 if kind == "fp4" else quantize_fp8)(w.float())
         tensors[name], tensors[name.removesuffix(".weight") + ".scale"] = q, scale
         dequantized[saved_name] = reference._dequantize_one(q, scale, output_dtype=torch.float32)
-    # The release's prediction depth (mtp.0.*: a block as layer 2's, and its own projections), as stored.
+    # The release's prediction depth (mtp.0.*: a block as layer 2's, sliding and score-routed as the release's,
+    # and its own projections, norms and head), as stored; dequantized as model.layers.3.*, save_pretrained's name.
     mtp = {"mtp.0." + k.removeprefix("layers.2."): v.clone() for k, v in tensors.items() if k.startswith("layers.2.")}
-    e_proj, e_scale = quantize_fp8(torch.randn(32, 32, generator=torch.Generator().manual_seed(2)) / 32**0.5)
-    mtp.update({"mtp.0.e_proj.weight": e_proj, "mtp.0.e_proj.scale": e_scale, "mtp.0.h_proj.weight": e_proj.clone(),
-                "mtp.0.h_proj.scale": e_scale.clone(), "mtp.0.enorm.weight": torch.ones(32, dtype=torch.bfloat16),
-                "mtp.0.hnorm.weight": torch.ones(32, dtype=torch.bfloat16)})
+    dequantized.update({"model.layers.3." + k.removeprefix("model.layers.2."): v.clone()
+                        for k, v in dequantized.items() if k.startswith("model.layers.2.")})
+    gen = torch.Generator().manual_seed(2)
+    for leaf in ("e_proj", "h_proj"):
+        q, scale = quantize_fp8(torch.randn(32, 32, generator=gen) / 32**0.5)
+        mtp.update({f"mtp.0.{leaf}.weight": q, f"mtp.0.{leaf}.scale": scale})
+        dequantized[f"model.layers.3.{leaf}.weight"] = reference._dequantize_one(q, scale, output_dtype=torch.float32)
+    own = {f"{leaf}.weight": (1 + 0.1 * torch.randn(32, generator=gen)).to(torch.bfloat16)
+           for leaf in ("enorm", "hnorm", "norm")}
+    own.update({f"hc_head_{leaf}": (tensors[f"hc_head_{leaf}"].float() * 1.5).to(tensors[f"hc_head_{leaf}"].dtype)
+                for leaf in ("fn", "base", "scale")})
+    mtp.update({"mtp.0." + k: v for k, v in own.items()})
+    dequantized.update({"model.layers.3." + k: v.clone() for k, v in own.items()})
     path.mkdir()
     save_file({k: v for k, v in tensors.items() if not k.startswith("layers.2.")},
               str(path / "model-00001-of-00002.safetensors"))
@@ -167,16 +177,17 @@ def test_convert_dequantizes_every_tensor_as_transformers_does(release, tmp_path
     ours, args = load_checkpoint(tmp_path / "dcp")
     want = from_hf_state_dict(release.dequantized, args)  # quantized ones float32, the rest as stored
     quantized = {k for k, v in want.items() if v.dtype == torch.float32 and not k.endswith("expert_bias")}
-    assert len(quantized) == 24 + 3 * 2  # the 24 FP8 projections, and each layer's two expert stacks
+    # The 24 FP8 projections and the depth's 10 (its block's 8, e_proj, h_proj), and each block's two expert stacks
+    assert len(quantized) == 24 + 10 + 4 * 2
     assert ours.keys() == want.keys()
     for name, tensor in want.items():
         expected = tensor.to(getattr(torch, dtype)) if name in quantized else tensor
         assert ours[name].dtype == expected.dtype and torch.equal(ours[name], expected), name
     assert all(torch.equal(ours[k].float(), want[k]) for k in quantized)
     notes = " ".join(proc.stdout.split())
-    assert f"24 FP8 weights dequantized to {dtype} with their 8x16 block scales (weight_scale_inv, or " \
+    assert f"34 FP8 weights dequantized to {dtype} with their 8x16 block scales (weight_scale_inv, or " \
            "DeepSeek-V4's .scale)" in notes, proc.stdout
-    assert f"36 FP4 expert weights (int8, two E2M1 values a byte) dequantized exactly to {dtype} with their " \
+    assert f"48 FP4 expert weights (int8, two E2M1 values a byte) dequantized exactly to {dtype} with their " \
            "scales (one per 32 values)" in notes, proc.stdout
 
 
@@ -198,6 +209,55 @@ def test_a_run_starting_from_the_folder_gives_the_logits_of_transformers_loading
         load_source_into(model, source)
     with torch.no_grad():
         assert torch.equal(model.eval()(IDS), theirs.float().eval()(IDS).logits)
+
+
+def _model_from(folder: Path, args):
+    with torch.device("meta"):
+        model = build_model(args)
+    model.to_empty(device="cpu").init_buffers("cpu")
+    with open_checkpoint(folder) as source:
+        source.dequantize_to = torch.float32
+        load_source_into(model, source)
+    return model.eval()
+
+
+def test_the_folders_depth_gives_the_logits_of_the_same_depth_under_save_pretrained_names(release, tmp_path):
+    """model.mtp_layers = 1: mtp.0.* fill depth 0 (its block layers.3), dequantized as the main layers are; the
+    model's logits and the depth's equal those of the model read from save_pretrained's names (model.layers.3.*)
+    of the same tensors dequantized by transformers."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    save_file({k: v.contiguous() for k, v in release.dequantized.items()}, str(saved / "model.safetensors"))
+    config = json.loads((release.path / "config.json").read_text())
+    del config["quantization_config"], config["expert_dtype"]
+    (saved / "config.json").write_text(json.dumps(config))
+    args = args_of(release.theirs).replace(mtp_layers=1)
+    with torch.no_grad():
+        (main, (depth,)), (main_saved, (depth_saved,)) = (_model_from(folder, args)(IDS, mtp=True)
+                                                          for folder in (release.path, saved))
+    assert torch.equal(main, main_saved) and torch.equal(depth, depth_saved)
+    assert not torch.equal(depth, main)
+
+
+def test_a_model_without_depths_carries_the_folders_and_writes_them_back(release, tmp_path, capsys):
+    """model.mtp_layers = 0 (here the folder's config.json declares none): mtp.* carried as stored, in no model
+    tensor, and the export writes every tensor of the release back bit for bit."""
+    folder = tmp_path / "no_depths"
+    folder.mkdir()
+    for path in release.path.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    config = json.loads((release.path / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    proc = cli(["convert", folder, tmp_path / "dcp", "--to", "dcp"], capsys)
+    assert proc.returncode in (0, None), proc.stderr
+    assert "tensors of the published folder carried unchanged" in " ".join(proc.stdout.split()), proc.stdout
+    ours, args = load_checkpoint(tmp_path / "dcp")
+    assert args.mtp_layers == 0 and not any(k.startswith("mtp.") or k.startswith("layers.3.") for k in ours)
+    proc = cli(["convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf"], capsys)
+    assert proc.returncode in (0, None), proc.stderr
+    source, back = stored(release.path), stored(tmp_path / "back")
+    assert back.keys() == source.keys()
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in source.items())
 
 
 def _rewrite(release: Release, tmp_path: Path, change) -> Path:
@@ -239,6 +299,8 @@ def test_hf_to_dcp_to_hf_gives_the_release_back_bit_for_bit(release, dcp, tmp_pa
     assert proc.returncode in (0, None), proc.stderr
     source, back = stored(release.path), stored(tmp_path / "back")
     assert back.keys() == source.keys() and any(k.startswith("mtp.0.") for k in back)
+    ours, args = load_checkpoint(dcp)  # the depth is the model's (mtp_layers 1, from config.json), not carried
+    assert args.mtp_layers == 1 and "mtp.0.e_proj.weight" in ours and "layers.3.self_attn.q_a_proj.weight" in ours
     for name, tensor in source.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name].view(torch.uint8),
                                                                 tensor.view(torch.uint8)), name
@@ -288,18 +350,20 @@ def test_trained_weights_are_written_as_the_nearest_value_at_the_carried_scale(r
 
 
 def test_text_only_writes_the_model_alone_unquantized(release, dcp, tmp_path, capsys):
-    """--text-only: the model's weights as the checkpoint holds them (bf16), no scales, no mtp.*, and a
-    config.json without the release's quantization keys: a folder transformers reads as unquantized."""
+    """--text-only: the model's weights as the checkpoint holds them (bf16; its prediction depth under the
+    folder's mtp.0.*), no scales, and a config.json without the release's quantization keys: a folder
+    transformers reads as unquantized."""
     proc = cli(["convert", dcp, tmp_path / "plain", "--to", "hf", "--text-only"], capsys)
     assert proc.returncode in (0, None), proc.stderr
-    left = sum(k.endswith(".scale") or k.startswith("mtp.") for k in stored(release.path))  # 60 scales, 59 mtp.*
+    left = sum(k.endswith(".scale") for k in stored(release.path))  # the scales: the depth is the model's
     assert f"--text-only: {left} carried tensors left out" in " ".join(proc.stdout.split()), proc.stdout
     written = stored(tmp_path / "plain")
-    assert not any(k.endswith(".scale") or k.startswith("mtp.") for k in written)
+    assert not any(k.endswith(".scale") for k in written) and "mtp.0.e_proj.weight" in written
     assert {v.dtype for v in written.values() if v.is_floating_point()} <= {torch.bfloat16, torch.float32}
     ours, args = load_checkpoint(dcp)
     assert all(torch.equal(v, ours[k]) for k, v in from_hf_state_dict(
-        {PUBLISHED_TOP_NAMES_BACK.get(k, "model." + k if k.startswith("layers.") else k): v
+        {PUBLISHED_TOP_NAMES_BACK.get(k, "model." + k.replace("mtp.0.", "layers.3.", 1)
+                                      if k.startswith(("layers.", "mtp.")) else k): v
          for k, v in written.items()}, args).items() if k in ours)
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert "quantization_config" not in config and "expert_dtype" not in config

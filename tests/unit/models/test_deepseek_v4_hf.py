@@ -81,8 +81,8 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     """A tiny folder in the published layout (save_pretrained's tensors renamed: layers.{i}.*, embed.weight,
     norm.weight, hc_head_fn, ...; plus a multi-token-prediction tensor): transformers loads it with nothing
     missing, titanctl reads the same tensors as from save_pretrained's folder (into a fresh model: the folder's
-    hash table replaces the seeded one, and the logits are transformers'), carries mtp.* unchanged (one line
-    says so), and an export (HF -> DCP -> HF) writes the Hub's names back bit for bit, mtp.* included."""
+    hash table replaces the seeded one, and the logits are transformers'), carries mtp.* unchanged for a model
+    without depths (one line says so; a model with one reads mtp.0.* into it: here incomplete, refused), and an export (HF -> DCP -> HF) writes the Hub's names back bit for bit, mtp.* included."""
     import transformers
 
     theirs.save_pretrained(tmp_path / "saved")
@@ -105,9 +105,9 @@ def test_the_hubs_folder_names_read_and_an_export_keeps_them(theirs, tmp_path):
     with open_checkpoint(tmp_path / "hub") as source:
         load_source_into(model, source)
     assert torch.equal(model.layers["0"].mlp.tid2eid, hub["layers.0.ffn.gate.tid2eid"])
-    with open_checkpoint(tmp_path / "hub") as source:  # a model with a depth would start it from nothing
-        with pytest.raises(CheckpointError, match=r"the published folder's mtp.\* are carried, not loaded into "
-                                                  r"prediction depths \(model.mtp_layers = 1, from the recipe\)"):
+    with open_checkpoint(tmp_path / "hub") as source:  # a model with a depth reads mtp.0.*: here only its norm
+        with pytest.raises(CheckpointError, match=r"hub lacks tensor\(s\) layers.3.attn_hc.fn, .* \(and 27 more\) "
+                                                  r"that the model from the recipe has"):
             source.bind(model.args.replace(mtp_layers=1), "the recipe")
     with torch.no_grad():
         assert (model.eval()(IDS) - theirs(IDS).logits).abs().max() <= REFERENCE.tol
@@ -162,5 +162,9 @@ def test_a_layouts_unprefixed_naming_is_a_familys_own():
     assert HubNaming.of_layout({NAMING_KEY: published.to_json()}) == published
     assert published.stored("model.layers.2.attn.wq_a.weight") == "layers.2.attn.wq_a.weight"
     assert published.text_name("hc_head_fn") == "model.hc_head.hc_fn"
+    # Prediction depth k of a 3-layer model: model.layers.{3 + k}.* as save_pretrained names it, mtp.{k}.* here.
+    assert published.stored("model.layers.4.hc_head_fn", 3) == "mtp.1.hc_head_fn"
+    assert published.text_name("mtp.1.hc_head_fn", 3) == "model.layers.4.hc_head_fn"
+    assert published.stored("model.layers.2.attn.wq_a.weight", 3) == "layers.2.attn.wq_a.weight"
     forged = {**published.to_json(), "renamed": [["model.embed_tokens.weight", "../../etc"]]}
     assert HubNaming.of_layout({NAMING_KEY: forged}) == HubNaming()

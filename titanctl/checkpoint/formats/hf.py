@@ -171,8 +171,9 @@ class HFSource(Source):
     def _unwrap(self) -> None:
         """A vision-language folder (``hub_layout``): its text model's tensors renamed as the ``*ForCausalLM``
         spells them (``_stored`` maps back), the parts titanctl does not build set aside: a wrapper's carried as stored
-        (``carried``, ``load_carried``), as are a published folder's (DeepSeek-V4's ``mtp.*``); a plain
-        ``save_pretrained`` folder's are left unread (``left_out``)."""
+        (``carried``, ``load_carried``); a plain ``save_pretrained`` folder's are left unread (``left_out``). A
+        published folder's prediction depths (DeepSeek-V4's ``mtp.{k}.*``) are read as layers n_layers + k;
+        ``bind`` carries those the model lacks."""
         self._stored: dict[str, str] = {}  # name in raw -> name in the file, where they differ
         self._carried_files: dict[str, Path] = {}
         self.left_out: list[str] = []  # a plain folder's parts titanctl does not build: not read
@@ -185,8 +186,18 @@ class HFSource(Source):
             naming = hub_layout.published_naming(keys, read_json(config) if config.is_file() else {})
             if naming is not None:
                 self.naming = naming
+        # A published folder's prediction depths (mtp.{k}.*) are read as layers n_layers + k, as save_pretrained
+        # names them; ``bind`` carries those the model does not have, as stored (``_published_depths``).
+        n_layers = self._declared_layers() if self.naming.prefix == hub_layout.UNPREFIXED else None
+        self._published_depths: dict[str, tuple[str, Path, tuple[int, ...], torch.dtype]] = {}
         kept = []
         for key, path, shape, dtype in self.raw:
+            if n_layers is not None and key.startswith(hub_layout.PUBLISHED_DEPTH):
+                name = self.naming.text_name(key, n_layers)
+                self._stored[name] = key
+                self._published_depths[name] = (key, path, shape, dtype)
+                kept.append((name, path, shape, dtype))
+                continue
             if hub_layout.not_built(key) and self.naming.plain:
                 self.left_out.append(key)
                 continue
@@ -199,6 +210,12 @@ class HFSource(Source):
                 self._stored[name] = key
             kept.append((name, path, shape, dtype))
         self.raw = kept
+
+    def _declared_layers(self) -> int | None:
+        """config.json's num_hidden_layers (None without one): where a published folder's depths begin."""
+        config = self.folder / CONFIG_FILE
+        found = read_json(config).get("num_hidden_layers") if config.is_file() else None
+        return found if isinstance(found, int) and not isinstance(found, bool) and found >= 0 else None
 
     def _tensor(self, path: Path, key: str) -> torch.Tensor:
         """The stored tensor of a name in ``raw`` (memory-mapped)."""
@@ -309,11 +326,6 @@ class HFSource(Source):
         raise CheckpointError(f"{self.folder} has no 2-D 'model.embed_tokens.weight'")
 
     def bind(self, args: ModelArgs, origin: str) -> None:
-        if args.mtp_layers and self.naming.prefix == hub_layout.UNPREFIXED and \
-                any(hub_layout.not_built(info.name) for info in self.carried):
-            raise CheckpointError(f"{self.folder}: the published folder's mtp.* are carried, not loaded into "
-                                  f"prediction depths (model.mtp_layers = {args.mtp_layers}, from {origin}); set "
-                                  "model.mtp_layers = 0 to start from it")
         self.args = args
         infos = []
         self._structured: dict[str, list[tuple[Piece, str, Path]]] = {}  # packed or per-expert weights
@@ -362,7 +374,14 @@ class HFSource(Source):
     def _unused_prediction_depths(self, args: ModelArgs) -> list[int]:
         """The layers of multi-token-prediction depths that the files hold beyond the model's own
         (``model.mtp_layers``; DeepSeek-V3 publishes one): left unread, with a note. A depth that
-        config.json declares without its weights (as transformers saves DeepSeek-V3) is no news."""
+        config.json declares without its weights (as transformers saves DeepSeek-V3) is no news. A published
+        folder's depths beyond the model's (DeepSeek-V4's ``mtp.{k}.*``) are carried instead, declared or not."""
+        if self._published_depths:  # a published folder's depths beyond the model's are carried, declared or not
+            beyond = {layer for name in self._published_depths
+                      if (layer := _layer_of(name)) >= args.n_layers + args.mtp_layers}
+            if beyond:
+                self._carry_published_depths(beyond)
+            return sorted(beyond)
         config = self.folder / CONFIG_FILE
         declared = read_json(config).get("num_nextn_predict_layers") if config.is_file() else 0
         if not isinstance(declared, int) or isinstance(declared, bool):  # a config read with --flavor is unchecked
@@ -374,6 +393,20 @@ class HFSource(Source):
             self.notes.append(f"the checkpoint's multi-token-prediction {which} not loaded: this model has "
                               f"model.mtp_layers = {args.mtp_layers}")
         return unused
+
+    def _carry_published_depths(self, layers: set[int]) -> None:
+        """The published folder's depths beyond the model's (``mtp.{k}.*``) carried as stored, as its other parts
+        are (their UE8M0 scales are already): an export writes them back unchanged."""
+        carried = [stored for name, stored in self._published_depths.items() if _layer_of(name) in layers]
+        known = {info.name for info in self.carried}
+        for key, path, shape, dtype in carried:
+            if key not in known:
+                self.carried.append(TensorInfo(key, shape, dtype, key, str(path.relative_to(self.folder))))
+                self._carried_files[key] = path
+        for name in [name for name in self.scales if _layer_of(name) in layers]:
+            del self.scales[name]
+            self.fp4.pop(name, None)
+        self.notes.append(hub_layout.published_carried_note([key for key, *_ in carried]))
 
     def extra_metadata(self) -> dict[str, Any]:
         """config.json, carried into a DCP output and back into Hugging Face exports."""

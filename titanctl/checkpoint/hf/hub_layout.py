@@ -19,12 +19,15 @@ text model's ``*ForCausalLM`` config.json (``unwrapped_config``) under the folde
 A family's published folder may also name the decoder without the ``model.`` prefix that ``save_pretrained``
 writes (DeepSeek-V4's: ``layers.{i}.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``), its few top-level
 tensors spelled as the family's ``HFFormat.unprefixed_names`` say (``published_naming``); its
-multi-token-prediction layers (``mtp.*``) are carried unchanged as a wrapper's parts are (stored bytes, FP8 and
-FP4 ones included), named in one line, and exports keep its names and write them back.
+multi-token-prediction layers ``mtp.{k}.*`` are ``save_pretrained``'s ``model.layers.{n_layers + k}.*``
+(``PUBLISHED_DEPTH``): read into a model's prediction depths, those beyond them carried unchanged as a wrapper's
+parts are (stored bytes, FP8 and FP4 ones included, named in one line), and exports keep its names and write them
+back.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ from titanctl.models.registry import all_specs, spec_for_hf_model_type
 TEXT_PREFIX = "model."  # a *ForCausalLM's decoder
 WRAPPED_PREFIX = "model.language_model."  # the same decoder inside a vision-language wrapper
 UNPREFIXED = ""  # the same decoder in a published folder without the prefix (DeepSeek-V4's)
+PUBLISHED_DEPTH = "mtp."  # an unprefixed folder's prediction depths: mtp.{k}.* (loaded when the model has depth k)
 # Parts of a wrapper titanctl does not build (carried unchanged): what each is, for the notes that name them.
 NOT_BUILT = {"model.visual.": "the vision encoder", "mtp.": "the multi-token-prediction head"}
 NAMING_KEY = "hub_naming"  # in a file layout (formats.hf.file_layout)
@@ -67,8 +71,11 @@ class HubNaming:
         """Whether this is ``save_pretrained``'s own naming."""
         return self == HubNaming()
 
-    def stored(self, hf_name: str) -> str:
-        """A ``*ForCausalLM`` name as this folder stores it."""
+    def stored(self, hf_name: str, n_layers: int | None = None) -> str:
+        """A ``*ForCausalLM`` name as this folder stores it; an unprefixed folder's prediction depth k
+        (``model.layers.{n_layers + k}.*``) as ``mtp.{k}.*``."""
+        if self.prefix == UNPREFIXED and n_layers is not None and (depth := _depth_of(hf_name, n_layers)):
+            return f"{PUBLISHED_DEPTH}{depth[0]}.{depth[1]}"
         if self.prefix != TEXT_PREFIX:
             renamed = dict(self.renamed)
             if hf_name in renamed:
@@ -77,8 +84,11 @@ class HubNaming:
                 return self.prefix + hf_name[len(TEXT_PREFIX):]
         return hf_name
 
-    def text_name(self, stored: str) -> str:
+    def text_name(self, stored: str, n_layers: int | None = None) -> str:
         """A name this folder stores as the ``*ForCausalLM`` spells it (``stored`` inverted)."""
+        if self.prefix == UNPREFIXED and n_layers is not None and \
+                (m := re.fullmatch(re.escape(PUBLISHED_DEPTH) + r"(\d+)\.(.+)", stored)):
+            return f"{TEXT_PREFIX}layers.{n_layers + int(m.group(1))}.{m.group(2)}"
         if self.prefix == UNPREFIXED:
             theirs = {folder: ours for ours, folder in self.renamed}
             return theirs.get(stored, TEXT_PREFIX + stored if stored.startswith("layers.") else stored)
@@ -121,6 +131,12 @@ class HubNaming:
             if key in outer:
                 outer[key] = text.get("dtype", text.get("torch_dtype"))
         return outer
+
+
+def _depth_of(hf_name: str, n_layers: int) -> tuple[int, str] | None:
+    """(k, the rest of the name) of a ``*ForCausalLM`` name in prediction depth k (layer n_layers + k)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    return (int(m.group(1)) - n_layers, m.group(2)) if m and int(m.group(1)) >= n_layers else None
 
 
 def naming_only(layout: Any) -> dict[str, Any] | None:

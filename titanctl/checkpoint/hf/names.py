@@ -339,10 +339,10 @@ def hub_names_of(name: str, args: ModelArgs, naming: HubNaming) -> list[tuple[st
     if naming.packed_experts and not not_stored(name, args):
         piece = _packed_piece(name, args)
         if piece is not None:
-            return [(naming.stored(piece[0]), piece[1:])]
+            return [(naming.stored(piece[0], args.n_layers), piece[1:])]
         if stacked_over_experts(name, args):  # packed as titanctl holds it (down_proj [E, D, F])
-            return [(naming.stored(_hf_name(name, args)), None)]
-    return [(naming.stored(hf), None) for hf in hf_names_of(name, args)]
+            return [(naming.stored(_hf_name(name, args), args.n_layers), None)]
+    return [(naming.stored(hf, args.n_layers), None) for hf in hf_names_of(name, args)]
 
 
 def to_hub_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, naming: HubNaming) -> dict[str, torch.Tensor]:
@@ -354,8 +354,8 @@ def to_hub_tensors(name: str, tensor: torch.Tensor, args: ModelArgs, naming: Hub
             return {hub_names_of(name, args, naming)[0][0]: tensor}
         if stacked_over_experts(name, args):
             hf, out = to_hf_tensor(name, tensor, args)
-            return {naming.stored(hf): out}
-    return {naming.stored(hf): t for hf, t in to_hf_tensors(name, tensor, args)}
+            return {naming.stored(hf, args.n_layers): out}
+    return {naming.stored(hf, args.n_layers): t for hf, t in to_hf_tensors(name, tensor, args)}
 
 
 def to_hf_rows(name: str, rows: torch.Tensor, args: ModelArgs) -> tuple[str, torch.Tensor]:

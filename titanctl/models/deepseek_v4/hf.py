@@ -13,7 +13,7 @@ checkpoint's table replaces titanctl's seeded one) and the other layers' ``ffn.g
 written; transformers writes 1 without weights, which reads as none): depth k's block is
 ``model.layers.{n_layers + k}.*`` under the block's names and its own ``e_proj``/``h_proj``/``enorm``/``hnorm``/
 ``norm``/``hc_head_*`` beside them (``MTP_NAMES``, DeepSeek's names; transformers builds no depth and skips
-them). The published folder's ``mtp.{k}.*`` stay carried (``hub_layout``). The Hub's published
+them); the published folder's ``mtp.{k}.*`` are the same tensors (``hub_layout``). The Hub's published
 folder drops the ``model.`` prefix (``layers.{i}.*``, ``embed.weight``, ``hc_head_fn``: ``PUBLISHED_TOP_NAMES``,
 read through ``titanctl.checkpoint.hf.hub_layout``); its FP8 block weights (``X.scale`` beside ``X.weight``) and
 FP4 experts are dequantized when read (``titanctl.checkpoint.quantized.fp4_experts`` names the sources).
