@@ -187,6 +187,18 @@ def deepseek_v4_config():
         num_nextn_predict_layers=0)  # transformers builds no depth (its default 1 declares one it lacks)
 
 
+def deepseek_v4_fp64(args):
+    """titanctl's DeepSeek-V4 of ``args`` in fp64, every parameter drawn N(0, 0.3) (seed 0): far from ties."""
+    from titanctl.models.deepseek_v4.model import DeepseekV4
+
+    torch.manual_seed(0)
+    model = DeepseekV4(args).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.init_buffers()
+    return model
+
+
 def deepseek_v4_state(model, gen: torch.Generator) -> None:
     """DeepSeek-V4's state unit scale leaves at rest: a trained expert bias, and a token -> experts table
     unlike titanctl's seeded one (two distinct experts per token), so that reading it is what makes the

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from tests.unit.models.families import deepseek_v4_fp64
 from titanctl.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
-from titanctl.models.deepseek_v4.model import DeepseekV4, split_into_stage
+from titanctl.models.deepseek_v4.model import split_into_stage
 
 ARGS = DeepseekV4Args(
     vocab_size=64, dim=32, n_layers=4, n_heads=2, head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2,
@@ -16,11 +17,7 @@ ARGS = DeepseekV4Args(
 
 
 def test_two_stages_chained_equal_the_whole_model():
-    torch.manual_seed(0)
-    model = DeepseekV4(ARGS).double()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    model.init_buffers()
+    model = deepseek_v4_fp64(ARGS)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     first, last = split_into_stage(model, [0, 1], True, False), split_into_stage(model, [2, 3], False, True)
     assert first.output is None and first.hc_head is None and last.tok_embeddings is None

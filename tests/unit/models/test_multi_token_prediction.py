@@ -75,6 +75,18 @@ def test_mtp_loss_equals_a_direct_computation_and_every_weight_learns():
     assert not silent, silent  # the depths' blocks, norms and projections included
 
 
+def refuses_pipeline_and_context_parallel(cfg, args) -> None:
+    """PP 2 and CP 2 refuse one prediction depth (``args.mtp_layers`` 1) in one line."""
+    from titanctl.parallel.layouts.build import check_layout
+
+    for layout, what in ((dims(2, pipeline_parallel=2, data_parallel_shard=1), "pipeline_parallel_degree = 2"),
+                         (dims(2, context_parallel=2, data_parallel_shard=1), "context_parallel_degree = 2")):
+        with pytest.raises(ParallelError, match=rf"model.mtp_layers = 1 \(multi-token prediction\) does not run "
+                                                rf"under {what}: .*; set model.mtp_layers = 0") as e:
+            check_layout(cfg, layout, args)
+        assert "\n" not in str(e.value)
+
+
 def test_layouts_that_cannot_carry_prediction_depths_are_refused_in_one_line():
     from titanctl.config.recipe import load_config
     from titanctl.models.registry import model_args_from_config
@@ -83,12 +95,7 @@ def test_layouts_that_cannot_carry_prediction_depths_are_refused_in_one_line():
     cfg = load_config(None, ["--model.name", "deepseek_v3", "--model.mtp_layers", "1"])
     args = model_args_from_config(cfg.model, 256, 64)
     assert args.mtp_layers == 1
-    for layout, what in ((dims(2, pipeline_parallel=2, data_parallel_shard=1), "pipeline_parallel_degree = 2"),
-                         (dims(2, context_parallel=2, data_parallel_shard=1), "context_parallel_degree = 2")):
-        with pytest.raises(ParallelError, match=rf"model.mtp_layers = 1 \(multi-token prediction\) does not run "
-                                                rf"under {what}: .*; set model.mtp_layers = 0") as e:
-            check_layout(cfg, layout, args)
-        assert "\n" not in str(e.value)
+    refuses_pipeline_and_context_parallel(cfg, args)
     check_layout(cfg, dims(2, tensor_parallel=2, data_parallel_shard=1), args)  # TP carries it
     llama = load_config(None, ["--model.mtp_layers", "1"])
     with pytest.raises(ConfigError, match="'model.mtp_layers' = 1 needs model.name = 'deepseek_v3'"):

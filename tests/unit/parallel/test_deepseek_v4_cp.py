@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.unit.models.families import deepseek_v4_fp64
 from tests.unit.parallel.thread_ranks import FakeMesh, ThreadGather, run_ranks
 from titanctl.models.deepseek_v4.args import CSA, HCA, SLIDING, DeepseekV4Args
-from titanctl.models.deepseek_v4.model import DeepseekV4
 from titanctl.parallel.layouts.context_parallel import load_balanced_order
 from titanctl.parallel.layouts.sequence_pieces import HeadTailPieces, holds_sequence_pieces
 
@@ -35,11 +35,7 @@ LAYER = "0"  # the CSA layer
 
 
 def model_and_tokens():
-    torch.manual_seed(0)
-    model = DeepseekV4(ARGS).double()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    model.init_buffers()
+    model = deepseek_v4_fp64(ARGS)
     return model, torch.randint(0, ARGS.vocab_size, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 

@@ -7,34 +7,17 @@ the cut of the per-head parameters; tests/distributed/test_hybrid_layouts.py run
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from tests.unit.parallel.test_linear_attention_cp import layer
-from tests.unit.parallel.thread_ranks import run_ranks
+from tests.unit.parallel.thread_ranks import ThreadAllToAll, run_ranks
 from titanctl.errors import ParallelError
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
 from titanctl.parallel.layouts.linear_attention_ulysses import GatedDeltaNetHeads
 
 SEQ = 32
-
-
-class ThreadAllToAll:
-    """cp threads' all-to-all: rank r gets chunk r of every rank's (cp, ...) chunks, in rank order."""
-
-    def __init__(self, cp: int):
-        self.barrier = threading.Barrier(cp, timeout=30)
-        self.slots: list = [None] * cp
-
-    def __call__(self, rank: int, chunks: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = chunks
-        self.barrier.wait()
-        got = torch.stack([slot[rank] for slot in self.slots])
-        self.barrier.wait()  # nobody overwrites a slot before every rank read it
-        return got
 
 
 def _with_exchange(gdn: GatedDeltaNet, heads: GatedDeltaNetHeads) -> GatedDeltaNet:

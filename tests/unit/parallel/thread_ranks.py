@@ -55,3 +55,18 @@ class ThreadGather:
         every = torch.cat(self.slots)
         self.barrier.wait()  # nobody overwrites a slot before every rank read it
         return every
+
+
+class ThreadAllToAll:
+    """cp threads' all-to-all: rank r gets chunk r of every rank's (cp, ...) chunks, in rank order."""
+
+    def __init__(self, cp: int):
+        self.barrier = threading.Barrier(cp, timeout=30)
+        self.slots: list = [None] * cp
+
+    def __call__(self, rank: int, chunks: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = chunks
+        self.barrier.wait()
+        got = torch.stack([slot[rank] for slot in self.slots])
+        self.barrier.wait()  # nobody overwrites a slot before every rank read it
+        return got
