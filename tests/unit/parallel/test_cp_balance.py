@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.unit.parallel.thread_ranks import FakeMesh
 from titanctl.config.recipe import load_config
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.models.registry import get_spec
@@ -68,19 +69,6 @@ def test_one_causal_document_keeps_head_tail():
     assert imbalance(rank_work(work, load_balanced_order(64, 2), 2)) == 1.0
 
 
-class RankOf:
-    """The CP mesh as MicrobatchMasks asks it: its size and this rank."""
-
-    def __init__(self, cp: int, rank: int):
-        self.cp, self.rank = cp, rank
-
-    def size(self) -> int:
-        return self.cp
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-
 @pytest.mark.parametrize("balancer", ["head_tail", "mask_aware"])
 @pytest.mark.parametrize("window", [None, 6])
 def test_ranks_holding_the_order_give_one_process_attention(balancer, window):
@@ -90,7 +78,7 @@ def test_ranks_holding_the_order_give_one_process_attention(balancer, window):
     cp, seq = 2, 64
     tokens = long_tailed_documents(seq, rows=2, seed=3)
     tokens[:, [5, 40, 41]] = BOS
-    masks = {r: MicrobatchMasks(bos_id=BOS, cp_mesh=RankOf(cp, r), cp=cp, balancer=balancer,
+    masks = {r: MicrobatchMasks(bos_id=BOS, cp_mesh=FakeMesh(cp, r), cp=cp, balancer=balancer,
                                 window=window, dense=window is not None,
                                 windows=(None,) if window is None else (None, window)) for r in range(cp)}
     order = masks[0].cp_order(tokens)
@@ -133,7 +121,7 @@ def test_estimate_memorys_fake_batches_keep_head_tail():
     every order gives the same shapes, so the step takes head-tail and logs no imbalance."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    masks = MicrobatchMasks(bos_id=None, cp_mesh=RankOf(2, 0), cp=2, balancer="mask_aware", window=4, dense=True,
+    masks = MicrobatchMasks(bos_id=None, cp_mesh=FakeMesh(2, 0), cp=2, balancer="mask_aware", window=4, dense=True,
                             windows=(None, 4))
     with FakeTensorMode():
         fake = torch.randint(0, 9, (1, 64))
