@@ -124,7 +124,8 @@ class MicrobatchMasks:
         if self.cp_mesh is None or (self.window is None and self.bos_id is None and not self.by_positions):
             return None
         if self.balancer == "head_tail" or shapes_only(inputs):
-            return load_balanced_order(inputs.shape[1], self.cp // self.cp_ulysses if self.groups_head_tail else self.cp)
+            units = self.cp // self.cp_ulysses if self.groups_head_tail else self.cp
+            return load_balanced_order(inputs.shape[1], units)
         return mask_aware_order(self.work(inputs, positions), self.cp)
 
     def work(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,8 +7,6 @@ groups' chunks and the ranks' shares. tests/distributed/test_hybrid_layouts.py r
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
