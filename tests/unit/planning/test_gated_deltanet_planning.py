@@ -193,7 +193,6 @@ def test_the_plan_enumerates_ulysses_for_the_hybrids_where_the_key_heads_split()
     assert (2, "ulysses", 1) in methods and (4, "ring", 1) in methods and (4, "ulysses", 1) not in methods
     assert (4, "ulysses_ring", 2) in methods and (8, "ulysses_ring", 4) not in methods
     assert found.rejected["ulysses context parallel splits the Gated DeltaNet layers by key heads"] > 0
-    assert not any("ulysses_ring does not run" in r for r in found.rejected), found.rejected
 
 
 def test_gated_deltanet_under_ulysses_ring_is_costed_by_both_exchanges():
