@@ -8,7 +8,9 @@ Context parallel is the case no other family has: the Gated DeltaNet layers carr
 their conv's last inputs from rank to rank (a prefix scan over the ranks' chunk maps,
 titanctl/parallel/layouts/linear_attention_cp.py) while the full-attention layers run torch's ring (causal)
 or the masked ring (block_causal: masked_ring.py); CP 2 and CP 4, both masks, documents crossing the ranks' chunks.
-Under Ulysses (``ulysses_cp2_documents``) the Gated DeltaNet layers trade positions for heads instead.
+Under Ulysses (``ulysses_cp2_documents``) the Gated DeltaNet layers trade positions for heads instead; under
+``ulysses_ring`` (``ring2_ulysses2``, causal and documents) they trade them within each pair of neighbouring ranks,
+then scan across the pairs.
 Tensor parallel splits the Gated DeltaNet layers by key-head groups (titanctl/models/qwen3_5/blocks.py);
 Qwen3-Next's fused projections too (``next_tp2``).
 
@@ -61,6 +63,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 CP4 = ["--parallelism.context_parallel_degree", "4"]
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
+ULYSSES_RING2 = ["--parallelism.context_parallel_method", "ulysses_ring", "--parallelism.context_parallel_ulysses_degree",
+                 "2"]
 
 # CP and TP cases train 2 steps (the first step's gradients and the loss after one update carry their checks):
 # they are compared with the first 2 of their reference's 3 losses.
@@ -90,6 +94,11 @@ LAYOUTS = [
     # full-attention heads) under the one-process document mask (linear_attention_ulysses.py).
     ("ulysses_cp2_documents", "dense_documents", 2, 8, [*CP2, "--parallelism.context_parallel_method", "ulysses",
                                                         *TWO_STEPS]),
+    # ulysses_ring, CP 4 = ring 2 x Ulysses 2: each pair of neighbours all-to-alls one key-head group of every Gated
+    # DeltaNet layer (and half the full-attention heads), the two pairs pass the scan's state and halo (chunks of
+    # 16 tokens, head-tail over the pairs) and run the masked ring; causal and documents.
+    ("ring2_ulysses2", "dense", 4, 8, [*CP4, *ULYSSES_RING2, *TWO_STEPS]),
+    ("ring2_ulysses2_documents", "dense_documents", 4, 8, [*CP4, *ULYSSES_RING2, *TWO_STEPS]),
 ]
 
 CASES = [register(__name__, name, nproc, [*TINY_RUN, *FLAVORS[ref], "--training.local_batch_size", str(local_batch),

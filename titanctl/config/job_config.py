@@ -332,8 +332,8 @@ class Parallelism:
         1,
         "Under context_parallel_method = ulysses_ring: the Ulysses ranks of each ring group (neighbouring ranks, "
         "inside a node where it fits). At least 2, smaller than context_parallel_degree and dividing it, and "
-        "dividing n_heads / tensor_parallel_degree; the ring runs over context_parallel_degree / this. Any "
-        "other method takes 1.",
+        "dividing n_heads / tensor_parallel_degree (and a Gated DeltaNet model's key heads / tensor_parallel_degree); "
+        "the ring runs over context_parallel_degree / this. Any other method takes 1.",
         min=1,
     )
     context_parallel_rotate_method: str = opt(

@@ -72,6 +72,9 @@ class MicrobatchMasks:
     balancer: str = "head_tail"  # parallelism.context_parallel_load_balancer (Gated DeltaNet: head_tail)
     windows: tuple[int | None, ...] = (None,)  # per softmax-attention layer: its sliding window, None full
     cp_ulysses: int = 1  # ulysses_ring: the Ulysses ranks of a ring group, which attend the group's queries
+    # ulysses_ring with Gated DeltaNet layers: head-tail over the ring groups, whose chunks i and 2r-1-i the scan
+    # (linear_attention_cp.py) passes its state between, not over the ranks
+    groups_head_tail: bool = False
 
     @classmethod
     def build(
@@ -91,8 +94,9 @@ class MicrobatchMasks:
         causal = cfg.model.attn_mask_type == "causal"
         balance = {"cp": dims.cp, "windows": layer_windows(args)}
         # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.
-        balance["balancer"] = ("head_tail" if args is not None and "linear_attention" in args.layer_types
-                               else cfg.parallelism.context_parallel_load_balancer)
+        scan = args is not None and "linear_attention" in args.layer_types
+        balance["balancer"] = "head_tail" if scan else cfg.parallelism.context_parallel_load_balancer
+        balance["groups_head_tail"] = scan and hybrid
         if causal and window is None:
             return cls(bos_id=None, **balance)
         if not causal and bos_id is None and not by_positions:
@@ -120,7 +124,8 @@ class MicrobatchMasks:
         if self.cp_mesh is None or (self.window is None and self.bos_id is None and not self.by_positions):
             return None
         if self.balancer == "head_tail" or shapes_only(inputs):
-            return load_balanced_order(inputs.shape[1], self.cp)
+            units = self.cp // self.cp_ulysses if self.groups_head_tail else self.cp
+            return load_balanced_order(inputs.shape[1], units)
         return mask_aware_order(self.work(inputs, positions), self.cp)
 
     def work(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -155,19 +155,30 @@ def test_check_layout_refuses_heads_that_do_not_split():
         check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 32), args)
 
 
-def test_check_layout_refuses_gated_deltanet_layers():
-    """The hybrid does not carry Gated DeltaNet's scan its mask yet: refused in one line before any rank connects
-    (and so never proposed by `titanctl plan`, which asks check_layout)."""
+def test_check_layout_refuses_gated_deltanet_layouts_that_cannot_hold():
+    """Gated DeltaNet layers run under the hybrid (tests/unit/parallel/test_linear_attention_ulysses_ring.py); what
+    cannot hold is refused in one line before any rank connects (and so never proposed by `titanctl plan`, which
+    asks check_layout): key heads after TP not divisible by the Ulysses degree, ring chunks shorter than the conv's
+    halo."""
     from tests.conftest import REPO
     from titanctl.config.recipe import load_config
     from titanctl.models.registry import model_args_from_config
     from titanctl.parallel.layouts.build import check_layout
     from titanctl.parallel.layouts.dims import ParallelDims
 
-    cfg = load_config(REPO / "recipes" / "qwen3_5_debug.toml", [
-        "--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "ulysses_ring",
-        "--parallelism.context_parallel_ulysses_degree", "2", "--training.seq_len", "64"])
-    args = model_args_from_config(cfg.model, 2048, 64)
-    with pytest.raises(ParallelError, match="ulysses_ring does not run qwen3_5's Gated DeltaNet layers yet") as e:
-        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, 4), args)
-    assert "\n" not in str(e.value)
+    def check(cp: int, ulysses: int, seq_len: int) -> None:
+        cfg = load_config(REPO / "recipes" / "qwen3_5_debug.toml", [
+            "--parallelism.context_parallel_degree", str(cp), "--parallelism.context_parallel_method", "ulysses_ring",
+            "--parallelism.context_parallel_ulysses_degree", str(ulysses), "--training.seq_len", str(seq_len),
+            "--compile.enable", "false"])
+        check_layout(cfg, ParallelDims.from_config(cfg.parallelism, cp), model_args_from_config(cfg.model, 2048, seq_len))
+
+    check(4, 2, 64)  # the debug model's 2 key heads, one per Ulysses rank; ring chunks of 16
+    for cp, ulysses, seq_len, message in (
+            (8, 4, 64, "linear_attention.num_key_heads = 2 is not divisible by tensor_parallel_degree x "
+                       "context_parallel_ulysses_degree = 1 x 4; use context_parallel_method = ring"),
+            (4, 2, 8, "context_parallel_degree / context_parallel_ulysses_degree = 2 cuts training.seq_len 8 into "
+                      "chunks of 2 tokens, fewer than the 3 earlier inputs")):
+        with pytest.raises(ParallelError, match=message) as e:
+            check(cp, ulysses, seq_len)
+        assert "\n" not in str(e.value)

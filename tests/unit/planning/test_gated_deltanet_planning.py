@@ -58,16 +58,26 @@ def test_hybrid_flops_count_each_layer_by_its_kind():
     assert gated_delta_rule_flops_per_token(args) == 3 * 32 * (64 * 1024 + 6 * 128 * 128)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["one_process", "cp_scan"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_the_saved_bytes_of_a_gated_deltanet_layer(dtype):
+def test_the_saved_bytes_of_a_gated_deltanet_layer(dtype, scan):
     """The layer's saved tensors (its input and parameters aside), per token, against the plan's count: its
     linears' outputs as every block's are counted, plus ``delta_rule_bytes_per_token``; on a shape the
     formula was not fitted on (3 value heads per key head, d_v != d_k): within 2% (measured 0.4% bf16,
-    1.4% fp32)."""
+    1.4% fp32). ``cp_scan``: the layer under the CP scan (one rank's two chunks, its widened values), whose extra
+    the plan counts under ring and ulysses_ring: within the same 2% (measured 0.8% bf16, 0.2% fp32, at 1024 tokens),
+    where the plain count is 18% short."""
+    from tests.unit.parallel.thread_ranks import FakeMesh
+    from titanctl.parallel.layouts.linear_attention_cp import GatedDeltaNetScan
+
     la = LinearAttentionArgs(num_key_heads=2, num_value_heads=6, key_head_dim=32, value_head_dim=48)
     args = DEBUG.replace(dim=64, linear_attention=la)
     layer = GatedDeltaNet(args, 0).to(dtype)
-    x = torch.randn(1, 256, 64, dtype=dtype, requires_grad=True)
+    if scan:  # one CP rank (no peer): the widened rule, no collective
+        layer.sequence_scan = GatedDeltaNetScan(FakeMesh(1, 0))
+        layer.sequence_scan._gather = lambda pieces: pieces
+    tokens = 1024 if scan else 256  # the scan's O(1) a sequence (chunk maps, states) 2.5% more at 256
+    x = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
     skip = {p.untyped_storage().data_ptr() for p in (*layer.parameters(), x)}
     saved: dict[int, int] = {}
 
@@ -82,8 +92,10 @@ def test_the_saved_bytes_of_a_gated_deltanet_layer(dtype):
     # As activation_bytes_per_token counts linears: the column-wise ones' outputs, out_proj's input twice.
     linears = act * ((la.key_dim * 2 + la.value_dim) + la.value_dim + 2 * la.num_value_heads + 2 * la.value_dim)
     block = next(b for b in model_shape(args).blocks if b.delta_rule is not None)
-    measured = sum(saved.values()) / 256
-    assert abs(measured - linears - delta_rule_bytes_per_token(block, 1, act)) <= 0.02 * measured
+    measured = sum(saved.values()) / tokens
+    assert abs(measured - linears - delta_rule_bytes_per_token(block, 1, act, scan)) <= 0.02 * measured
+    if scan:
+        assert measured - linears - delta_rule_bytes_per_token(block, 1, act) > 0.1 * measured
 
 
 def test_the_depth_shortcut_keeps_the_layer_schedule():
@@ -167,8 +179,8 @@ def test_gated_deltanet_under_ulysses_is_costed_by_its_all_to_alls():
 
 def test_the_plan_enumerates_ulysses_for_the_hybrids_where_the_key_heads_split():
     """Qwen3.5's debug model has 8 heads but 2 key heads: Ulysses CP 2 is a candidate, CP 4 is refused by the
-    trainer's Gated DeltaNet rule (its key heads after TP divide cp), and no ulysses_ring (refused for the
-    Gated DeltaNet layers)."""
+    trainer's Gated DeltaNet rule (its key heads after TP divide cp); ulysses_ring CP 4 = 2 x 2 (one key head per
+    Ulysses rank) is one, CP 8 = 2 x 4 is refused by the same rule over the Ulysses degree."""
     from titanctl.models.registry import model_args_from_config
     from titanctl.planning.memory import estimate as memory
     from titanctl.planning.plan.candidates import enumerate_splits
@@ -177,12 +189,65 @@ def test_the_plan_enumerates_ulysses_for_the_hybrids_where_the_key_heads_split()
     cfg = recipe_config(REPO / "recipes" / "qwen3_5_debug.toml")
     args = model_args_from_config(cfg.model, memory.resolve_vocab_size(cfg)[0], cfg.training.seq_len)
     found = enumerate_splits(cfg, args, 8, 8, gpus_per_node=8, schedules=("1F1B",))
-    methods = {(c.tp * c.cp, c.cp_method) for c in found.splits if c.cp > 1}
-    assert (2, "ulysses") in methods and (4, "ring") in methods and (4, "ulysses") not in methods
-    assert not any(m == "ulysses_ring" for _, m in methods)
+    methods = {(c.tp * c.cp, c.cp_method, c.cp_ulysses) for c in found.splits if c.cp > 1}
+    assert (2, "ulysses", 1) in methods and (4, "ring", 1) in methods and (4, "ulysses", 1) not in methods
+    assert (4, "ulysses_ring", 2) in methods and (8, "ulysses_ring", 4) not in methods
     assert found.rejected["ulysses context parallel splits the Gated DeltaNet layers by key heads"] > 0
-    assert any(r.startswith("context_parallel_method = ulysses_ring does not run qwenN_N's Gated DeltaNet layers")
-               for r in found.rejected), found.rejected
+
+
+def test_gated_deltanet_under_ulysses_ring_is_costed_by_both_exchanges():
+    """Under ulysses_ring (qwen3_5_moe_35b_a3b, 256k tokens, CP 16 = 2 groups x Ulysses 8, full AC) a Gated
+    DeltaNet block all-to-alls its conv inputs, b, a and output over the 8 Ulysses ranks (as Ulysses does over
+    cp), then scans over the 2 groups for 1/8 of its heads: the state maps and halos of 2 x 2 chunks a sequence,
+    over the network (the groups are 8 GPUs apart); no ring exchange."""
+    from titanctl.planning.plan import devices
+    from titanctl.planning.plan.candidates import Candidate
+    from titanctl.planning.plan.cost_model import collective_time
+    from titanctl.planning.plan.search import Planner
+
+    h100 = devices.resolve_device("h100", None, {})
+    path = REPO / "recipes" / "qwen3_5_moe_35b_a3b.toml"
+    planner = Planner(str(path), load_config(path, ["--training.seq_len", "262144"]), h100)
+    args, la = planner.args, planner.args.linear_attention
+    gdn = sum(args.is_linear_attention_layer(i) for i in range(args.n_layers))
+    hybrid = planner.evaluate(Candidate(1, 1, 1, 1, 16, 8, 1, 1, ac="full", cp_method="ulysses_ring", cp_ulysses=8),
+                              16).time.terms
+    conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+    width = conv_dim + 2 * la.num_value_heads + la.num_value_heads * la.value_head_dim
+    one = collective_time(h100, "all_to_all", 262144 // 16 * width * 2, 8, False)  # bf16, inside a node
+    assert hybrid["cp ulysses all-to-alls (gated deltanet)"] == pytest.approx(gdn * 3 * one, rel=1e-9)
+    states = 2 * 2 * la.num_value_heads / 8 * la.key_head_dim * (la.key_head_dim + la.value_head_dim) * 4
+    halo = 2 * 2 * (la.conv_kernel - 1) * conv_dim / 8 * 2
+    scan = sum(2 * collective_time(h100, "all_gather", n, 2, True) + collective_time(h100, "reduce_scatter", n, 2, True)
+               for n in (states, halo))
+    assert hybrid["cp gated deltanet scan"] == pytest.approx(gdn * scan, rel=1e-9)
+    assert hybrid["cp masked ring sends"] > 0 and "cp ring exchange" not in hybrid  # the full-attention blocks
+
+
+def test_the_scans_widened_values_are_costed_as_compute():
+    """Under ring and ulysses_ring CP the scan runs each Gated DeltaNet block's chunked rule over d_v + d_k value
+    columns: the FLOPs that adds (3 H_v (3 C d_k + 6 d_k^2) per token: the formula's widened count less its own) at
+    attention's efficiency, forward, its recompute under full AC and backward, over this rank's tokens. Ulysses
+    runs the plain rule: no such term."""
+    from titanctl.planning.plan import devices
+    from titanctl.planning.plan.candidates import Candidate
+    from titanctl.planning.plan.search import Planner
+
+    h100 = devices.resolve_device("h100", None, {})
+    path = REPO / "recipes" / "qwen3_5_moe_35b_a3b.toml"
+    planner = Planner(str(path), load_config(path, ["--training.seq_len", "262144"]), h100)
+    args, la = planner.args, planner.args.linear_attention
+    gdn = sum(args.is_linear_attention_layer(i) for i in range(args.n_layers))
+    extra = 3 * la.num_value_heads * (3 * CHUNK * la.key_head_dim + 6 * la.key_head_dim ** 2)
+    assert planner.cost.s.scan_widening_flops_per_token == extra
+    seconds = 4 / 3 * extra * 262144 / 4 / (h100.peak_tflops("bfloat16") * 1e12 * h100.attention_efficiency)
+    for method, u in (("ring", 1), ("ulysses_ring", 2)):
+        terms = planner.evaluate(Candidate(1, 1, 1, 1, 4, 4, 1, 1, ac="full", cp_method=method, cp_ulysses=u),
+                                 4).time.terms
+        widened = terms["compute: gated deltanet scan (widened values)"]
+        assert widened == pytest.approx(gdn * seconds * h100.compute_scale, rel=1e-9), method
+    ulysses = planner.evaluate(Candidate(1, 1, 1, 1, 4, 4, 1, 1, ac="full", cp_method="ulysses"), 4).time.terms
+    assert "compute: gated deltanet scan (widened values)" not in ulysses
 
 
 @pytest.mark.slow  # two estimates on fake tensors (about 4 s)

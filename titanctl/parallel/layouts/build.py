@@ -104,13 +104,12 @@ def check_layout(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
             raise ParallelError("context_parallel_method = ulysses_ring does not run under compile.enable (its "
                                 "attention runs eagerly inside a whole-graph compiled block); "
                                 "use compile.enable = false")
-        if args.linear_attention is not None and "linear_attention" in args.layer_types:
-            # Found by estimate-memory's step: the Gated DeltaNet scan gets the hybrid's per-kernel masks, not the
-            # RingMask it reads document boundaries from.
-            raise ParallelError(f"context_parallel_method = ulysses_ring does not run {args.family}'s Gated DeltaNet "
-                                "layers yet; use context_parallel_method = ulysses or ring")
-        check_ulysses(args, dims.tp, dims.cp_ulysses, cfg.training.seq_len)  # attention layers only
+        # Gated DeltaNet layers: key heads over TP x the Ulysses ranks, then the scan's chunks over the ring groups
+        check_gated_deltanet_ulysses(args, dims.tp, dims.cp_ulysses, "context_parallel_ulysses_degree")
+        check_ulysses(args, dims.tp, dims.cp_ulysses, cfg.training.seq_len)
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
+        check_linear_attention_cp(args, cfg.training.seq_len, dims.cp // dims.cp_ulysses,
+                                  "context_parallel_degree / context_parallel_ulysses_degree")
     elif dims.cp > 1:
         check_cp_divisibility(cfg.training.seq_len, dims.cp)
         check_linear_attention_cp(args, cfg.training.seq_len, dims.cp)
@@ -172,6 +171,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims, sequence_p
     p = cfg.parallelism
     if dims.cp > 1 and p.context_parallel_method == "ulysses":  # linear-attention layers: a share of the heads
         enable_gated_deltanet_ulysses(model, dims.mesh["cp"])
+    elif dims.cp > 1 and p.context_parallel_method == "ulysses_ring":  # a share of the heads, then the ring's scan
+        enable_gated_deltanet_ulysses(model, dims.mesh["cp_ulysses"])
+        enable_gated_deltanet_context_parallel(model, dims.mesh["cp_ring"])
     elif dims.cp > 1:  # linear-attention layers carry their state across the CP ranks' chunks
         enable_gated_deltanet_context_parallel(model, dims.mesh["cp"])
     if dims.cp > 1 and p.context_parallel_method == "ring":  # layers that fetch their neighbours' rows themselves

@@ -23,6 +23,13 @@ keys, values, gates and conv inputs get the gradient of the later chunks that th
 Documents (block_causal): the mask each rank gets is the one of its queries over all keys (gathered order; in
 training a ``RingMask``, which holds the documents' starts); whether token P sees token P - lag, read off that
 mask, gives both the resets and the conv's valid taps.
+
+Under ``context_parallel_method = "ulysses_ring"`` the scan is the ring level: first linear_attention_ulysses.py's
+all-to-all over the rank's u Ulysses peers gives it the ring group's positions for H_k / u key-head groups, then
+this scan runs over the r = cp / u groups (``cp_mesh`` is the ring mesh), each group holding chunks i and
+2r-1-i of 2r (the step orders the positions head-tail over the groups for Gated DeltaNet families), and the
+reverse all-to-all follows the rule. The mask is then one per layer type; the full layers' ``RingMask`` (the
+group's queries over all keys) holds the documents.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class GatedDeltaNetScan:
         token at P - lag (False before the window's start); None under the causal default."""
         if attn_mask is None:
             return None
+        if isinstance(attn_mask, dict):  # masks by layer type (ulysses_ring): the full layers' holds the documents
+            attn_mask = attn_mask["full_attention"]
         if isinstance(attn_mask, RingMask):  # what training hands it: the documents' starts
             return attn_mask.sees_back(lags).expand(batch, -1, -1)
         total = length * self.cp
@@ -148,14 +157,15 @@ class GatedDeltaNetScan:
         return torch.stack(pieces, dim=1).reshape(batch, length, heads, dv)
 
 
-def check_linear_attention_cp(args, seq_len: int, cp: int) -> None:
-    """Refuse, before any rank connects, chunks too short to hold the conv's earlier inputs."""
+def check_linear_attention_cp(args, seq_len: int, cp: int, ring_of: str = "context_parallel_degree") -> None:
+    """Refuse, before any rank connects, chunks too short to hold the conv's earlier inputs. ``cp``: the ranks (or
+    ulysses_ring's groups) the scan runs over, ``ring_of`` how the config gives that number."""
     la = args.linear_attention
     if la is None or "linear_attention" not in args.layer_types:
         return
     chunk = seq_len // (2 * cp)
     if chunk < la.conv_kernel - 1:
-        raise ParallelError(f"context_parallel_degree = {cp} cuts training.seq_len {seq_len} into chunks of {chunk} "
+        raise ParallelError(f"{ring_of} = {cp} cuts training.seq_len {seq_len} into chunks of {chunk} "
                             f"tokens, fewer than the {la.conv_kernel - 1} earlier inputs the Gated DeltaNet conv "
                             f"reads: use seq_len >= {2 * cp * (la.conv_kernel - 1)} or a smaller degree")
 

@@ -20,6 +20,10 @@ The all-to-alls' backward is the reverse all-to-all; a cut parameter's gradient 
 zero elsewhere, so the usual sum over the CP ranks completes it. No load balancing is needed: every rank runs
 the whole sequence for the same number of heads. The key heads (after tensor parallelism: each rank's) must
 divide by cp; ``check_gated_deltanet_ulysses`` refuses other layouts before any rank connects.
+
+Under ``ulysses_ring`` this exchange runs over the rank's u Ulysses peers only (``cp_mesh`` is that mesh): the
+layer then holds the ring group's positions, and linear_attention_cp.py's scan carries the state and the conv's
+halo across the groups before ``to_sequence``.
 """
 
 from __future__ import annotations
@@ -67,15 +71,16 @@ class GatedDeltaNetHeads:
         return got.permute(1, 2, 0, 3, 4).reshape(batch, total // self.cp, self.cp * heads, dim)
 
 
-def check_gated_deltanet_ulysses(args, tp: int, cp: int) -> None:
-    """Refuse, before any rank connects, key heads that do not split over tensor x context parallel."""
+def check_gated_deltanet_ulysses(args, tp: int, cp: int, degree: str = "context_parallel_degree") -> None:
+    """Refuse, before any rank connects, key heads that do not split over tensor x context parallel (``cp``: the
+    Ulysses ranks, ``degree`` the key that sets them: ulysses_ring's context_parallel_ulysses_degree)."""
     la = args.linear_attention
     if la is None or "linear_attention" not in args.layer_types:
         return
     if la.num_key_heads % (tp * cp):
         raise ParallelError(
             f"ulysses context parallel splits the Gated DeltaNet layers by key heads: linear_attention.num_key_heads = "
-            f"{la.num_key_heads} is not divisible by tensor_parallel_degree x context_parallel_degree = {tp} x {cp}; "
+            f"{la.num_key_heads} is not divisible by tensor_parallel_degree x {degree} = {tp} x {cp}; "
             "use context_parallel_method = ring"
         )
 

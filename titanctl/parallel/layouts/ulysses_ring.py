@@ -18,6 +18,10 @@ So the positions are a ring-level order: ``order.view(r, -1)[i]`` are group i's,
 members (``order.view(cp, -1)[rank]``, the tokens a rank holds). Any order is exact; a causal mask is given to
 the ring as a mask like any other. A rank's K/V memory is O(S / r / u x u) = O(S / r) rows of H / u heads:
 O(S / cp) elements.
+
+Gated DeltaNet layers (build.py wires them) take the same two steps with their own code: the all-to-all of
+linear_attention_ulysses.py over the u peers, then linear_attention_cp.py's scan over the r groups, which needs
+the positions head-tail over the groups (the step orders Gated DeltaNet families so).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Compute, per block and microbatch on one rank:
   x prod(x / (x + matmul_half_dim)) over the three dims: small dims
   (a TP-split head, a short microbatch, few tokens per expert) fill the device's tiles poorly;
 - attention: the FLOPs the model counts for it (spec.flops_per_token minus 6 x active parameters) /
-  (peak x attention_efficiency);
+  (peak x attention_efficiency); under ring and ulysses_ring CP a Gated DeltaNet block's scan runs its chunked
+  rule with the values widened by key_dim zero columns: the FLOPs that widening adds (the family's count with
+  d_v + d_k value columns, less its own) at the same efficiency;
 - elementwise work (norms, RoPE, SwiGLU, residuals, layout copies): bytes read and written /
   memory bandwidth; compile fuses them (about 40% of eager's traffic);
 - activation checkpointing recomputes forwards: full every block's, selective 2 every second
@@ -42,8 +44,9 @@ network: a group whose ranks span nodes runs at the network's speed) as latency 
   (at the node's bandwidth), then the masked ring (causal masks too) over the cp / u groups: cp / u - 1 shifts
   of the group's K/V for 1 / u of the heads (as many bytes as the rank's own shard), over the ring's link;
   Gated DeltaNet blocks instead: under Ulysses 2 all-to-alls forward (conv_dim + 2 H_v per token, then value_dim)
-  and 2 backward; under ring and ulysses_ring the prefix scan's all-gathers of each chunk's state map and of the
-  conv's halo, reduce-scattered backward;
+  and 2 backward; under ring the prefix scan's all-gathers of each chunk's state map and of the conv's halo,
+  reduce-scattered backward; under ulysses_ring both: the all-to-alls over the u ranks, then the scan over the
+  cp / u groups for H_v / u heads;
 - EP: all-to-all dispatch and combine of each MoE layer's routed tokens, forward and backward;
 - PP: point-to-point sends of activations and gradients at every stage boundary.
 
@@ -55,6 +58,7 @@ the V-shaped zero-bubble schedules; the fill and drain also wait for (pp - 1) ho
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -99,6 +103,9 @@ class Setting:
     kv_width: int  # key + value channels per token (all heads)
     q_width: int = 0  # query channels per token (all heads): Ulysses sends them, and the output as wide
     masked: bool = False  # attention under a mask (documents, sliding windows, sinks): ring CP runs the masked ring
+    # Forward + backward FLOPs per token that the CP scan adds to one Gated DeltaNet layer's chunked rule (ring and
+    # ulysses_ring: its values widened by key_dim zero columns, linear_attention_cp.py), as the model counts them
+    scan_widening_flops_per_token: float = 0.0
 
     @classmethod
     def of_model(cls, device: Device, dtype: str, args, seq_len: int, attn_mask_type: str = "causal") -> Setting:
@@ -111,7 +118,27 @@ class Setting:
         kv = args.n_heads * (mla.qk_head_dim + mla.v_head_dim) if mla is not None else 2 * args.kv_heads * args.head_dim
         q = args.n_heads * (mla.qk_head_dim if mla is not None else args.head_dim)
         masked = attn_mask_type != "causal" or args.attention_sinks or "sliding_attention" in args.layer_types
-        return cls(device, dtype, seq_len, attention, kv, q, masked)
+        return cls(device, dtype, seq_len, attention, kv, q, masked, scan_widening_flops(args, seq_len))
+
+
+def scan_widening_flops(args, seq_len: int) -> float:
+    """Forward + backward FLOPs per token that the CP scan adds to one Gated DeltaNet layer (0 without them): the
+    family's count of its kernel (``flops_per_token`` less 6 x active parameters) with each value head widened by
+    key_head_dim columns, less the plain count, per layer."""
+    from titanctl.models.common.flops import active_params
+    from titanctl.models.registry import spec_of
+
+    la = args.linear_attention
+    layers = sum(args.is_linear_attention_layer(i) for i in range(args.n_layers))
+    if la is None or not layers:
+        return 0.0
+    widened = args.replace(linear_attention=dataclasses.replace(la, value_head_dim=la.value_head_dim + la.key_head_dim))
+    flops = spec_of(args).flops_per_token
+
+    def kernels(a) -> float:
+        return flops(a, seq_len) - 6 * active_params(a)
+
+    return (kernels(widened) - kernels(args)) / layers
 
 
 def collective_time(device: Device, kind: str, nbytes: float, n: int, inter_node: bool) -> float:
@@ -258,24 +285,43 @@ class CostModel:
 
     def _delta_rule_exchange(self, b: Block, c: Candidate, seqs: int, tokens: int, recompute: float, elem: int,
                              cp_inter: bool) -> list[tuple[str, float]]:
-        """A Gated DeltaNet block's CP traffic (docs/parallelism.md). Under Ulysses: an all-to-all of the conv's
-        inputs and b, a (conv_dim + 2 H_v per token) to key-head shards, one of the rule's output (value_dim)
-        back, forward, and of their gradients backward. Under ring and ulysses_ring (over all cp ranks): the
-        prefix scan's all-gathers of every chunk's (M, B) (2 cp x H_v x d_k x (d_k + d_v) fp32 numbers a
-        sequence) and of the conv's halo (2 cp x (K - 1) rows of conv_dim), forward, reduce-scattered backward."""
+        """A Gated DeltaNet block's CP traffic (docs/parallelism.md). Under Ulysses (ulysses_ring: over its u
+        innermost CP ranks): an all-to-all of the conv's inputs and b, a (conv_dim + 2 H_v per token) to key-head
+        shards, one of the rule's output (value_dim) back, forward, and of their gradients backward. Under ring (over
+        all cp ranks) and ulysses_ring (over its cp / u groups, for the group's H_v / u heads): the prefix scan's
+        all-gathers of every chunk's (M, B) (2 x groups x heads x d_k x (d_k + d_v) fp32 numbers a sequence) and of
+        the conv's halo (2 x groups x (K - 1) rows of the conv's channels), forward, reduce-scattered backward."""
         d = self.device
         key_heads, heads, dk, dv = b.delta_rule
         conv_dim = 2 * key_heads * dk + heads * dv
-        if c.cp_method == "ulysses":
+        out = []
+        u = 1  # the Ulysses ranks that split the heads before the scan
+        if c.cp_method in ("ulysses", "ulysses_ring"):
+            u = c.cp_ulysses if c.cp_method == "ulysses_ring" else c.cp
             per_token = conv_dim + 2 * heads + heads * dv
             moved = tokens * per_token / c.tp * elem
-            return [("cp ulysses all-to-alls (gated deltanet)",
-                     (2 + recompute) * collective_time(d, "all_to_all", moved, c.cp, cp_inter))]
-        states = seqs * 2 * c.cp * heads / c.tp * dk * (dk + dv) * 4
-        halo = seqs * 2 * c.cp * (self.shape.args.linear_attention.conv_kernel - 1) * conv_dim / c.tp * elem
-        seconds = sum((1 + recompute) * collective_time(d, "all_gather", n, c.cp, cp_inter)
-                      + collective_time(d, "reduce_scatter", n, c.cp, cp_inter) for n in (states, halo))
-        return [("cp gated deltanet scan", seconds)]
+            out.append(("cp ulysses all-to-alls (gated deltanet)",
+                        (2 + recompute) * collective_time(d, "all_to_all", moved, u, spans_nodes(d, c.tp, u))))
+            if c.cp_method == "ulysses":
+                return out
+        groups = c.cp // u  # the scan's ranks: every CP rank (ring), or one per Ulysses group, tp x u apart
+        inter = spans_nodes(d, c.tp * u, groups)
+        states = seqs * 2 * groups * heads / (c.tp * u) * dk * (dk + dv) * 4
+        halo = seqs * 2 * groups * (self.shape.args.linear_attention.conv_kernel - 1) * conv_dim / (c.tp * u) * elem
+        seconds = sum((1 + recompute) * collective_time(d, "all_gather", n, groups, inter)
+                      + collective_time(d, "reduce_scatter", n, groups, inter) for n in (states, halo))
+        return [*out, ("cp gated deltanet scan", seconds)]
+
+    def scan_widening(self, b: Block, c: Candidate, tokens: int) -> tuple[float, float]:
+        """(forward, backward) device seconds that the CP scan's widened values add to a Gated DeltaNet block's
+        chunked rule per microbatch (ring and ulysses_ring; 0 otherwise): ``Setting.scan_widening_flops_per_token``
+        over this rank's tokens x heads (ulysses_ring: u x the tokens, 1 / u of the heads), at attention's
+        efficiency, split 1 : 2 as the block's attention is."""
+        if b.delta_rule is None or c.cp == 1 or c.cp_method == "ulysses":
+            return 0.0, 0.0
+        flops = self.s.scan_widening_flops_per_token * tokens / c.tp
+        seconds = flops / (self.device.peak_tflops(self.s.dtype) * 1e12 * self.device.attention_efficiency)
+        return seconds / 3, seconds * 2 / 3
 
     # ------------------------------------------------------------------------------- the step
 
@@ -313,6 +359,8 @@ class CostModel:
             for b, count in view.blocks:
                 f, bw, hf, hb = self.block(b, tokens, c.tp, c.cp, c.ep, c.compile, c.float8)
                 device_time = f * (1 + recompute) + bw
+                widen_f, widen_b = self.scan_widening(b, c, tokens)
+                widening = widen_f * (1 + recompute) + widen_b
                 # FSDP's hooks run a dozen host-side operations per block (copy-in/out, waits).
                 host_time = hf * (1 + recompute) + hb + (self.host(12) if c.fsdp else 0.0)
                 if c.tp > 1:
@@ -329,8 +377,12 @@ class CostModel:
                     host_time += ring
                     if not d.host_runs_ahead:
                         term("cp ring host time", count * ring)
-                block_compute = max(device_time, host_time) if d.host_runs_ahead else device_time + host_time
-                block_compute *= d.compute_scale
+                def on_device(seconds: float, host_time: float = host_time) -> float:
+                    busy = max(seconds, host_time) if d.host_runs_ahead else seconds + host_time
+                    return busy * d.compute_scale
+
+                block_compute = on_device(device_time + widening)
+                widening = block_compute - on_device(device_time)  # what the widened values add to the block
                 block_exposed = block_comm = 0.0
                 if c.tp > 1:  # 2 all-gathers + 2 reduce-scatters of the activations per forward, same backward
                     gather = tokens * shape.dim * (1 if c.float8 else elem)
@@ -375,7 +427,9 @@ class CostModel:
                 compute += count * block_compute
                 exposed += count * block_exposed
                 comm += count * block_comm
-                term("compute: blocks", count * block_compute)
+                term("compute: blocks", count * (block_compute - widening))
+                if widening:
+                    term("compute: gated deltanet scan (widened values)", count * widening)
             if c.fsdp:  # the first all-gather and the last reduce-scatter have nothing to hide behind
                 params = view.blocks[0][0].params(c.tp, c.ep)
                 edge = (collective_time(d, "all_gather", params * param_dtype_bytes, fsdp_n, fsdp_inter)

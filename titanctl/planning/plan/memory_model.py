@@ -17,7 +17,8 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
 - activations saved for backward, per token and block: what each matmul's backward needs (the linears' outputs
   that later ops keep, the attention output, the SwiGLU product, CP's copies of the rank's keys and values
   (``CP_KV_COPIES``, O(S / cp) under every method: no method gathers the whole sequence's), a Gated
-  DeltaNet's chunked delta rule's own tensors), the norms' inputs and outputs and their fp32 copies, and under
+  DeltaNet's chunked delta rule's own tensors, widened under ring and ulysses_ring CP by the scan's d_k value
+  columns), the norms' inputs and outputs and their fp32 copies, and under
   TP with sequence parallel the gathered inputs of the column-wise linears; activation checkpointing keeps
   only block inputs (full), every second block's (selective 2), or the attention output and every odd-numbered
   matmul's output (selective op, as its policy saves them), and recomputes one block in backward; an attention
@@ -193,7 +194,7 @@ def forward_order(linears: tuple[Linear, ...]) -> list[Linear]:
 DELTA_RULE_CHUNK = 64  # the chunk of titanctl's chunked gated delta rule in training
 
 
-def delta_rule_bytes_per_token(block: Block, tp: int, act: int) -> float:
+def delta_rule_bytes_per_token(block: Block, tp: int, act: int, scan: bool = False) -> float:
     """Bytes per token that a Gated DeltaNet block saves for its backward beyond its linears' outputs (0 for
     any other block), its heads split over the TP ranks. Per value head, the chunked delta rule's, in fp32:
     5·d_k + 2·d_v (the keys scaled and masked, the solve's outputs, the deltas), 5·C (the chunk's C x C
@@ -203,14 +204,21 @@ def delta_rule_bytes_per_token(block: Block, tp: int, act: int) -> float:
     norms' tensors and the gated RMSNorm's, (3·a + 2)·d_k + (4·a + 6)·d_v bytes per value head and 2·a·d_k
     per key head (a: the activations' bytes). Measured with saved-tensor hooks on the kernel (five head
     shapes; exact but for the final state's slot, d_k·d_v·4 bytes a sequence) and on the layer
-    (tests/unit/planning/test_gated_deltanet_planning.py, within its 2%)."""
+    (tests/unit/planning/test_gated_deltanet_planning.py, within its 2%).
+
+    ``scan``: under ring and ulysses_ring CP (linear_attention_cp.py) the rule runs over d_v + d_k value columns
+    (zeros widened in, the outputs [o(0) | m] kept for the state's correction): per value head 19·d_k + 8·d_v +
+    6·d_k² / C bytes more in fp32, 17·d_k + 6·d_v + 6·d_k² / C under 16-bit activations (fitted to saved-tensor
+    hooks on the layer over four head shapes at 1024 tokens; its O(1) a sequence, the chunk maps and states,
+    left out). Per token the same under ulysses_ring (1 / u of the heads over u x the positions)."""
     if block.delta_rule is None:
         return 0.0
     key_heads, heads, dk, dv = block.delta_rule
     c = DELTA_RULE_CHUNK
     rule = 4 * (5 * dk + 2 * dv + dk * dv / c + 5 * c + 5 + 1 / c) + (4 * (2 * dk + dv) if act == 2 else 0)
     around = (3 * act + 2) * dk + (4 * act + 6) * dv
-    return (heads * (rule + around) + key_heads * 2 * act * dk) / tp
+    widened = ((17 * dk + 6 * dv if act == 2 else 19 * dk + 8 * dv) + 6 * dk * dk / c) if scan else 0.0
+    return (heads * (rule + around + widened) + key_heads * 2 * act * dk) / tp
 
 
 # Copies of a rank's own key/value shard that CP keeps per block beyond one process's tensors, whatever the method
@@ -258,8 +266,9 @@ def masks_of(args, attn_mask_type: str, target: str) -> Masks:
 
 
 def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: int, ac: str,
-                               adapters: Adapters | None = None) -> tuple[float, float]:
-    """(bytes kept per token by this block until its backward, bytes of one block recomputed in backward)."""
+                               adapters: Adapters | None = None, scan: bool = False) -> tuple[float, float]:
+    """(bytes kept per token by this block until its backward, bytes of one block recomputed in backward).
+    ``scan``: a Gated DeltaNet block runs the CP scan (ring, ulysses_ring: ``delta_rule_bytes_per_token``)."""
     outputs = sum(lin.local(tp)[0] for lin in block.linears if lin.split != "row")
     row_inputs = sum(lin.local(tp)[1] for lin in block.linears if lin.split == "row")
     norms = 4 * dim / tp + (2 * dim if tp > 1 else 0)  # in/out of two norms; gathered inputs under SP
@@ -285,7 +294,7 @@ def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: in
     recompute = 0.0 if ac in ("none", "selective_op") else full
     # The Gated DeltaNet's own tensors (batched matmuls, solves, elementwise ops): op-level AC saves none of
     # them (its policy saves mm and attention), so they exist only while the block's backward recomputes them.
-    rule = delta_rule_bytes_per_token(block, tp, act)
+    rule = delta_rule_bytes_per_token(block, tp, act, scan)
     rule_kept = {"none": rule, "selective_op": 0.0, "selective_2": rule / 2, "full": 0.0}[ac]
     # Materialized attention scores: the probabilities stay for backward (op-level AC saves the score matmul's
     # output as it saves every mm's), about three more copies exist while its backward runs.
@@ -381,8 +390,9 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
             at_block = 2 * pbytes * biggest + (pbytes + grad_extra) * trained_block
         mask = masks.bytes(c, seq_len, sum(n for b, n in view.blocks if b.delta_rule is None), act)
         kept, recompute, one_block = 0.0, 0.0, 0.0
+        scan = c.cp > 1 and c.cp_method != "ulysses"  # Gated DeltaNet's prefix scan over the ranks (or groups)
         for b, n in view.blocks:
-            k, r = activation_bytes_per_token(b, c.tp, c.cp, shape.dim, act, c.ac, adapters)
+            k, r = activation_bytes_per_token(b, c.tp, c.cp, shape.dim, act, c.ac, adapters, scan)
             kept += n * k
             recompute = max(recompute, r)
             one_block = max(one_block, k)
