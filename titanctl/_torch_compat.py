@@ -308,7 +308,7 @@ TENSOR_META = _private("torch.distributed.tensor._dtensor_spec.TensorMeta", _CP)
 COMPUTE_GLOBAL_TENSOR_INFO = _private("torch.distributed.tensor._utils.compute_global_tensor_info", _CP)
 # An all-gather that autograd differentiates (backward: a reduce-scatter of the gradients): context
 # parallel of Gated DeltaNet layers gathers every rank's chunk states and conv tails with it (and
-# benchmarks/cp_memory.py the keys and values of the route the masked ring replaced). No public equivalent
+# benchmarks/cp_steps.py the keys and values of the route the masked ring replaced). No public equivalent
 # (torch.distributed.nn.functional.all_gather is deprecated in its favour).
 _CP_STATE_GATHER = "context parallel of Gated DeltaNet layers (Qwen3.5)"
 # Its name since 2.13; 2.11 and 2.12 have only the older one (deprecated, with a warning, from 2.13).

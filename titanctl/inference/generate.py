@@ -836,7 +836,7 @@ def generation_bytes(args: ModelArgs, tp: int) -> tuple[int, int]:
     from titanctl.models.shapes import num_params
 
     elem = torch.get_default_dtype().itemsize
-    layers = args.n_layers + args.mtp_layers  # each prediction depth is one more block with a cache
+    layers = args.n_layers  # the prediction depths' blocks have no cache: decoding never runs them
     if args.mla is not None:
         mla, heads = args.mla, args.n_heads // tp
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim

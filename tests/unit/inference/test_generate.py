@@ -414,6 +414,21 @@ def test_the_memory_estimate_is_what_the_cache_allocates():
         assert cache == allocated if family == "llama3" else allocated < cache < 10 * allocated
 
 
+def test_the_prediction_depths_get_no_cache_and_the_estimate_counts_none():
+    """Decoding runs the main layers only: a DeepSeek-V3 with a prediction depth caches its 2 main layers, and
+    the memory check's cache is the model's without the depth."""
+    from titanctl.inference.generate import generation_bytes
+    from titanctl.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+    from titanctl.models.registry import build_model
+
+    args = DEEPSEEK_V3_FLAVORS["debugmodel"].replace(n_layers=2, vocab_size=256, max_seq_len=64, mtp_layers=1)
+    with torch.device("meta"):
+        model = build_model(args)
+    model.setup_kv_cache(64)
+    assert sorted(k for k, layer in model.layers.items() if layer.attention.cache is not None) == ["0", "1"]
+    assert generation_bytes(args, tp=1)[1] == generation_bytes(args.replace(mtp_layers=0), tp=1)[1]
+
+
 def test_a_generation_that_does_not_fit_in_memory_is_refused_before_loading(tmp_path, monkeypatch):
     """Issue 47: the KV cache is sized by the prompt and --max-new-tokens; when it and the weights exceed the
     memory available, one line says so before a weight is loaded."""

@@ -164,3 +164,40 @@ def test_a_folder_with_a_depth_converts_to_dcp_and_back_bit_for_bit(tmp_path):
     written, stored = load_file(tmp_path / "back" / "model.safetensors"), load_file(folder / "model.safetensors")
     assert written.keys() == stored.keys() and all(torch.equal(written[k], stored[k]) for k in stored)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+@torch.no_grad()
+def test_decoding_caches_only_the_main_layers_and_equals_one_forward():
+    """Decoding runs the main layers only: the depths' blocks get no cache (they would hold memory for nothing),
+    and a prompt then tokens through the caches give the whole forward's logits."""
+    model, window = model_and_window()
+    ids = window[:1, :SEQ]
+    model.setup_kv_cache(SEQ)
+    try:
+        cached = sorted(k for k, block in model.layers.items() if block.self_attn.cache is not None)
+        assert cached == [str(i) for i in range(ARGS.n_layers)]
+        pieces = [model(ids[:, a:b], input_pos=torch.arange(a, b)) for a, b in ((0, 20), *((i, i + 1) for i in
+                                                                                          range(20, SEQ)))]
+        assert (torch.cat(pieces, dim=1) - model(ids)).abs().max() <= 1e-9
+    finally:
+        model.clear_kv_cache()
+
+
+def test_flops_per_token_counts_the_depths_attention_and_output_pass():
+    """Each depth adds its block and projections (6 x their active parameters), its sliding window's scores
+    and values (12 x heads x head_dim x window) and its logits through the shared output layer (6 x dim x
+    vocab), as DeepSeek-V3's count does."""
+    from titanctl.models.registry import build_model, get_spec
+
+    spec = get_spec("deepseek_v4")
+    base = spec.flavors["debugmodel"].replace(vocab_size=256, max_seq_len=256)
+    depths = base.replace(mtp_layers=2)
+    with torch.device("meta"):
+        model = build_model(depths)
+    moe, n = depths.moe, depths.n_layers
+    added = sum(p.numel() * moe.top_k // moe.num_experts if ".mlp.experts." in name else p.numel()
+                for name, p in model.named_parameters() if name.startswith(("mtp.", f"layers.{n}.", f"layers.{n + 1}.")))
+    window = min(depths.sliding_window, 256)
+    want = (spec.flops_per_token(base, 256) + 6 * (added + 2 * depths.dim * depths.vocab_size)
+            + 12 * depths.n_heads * depths.head_dim * 2 * window)
+    assert spec.flops_per_token(depths, 256) == want

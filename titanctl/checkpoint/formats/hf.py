@@ -306,9 +306,6 @@ class HFSource(Source):
         args = args_from_hf_config(config, where=where)
         if self.naming.wrapped and self.carried:
             self.notes.append(hub_layout.carried_note([info.name for info in self.carried], config))
-        elif self.naming.prefix == hub_layout.UNPREFIXED and (parts := [info.name for info in self.carried
-                                                                         if hub_layout.not_built(info.name)]):
-            self.notes.append(hub_layout.published_carried_note(parts))
         if self.left_out:
             self.notes.append(hub_layout.unread_note(self.left_out, hub_layout.unwrapped_config(config).get(
                 "architectures", ["the *ForCausalLM"])[0]))

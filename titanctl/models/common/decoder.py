@@ -186,7 +186,8 @@ class Transformer(nn.Module):
         return depth_logits
 
     def setup_kv_cache(self, max_seq_len: int | None = None, batch_size: int = 1) -> None:
-        """Give every attention a zeroed KV cache of ``max_seq_len`` positions (default: the RoPE table's).
+        """Give every main layer's attention a zeroed KV cache of ``max_seq_len`` positions (default: the RoPE
+        table's); the prediction depths' blocks get none, decoding runs the main layers only.
 
         Its heads are those the attention's ``wk`` produces, so a sharded ``wk`` gets a cache of
         its own heads only.
@@ -194,8 +195,9 @@ class Transformer(nn.Module):
         length = max_seq_len or self.rope_cache.shape[0]
         if length > self.rope_cache.shape[0]:
             raise ValueError(f"a {length}-position cache needs ModelArgs.max_seq_len >= {length}")
-        for layer in self.layers.values():
-            layer.attention.cache = layer.attention.new_cache(batch_size, length)
+        for layer_id, layer in self.layers.items():
+            if int(layer_id) < self.args.n_layers:
+                layer.attention.cache = layer.attention.new_cache(batch_size, length)
 
     def clear_kv_cache(self) -> None:
         for layer in self.layers.values():

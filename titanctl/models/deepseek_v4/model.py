@@ -74,13 +74,15 @@ class DeepseekV4(nn.Module):
         self.cache_length: int | None = None  # positions of the decoding caches, once set up
 
     def setup_kv_cache(self, max_seq_len: int | None = None, batch_size: int = 1) -> None:
-        """Give every attention zeroed decoding caches for ``max_seq_len`` positions (default: the model's
-        max_seq_len): its window's ring and a CSA/HCA layer's compressed entries (cache.py)."""
+        """Give every main layer's attention zeroed decoding caches for ``max_seq_len`` positions (default: the
+        model's max_seq_len): its window's ring and a CSA/HCA layer's compressed entries (cache.py). The
+        prediction depths' blocks get none: decoding runs the main layers only."""
         length = max_seq_len or (self.args.max_seq_len if self.args is not None else None)
         if not length:
             raise ValueError("setup_kv_cache needs max_seq_len: this model was built without ModelArgs")
-        for block in self.layers.values():
-            block.self_attn.cache = block.self_attn.new_cache(batch_size, length)
+        for layer_id, block in self.layers.items():
+            if int(layer_id) < self.v4.n_layers:
+                block.self_attn.cache = block.self_attn.new_cache(batch_size, length)
         self.cache_length = length
 
     def clear_kv_cache(self) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from titanctl.errors import ConfigError, ParallelError
 from titanctl.models.common.args import ModelArgs
-from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, v4_args
+from titanctl.models.deepseek_v4.args import CSA, DEEPSEEK_V4_FLAVORS, HCA, SLIDING, v4_args
 from titanctl.models.deepseek_v4.hf import HF
 from titanctl.models.deepseek_v4.model import DeepseekV4, split_into_stage
 from titanctl.models.deepseek_v4.tp_plan import DEEPSEEK_V4_TP_PLAN
@@ -67,17 +67,20 @@ def _active_params(args: ModelArgs) -> int:
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """6N for the N active parameters, plus each layer's scores and values over the keys a query sees (its
     window and, in CSA/HCA layers, the compressed entries it may pick: index_topk, or seq_len / rate):
-    12 x heads x head_dim x keys, forward and backward."""
+    12 x heads x head_dim x keys, forward and backward. Each multi-token-prediction depth adds its block and
+    projections (in N), its block's sliding-window attention and another pass through the shared output
+    layer (its logits)."""
     ca = args.compressed_attention
     keys = 0
-    for kind in args.layer_types:
+    for kind in (*args.layer_types, *(SLIDING,) * args.mtp_layers):  # the depths' blocks: windows
         seen = min(args.sliding_window, seq_len)
         if kind == CSA:
             seen += min(ca.index_topk, seq_len // ca.csa_rate)
-        elif kind != "sliding_attention":
+        elif kind != SLIDING:
             seen += seq_len // ca.hca_rate // 2  # on average half the entries are closed before a query
         keys += seen
-    return 6 * _active_params(args) + 12 * args.n_heads * args.head_dim * keys
+    shared_output = args.mtp_layers * args.dim * args.vocab_size
+    return 6 * (_active_params(args) + shared_output) + 12 * args.n_heads * args.head_dim * keys
 
 
 def attention_scores(args: ModelArgs, layer: int, cp: int = 1) -> int:
