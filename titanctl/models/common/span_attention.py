@@ -1,0 +1,89 @@
+"""Attention under a ``SpanMask`` (documents, a sliding window, optional attention sinks) that attends each chunk
+of queries to the contiguous keys its rows can see and nothing else: no T x T mask or score is ever made or kept.
+
+Forward: for each chunk of ``SPAN_CHUNK_ROWS`` queries ``first .. last - 1`` (``SpanMask.spans``: keys
+``low .. last - 1``), its block of the mask is made from the document starts, attended with its log-sum-exp
+(``softmax_blocks.block_forward``: torch's fused CPU kernel, elsewhere the softmax written out) and dropped. Each
+query's keys all lie in its chunk's span, so the chunk's output and log-sum-exp are already the row's whole
+softmax. An attention sink (one logit per head in the denominator only) then joins the log-sum-exp.
+Compute follows the mask's area: a chunk computes rows x span pairs, within ``rows`` of the diagonal of each
+document or window.
+
+Backward recomputes each chunk's block from the saved output and log-sum-exp (exact: the fused backward takes
+the merged statistics) and adds its keys' and values' gradient into their span. Saved: q, k, v in their dtype,
+the output and the log-sum-exp (O(T)); transient: one chunk's block of the mask (rows x span).
+
+Half-precision inputs compute in fp32 (as the model's other CPU attention does for small heads); fp32 and fp64
+stay. Grouped-query attention runs inside the kernels; MLA's values, narrower than its keys, are widened with
+zero columns for the fused kernel and cut back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from titanctl.models.common.softmax_blocks import block_backward, block_forward, work_dtype
+from titanctl.models.common.span_mask import SpanMask
+
+# Queries per chunk: the area a chunk computes beyond the mask's is at most rows / 2 per row of a document or
+# window, and one chunk's block of the mask (rows x span) is all that is ever made of it.
+SPAN_CHUNK_ROWS = 256
+
+
+class SpanAttention(torch.autograd.Function):
+    """Attention of q (B, H, T, d) over k, v (B, H_kv, T, d_k / d_v) under a SpanMask (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mask: SpanMask, rows: int) -> Tensor:
+        work = work_dtype(q)
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=work, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=work, device=q.device)
+        spans = mask.spans(rows)
+        for first, last, low in spans:
+            block = mask.block(first, last, low)
+            out_c, lse_c = block_forward(qw[:, :, first:last], kw[:, :, low:last], vw[:, :, low:last], block)
+            out[:, :, first:last], lse[:, :, first:last] = out_c, lse_c.to(work)
+        if sinks is not None:  # the sink joins each head's denominator once
+            total = torch.logaddexp(lse, sinks.to(work).view(1, -1, 1))
+            out, lse = out * torch.exp(lse - total)[..., None], total
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.mask, ctx.spans = mask, spans
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        work = out.dtype
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        grad = grad_out.to(work).contiguous()
+        dq = torch.empty_like(qw)
+        dk, dv = torch.zeros_like(kw), torch.zeros_like(vw)
+        for first, last, low in ctx.spans:
+            rows, keys = slice(first, last), slice(low, last)
+            dq_c, dk_c, dv_c = block_backward(
+                grad[:, :, rows].contiguous(), qw[:, :, rows], kw[:, :, keys], vw[:, :, keys],
+                out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), ctx.mask.block(first, last, low),
+            )
+            dq[:, :, rows] = dq_c
+            dk[:, :, keys] += dk_c
+            dv[:, :, keys] += dv_c
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d out / d sink = -p_sink out per row: the sink's gradient is -sum of p_sink (dO . out)
+            p_sink = torch.exp(sinks.to(work).view(1, -1, 1) - lse)  # (B, H, T)
+            dsinks = -(p_sink * (grad * out).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+
+
+@torch.compiler.disable  # chunk spans read off the mask's values: a compiled block runs this one call eagerly
+def span_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: SpanMask, sinks: Tensor | None = None, rows: int = SPAN_CHUNK_ROWS
+) -> Tensor:
+    """Attention output (B, H, T, d_v) of q (B, H, T, d) over k, v (B, H_kv, T, ...) under ``mask``, with
+    ``sinks`` (H,) in each head's softmax when given; ``rows`` queries a chunk."""
+    if mask.length != q.shape[2] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"span attention: a mask over {mask.length} positions for {q.shape[2]} queries and "
+                         f"{k.shape[2]} keys; it takes the whole sequence, in order")
+    return SpanAttention.apply(q, k, v, sinks, mask, rows)
