@@ -66,9 +66,9 @@ def test_the_mask_of_some_positions_is_those_rows_and_columns_of_the_whole_mask(
     assert torch.equal(dense_document_mask(doc, mine, order), whole[:, :, mine][:, :, :, order])
 
 
-def test_dense_on_cpu_and_block_elsewhere():
-    # FlexAttention has no backward on CPU in torch 2.13: training there needs the dense mask.
-    assert mask_form_for(torch.device("cpu")) == "dense"
+def test_span_on_cpu_and_block_elsewhere():
+    # FlexAttention has no backward on CPU in torch 2.13: training there takes the documents' starts (SpanMask).
+    assert mask_form_for(torch.device("cpu")) == "span"
     assert mask_form_for(torch.device("cuda")) == "block"
 
 
@@ -96,13 +96,14 @@ def build(args: ModelArgs) -> Transformer:
     return model
 
 
+@pytest.mark.parametrize("form", ["span", "dense"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_document_of_a_packed_window_computes_as_if_alone(family):
+def test_each_document_of_a_packed_window_computes_as_if_alone(family, form):
     model = build(FAMILIES[family])
     window, spans = packed_window(model.args.vocab_size)
     inputs, labels = window[:, :-1], window[:, 1:]
     with torch.no_grad():
-        packed = model(inputs, attn_mask=document_mask(inputs, BOS, form="dense"))  # (1, T, V)
+        packed = model(inputs, attn_mask=document_mask(inputs, BOS, form=form))  # (1, T, V)
         causal = model(inputs)
     packed_loss = F.cross_entropy(packed[0], labels[0], reduction="none")  # (T,)
     for span in spans:
@@ -123,12 +124,12 @@ def test_one_document_is_causal(first):
     inputs = torch.randint(3, LLAMA.vocab_size, (2, SEQ))
     inputs[:, 0] = first
     mask = document_mask(inputs, BOS)
-    assert torch.equal(mask[:, 0], torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(2, -1, -1))
+    assert torch.equal(mask.dense()[:, 0], torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(2, -1, -1))
     with torch.no_grad():
         torch.testing.assert_close(model(inputs, attn_mask=mask), model(inputs), rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_flow_through_the_dense_mask():
+def test_gradients_flow_through_the_span_mask():
     model = build(LLAMA)
     window, _ = packed_window(LLAMA.vocab_size)
     loss = F.cross_entropy(model(window[:, :-1], attn_mask=document_mask(window[:, :-1], BOS))[0], window[0, 1:])
