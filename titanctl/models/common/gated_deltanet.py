@@ -63,8 +63,8 @@ def document_starts(attn_mask: torch.Tensor | BlockMask | None, batch: int, leng
     elif isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 4 and attn_mask.shape[-2] == attn_mask.shape[-1]:
         sees_previous = attn_mask[:, 0, t, t - 1].expand(batch, length - 1)
     else:
-        raise ValueError("Gated DeltaNet reads document boundaries from a SpanMask, one (B, 1, T, T) mask or a BlockMask; "
-                         f"got {type(attn_mask).__name__}")
+        raise ValueError("Gated DeltaNet reads document boundaries from a SpanMask, one (B, 1, T, T) mask or a "
+                         f"BlockMask; got {type(attn_mask).__name__}")
     first = torch.ones(batch, 1, dtype=torch.bool, device=device)
     return torch.cat([first, ~sees_previous.bool()], dim=1)
 
