@@ -116,3 +116,23 @@ def test_fake_tensors_take_the_causal_spans():
         span_attention(q, q, q, mask, rows=4).sum().backward()
         assert [low for _, _, low in mask.spans(4)] == [0, 0, 0]
         assert q.grad.shape == q.shape
+
+
+def test_a_compiled_block_runs_the_same_kernel_as_one_op():
+    """Blocks compile whole (fullgraph): there the kernel runs as one opaque op, forward and backward equal to
+    eager (backend eager: dynamo traces the block whole, without code generation)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, SEQ, 6, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    mask = SpanMask.of_documents(doc_ids(), 4)
+
+    def attend(q, k, v, sinks, starts):
+        return span_attention(q, k, v, SpanMask(starts, 4), sinks, rows=ROWS)
+
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    grad = torch.randn(2, 4, SEQ, 6, dtype=torch.float64)
+    got = compiled(q, k, v, sinks, mask.starts)
+    want = attend(q, k, v, sinks, mask.starts)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v, sinks), grad), torch.autograd.grad(want, (q, k, v, sinks), grad)):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
