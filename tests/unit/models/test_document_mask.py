@@ -186,3 +186,32 @@ def test_estimate_memory_refuses_block_causal_on_cuda():
     with pytest.raises(ConfigError, match="block_causal on --device cpu only") as e:
         plan_estimate(cfg, 1, device="cuda")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_span_masks_train_as_dense_masks(family):
+    """gpt-oss (sinks, its sliding layers narrowing the span mask to a window of 8) and DeepSeek-V3 (MLA: values
+    narrower than keys) under a packed window's documents: logits and every gradient by spans equal the dense
+    mask's (gpt-oss's dense route: its softmax written out)."""
+    from titanctl.models.registry import build_model, flavor_args
+
+    args = flavor_args(f"{family}:debugmodel").replace(n_layers=2, vocab_size=128, max_seq_len=SEQ)
+    if family == "gpt_oss":
+        args = args.replace(sliding_window=8)
+    model = build_model(args)
+    initialize_weights(model, seed=0)
+    window, _ = packed_window(args.vocab_size)
+    inputs = window[:, :-1].expand(2, -1).clone()
+    inputs[1, 20] = BOS  # the second row with one more document
+    results = {}
+    for form in ("span", "dense"):
+        model.zero_grad()
+        logits = model(inputs, attn_mask=document_mask(inputs, BOS, form=form))
+        logits.square().mean().backward()
+        results[form] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results["span"][0], results["dense"][0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert (model(inputs) - results["span"][0]).abs().max() > 1e-3  # the documents changed something
+    assert results["span"][1].keys() == results["dense"][1].keys()
+    for name, grad in results["span"][1].items():
+        torch.testing.assert_close(grad, results["dense"][1][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
