@@ -573,8 +573,8 @@ def test_each_context_parallel_method_holds_its_own_masks():
     assert held["one process"] == pytest.approx(chunk_block + 8 * seq, rel=0.01)
     assert 0 <= held["ulysses"] <= 0.01 * seq * seq
     fast = Masks(with_cp=True, without_cp=True)
-    assert fast.bytes(Candidate(1, 1, 1, 1, cp, 1, 1, 1, cp_method="ring"), seq, layers=1, act=4) == 0
-    charged = fast.bytes(Candidate(1, 1, 1, 1, cp, 1, 1, 1, cp_method="ulysses"), seq, layers=1, act=4)
+    assert fast.bytes(Candidate(1, 1, 1, 1, cp, 1, 1, 1, cp_method="ring"), seq, act=4) == 0
+    charged = fast.bytes(Candidate(1, 1, 1, 1, cp, 1, 1, 1, cp_method="ulysses"), seq, act=4)
     assert held["ulysses"] <= charged == chunk_block + 8 * seq
-    alone = fast.bytes(Candidate(1, 1, 1, 1, 1, 1, 1, 1), seq, layers=1, act=4)
+    alone = fast.bytes(Candidate(1, 1, 1, 1, 1, 1, 1, 1), seq, act=4)
     assert alone == pytest.approx(held["one process"], rel=0.01)

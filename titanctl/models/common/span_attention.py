@@ -6,8 +6,9 @@ Forward: for each chunk of ``SPAN_CHUNK_ROWS`` queries ``first .. last - 1`` (``
 (``softmax_blocks.block_forward``: torch's fused CPU kernel, elsewhere the softmax written out) and dropped. Each
 query's keys all lie in its chunk's span, so the chunk's output and log-sum-exp are already the row's whole
 softmax. An attention sink (one logit per head in the denominator only) then joins the log-sum-exp.
-Compute follows the mask's area: a chunk computes rows x span pairs, within ``rows`` of the diagonal of each
-document or window.
+Compute follows the mask's area: a chunk computes rows x span pairs, so beyond the mask a row computes the rest of
+its chunk (rows / 2 keys on average), and in a chunk that a document starts inside, the rows after the start also
+the earlier document's keys in the span.
 
 Backward recomputes each chunk's block from the saved output and log-sum-exp (exact: the fused backward takes
 the merged statistics) and adds its keys' and values' gradient into their span. Saved: q, k, v in their dtype,
@@ -26,8 +27,8 @@ from torch import Tensor
 from titanctl.models.common.softmax_blocks import block_backward, block_forward, work_dtype
 from titanctl.models.common.span_mask import SpanMask
 
-# Queries per chunk: the area a chunk computes beyond the mask's is at most rows / 2 per row of a document or
-# window, and one chunk's block of the mask (rows x span) is all that is ever made of it.
+# Queries per chunk: smaller, the less a chunk computes beyond the mask (rows / 2 keys a row on average) and the
+# smaller its block of the mask (rows x span, all that is ever made of it); larger, the fewer kernel calls.
 SPAN_CHUNK_ROWS = 256
 
 

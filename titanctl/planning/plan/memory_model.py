@@ -230,13 +230,13 @@ class Masks:
     with_cp: bool = False
     without_cp: bool = False
 
-    def bytes(self, c: Candidate, seq_len: int, layers: int, act: int) -> float:
+    def bytes(self, c: Candidate, seq_len: int, act: int) -> float:
         """Bytes a rank holds for them. The masked ring (ring and ulysses_ring): none counted (the starts, and one
         (S / cp)^2 block at a time, freed before the peak). ``span_attention`` (one process, Ulysses: its kernels
         see every query): the starts, 8 bytes a position, and one chunk's block of the mask, SPAN_CHUNK_ROWS x S
         in the kernels' dtype (fp32 or wider), an upper bound: estimate-memory (fake tokens: the causal spans)
-        measures it exactly in one process and finds it freed before the peak under Ulysses. ``layers``: kept
-        for the callers (no copy is kept per layer any more)."""
+        measures it exactly in one process and finds it freed before the peak under Ulysses. Nothing per layer:
+        the layers share the starts, and each chunk's block is dropped once attended."""
         from titanctl.models.common.span_attention import SPAN_CHUNK_ROWS
 
         held = self.with_cp if c.cp > 1 else self.without_cp
@@ -380,7 +380,7 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
         elif c.fsdp:
             at_loss = pbytes * biggest  # the last block, prefetched for its backward
             at_block = 2 * pbytes * biggest + (pbytes + grad_extra) * trained_block
-        mask = masks.bytes(c, seq_len, sum(n for b, n in view.blocks if b.delta_rule is None), act)
+        mask = masks.bytes(c, seq_len, act)
         kept, recompute, one_block = 0.0, 0.0, 0.0
         for b, n in view.blocks:
             k, r = activation_bytes_per_token(b, c.tp, c.cp, shape.dim, act, c.ac, adapters)
