@@ -427,8 +427,8 @@ MOE = {"cuda": ["--training.steps", "10", "--metrics.log_freq", "5", "--training
 
 def moe(recipe: str) -> Callable[[Context, dict], None]:
     """A MoE debug recipe with document masking (block-causal): its routed experts run torch._grouped_mm,
-    its masks the kernel titanctl picks for the device (FlexAttention's block mask on CUDA, a dense
-    mask on CPU; gpt-oss's sink attention takes a dense mask everywhere). Compile off: the MoE layers
+    its masks the kernel titanctl picks for the device (FlexAttention's block mask on CUDA, span attention's
+    mask of document starts on CPU; gpt-oss's sinks take span attention everywhere). Compile off: the MoE layers
     run eagerly inside compiled blocks anyway, and FlexAttention is compiled on its own."""
 
     def run(ctx: Context, out: dict) -> None:
@@ -447,8 +447,9 @@ def moe(recipe: str) -> Callable[[Context, dict], None]:
         model = load_config(ctx.repo / recipe, []).model
         args = get_spec(model.name).flavors[model.flavor]
         # The mask form the training step builds (titanctl.train.attention_masks.MicrobatchMasks).
-        form = "dense" if needs_layer_masks(args) else mask_form_for(ctx.device)
-        kernel = "sink attention" if args.attention_sinks else {"block": "FlexAttention", "dense": "SDPA"}[form]
+        form = "span" if needs_layer_masks(args) else mask_form_for(ctx.device)
+        kernel = {"block": "FlexAttention", "span": "span attention"}[form] + (" with sinks" if args.attention_sinks
+                                                                               else "")
         out.update(losses=losses, expert_imbalance_max=rows[-1].get("expert_imbalance_max"),
                    attention=f"{kernel}, {form} mask")
 

@@ -58,8 +58,8 @@ def test_the_cpu_mode_passes_or_skips_every_step_with_its_figures(tmp_path, tmp_
     assert steps["slice_compile"]["first_step_seconds"] > 0
     assert steps["slice_float8"]["status"] == "skipped" and "float8" in steps["slice_float8"]["reason"]
     assert steps["slice_transformers"]["titanctl_compile_over_transformers"] > 0
-    assert steps["moe_qwen3"]["attention"] == "SDPA, dense mask"
-    assert steps["moe_gpt_oss"]["attention"] == "sink attention, dense mask"
+    assert steps["moe_qwen3"]["attention"] == "span attention, span mask"
+    assert steps["moe_gpt_oss"]["attention"] == "span attention with sinks, span mask"
     assert 0.85 < steps["memory"]["estimate_over_measured"] < 1.15  # tests/distributed/test_estimate_memory.py's bound
     assert steps["profile"]["timeline"] == "cpu" and "memory snapshot" in steps["profile"]["skipped_parts"]
     infer = steps["infer"]

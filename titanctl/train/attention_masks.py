@@ -7,7 +7,9 @@ where its positions restart at 0; no token id marks it), before pipeline or
 context-parallel sharding: the pipeline splits it along the batch with the inputs and passes it to
 every stage, and under (ring) context parallelism it is the mask of this rank's queries over all keys, kept as
 what defines it (a ``RingMask``: the documents' starts and the ranks' order, O(T) per rank; the masked ring makes
-each block from it as it goes). The model hands the one mask to every attention layer.
+each block from it as it goes). The model hands the one mask to every attention layer. Its form: a
+``SpanMask`` (the documents' starts, O(T); ``span_attention`` attends each chunk of queries to the keys its rows
+see) on CPU and wherever sinks or windows take part, a FlexAttention BlockMask on other devices.
 
 gpt-oss (attention sinks, sliding-window layers) attends under explicit masks only: without context
 parallelism each sliding layer narrows the mask it gets (or the causal one) to its window itself; under
@@ -17,8 +19,8 @@ runs the masked ring (``masked_ring``; torch's ring attention takes neither a wi
 
 Under Ulysses context parallelism (``parallelism.context_parallel_method = "ulysses"``) every kernel sees
 the whole sequence in order, for a share of the heads: the masks are the one-process ones, built by
-layer type over all positions when the model has sliding layers (its layers hold T / cp tokens and
-could not narrow them), and nothing gathers keys.
+layer type over all positions (``SpanMask``s, on every device) when the model has sliding layers (its layers
+hold T / cp tokens and could not narrow them), and nothing gathers keys.
 """
 
 from __future__ import annotations
@@ -30,13 +32,8 @@ import torch
 from titanctl import _torch_compat
 from titanctl.config.job_config import JobConfig
 from titanctl.errors import ConfigError
-from titanctl.models.common.document_mask import (
-    block_document_mask,
-    dense_document_mask,
-    document_ids,
-    document_mask,
-    mask_form_for,
-)
+from titanctl.models.common.document_mask import build_document_mask, document_ids, mask_form_for
+from titanctl.models.common.span_mask import SpanMask
 from titanctl.parallel.layouts.context_parallel import (
     document_cp_positions,
     enable_document_context_parallel,
@@ -66,7 +63,7 @@ class MicrobatchMasks:
     cp_mesh: object | None = None  # the CP mesh when cp > 1 (block_causal, or masks by layer type)
     by_positions: bool = False  # chat data: documents start where positions restart
     window: int | None = None  # masks by layer type under CP (gpt-oss): the sliding layers' window (0: none)
-    dense: bool = False  # dense masks on every device (gpt-oss's layers narrow and read dense masks only)
+    spans: bool = False  # SpanMasks on every device (sinks and sliding windows: no BlockMask kernel takes them)
     ulysses: bool = False  # Ulysses CP: every kernel sees the whole sequence, so masks are over all positions
     cp: int = 1  # the context parallel degree
     balancer: str = "head_tail"  # parallelism.context_parallel_load_balancer (Gated DeltaNet: head_tail)
@@ -114,7 +111,7 @@ class MicrobatchMasks:
             for part in model_parts:
                 enable_document_context_parallel(part, cp_mesh)
         return cls(bos_id=None if causal else bos_id, cp_mesh=cp_mesh, by_positions=by_positions and not causal,
-                   window=window, dense=layered, ulysses=ulysses, cp_ulysses=dims.cp_ulysses if hybrid else 1,
+                   window=window, spans=layered, ulysses=ulysses, cp_ulysses=dims.cp_ulysses if hybrid else 1,
                    **balance)
 
     def cp_order(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -160,35 +157,28 @@ class MicrobatchMasks:
             return None
         if self.cp_mesh is not None:
             return self._ring_mask(inputs, positions, order)
-        q_positions = kv_positions = None
-        form = "dense" if self.dense else mask_form_for(inputs.device)
-        return self._documents(inputs, positions, q_positions, kv_positions, form)
+        # span (documents' starts) wherever the kernels cannot take a BlockMask: CPU, and sinks or windows
+        form = "span" if self.spans else mask_form_for(inputs.device)
+        doc_ids = self._document_ids(inputs, positions)
+        return None if doc_ids is None else build_document_mask(doc_ids, form)
 
-    def _documents(self, inputs, positions, q_positions, kv_positions, form: str):
-        """The document mask (None: one document per window)."""
-        if positions is None:
-            if self.bos_id is None:  # causal, or text without BOS among chat data: one document per window
-                return None
-            return document_mask(inputs, self.bos_id, form=form, q_positions=q_positions, kv_positions=kv_positions)
-        doc_ids = (positions == 0).cumsum(dim=1)  # (B, T): a new document at each position 0
-        build = dense_document_mask if form == "dense" else block_document_mask
-        return build(doc_ids, q_positions, kv_positions)
+    def _document_ids(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, T): each token's document (None: one document per window: causal, or text without BOS among chat
+        data)."""
+        if positions is not None:
+            return (positions == 0).cumsum(dim=1)  # a new document at each position 0
+        return None if self.bos_id is None else document_ids(inputs, self.bos_id)
 
     def _ring_mask(self, inputs: torch.Tensor, positions: torch.Tensor | None, order: torch.Tensor | None) -> RingMask:
         """This ring CP rank's queries over all keys (``order``'s) under the microbatch's documents (causal: one
         document)."""
         q_positions, kv_positions = document_cp_positions(inputs.shape[1], self.cp_mesh, order)
-        doc_ids = None  # as _documents reads them
-        if positions is not None:
-            doc_ids = (positions == 0).cumsum(dim=1)
-        elif self.bos_id is not None:
-            doc_ids = document_ids(inputs, self.bos_id)
-        starts = document_start_positions(doc_ids, inputs.shape[1], inputs.device)
+        starts = document_start_positions(self._document_ids(inputs, positions), inputs.shape[1], inputs.device)
         return RingMask(starts, q_positions, kv_positions, self.cp_mesh.size())
 
     def _by_layer_type(self, inputs: torch.Tensor, positions: torch.Tensor | None,
-                       order: torch.Tensor | None) -> dict[str, torch.Tensor | RingMask]:
-        """Masks of this CP rank's queries (Ulysses: dense ones of all queries) over all keys: the document (or
+                       order: torch.Tensor | None) -> dict[str, SpanMask | RingMask]:
+        """Masks of this CP rank's queries (Ulysses: SpanMasks of all queries) over all keys: the document (or
         causal) one for full layers, narrowed to the last ``window`` positions for sliding ones."""
         # (ulysses_ring runs models without sliding layers here too: window 0, no sliding mask)
         if not self.ulysses:  # ring CP (ulysses_ring: over the ring groups), both from one set of document starts
@@ -198,13 +188,11 @@ class MicrobatchMasks:
                 masks["sliding_attention"] = RingMask(full.starts, full.q_positions, full.kv_positions, full.cp,
                                                       self.window)
             return masks
-        # Ulysses: the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it)
-        q_positions = kv_positions = torch.arange(inputs.shape[1], device=inputs.device)
-        full = self._documents(inputs, positions, q_positions, kv_positions, "dense")
-        distance = q_positions[:, None] - kv_positions[None, :]  # (T, T) query minus key position
-        if full is None:
-            full = (distance >= 0)[None, None]  # (1, 1, T, T)
-        return {"full_attention": full, "sliding_attention": full & (distance < self.window)}
+        # Ulysses: the kernels' whole sequence, in order (a layer of T / cp tokens cannot narrow it); the starts
+        # one row per microbatch row, so that a pipeline splits them with the inputs
+        starts = document_start_positions(self._document_ids(inputs, positions), inputs.shape[1], inputs.device)
+        full = SpanMask(starts.expand(inputs.shape[0], -1))
+        return {"full_attention": full, "sliding_attention": full.narrowed(self.window)}
 
 
 def layer_windows(args) -> tuple[int | None, ...]:

@@ -66,9 +66,9 @@ def test_the_mask_of_some_positions_is_those_rows_and_columns_of_the_whole_mask(
     assert torch.equal(dense_document_mask(doc, mine, order), whole[:, :, mine][:, :, :, order])
 
 
-def test_dense_on_cpu_and_block_elsewhere():
-    # FlexAttention has no backward on CPU in torch 2.13: training there needs the dense mask.
-    assert mask_form_for(torch.device("cpu")) == "dense"
+def test_span_on_cpu_and_block_elsewhere():
+    # FlexAttention has no backward on CPU in torch 2.13: training there takes the documents' starts (SpanMask).
+    assert mask_form_for(torch.device("cpu")) == "span"
     assert mask_form_for(torch.device("cuda")) == "block"
 
 
@@ -96,13 +96,14 @@ def build(args: ModelArgs) -> Transformer:
     return model
 
 
+@pytest.mark.parametrize("form", ["span", "dense"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_document_of_a_packed_window_computes_as_if_alone(family):
+def test_each_document_of_a_packed_window_computes_as_if_alone(family, form):
     model = build(FAMILIES[family])
     window, spans = packed_window(model.args.vocab_size)
     inputs, labels = window[:, :-1], window[:, 1:]
     with torch.no_grad():
-        packed = model(inputs, attn_mask=document_mask(inputs, BOS, form="dense"))  # (1, T, V)
+        packed = model(inputs, attn_mask=document_mask(inputs, BOS, form=form))  # (1, T, V)
         causal = model(inputs)
     packed_loss = F.cross_entropy(packed[0], labels[0], reduction="none")  # (T,)
     for span in spans:
@@ -123,12 +124,12 @@ def test_one_document_is_causal(first):
     inputs = torch.randint(3, LLAMA.vocab_size, (2, SEQ))
     inputs[:, 0] = first
     mask = document_mask(inputs, BOS)
-    assert torch.equal(mask[:, 0], torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(2, -1, -1))
+    assert torch.equal(mask.dense()[:, 0], torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(2, -1, -1))
     with torch.no_grad():
         torch.testing.assert_close(model(inputs, attn_mask=mask), model(inputs), rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_flow_through_the_dense_mask():
+def test_gradients_flow_through_the_span_mask():
     model = build(LLAMA)
     window, _ = packed_window(LLAMA.vocab_size)
     loss = F.cross_entropy(model(window[:, :-1], attn_mask=document_mask(window[:, :-1], BOS))[0], window[0, 1:])
@@ -185,3 +186,32 @@ def test_estimate_memory_refuses_block_causal_on_cuda():
     with pytest.raises(ConfigError, match="block_causal on --device cpu only") as e:
         plan_estimate(cfg, 1, device="cuda")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_span_masks_train_as_dense_masks(family):
+    """gpt-oss (sinks, its sliding layers narrowing the span mask to a window of 8) and DeepSeek-V3 (MLA: values
+    narrower than keys) under a packed window's documents: logits and every gradient by spans equal the dense
+    mask's (gpt-oss's dense route: its softmax written out)."""
+    from titanctl.models.registry import build_model, flavor_args
+
+    args = flavor_args(f"{family}:debugmodel").replace(n_layers=2, vocab_size=128, max_seq_len=SEQ)
+    if family == "gpt_oss":
+        args = args.replace(sliding_window=8)
+    model = build_model(args)
+    initialize_weights(model, seed=0)
+    window, _ = packed_window(args.vocab_size)
+    inputs = window[:, :-1].expand(2, -1).clone()
+    inputs[1, 20] = BOS  # the second row with one more document
+    results = {}
+    for form in ("span", "dense"):
+        model.zero_grad()
+        logits = model(inputs, attn_mask=document_mask(inputs, BOS, form=form))
+        logits.square().mean().backward()
+        results[form] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(results["span"][0], results["dense"][0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert (model(inputs) - results["span"][0]).abs().max() > 1e-3  # the documents changed something
+    assert results["span"][1].keys() == results["dense"][1].keys()
+    for name, grad in results["span"][1].items():
+        torch.testing.assert_close(grad, results["dense"][1][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

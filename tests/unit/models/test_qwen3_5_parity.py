@@ -23,6 +23,7 @@ from titanctl.checkpoint.trust.model_args import args_from_fields
 from titanctl.errors import CheckpointError
 from titanctl.models.common.document_mask import block_document_mask, dense_document_mask
 from titanctl.models.common.gated_deltanet import document_starts
+from titanctl.models.common.span_mask import SpanMask
 from titanctl.models.registry import build_model
 
 
@@ -92,11 +93,12 @@ def test_a_packed_batch_equals_its_documents_run_one_by_one(case, dtype, tol):
     assert (packed - leaked).abs().max() > 0.1  # the causal window lets state and conv taps cross over
 
 
-def test_block_masks_give_the_same_boundaries_as_dense_masks():
+def test_block_and_span_masks_give_the_same_boundaries_as_dense_masks():
     doc_ids = packed_documents()
     dense = document_starts(dense_document_mask(doc_ids), 2, 48, torch.device("cpu"))
     block = document_starts(block_document_mask(doc_ids), 2, 48, torch.device("cpu"))
-    assert torch.equal(dense, block)
+    span = document_starts(SpanMask.of_documents(doc_ids, window=4), 2, 48, torch.device("cpu"))
+    assert torch.equal(dense, block) and torch.equal(dense, span)
     assert dense[0].nonzero().flatten().tolist() == [0, 20] and dense[1].nonzero().flatten().tolist() == [0, 9, 10]
     assert document_starts(None, 2, 48, torch.device("cpu")) is None
 

@@ -79,13 +79,13 @@ def test_ranks_holding_the_order_give_one_process_attention(balancer, window):
     tokens = long_tailed_documents(seq, rows=2, seed=3)
     tokens[:, [5, 40, 41]] = BOS
     masks = {r: MicrobatchMasks(bos_id=BOS, cp_mesh=FakeMesh(cp, r), cp=cp, balancer=balancer,
-                                window=window, dense=window is not None,
+                                window=window, spans=window is not None,
                                 windows=(None,) if window is None else (None, window)) for r in range(cp)}
     order = masks[0].cp_order(tokens)
     assert torch.equal(order, masks[1].cp_order(tokens))  # every rank chooses the same
     assert torch.equal(order, load_balanced_order(seq, cp)) == (balancer == "head_tail")
     q, k, v = torch.randn(3, 2, 2, seq, 4, dtype=torch.float64).unbind(0)  # (B, H, T, head_dim) each
-    full = MicrobatchMasks(bos_id=BOS)(tokens)  # one process's document mask (dense on CPU)
+    full = MicrobatchMasks(bos_id=BOS)(tokens).dense()  # one process's document mask (a SpanMask on CPU)
     if window is not None:  # one process narrows the causal/document mask per layer itself
         distance = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
         full = {"full_attention": full, "sliding_attention": full & (distance < window)}
@@ -121,7 +121,7 @@ def test_estimate_memorys_fake_batches_keep_head_tail():
     every order gives the same shapes, so the step takes head-tail and logs no imbalance."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    masks = MicrobatchMasks(bos_id=None, cp_mesh=FakeMesh(2, 0), cp=2, balancer="mask_aware", window=4, dense=True,
+    masks = MicrobatchMasks(bos_id=None, cp_mesh=FakeMesh(2, 0), cp=2, balancer="mask_aware", window=4, spans=True,
                             windows=(None, 4))
     with FakeTensorMode():
         fake = torch.randint(0, 9, (1, 64))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.unit.parallel.thread_ranks import run_ranks
+from titanctl.models.common import softmax_blocks
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.parallel.layouts import masked_ring
 from titanctl.parallel.layouts.masked_ring import masked_ring_attention
@@ -139,7 +140,7 @@ def test_equals_full_attention_fp64(kind, cp, sinks, order_kind, v_dim, fused, f
     """form "ring": the mask each rank gets is a RingMask (documents' starts, window, order), every block made
     from it on the fly and the table of blocks read off it without a gather; "dense": its rows of the bool."""
     if not fused:
-        monkeypatch.setattr(masked_ring, "_fused", lambda q, v: False)
+        monkeypatch.setattr(softmax_blocks, "_fused", lambda q, v: False)
     torch.manual_seed(0)
     q = torch.randn(BATCH, HEADS, SEQ, DIM, dtype=torch.float64, requires_grad=True)
     k = torch.randn(BATCH, KV_HEADS, SEQ, DIM, dtype=torch.float64, requires_grad=True)

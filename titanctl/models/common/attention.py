@@ -1,12 +1,13 @@
 """Grouped-query self-attention with RoPE, optional per-head QK norm, and a static KV cache.
 
-Training attends causally, or under a mask passed in (``attn_mask``: a dense bool tensor or a
-FlexAttention BlockMask, see ``document_mask``), which every layer applies unchanged, or a dict of
-masks by layer type (``ModelArgs.layer_types``) from which each layer takes its own.
+Training attends causally, or under a mask passed in (``attn_mask``: a ``SpanMask``, the documents'
+starts from which ``span_attention`` makes each chunk's block; a dense bool tensor; or a FlexAttention
+BlockMask, see ``document_mask``), which every layer applies unchanged, or a dict of masks by layer
+type (``ModelArgs.layer_types``) from which each layer takes its own.
 
 A sliding-window layer (``ModelArgs.is_sliding_layer``) sees only the last ``sliding_window``
-positions: without a dict of masks it narrows the mask it is given (or the causal one) to that
-window itself, over positions 0..T-1. A family whose attention adds to the softmax subclasses
+positions: without a dict of masks it narrows the mask it is given (or the causal one: a ``SpanMask``
+of one document) to that window itself, over positions 0..T-1. A family whose attention adds to the softmax subclasses
 ``Attention`` and its ``AttentionKernel`` (``kernel_inputs``, ``attend_cached``).
 """
 
@@ -21,6 +22,8 @@ from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.init import INPUT, ParamInit, output_projection
 from titanctl.models.common.norms import build_norm
 from titanctl.models.common.rope import rope_for, rope_function
+from titanctl.models.common.span_attention import span_attention
+from titanctl.models.common.span_mask import SpanMask
 
 
 class StaticCache(nn.Module):
@@ -130,8 +133,11 @@ class AttentionKernel(nn.Module):
     """
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: SpanMask | torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
+        if isinstance(mask, SpanMask):
+            return span_attention(q, k, v, mask)
         if isinstance(mask, BlockMask):
             return masked_flex_attention(q, k, v, mask)
         return attention(q, k, v, mask, causal=mask is None)
@@ -147,15 +153,20 @@ def window_mask(length: int, window: int, mask: torch.Tensor | None, device: tor
 
 
 def layer_mask(
-    attn_mask: torch.Tensor | BlockMask | dict | None, layer_type: str, window: int, length: int, device: torch.device
-) -> torch.Tensor | BlockMask | None:
+    attn_mask: SpanMask | torch.Tensor | BlockMask | dict | None, layer_type: str, window: int, length: int,
+    device: torch.device,
+) -> SpanMask | torch.Tensor | BlockMask | None:
     """The mask of one layer: its own from a dict by layer type (built by whoever knows the positions,
     e.g. context parallelism's shares), else the one mask every layer takes, narrowed to the window of a
-    sliding-window layer over positions 0..length-1."""
+    sliding-window layer over positions 0..length-1 (a ``SpanMask`` stays one; causal becomes one)."""
     if isinstance(attn_mask, dict):
         return attn_mask[layer_type]
     if not window:
         return attn_mask
+    if isinstance(attn_mask, SpanMask):
+        return attn_mask.narrowed(window)
+    if attn_mask is None:
+        return SpanMask.causal(length, window, device)
     if isinstance(attn_mask, BlockMask):
         raise ValueError("a sliding-window layer narrows dense masks only; pass masks by layer type")
     return window_mask(length, window, attn_mask, device)
@@ -186,7 +197,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         input_pos: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | BlockMask | None = None,
+        attn_mask: SpanMask | torch.Tensor | BlockMask | dict | None = None,
     ) -> torch.Tensor:
         """With ``input_pos`` (decoding, after ``setup_kv_cache``) x holds those positions and rope their rows.
         ``attn_mask`` (training only): which keys each query sees (True: attend); None is causal."""

@@ -12,10 +12,13 @@ token attends to the tokens of its own document up to itself, never across a bou
 Positions (RoPE) keep counting across the window. RoPE scores depend only on the distance
 between a query and a key, so a document gives the same outputs wherever it sits in the window.
 
-Two forms of the same mask, for the two kernels that can apply it:
-- dense: a (B, 1, T_q, T_kv) bool tensor for ``scaled_dot_product_attention``. Used on CPU,
-  where torch 2.13's FlexAttention has no backward ("FlexAttention does not support backward
-  on CPU"), and costs B x T_q x T_kv bytes.
+Three forms of the same mask, for the kernels that can apply it:
+- span: a ``SpanMask`` (span_mask.py), each position's document start, O(B T): ``span_attention``
+  attends each chunk of queries to the keys its rows can see, making the chunk's block from the
+  starts. Used on CPU, where torch 2.13's FlexAttention has no backward ("FlexAttention does not
+  support backward on CPU"); over the whole sequence in order only.
+- dense: a (B, 1, T_q, T_kv) bool tensor for ``scaled_dot_product_attention``, B x T_q x T_kv bytes
+  (references in tests, and any order of positions).
 - block: a FlexAttention ``BlockMask``, which skips fully masked tiles (other devices).
 
 ``q_positions`` / ``kv_positions`` say where in the window each query / key of the attention
@@ -31,8 +34,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from titanctl.models.common.span_mask import SpanMask
+
 ATTN_MASK_TYPES = ("causal", "block_causal")
-MASK_FORMS = ("dense", "block")
+MASK_FORMS = ("span", "dense", "block")
 
 
 def document_ids(tokens: Tensor, bos_id: int) -> Tensor:
@@ -72,8 +77,22 @@ def block_document_mask(
 
 
 def mask_form_for(device: torch.device) -> str:
-    """"dense" on CPU (FlexAttention cannot run backward there in torch 2.13), else "block"."""
-    return "dense" if torch.device(device).type == "cpu" else "block"
+    """"span" on CPU (FlexAttention cannot run backward there in torch 2.13), else "block"."""
+    return "span" if torch.device(device).type == "cpu" else "block"
+
+
+def build_document_mask(
+    doc_ids: Tensor, form: str, q_positions: Tensor | None = None, kv_positions: Tensor | None = None
+) -> SpanMask | Tensor | BlockMask:
+    """The block-causal mask of ``doc_ids`` (B, T) in ``form`` (span: over every position in order)."""
+    if form not in MASK_FORMS:
+        raise ValueError(f"unknown document mask form {form!r}; choose one of {', '.join(MASK_FORMS)}")
+    if form == "span":
+        if q_positions is not None or kv_positions is not None:
+            raise ValueError("a span document mask covers every position in order; use form dense for others")
+        return SpanMask.of_documents(doc_ids)
+    build = dense_document_mask if form == "dense" else block_document_mask
+    return build(doc_ids, q_positions, kv_positions)
 
 
 def document_mask(
@@ -83,12 +102,8 @@ def document_mask(
     form: str | None = None,
     q_positions: Tensor | None = None,
     kv_positions: Tensor | None = None,
-) -> Tensor | BlockMask:
+) -> SpanMask | Tensor | BlockMask:
     """The block-causal mask of a microbatch of whole windows ``tokens`` (B, T), in ``form``
     (default: the form for the tokens' device), for the model's ``attn_mask`` argument."""
-    form = form or mask_form_for(tokens.device)
-    if form not in MASK_FORMS:
-        raise ValueError(f"unknown document mask form {form!r}; choose one of {', '.join(MASK_FORMS)}")
-    doc_ids = document_ids(tokens, bos_id)
-    build = dense_document_mask if form == "dense" else block_document_mask
-    return build(doc_ids, q_positions, kv_positions)
+    return build_document_mask(document_ids(tokens, bos_id), form or mask_form_for(tokens.device), q_positions,
+                               kv_positions)

@@ -12,7 +12,7 @@ Channel order: ``wqkv``'s rows and ``conv``'s channels are stored per key-head g
 Parameters split with the heads (``conv.weight``, ``dt_bias``, ``a_log``) are read through ``local``
 (a head-sharded DTensor under tensor parallelism: this rank's heads).
 
-Documents: under a block-causal mask (``attn_mask``, dense or a BlockMask, the one every layer gets)
+Documents: under a block-causal mask (``attn_mask``, a SpanMask, dense or a BlockMask, the one every layer gets)
 the conv window and the state restart at every document's first token, read off the mask itself
 (a token starts a document when it may not see the token before it).
 
@@ -44,6 +44,7 @@ from titanctl.models.common.gated_delta_rule import (
 )
 from titanctl.models.common.init import INPUT, ONES, ParamInit, output_projection
 from titanctl.models.common.norms import RMSNorm
+from titanctl.models.common.span_mask import SpanMask
 
 
 def document_starts(attn_mask: torch.Tensor | BlockMask | None, batch: int, length: int,
@@ -52,6 +53,8 @@ def document_starts(attn_mask: torch.Tensor | BlockMask | None, batch: int, leng
     mask every layer gets; None under the causal default (one document)."""
     if attn_mask is None:
         return None
+    if isinstance(attn_mask, SpanMask):  # the documents' starts themselves
+        return attn_mask.document_firsts().expand(batch, length)
     t = torch.arange(1, length, device=device)
     if isinstance(attn_mask, BlockMask):
         b = torch.arange(batch, device=device)[:, None]
@@ -60,8 +63,8 @@ def document_starts(attn_mask: torch.Tensor | BlockMask | None, batch: int, leng
     elif isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 4 and attn_mask.shape[-2] == attn_mask.shape[-1]:
         sees_previous = attn_mask[:, 0, t, t - 1].expand(batch, length - 1)
     else:
-        raise ValueError("Gated DeltaNet reads document boundaries from one (B, 1, T, T) mask or a BlockMask; "
-                         f"got {type(attn_mask).__name__}")
+        raise ValueError("Gated DeltaNet reads document boundaries from a SpanMask, one (B, 1, T, T) mask or a "
+                         f"BlockMask; got {type(attn_mask).__name__}")
     first = torch.ones(batch, 1, dtype=torch.bool, device=device)
     return torch.cat([first, ~sees_previous.bool()], dim=1)
 

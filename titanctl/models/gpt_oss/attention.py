@@ -2,9 +2,11 @@
 query head that joins every softmax and attends to no value (the weights of the real keys then sum to
 less than 1).
 
-No fused kernel of torch 2.13 takes such a logit, so these layers run the softmax written out
-(``sink_attention``), which holds the (B, H, T, S) scores in fp32, a chunk of queries at a time past
-``SINK_CHUNK_ELEMENTS``.
+No fused kernel of torch 2.13 takes such a logit. Training attends through ``span_attention`` (a
+``SpanMask``: the causal one without a mask, or the documents' starts and the layer's window), which
+merges the sink into each chunk's log-sum-exp, exact, and never holds a T x S mask or score. A dense
+mask (decoding's cache, references) runs the softmax written out (``sink_attention``), which holds the
+(B, H, T, S) scores in fp32, a chunk of queries at a time past ``SINK_CHUNK_ELEMENTS``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 from titanctl.models.common.args import ModelArgs
 from titanctl.models.common.attention import Attention, AttentionKernel
 from titanctl.models.common.init import INPUT, ParamInit
+from titanctl.models.common.span_attention import span_attention
+from titanctl.models.common.span_mask import SpanMask
 
 # Scores of one chunk of queries in sink_attention: batch x heads x queries x keys (1 GiB in fp32). Above it
 # the queries go in chunks, each recomputed in backward, so that no layer holds all its (B, H, T, S) scores.
@@ -66,12 +70,17 @@ def _sink_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 
 class SinkAttentionKernel(AttentionKernel):
-    """Training's attention with ``sinks`` (a keyword: hooks on the positional q, k, v, mask leave it alone)."""
+    """Training's attention with ``sinks`` (a keyword: hooks on the positional q, k, v, mask leave it alone):
+    span attention under a SpanMask or causally (None), the softmax written out under a dense mask."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None,
-        *, sinks: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: SpanMask | torch.Tensor | BlockMask | None = None, *, sinks: torch.Tensor,
     ) -> torch.Tensor:
+        if mask is None and q.shape[2] == k.shape[2]:
+            mask = SpanMask.causal(q.shape[2], device=q.device)
+        if isinstance(mask, SpanMask):
+            return span_attention(q, k, v, mask, sinks)
         return sink_attention(q, k, v, mask, sinks)
 
 

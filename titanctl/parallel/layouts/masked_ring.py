@@ -41,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from titanctl import _torch_compat
 from titanctl.models.common.attention import AttentionKernel
+from titanctl.models.common.softmax_blocks import block_backward, block_forward, merge, work_dtype
 from titanctl.parallel.layouts.ring_mask import RingMask
 
 SEQ_DIM = 2  # of q, k, v inside the kernel: (B, H, T, d)
@@ -134,94 +135,12 @@ def needed_blocks(blocks: MaskBlocks, peers) -> list[list[bool]]:
     return table
 
 
-def _work_dtype(t: Tensor) -> torch.dtype:
-    """The block kernels' dtype: half inputs run in fp32 (as the model's own CPU attention does); fp32/fp64 stay."""
-    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
-
-
-def _additive(block: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.zeros(block.shape, dtype=dtype, device=block.device).masked_fill(~block, float("-inf"))
-
-
-def _written_out(q: Tensor, k: Tensor, v: Tensor, block: Tensor) -> tuple[Tensor, Tensor]:
-    """One block's (out, lse) by the softmax written out (devices without torch's fused CPU kernel)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T_q, T_k)
-    scores = scores.masked_fill(~block, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.masked_fill(lse.isinf(), 0.0)[..., None])
-    return weights @ v, lse
-
-
-def _widened(v: Tensor, width: int) -> Tensor:
-    """v with zero columns up to ``width``: torch's fused CPU kernel needs values as wide as the keys (MLA's are
-    narrower); a zero column of the values is a zero column of the output and of its gradient, nothing else."""
-    return v if v.shape[-1] == width else torch.nn.functional.pad(v, (0, width - v.shape[-1]))
-
-
-def _fused(q: Tensor, v: Tensor) -> bool:
-    return q.device.type == "cpu" and v.shape[-1] <= q.shape[-1]
-
-
-def block_forward(q: Tensor, k: Tensor, v: Tensor, block: Tensor) -> tuple[Tensor, Tensor]:
-    """(out (B, H, T_q, d_v), lse (B, H, T_q)) of q over one key shard under ``block``; rows that see no key of
-    the shard: out 0, lse -inf."""
-    if _fused(q, v):
-        out, lse = _torch_compat.CPU_FLASH_SDPA.get()(
-            q, k, _widened(v, k.shape[-1]), 0.0, False, attn_mask=_additive(block, q.dtype)
-        )
-        out = out[..., : v.shape[-1]]
-    else:
-        out, lse = _written_out(q, k, v, block)
-    seen = block.any(dim=-1)  # (B or 1, 1, T_q); the fused kernel gives a row with no key lse 0, not -inf
-    return out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
-
-
-def block_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of one block, given the merged output and log-sum-exp (so its share of the softmax is exact)."""
-    if _fused(q, v):
-        width = k.shape[-1]
-        dq, dk, dv = _torch_compat.CPU_FLASH_SDPA_BACKWARD.get()(
-            _widened(grad, width),
-            q,
-            k,
-            _widened(v, width),
-            _widened(out, width),
-            lse,
-            0.0,
-            False,
-            attn_mask=_additive(block, q.dtype),
-            scale=None,
-        )
-        return dq, dk, dv[..., : v.shape[-1]]
-    # the softmax's backward written out: P = exp(S - lse), dS = P (dO V^T - rowsum(dO * out))
-    batch, heads, rows, _ = q.shape
-    kv_heads, groups, scale = k.shape[1], heads // k.shape[1], q.shape[-1] ** -0.5
-    kr, vr = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = ((q @ kr.transpose(-2, -1)) * scale).masked_fill(~block, float("-inf"))
-    weights = torch.exp(scores - lse[..., None])  # (B, H, T_q, T_k)
-    d_scores = weights * (grad @ vr.transpose(-2, -1) - (grad * out).sum(-1, keepdim=True))
-    dk = (d_scores.transpose(-2, -1) @ q * scale).view(batch, kv_heads, groups, *k.shape[2:]).sum(2)
-    dv = (weights.transpose(-2, -1) @ grad).view(batch, kv_heads, groups, *v.shape[2:]).sum(2)
-    return d_scores @ kr * scale, dk, dv
-
-
-def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial softmaxes over disjoint keys as one (rows seen by neither stay out 0, lse -inf)."""
-    new = torch.logaddexp(lse, lse_b)
-    safe = new.masked_fill(new.isinf(), 0.0)
-    return out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None], new
-
-
 class MaskedRingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every rank's keys and values under a mask (module docstring)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, blocks: MaskBlocks, peers) -> Tensor:
-        work = _work_dtype(q)
+        work = work_dtype(q)
         rank, cp = peers.rank, peers.size
         table = needed_blocks(blocks, peers)
         dk = k.shape[-1]  # MLA's values are narrower than its keys: one buffer of both, side by side

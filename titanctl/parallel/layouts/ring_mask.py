@@ -18,17 +18,9 @@ import torch
 from torch import Tensor
 
 from titanctl import _torch_compat
+from titanctl.models.common.span_mask import document_start_positions, first_keys
 
-
-def document_start_positions(doc_ids: Tensor | None, seq_len: int, device=None) -> Tensor:
-    """(B, T) int64: the position where each token's document begins, from ``doc_ids`` (B, T) (non-decreasing
-    document ids along each row); None: one causal document, (1, T) zeros."""
-    if doc_ids is None:
-        return torch.zeros(1, seq_len, dtype=torch.long, device=device)
-    position = torch.arange(seq_len, device=doc_ids.device)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return torch.where(starts, position, 0).cummax(dim=1).values
+__all__ = ["RingMask", "document_start_positions"]  # the starts live with SpanMask, the one-sequence mask
 
 
 class RingMask:
@@ -47,7 +39,7 @@ class RingMask:
         self._table: list[list[bool]] | None = None
 
     def _low(self, starts: Tensor, positions: Tensor) -> Tensor:
-        return starts if not self.window else torch.maximum(starts, positions - self.window + 1)
+        return first_keys(starts, positions, self.window)
 
     @property
     def keys_per_rank(self) -> int:

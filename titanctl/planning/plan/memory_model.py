@@ -30,9 +30,9 @@ and the last block's backward. The terms, per rank (the pipeline rank that holds
   microbatches each schedule keeps alive on a rank (1F1B: up to pp; GPipe and LoopedBFS: all of
   them; interleaved: the warm-up's (v - 1) x pp + 2 x (pp - 1) chunks), each with its stage's input
   and output;
-- the step's dense attention masks (``Masks``): none under a causal mask; a document mask or gpt-oss's masks by
-  layer type as bools, S x S under Ulysses and one process (none under the masked ring: O(S) starts) (plus
-  the CPU kernel's float copy per attention layer, kept for its backward);
+- the step's attention masks (``Masks``): none under a causal mask; a document mask or gpt-oss's masks by
+  layer type as the documents' starts (O(S)), and under Ulysses and in one process the span kernel's one
+  chunk's block (SPAN_CHUNK_ROWS x S) at a time; nothing S x S;
 - the loss (rank of the last stage): the logits in the compute dtype and the log-softmax's fp32
   output, two fp32 temporaries of their size in its backward (three under loss parallel), the final
   norm's tensors;
@@ -231,38 +231,39 @@ CP_KV_COPIES = 2.5
 
 @dataclass(frozen=True)
 class Masks:
-    """The dense bool masks a step builds (``model.attn_mask_type``, gpt-oss's masks by layer type): how many
-    under context parallelism and without it (0: a causal mask, or FlexAttention's block masks), and whether the
-    target's attention kernel keeps a float copy of the mask for its backward (torch's CPU SDPA)."""
-    with_cp: int = 0
-    without_cp: int = 0
-    kernel_copy: bool = False
+    """The attention masks a step builds (``model.attn_mask_type``, gpt-oss's masks by layer type), each kept as
+    what defines it: the documents' starts (a ``SpanMask``, or the masked ring's ``RingMask``), never S x S.
+    ``with_cp`` / ``without_cp``: whether the step has one under context parallelism / without it (a causal
+    mask has none, but gpt-oss's layers take one under CP and attend by spans without: a causal SpanMask)."""
+    with_cp: bool = False
+    without_cp: bool = False
 
-    def bytes(self, c: Candidate, seq_len: int, layers: int, act: int) -> float:
-        """Bytes a rank holds for them: none under the masked ring (ring and ulysses_ring: a ``RingMask`` of the
-        documents' starts, O(S), whose blocks are made one at a time), the whole S x S under Ulysses and in one
-        process, whose kernels see every query and keep ``act`` bytes a pair more per attention layer (of
-        ``layers``): measured by estimate-memory on CPU, 1 + 4 x layers bytes a pair in fp32."""
-        count = self.with_cp if c.cp > 1 else self.without_cp
-        if not count or (c.cp > 1 and c.cp_method != "ulysses"):
+    def bytes(self, c: Candidate, seq_len: int, act: int) -> float:
+        """Bytes a rank holds for them. The masked ring (ring and ulysses_ring): none counted (the starts, and one
+        (S / cp)^2 block at a time, freed before the peak). ``span_attention`` (one process, Ulysses: its kernels
+        see every query): the starts, 8 bytes a position, and one chunk's block of the mask, SPAN_CHUNK_ROWS x S
+        in the kernels' dtype (fp32 or wider), an upper bound: estimate-memory (fake tokens: the causal spans)
+        measures it exactly in one process and finds it freed before the peak under Ulysses. Nothing per layer:
+        the layers share the starts, and each chunk's block is dropped once attended."""
+        from titanctl.models.common.span_attention import SPAN_CHUNK_ROWS
+
+        held = self.with_cp if c.cp > 1 else self.without_cp
+        if not held or (c.cp > 1 and c.cp_method != "ulysses"):
             return 0.0
         seqs = c.pp_microbatch_size if c.pp > 1 else c.local_batch_size
-        copies = act * layers if self.kernel_copy else 0
-        return seqs * seq_len * seq_len * (count + copies)
+        return seqs * seq_len * (8 + min(SPAN_CHUNK_ROWS, seq_len) * max(act, 4))
 
 
 def masks_of(args, attn_mask_type: str, target: str) -> Masks:
-    """The dense masks of a model (its ModelArgs) under ``attn_mask_type`` on a ``target`` device (cuda/cpu), as
-    titanctl/train/attention_masks.py builds them: gpt-oss's masks by layer type under CP, one each of its full and
-    sliding layers' (dense on every device), its document mask without CP; a document mask on CPU (dense), none on
-    CUDA (a FlexAttention block mask, a few bytes a block)."""
+    """The masks of a model (its ModelArgs) under ``attn_mask_type`` on a ``target`` device (cuda/cpu), as
+    titanctl/train/attention_masks.py builds them: gpt-oss's masks by layer type under CP and its attention by
+    spans without (SpanMasks on every device, causal ones too); a document mask on CPU (a SpanMask), none counted
+    on CUDA (a FlexAttention block mask, a few bytes a block)."""
     layered = args.attention_sinks or "sliding_attention" in args.layer_types
-    documents = attn_mask_type != "causal"
     if layered:
-        types = len({t for t in args.layer_types if t in ("full_attention", "sliding_attention")}) or 1
-        return Masks(with_cp=types, without_cp=1 if documents else 0, kernel_copy=target == "cpu")
-    count = 1 if documents and target == "cpu" else 0
-    return Masks(with_cp=count, without_cp=count, kernel_copy=target == "cpu")
+        return Masks(with_cp=True, without_cp=True)
+    documents = attn_mask_type != "causal" and target == "cpu"
+    return Masks(with_cp=documents, without_cp=documents)
 
 
 def activation_bytes_per_token(block: Block, tp: int, cp: int, dim: int, act: int, ac: str,
@@ -388,7 +389,7 @@ def estimate(shape: ModelShape, ranks: Ranks, c: Candidate, *, seq_len: int, par
         elif c.fsdp:
             at_loss = pbytes * biggest  # the last block, prefetched for its backward
             at_block = 2 * pbytes * biggest + (pbytes + grad_extra) * trained_block
-        mask = masks.bytes(c, seq_len, sum(n for b, n in view.blocks if b.delta_rule is None), act)
+        mask = masks.bytes(c, seq_len, act)
         kept, recompute, one_block = 0.0, 0.0, 0.0
         scan = c.cp > 1 and c.cp_method != "ulysses"  # Gated DeltaNet's prefix scan over the ranks (or groups)
         for b, n in view.blocks:
