@@ -136,3 +136,26 @@ def test_a_compiled_block_runs_the_same_kernel_as_one_op():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     for g, w in zip(torch.autograd.grad(got, (q, k, v, sinks), grad), torch.autograd.grad(want, (q, k, v, sinks), grad)):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_whole_and_causal_blocks_run_the_fused_kernel_without_a_mask():
+    """A block every query sees whole goes without a mask, the exact causal triangle as causal (the upper half
+    skipped), any other block under its mask; each gives what the masked call gives, forward and backward."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    documents = dense_document_mask(torch.tensor([[0] * 3 + [1] * 5] * 2))
+    blocks = {"whole": torch.ones(2, 1, 8, 8, dtype=torch.bool), "causal": torch.ones(1, 1, 8, 8, dtype=torch.bool).tril(),
+              "documents": documents}
+    kinds = {name: softmax_blocks._fused_mask(block, q.dtype) for name, block in blocks.items()}
+    assert [(mask is None, causal) for mask, causal in kinds.values()] == [(True, False), (True, True), (False, False)]
+    for name, block in blocks.items():
+        additive = softmax_blocks._additive(block, q.dtype)
+        out, lse = softmax_blocks.block_forward(q, k, v, block)
+        want_out, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                                      attn_mask=additive)
+        torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-6, msg=name)
+        grad = torch.randn_like(out)
+        got = softmax_blocks.block_backward(grad, q, k, v, out, lse, block)
+        want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, want_out, want_lse, 0.0, False, attn_mask=additive, scale=None)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
