@@ -6,6 +6,9 @@
 2. Causal grouped-query flash attention, forward + backward, in fp32 and bf16, for head sizes 16 to
    128 at the same model width: below model.CPU_FP32_ATTENTION_BELOW_HEAD_DIM titanctl runs bf16
    attention in fp32 on CPU; and K/V repeated to every head (as titanctl did) vs SDPA's enable_gqa.
+3. One block of the masked ring and of span attention (``softmax_blocks``: the fused kernel with its
+   log-sum-exp), 2048 x 2048, 8 heads of 32, fp32: a causal triangle under an additive mask vs as causal,
+   and a block seen whole under an all-zero mask vs none, forward and backward.
 
 Each figure is the best of several repeats (the least disturbed by other processes).
 
@@ -74,6 +77,11 @@ def main() -> None:
     gqa = attention_ms(16, torch.float32)
     print(f"  head_dim 16, fp32: K/V repeated to every head first {repeated:.1f} ms, enable_gqa {gqa:.1f} ms")
 
+    print("\none block of the fused kernel with log-sum-exp, 2048 x 2048, 8 heads of 32, fp32: ms masked / "
+          "unmasked (causal: is_causal; whole: no mask)")
+    for name, (masked, plain) in block_ms().items():
+        print(f"  {name:16s} {masked:6.1f} / {plain:6.1f}   masked/unmasked time {masked / plain:.2f}")
+
 
 def linear_gflops(t: int, k: int, n: int) -> list[tuple[str, tuple[float, float]]]:
     """GFLOP/s of torch's matmul and of oneDNN for y = x W^T, dx = dy W and dW = dy^T x."""
@@ -112,6 +120,26 @@ def attention_ms(head_dim: int, dtype: torch.dtype, repeat_kv: bool = False) -> 
         out.backward(grad)
 
     return 1e3 * best_seconds(step, repeats=4, calls=2)
+
+
+def block_ms(size: int = 2048) -> dict[str, tuple[float, float]]:
+    """Milliseconds of one block (``softmax_blocks``' fused calls), under its additive mask and as
+    ``_fused_mask`` runs it: the causal triangle as causal, a block seen whole without a mask."""
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    q, k, v = (torch.randn(1, 8, size, 32) for _ in range(3))
+    grad = torch.randn_like(q)
+    triangle = torch.zeros(size, size).masked_fill(torch.ones(size, size, dtype=torch.bool).triu(1), float("-inf"))
+    out, lse = forward(q, k, v, 0.0, True)
+    times = {}
+    for name, mask, causal in (("causal", triangle, True), ("whole", torch.zeros(size, size), False)):
+        mask = mask[None, None]
+        times[f"{name} forward"] = (1e3 * best_seconds(lambda m=mask: forward(q, k, v, 0.0, False, attn_mask=m)),
+                                    1e3 * best_seconds(lambda c=causal: forward(q, k, v, 0.0, c)))
+        times[f"{name} backward"] = (
+            1e3 * best_seconds(lambda m=mask: backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=m, scale=None)),
+            1e3 * best_seconds(lambda c=causal: backward(grad, q, k, v, out, lse, 0.0, c, scale=None)))
+    return times
 
 
 if __name__ == "__main__":

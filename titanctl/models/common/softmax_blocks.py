@@ -27,7 +27,7 @@ def _additive(block: Tensor, dtype: torch.dtype) -> Tensor:
 def _fused_mask(block: Tensor, dtype: torch.dtype) -> tuple[Tensor | None, bool]:
     """The fused kernel's (attn_mask, is_causal) for ``block``: a block every query sees whole needs no mask, and
     one that is exactly the causal triangle (a rank's own shard, or a chunk's, under one document) runs causal,
-    which skips the upper half (1.6-1.9x faster forward and backward at 2048 x 2048; the same bits)."""
+    which skips the upper half (the same bits; the times: benchmarks/cpu_kernels.py)."""
     if isinstance(block, _torch_compat.FAKE_TENSOR.get()):  # estimate-memory: no values to read; the masked call
         return _additive(block, dtype), False
     if bool(block.all()):
