@@ -159,3 +159,28 @@ def test_whole_and_causal_blocks_run_the_fused_kernel_without_a_mask():
         want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, want_out, want_lse, 0.0, False, attn_mask=additive, scale=None)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu_kernel", "written_out"])
+def test_a_block_in_pieces_computes_only_the_columns_its_rows_see_and_equals_it_whole(fused, monkeypatch):
+    """The masked ring's blocks go in pieces of rows, each over the columns its rows see: equal to the block at
+    once, forward and backward, with rows and whole pieces that see no key (out 0, log-sum-exp -inf)."""
+    if not fused:
+        monkeypatch.setattr(softmax_blocks, "_fused", lambda q, v: False)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, SEQ, 6, dtype=torch.float64) for _ in range(3))
+    block = dense_document_mask(doc_ids())[:, :, :, 8:]  # keys 8..23: rows before 8 see none of them
+    k, v = k[:, :, 8:], v[:, :, 8:]
+    pieces = list(softmax_blocks._pieces(block, ROWS))
+    assert pieces[0][0] == 5 and all(c1 - c0 < block.shape[-1] for _, _, c0, c1 in pieces[:2])
+    out, lse = softmax_blocks.sparse_block_forward(q, k, v, block, rows=ROWS)
+    want_out, want_lse = softmax_blocks.block_forward(q, k, v, block)
+    torch.testing.assert_close((out, lse), (want_out, want_lse), rtol=0, atol=1e-12)
+    assert lse[:, :, :8].isinf().all()
+    # backward takes the row's merged statistics (the ring's other blocks, here a sink): finite in every row
+    merged = torch.logaddexp(lse, torch.zeros_like(lse))
+    out = out * torch.exp(lse - merged)[..., None]
+    grad = torch.randn_like(out)
+    got = softmax_blocks.sparse_block_backward(grad, q, k, v, out, merged, block, rows=ROWS)
+    want = softmax_blocks.block_backward(grad, q, k, v, out, merged, block)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-11)

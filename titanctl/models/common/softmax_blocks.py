@@ -102,3 +102,47 @@ def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tenso
     new = torch.logaddexp(lse, lse_b)
     safe = new.masked_fill(new.isinf(), 0.0)
     return out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None], new
+
+
+# Queries per piece of a block in ``sparse_block_forward``: a piece computes only the columns its rows see.
+PIECE_ROWS = 256
+
+
+def _pieces(block: Tensor, rows: int):
+    """(r0, r1, c0, c1) per piece of ``rows`` queries of ``block`` that sees any key: its rows r0 .. r1 - 1 see keys
+    within columns c0 .. c1 - 1 only (in every batch row). Exact for any mask; a document mask's pieces see a few
+    documents' keys each."""
+    if isinstance(block, _torch_compat.FAKE_TENSOR.get()):  # estimate-memory: no values, every column
+        yield from ((r0, min(r0 + rows, block.shape[-2]), 0, block.shape[-1]) for r0 in range(0, block.shape[-2], rows))
+        return
+    for r0 in range(0, block.shape[-2], rows):
+        r1 = min(r0 + rows, block.shape[-2])
+        seen = block[..., r0:r1, :].flatten(0, -2).any(dim=0).nonzero()
+        if seen.numel():
+            yield r0, r1, int(seen[0]), int(seen[-1]) + 1
+
+
+def sparse_block_forward(q: Tensor, k: Tensor, v: Tensor, block: Tensor, rows: int = PIECE_ROWS):
+    """``block_forward`` piece by piece, each piece of queries over only the columns its rows see: a large block of
+    the masked ring under documents computes about the mask's pairs, not all of them."""
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    for r0, r1, c0, c1 in _pieces(block, rows):
+        out[:, :, r0:r1], lse[:, :, r0:r1] = block_forward(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1],
+                                                           block[..., r0:r1, c0:c1])
+    return out, lse
+
+
+def sparse_block_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: Tensor,
+                          rows: int = PIECE_ROWS) -> tuple[Tensor, Tensor, Tensor]:
+    """``block_backward`` by ``sparse_block_forward``'s pieces."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r0, r1, c0, c1 in _pieces(block, rows):
+        dq_p, dk_p, dv_p = block_backward(
+            grad[:, :, r0:r1].contiguous(), q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1],
+            out[:, :, r0:r1].contiguous(), lse[:, :, r0:r1].contiguous(), block[..., r0:r1, c0:c1],
+        )
+        dq[:, :, r0:r1] = dq_p
+        dk[:, :, c0:c1] += dk_p
+        dv[:, :, c0:c1] += dv_p
+    return dq, dk, dv

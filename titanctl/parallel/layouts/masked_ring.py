@@ -41,7 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from titanctl import _torch_compat
 from titanctl.models.common.attention import AttentionKernel
-from titanctl.models.common.softmax_blocks import block_backward, block_forward, merge, work_dtype
+from titanctl.models.common.softmax_blocks import merge, sparse_block_backward, sparse_block_forward, work_dtype
 from titanctl.parallel.layouts.ring_mask import RingMask
 
 SEQ_DIM = 2  # of q, k, v inside the kernel: (B, H, T, d)
@@ -157,7 +157,7 @@ class MaskedRingAttention(torch.autograd.Function):
                 kv = peers.exchange(mine if table[dst][rank] else None, dst, mine if table[rank][src] else None, src)
             if table[rank][src]:
                 keys, values = kv[..., :dk].to(work), kv[..., dk:].to(work)
-                out_b, lse_b = block_forward(qw, keys, values, blocks.block(src).to(q.device))
+                out_b, lse_b = sparse_block_forward(qw, keys, values, blocks.block(src).to(q.device))
                 out, lse = merge(out, lse, out_b, lse_b)
             del kv
         if sinks is not None:  # the sink joins each head's denominator once
@@ -188,7 +188,7 @@ class MaskedRingAttention(torch.autograd.Function):
             if table[rank][src]:
                 block = blocks.block(src).to(qw.device)
                 keys, values = kv[..., :dk].to(qw.dtype), kv[..., dk:].to(qw.dtype)
-                dq_b, dk_b, dv_b = block_backward(grad, qw, keys, values, out, lse, block)
+                dq_b, dk_b, dv_b = sparse_block_backward(grad, qw, keys, values, out, lse, block)
                 dq += dq_b
                 partial = torch.cat([dk_b, dv_b], dim=-1)
             del kv
