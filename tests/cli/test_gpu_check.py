@@ -22,7 +22,9 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 def gpu_check(*args: str, titanctl: list[str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     extra = ["--titanctl", shlex.join(titanctl)] if titanctl else []
-    env = {**os.environ, **OFFLINE_ENV, "PYTHON": sys.executable}
+    # One thread a process, as tests/cli/test_profile.py runs: inductor's CPU kernels are specialized for the
+    # thread count, so slice_compile then reuses the kernels of that file's compiled run (or leaves its own).
+    env = {**os.environ, **OFFLINE_ENV, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     return subprocess.run(["bash", str(SCRIPT), *args, *extra], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -81,3 +83,17 @@ def test_a_step_past_its_budget_is_killed_and_failed_and_the_next_one_runs(tmp_p
     proc = gpu_check("--device", "cpu", "--out", str(tmp_path), "--only", "install", "--deadline", "5")
     step = json.loads((tmp_path / "gpu_check.json").read_text())["steps"][0]
     assert proc.returncode == 1 and step["status"] == "failed" and step["error"].startswith("not run: 5 s of the 5 s")
+
+
+def test_the_cpu_slice_has_the_shapes_of_the_suites_compiled_profile_run():
+    """slice_compile's CPU kernels are those of tests/cli/test_profile.py's compiled run (the suite's time:
+    a cold compile of its own took 43 of the CPU mode's 108 s): the two keep the same shapes."""
+    from gpu_check_steps import SLICE_MODEL, SLICE_MODEL_BY_DEVICE
+
+    from tests.cli.test_profile import TINY
+
+    def shapes(args: list[str]) -> dict[str, str]:
+        given = dict(zip(args[::2], args[1::2]))
+        return {key: given[key] for key in ("--model.n_layers", "--training.seq_len", "--training.local_batch_size")}
+
+    assert shapes([*SLICE_MODEL, *SLICE_MODEL_BY_DEVICE["cpu"]]) == shapes(TINY)
