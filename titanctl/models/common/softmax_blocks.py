@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from titanctl import _torch_compat
+from titanctl.models.common.span_mask import is_fake
 
 
 def work_dtype(t: Tensor) -> torch.dtype:
@@ -28,7 +29,7 @@ def _fused_mask(block: Tensor, dtype: torch.dtype) -> tuple[Tensor | None, bool]
     """The fused kernel's (attn_mask, is_causal) for ``block``: a block every query sees whole needs no mask, and
     one that is exactly the causal triangle (a rank's own shard, or a chunk's, under one document) runs causal,
     which skips the upper half (the same bits; the times: benchmarks/cpu_kernels.py)."""
-    if isinstance(block, _torch_compat.FAKE_TENSOR.get()):  # estimate-memory: no values to read; the masked call
+    if is_fake(block):  # estimate-memory: no values to read; the masked call
         return _additive(block, dtype), False
     if bool(block.all()):
         return None, False
@@ -112,7 +113,7 @@ def _pieces(block: Tensor, rows: int):
     """(r0, r1, c0, c1) per piece of ``rows`` queries of ``block`` that sees any key: its rows r0 .. r1 - 1 see keys
     within columns c0 .. c1 - 1 only (in every batch row). Exact for any mask; a document mask's pieces see a few
     documents' keys each."""
-    if isinstance(block, _torch_compat.FAKE_TENSOR.get()):  # estimate-memory: no values, every column
+    if is_fake(block):  # estimate-memory: no values, every column
         yield from ((r0, min(r0 + rows, block.shape[-2]), 0, block.shape[-1]) for r0 in range(0, block.shape[-2], rows))
         return
     for r0 in range(0, block.shape[-2], rows):
