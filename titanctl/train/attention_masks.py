@@ -68,10 +68,11 @@ class MicrobatchMasks:
     cp: int = 1  # the context parallel degree
     balancer: str = "head_tail"  # parallelism.context_parallel_load_balancer (Gated DeltaNet: head_tail)
     windows: tuple[int | None, ...] = (None,)  # per softmax-attention layer: its sliding window, None full
-    cp_ulysses: int = 1  # ulysses_ring: the Ulysses ranks of a ring group, which attend the group's queries
-    # ulysses_ring with Gated DeltaNet layers: head-tail over the ring groups, whose chunks i and 2r-1-i the scan
-    # (linear_attention_cp.py) passes its state between, not over the ranks
-    groups_head_tail: bool = False
+    # ulysses_ring: the Ulysses ranks of a ring group, which attend the group's queries head by head. Orders are
+    # chosen over the cp / u groups (their members' share of the work is the group's / u whatever positions each
+    # holds), so a group's positions are sorted: its masked-ring blocks stay narrow (for a causal mask, the own
+    # block is the causal triangle), and the Gated DeltaNet scan gets head-tail's chunks i and 2r-1-i a group.
+    cp_ulysses: int = 1
 
     @classmethod
     def build(
@@ -93,7 +94,6 @@ class MicrobatchMasks:
         # The Gated DeltaNet scan (linear_attention_cp.py) passes state between head-tail's two chunks a rank.
         scan = args is not None and "linear_attention" in args.layer_types
         balance["balancer"] = "head_tail" if scan else cfg.parallelism.context_parallel_load_balancer
-        balance["groups_head_tail"] = scan and hybrid
         if causal and window is None:
             return cls(bos_id=None, **balance)
         if not causal and bos_id is None and not by_positions:
@@ -120,10 +120,10 @@ class MicrobatchMasks:
         Ulysses, or causal attention, which torch's ring orders head-tail itself)."""
         if self.cp_mesh is None or (self.window is None and self.bos_id is None and not self.by_positions):
             return None
+        groups = self.cp // self.cp_ulysses
         if self.balancer == "head_tail" or shapes_only(inputs):
-            units = self.cp // self.cp_ulysses if self.groups_head_tail else self.cp
-            return load_balanced_order(inputs.shape[1], units)
-        return mask_aware_order(self.work(inputs, positions), self.cp)
+            return load_balanced_order(inputs.shape[1], groups)
+        return mask_aware_order(self.work(inputs, positions), groups)
 
     def work(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(T,) the keys each query position attends under the microbatch's masks, summed over its rows and
@@ -142,7 +142,7 @@ class MicrobatchMasks:
         if self.ulysses:
             return work.sum().expand(self.cp) / self.cp
         if self.cp_ulysses > 1:  # a ring group's work, shared by its Ulysses ranks head by head
-            order = load_balanced_order(inputs.shape[1], self.cp) if order is None else order
+            order = load_balanced_order(inputs.shape[1], self.cp // self.cp_ulysses) if order is None else order
             groups = rank_work(work, order, self.cp // self.cp_ulysses)
             return (groups / self.cp_ulysses).repeat_interleave(self.cp_ulysses)
         return rank_work(work, load_balanced_order(inputs.shape[1], self.cp) if order is None else order, self.cp)
