@@ -346,6 +346,9 @@ FLOAT8_WEIGHT_INNER = _private(
 )
 # The logger through which torch's pytree warns about torchao's enum at import (filtered out).
 PYTREE_LOGGER = _private("torch.utils._pytree", _F8)
+# A SpanMask (titanctl.models.common.span_mask) as a pytree node, so that the pipeline's microbatch split cuts
+# its document starts along the batch like the inputs (torch.utils._pytree has no public twin).
+REGISTER_PYTREE_NODE = _private("torch.utils._pytree.register_pytree_node", "block_causal under pipeline parallel")
 
 # --- pipeline parallel --------------------------------------------------------------------------
 _CSV = "parallelism.pipeline_parallel_schedule_csv"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree
 
 from titanctl import _torch_compat
 
@@ -111,7 +110,7 @@ class SpanMask:
         return self.starts == torch.arange(self.length, device=self.starts.device)
 
 
-_pytree.register_pytree_node(
+_torch_compat.REGISTER_PYTREE_NODE.get()(
     SpanMask,
     lambda mask: ([mask.starts], mask.window),
     lambda leaves, window: SpanMask(leaves[0], window),
