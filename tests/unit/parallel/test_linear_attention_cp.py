@@ -59,6 +59,21 @@ def sharded_run(gdn: GatedDeltaNet, x: torch.Tensor, doc_ids: torch.Tensor | Non
     return torch.cat(outs, dim=1)[:, torch.argsort(order)]  # (B, T, dim) in sequence order
 
 
+def assert_split_equals_whole(gdn: GatedDeltaNet, x, weights, whole_mask, split) -> torch.Tensor:
+    """``split`` (the layer run over thread ranks) equals the layer over the whole sequence under ``whole_mask``:
+    the output to 1e-12 and the gradients of x and every parameter to 1e-11, relative to each's largest. Returns
+    the whole sequence's output."""
+    whole = gdn(x, attn_mask=whole_mask)
+    grads = torch.autograd.grad((whole * weights).sum(), [x, *gdn.parameters()])
+    out = split()
+    split_grads = torch.autograd.grad((out * weights).sum(), [x, *gdn.parameters()])
+    assert (out - whole).abs().max() <= 1e-12 * whole.abs().max()
+    names = ["x", *(n for n, _ in gdn.named_parameters())]
+    for name, a, b in zip(names, grads, split_grads):
+        assert (a - b).abs().max() <= 1e-11 * a.abs().max(), name
+    return whole
+
+
 def _with_scan(gdn: GatedDeltaNet, scan: GatedDeltaNetScan) -> GatedDeltaNet:
     """A shallow copy of gdn (the same parameters) with this thread's scan: the threads share the module."""
     clone = object.__new__(GatedDeltaNet)
@@ -81,15 +96,8 @@ def test_sharded_layer_equals_the_whole_sequence(cp, documents):
         starts[1, [0, 9, 10, 24]] = 1
         doc_ids = starts.cumsum(1)
 
-    whole = gdn(x, attn_mask=None if doc_ids is None else dense_document_mask(doc_ids))
-    grads = torch.autograd.grad((whole * weights).sum(), [x, *gdn.parameters()])
-    sharded = sharded_run(gdn, x, doc_ids, cp)
-    sharded_grads = torch.autograd.grad((sharded * weights).sum(), [x, *gdn.parameters()])
-
-    assert (sharded - whole).abs().max() <= 1e-12 * whole.abs().max()
-    names = ["x", *(n for n, _ in gdn.named_parameters())]
-    for name, a, b in zip(names, grads, sharded_grads):
-        assert (a - b).abs().max() <= 1e-11 * a.abs().max(), name
+    whole = assert_split_equals_whole(gdn, x, weights, None if doc_ids is None else dense_document_mask(doc_ids),
+                                      lambda: sharded_run(gdn, x, doc_ids, cp))
     if not documents:  # the state and the halo matter: pieces run alone (no scan) give other outputs
         alone = torch.cat([gdn(x[:, i * SEQ // cp:(i + 1) * SEQ // cp]) for i in range(cp)], dim=1)
         assert (alone - whole).abs().max() > 1e-3 * whole.abs().max()

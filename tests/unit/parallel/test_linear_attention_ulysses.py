@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.parallel.test_linear_attention_cp import layer
+from tests.unit.parallel.test_linear_attention_cp import assert_split_equals_whole, layer
 from tests.unit.parallel.thread_ranks import ThreadAllToAll, run_ranks
 from titanctl.errors import ParallelError
 from titanctl.models.common.document_mask import dense_document_mask
@@ -58,15 +58,7 @@ def test_ulysses_layer_equals_the_whole_sequence(cp, key_heads, documents):
         starts[1, [0, 8, 9, 24]] = 1
         mask = dense_document_mask(starts.cumsum(1))
 
-    whole = gdn(x, attn_mask=mask)
-    grads = torch.autograd.grad((whole * weights).sum(), [x, *gdn.parameters()])
-    split = ulysses_run(gdn, x, mask, cp)
-    split_grads = torch.autograd.grad((split * weights).sum(), [x, *gdn.parameters()])
-
-    assert (split - whole).abs().max() <= 1e-12 * whole.abs().max()
-    names = ["x", *(n for n, _ in gdn.named_parameters())]
-    for name, a, b in zip(names, grads, split_grads):
-        assert (a - b).abs().max() <= 1e-11 * a.abs().max(), name
+    assert_split_equals_whole(gdn, x, weights, mask, lambda: ulysses_run(gdn, x, mask, cp))
 
 
 def test_key_heads_that_do_not_split_are_refused_before_training():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.parallel.test_linear_attention_cp import layer
+from tests.unit.parallel.test_linear_attention_cp import assert_split_equals_whole, layer
 from tests.unit.parallel.thread_ranks import FakeMesh, ThreadAllToAll, ThreadGather, run_ranks
 from titanctl.models.common.document_mask import dense_document_mask
 from titanctl.models.common.gated_deltanet import GatedDeltaNet
@@ -74,15 +74,8 @@ def test_hybrid_layer_equals_the_whole_sequence(documents):
         starts[1, [0, 8, 10, 25]] = 1
         doc_ids = starts.cumsum(1)
 
-    whole = gdn(x, attn_mask=None if doc_ids is None else dense_document_mask(doc_ids))
-    grads = torch.autograd.grad((whole * weights).sum(), [x, *gdn.parameters()])
-    split = hybrid_run(gdn, x, doc_ids, ring=2, ulysses=2)
-    split_grads = torch.autograd.grad((split * weights).sum(), [x, *gdn.parameters()])
-
-    assert (split - whole).abs().max() <= 1e-12 * whole.abs().max()
-    names = ["x", *(n for n, _ in gdn.named_parameters())]
-    for name, a, b in zip(names, grads, split_grads):
-        assert (a - b).abs().max() <= 1e-11 * a.abs().max(), name
+    assert_split_equals_whole(gdn, x, weights, None if doc_ids is None else dense_document_mask(doc_ids),
+                              lambda: hybrid_run(gdn, x, doc_ids, ring=2, ulysses=2))
 
 
 def test_the_step_orders_every_family_head_tail_over_the_ring_groups():
